@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Start (or reuse) a throw-away PostgreSQL server for the session-store tests.
+#
+#   scripts/start_postgres.sh          start if needed; the LAST line of stdout is the SQLAlchemy URL
+#   scripts/start_postgres.sh stop     stop the server this script started (data dir is kept)
+#
+# Idempotent: a server already answering on the port is reused. Installs Debian's `postgresql`
+# package when no server binary is present. Listens on 127.0.0.1 only; trust auth for the local
+# test user (the server holds nothing but test data and is unreachable from outside this machine).
+#
+# Knobs (environment): EXPLORER_PG_PORT (55432), EXPLORER_PG_DIR (/tmp/explorer-pg-$PORT),
+# EXPLORER_PG_USER (explorer), EXPLORER_PG_DB (explorer_test).
+set -euo pipefail
+
+PORT="${EXPLORER_PG_PORT:-55432}"
+PGDIR="${EXPLORER_PG_DIR:-/tmp/explorer-pg-$PORT}"
+DBUSER="${EXPLORER_PG_USER:-explorer}"
+DBNAME="${EXPLORER_PG_DB:-explorer_test}"
+DATA="$PGDIR/data"
+SOCK="$PGDIR/sock"
+LOG="$PGDIR/server.log"
+
+log() { echo "start_postgres: $*" >&2; }
+
+find_bindir() {
+    local candidate
+    # newest major version first
+    for candidate in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -t/ -k4 -V -r); do
+        if [[ -x "$candidate/postgres" && -x "$candidate/initdb" && -x "$candidate/pg_ctl" ]]; then
+            echo "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+BINDIR="$(find_bindir || true)"
+if [[ -z "$BINDIR" ]]; then
+    if [[ "$(id -u)" != 0 ]]; then
+        log "PostgreSQL is not installed and this user cannot apt-get install it (run as root, or: sudo apt-get install -y postgresql)"
+        exit 2
+    fi
+    log "installing Debian's postgresql package"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >&2
+    apt-get install -y -qq postgresql >&2
+    BINDIR="$(find_bindir || true)"
+    if [[ -z "$BINDIR" ]]; then
+        log "apt-get install postgresql finished but no /usr/lib/postgresql/*/bin/postgres was found"
+        exit 2
+    fi
+fi
+
+# postgres refuses to run as root: run the server as the `postgres` system user in that case
+# (the Debian package creates it).
+if [[ "$(id -u)" == 0 ]]; then
+    RUNAS=postgres
+    if ! id "$RUNAS" >/dev/null 2>&1; then
+        useradd --system --home-dir "$PGDIR" --shell /usr/sbin/nologin "$RUNAS"
+    fi
+    as_pg() { runuser -u "$RUNAS" -- "$@"; }
+else
+    RUNAS="$(id -un)"
+    as_pg() { "$@"; }
+fi
+
+if [[ "${1:-start}" == stop ]]; then
+    if [[ -f "$DATA/postmaster.pid" ]]; then
+        as_pg "$BINDIR/pg_ctl" -D "$DATA" -m fast -w stop >&2 || true
+    else
+        log "no server running from $DATA"
+    fi
+    exit 0
+fi
+
+URL="postgresql+psycopg://$DBUSER@127.0.0.1:$PORT/$DBNAME"
+
+ready() { "$BINDIR/pg_isready" -q -h 127.0.0.1 -p "$PORT" -t 1; }
+
+mkdir -p "$PGDIR"
+if [[ "$(id -u)" == 0 ]]; then
+    chown "$RUNAS" "$PGDIR"
+    chmod 700 "$PGDIR"
+fi
+
+if ready; then
+    log "a server already answers on 127.0.0.1:$PORT; reusing it"
+else
+    if [[ ! -f "$DATA/PG_VERSION" ]]; then
+        log "initdb into $DATA"
+        as_pg "$BINDIR/initdb" -D "$DATA" -U "$DBUSER" --auth=trust --encoding=UTF8 --locale=C.UTF-8 --no-sync >&2 \
+            || as_pg "$BINDIR/initdb" -D "$DATA" -U "$DBUSER" --auth=trust --encoding=UTF8 --locale=C --no-sync >&2
+    fi
+    as_pg mkdir -p "$SOCK"
+    # A stale pid file (server killed with the machine) would block the start.
+    if [[ -f "$DATA/postmaster.pid" ]] && ! as_pg "$BINDIR/pg_ctl" -D "$DATA" status >/dev/null 2>&1; then
+        rm -f "$DATA/postmaster.pid"
+    fi
+    log "starting PostgreSQL ($BINDIR) on 127.0.0.1:$PORT"
+    # fsync off: test data only, and it keeps the suite fast.
+    if ! as_pg "$BINDIR/pg_ctl" -D "$DATA" -l "$LOG" -w -t 60 \
+        -o "-c listen_addresses=127.0.0.1 -p $PORT -k $SOCK -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=100" \
+        start >&2; then
+        log "server failed to start; last lines of $LOG:"
+        tail -n 20 "$LOG" >&2 || true
+        exit 3
+    fi
+fi
+
+for _ in $(seq 1 50); do ready && break; sleep 0.2; done
+if ! ready; then
+    log "server on 127.0.0.1:$PORT does not answer"
+    exit 3
+fi
+
+PSQL=("$BINDIR/psql" -X -q -h 127.0.0.1 -p "$PORT" -U "$DBUSER" -d postgres -v ON_ERROR_STOP=1 -tA)
+if [[ "$("${PSQL[@]}" -c "SELECT 1 FROM pg_database WHERE datname = '$DBNAME'")" != 1 ]]; then
+    "${PSQL[@]}" -c "CREATE DATABASE \"$DBNAME\"" >&2
+fi
+
+echo "$URL"
