@@ -89,7 +89,7 @@ else
     if [[ ! -f "$DATA/PG_VERSION" ]]; then
         log "initdb into $DATA"
         as_pg "$BINDIR/initdb" -D "$DATA" -U "$DBUSER" --auth=trust --encoding=UTF8 --locale=C.UTF-8 --no-sync >&2 \
-            || as_pg "$BINDIR/initdb" -D "$DATA" -U "$DBUSER" --auth=trust --encoding=UTF8 --locale=C --no-sync >&2
+            || { rm -rf "$DATA"; as_pg "$BINDIR/initdb" -D "$DATA" -U "$DBUSER" --auth=trust --encoding=UTF8 --locale=C --no-sync >&2; }
     fi
     as_pg mkdir -p "$SOCK"
     # A stale pid file (server killed with the machine) would block the start.
