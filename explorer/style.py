@@ -1,0 +1,63 @@
+"""Shared look of every figure: a colour-blind-safe role palette (Okabe-Ito) and number formats."""
+
+from __future__ import annotations
+
+# Okabe-Ito, chosen so the five roles stay apart under the common colour-vision deficiencies.
+ROLE_COLOURS = {
+    "swa": "#A6A6A6",       # grey: window only
+    "full_m2": "#0072B2",   # blue: encoder KV source
+    "full_m1": "#D55E00",   # vermillion: decoder KV source
+    "reindex": "#E69F00",   # orange: own indexer queries
+    "reuse": "#56B4E9",     # sky blue: borrows everything
+}
+ENGRAM_COLOUR = "#009E73"   # bluish green
+DSPARK_COLOUR = "#CC79A7"   # reddish purple
+MHC_COLOUR = "#7F63B8"
+INK = "#1F2430"
+MUTED = "#6B7280"
+GRID = "#E5E7EB"
+PAPER = "rgba(0,0,0,0)"
+HIGHLIGHT = "#F0E442"       # Okabe-Ito yellow, for boxes picked in the tally
+FONT = dict(family="Inter, 'Source Sans Pro', 'Segoe UI', Helvetica, Arial, sans-serif", size=12, color=INK)
+
+
+def fmt_params(n: float) -> str:
+    """Parameter counts the way the diagram prints them: 5.41M, 543.6B, 5,120."""
+    n = float(n)
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.1f}{suffix}" if value >= 100 else f"{value:.2f}{suffix}".replace(".00", "")
+    return f"{int(n):,}"
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal byte sizes (890 B, 1.8 GB), matching how the tech report states the cache."""
+    n = float(n)
+    for scale, suffix in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return f"{int(round(n)):,} B"
+
+
+def fmt_tokens(n: int) -> str:
+    if n >= 1_000_000 and n % 1_000_000 == 0:
+        return f"{n // 1_000_000}M"
+    if n >= 1000 and n % 1000 == 0:
+        return f"{n // 1000}K"
+    return f"{n:,}"
+
+
+def base_layout(**overrides) -> dict:
+    """Layout keys every figure shares; callers override per figure."""
+    layout = dict(
+        font=FONT,
+        paper_bgcolor=PAPER,
+        plot_bgcolor=PAPER,
+        margin=dict(l=8, r=8, t=8, b=8),
+        showlegend=False,
+        hoverlabel=dict(bgcolor="white", bordercolor=GRID, font=dict(size=12, color=INK)),
+        dragmode=False,
+    )
+    layout.update(overrides)
+    return layout
