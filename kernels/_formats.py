@@ -1,0 +1,80 @@
+"""Triton device helpers for the release's number formats (bit-exact with engine/quant.py).
+
+All decoders work on raw bytes (uint8/int32 lanes) with integer arithmetic and bit casts, so the same
+code runs on the GPU and under TRITON_INTERPRET=1, and no rounding mode of a native cast is assumed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fp4_value(code):
+    """4-bit E2M1 codes (int32 lanes, bit 3 = sign) -> float32 values in {0, .5, ..., 6} with sign."""
+    mag = code & 7
+    # magnitude codes >= 2 are normal: 2^((m >> 1) - 1) * (1 + (m & 1) / 2)
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    val = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit
+def e8m0_value(byte):
+    """E8M0 bytes (int32 lanes) -> float32 2^(byte - 127); byte 0 is 2^-127 (a float32 subnormal)."""
+    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(byte):
+    """E4M3 (fn) bytes (int32 lanes) -> float32 values, exact."""
+    exp = (byte >> 3) & 15
+    man = byte & 7
+    normal = ((exp + 120) << 23) | (man << 20)
+    val = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    return tl.where((byte & 0x80) != 0, -val, val)
+
+
+@triton.jit
+def pow2_scale_up(amax, inv_max):
+    """2^ceil(log2(amax * inv_max)) from the float's exponent bits, as engine.quant.pow2_scale_up."""
+    x = amax * inv_max
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    ceil_log2 = exponent - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((ceil_log2 + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_code(v):
+    """float32 in [-448, 448] -> E4M3 byte (int32 lane), round to nearest even."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mant = bits & 0x7FFFFF
+    m3 = mant >> 20
+    rem = mant & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((m3 & 1) == 1))
+    normal_code = ((exponent + 7) << 3) + m3 + up.to(tl.int32)
+    # below 2^-6 the grid is uniform with step 2^-9; code 8 (= 2^-6) continues into the normals
+    s = a * 512.0
+    f = tl.floor(s)
+    r = s - f
+    fi = f.to(tl.int32)
+    sub_up = (r > 0.5) | ((r == 0.5) & ((fi & 1) == 1))
+    sub_code = fi + sub_up.to(tl.int32)
+    code = tl.where(a < 0.015625, sub_code, normal_code)
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign << 7)
+
+
+@triton.jit
+def e2m1_code(v):
+    """float32 in [-6, 6] -> 4-bit E2M1 code (int32 lane, bit 3 = sign), round to nearest even."""
+    a = tl.abs(v)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign << 3)

@@ -1,0 +1,102 @@
+"""Cache and activation quantizers (FP4 E2M1 with E8M0/E4M3 scales, FP8 E4M3 with E8M0 per 32).
+
+Bit-exact with engine/quant.py: `quantize_fp4_reference` / `quantize_fp8_reference` ARE the engine's
+functions; the Triton versions must produce identical bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine import quant as Q
+from kernels._formats import e2m1_code, e4m3_code, pow2_scale_up
+
+
+def quantize_fp4_reference(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
+    """[..., K] -> (int8 [..., K/2], scales [..., K/block] float8_e8m0fnu or float8_e4m3fn)."""
+    packed, scale = Q.quantize_fp4(x.cpu() if x.device.type != "cpu" else x, block, scale_kind)
+    return packed.to(x.device), scale.to(x.device)
+
+
+def quantize_fp8_reference(x: torch.Tensor, block: int = 32):
+    """[..., K] -> (float8_e4m3fn [..., K], float8_e8m0fnu [..., K/block])."""
+    q, s = Q.quantize_fp8(x.cpu() if x.device.type != "cpu" else x, block)
+    return q.to(x.device), s.to(x.device)
+
+
+@triton.jit
+def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr,
+                      E4M3_SCALE: tl.constexpr):
+    pid = tl.program_id(0)
+    g = pid * BG + tl.arange(0, BG)  # [BG] group ids
+    gmask = g < n_groups
+    j = tl.arange(0, BLOCK // 2)
+    offs = g[:, None] * BLOCK + 2 * j[None, :]
+    m2 = gmask[:, None]
+    x_even = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_ptr + offs + 1, mask=m2, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
+    if E4M3_SCALE:
+        s_code = e4m3_code(tl.maximum(amax, 6.0 * 0.001953125) / 6.0)
+        exp = (s_code >> 3) & 15
+        man = s_code & 7
+        s_norm = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        scale = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, s_norm)
+        s_byte = s_code
+    else:
+        scale = pow2_scale_up(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0)
+        s_byte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        s_byte = tl.where(s_byte == 0, 0, s_byte)
+    lo = e2m1_code(tl.minimum(tl.maximum(x_even / scale[:, None], -6.0), 6.0))
+    hi = e2m1_code(tl.minimum(tl.maximum(x_odd / scale[:, None], -6.0), 6.0))
+    tl.store(q_ptr + g[:, None] * (BLOCK // 2) + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m2)
+    tl.store(s_ptr + g, s_byte.to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
+    pid = tl.program_id(0)
+    g = pid * BG + tl.arange(0, BG)
+    gmask = g < n_groups
+    j = tl.arange(0, BLOCK)
+    offs = g[:, None] * BLOCK + j[None, :]
+    x = tl.load(x_ptr + offs, mask=gmask[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    scale = pow2_scale_up(amax, 1.0 / 448.0)
+    v = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    tl.store(q_ptr + offs, e4m3_code(v).to(tl.uint8), mask=gmask[:, None])
+    tl.store(s_ptr + g, ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8), mask=gmask)
+
+
+def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
+    """Triton twin of `quantize_fp4_reference` (same outputs, byte for byte)."""
+    if scale_kind not in ("e8m0", "e4m3"):
+        raise ValueError(f"unknown FP4 scale kind {scale_kind!r}")
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"last dimension {k} is not a multiple of the FP4 group {block}")
+    xc = x.contiguous()
+    n_groups = xc.numel() // block
+    q = torch.empty(*x.shape[:-1], k // 2, dtype=torch.uint8, device=x.device)
+    s = torch.empty(*x.shape[:-1], k // block, dtype=torch.uint8, device=x.device)
+    bg = 64
+    _fp4_quant_kernel[(triton.cdiv(n_groups, bg),)](xc, q, s, n_groups, BLOCK=block, BG=bg,
+                                                    E4M3_SCALE=scale_kind == "e4m3")
+    sdt = torch.float8_e4m3fn if scale_kind == "e4m3" else torch.float8_e8m0fnu
+    return q.view(torch.int8), s.view(sdt)
+
+
+def quantize_fp8_triton(x: torch.Tensor, block: int = 32):
+    """Triton twin of `quantize_fp8_reference` (same outputs, byte for byte)."""
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"last dimension {k} is not a multiple of the FP8 group {block}")
+    xc = x.contiguous()
+    n_groups = xc.numel() // block
+    q = torch.empty(*x.shape, dtype=torch.uint8, device=x.device)
+    s = torch.empty(*x.shape[:-1], k // block, dtype=torch.uint8, device=x.device)
+    bg = 64
+    _fp8_quant_kernel[(triton.cdiv(n_groups, bg),)](xc, q, s, n_groups, BLOCK=block, BG=bg)
+    return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
