@@ -18,7 +18,7 @@ Outputs:
 The split is by document: sha256(path) read as a big-endian integer, modulo 10000, below
 HELDOUT_PER_10000 means held out. It never depends on content, so edits to a file do not move it.
 
-Usage: python scripts/build_corpus.py [--deb FILE.deb] [--skip-tokenizer]
+Usage: python scripts/build_corpus.py [--deb FILE.deb] [--include-stdlib-tests] [--skip-tokenizer]
 Then (unless --skip-tokenizer) the BPE tokenizer is trained on train.txt (scripts/train_tokenizer.py).
 """
 
@@ -41,6 +41,7 @@ DOC_SOURCES = "usr/share/doc/python3.11/html/_sources"
 HELDOUT_PER_10000 = 200  # 2 %
 SAMPLE_BYTES = 200_000
 SEPARATOR = "\n\n"
+STDLIB_SKIP = ("site-packages", "test", "tests", "idle_test", "__pycache__")
 
 
 class CorpusError(RuntimeError):
@@ -96,15 +97,15 @@ def doc_documents(root: Path) -> dict[str, str]:
     return docs
 
 
-def stdlib_documents() -> tuple[dict[str, str], Path]:
-    """{'stdlib/<relative path>': text} for the interpreter's stdlib .py files, tests excluded."""
+def stdlib_documents(include_tests: bool = False) -> tuple[dict[str, str], Path]:
+    """{'stdlib/<relative path>': text} for the interpreter's stdlib .py files, tests excluded
+    unless include_tests (which adds about 19 MB)."""
     base = Path(sysconfig.get_paths()["stdlib"])
+    skipped = ("site-packages", "__pycache__") if include_tests else STDLIB_SKIP
     docs = {}
     for dirpath, dirnames, filenames in os.walk(base):
         rel_dir = Path(dirpath).relative_to(base)
-        skip_dir = lambda name: name in ("site-packages", "test", "tests", "idle_test", "__pycache__") or (
-            rel_dir == Path(".") and name.startswith("config-")
-        )
+        skip_dir = lambda name: name in skipped or (rel_dir == Path(".") and name.startswith("config-"))
         dirnames[:] = sorted(d for d in dirnames if not skip_dir(d))
         for name in sorted(filenames):
             if not name.endswith(".py"):
@@ -164,12 +165,12 @@ def heldout_sample(docs: dict[str, str], rows: list[dict], limit: int = SAMPLE_B
     return "".join(parts)
 
 
-def build(deb: Path | None, out_dir: Path, assets: Path) -> dict:
+def build(deb: Path | None, out_dir: Path, assets: Path, include_tests: bool = False) -> dict:
     """Collect both sources, write the splits, the sample and the manifest; return the manifest."""
     with tempfile.TemporaryDirectory(prefix="corpus_") as tmp:
         root, package, version = fetch_doc_package(Path(tmp), deb)
         docs = doc_documents(root)
-    stdlib, stdlib_root = stdlib_documents()
+    stdlib, _ = stdlib_documents(include_tests)
     docs.update(stdlib)
     rows = write_splits(docs, out_dir)
     totals = {s: sum(r["bytes"] + 1 for r in rows if r["split"] == s) for s in ("train", "heldout")}
@@ -180,7 +181,8 @@ def build(deb: Path | None, out_dir: Path, assets: Path) -> dict:
             "stdlib": {
                 "python_version": sys.version.split()[0],
                 "implementation": sys.implementation.name,
-                "root": "sysconfig stdlib path; *.py, without site-packages, test/, tests/, idle_test/",
+                "root": "sysconfig stdlib path; *.py, without site-packages"
+                + ("" if include_tests else ", test/, tests/, idle_test/"),
             },
         },
         "split_rule": f"int(sha256(path)) % 10000 < {HELDOUT_PER_10000} -> heldout",
@@ -207,10 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deb", type=Path, help=f"local {DOC_PACKAGE} .deb instead of apt-get download")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "corpus")
     parser.add_argument("--assets", type=Path, default=REPO / "assets" / "corpus")
+    parser.add_argument("--include-stdlib-tests", action="store_true",
+                        help="also take the stdlib's test packages (about 19 MB more; not the default)")
     parser.add_argument("--skip-tokenizer", action="store_true", help="do not train the tokenizer afterwards")
     args = parser.parse_args(argv)
     try:
-        manifest = build(args.deb, args.out, args.assets)
+        manifest = build(args.deb, args.out, args.assets, args.include_stdlib_tests)
     except CorpusError as err:
         print(f"build_corpus: {err}", file=sys.stderr)
         return 1
