@@ -1,0 +1,267 @@
+"""CSA2 attention for every role: sliding window + (for ratio > 0) selected entries of a global KV.
+
+One chunk of tokens at a time (a whole prompt, or one decode step): prefill and decode are the
+same code, so they agree by construction up to float summation order.
+
+Caches live in the release formats: the window in FP8 (E4M3, E8M0 per 32), the global KV in FP4
+(E2M1, E4M3 scale per 16), the index keys in FP4 (E8M0 per 32). A dequantized mirror of each is
+kept beside it for compute; `nbytes` counts only the stored formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import quant
+from .config import ModelConfig
+from .roles import FULL, REINDEX, LayerRole
+from .rope import layer_freqs, rotate
+
+NEG_INF = float("-inf")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x.float()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def ste(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """Forward the rounded value, backward the identity (straight-through), so training sees the
+    same quantization noise as inference."""
+    return x + (rounded - x).detach() if x.requires_grad else rounded
+
+
+@dataclass
+class WindowCache:
+    """The last `window_size` KV latents of one layer, FP8."""
+    q: torch.Tensor | None = None        # float8_e4m3fn [n, D]
+    scale: torch.Tensor | None = None    # float8_e8m0fnu [n, D/32]
+    values: torch.Tensor | None = None   # float32 mirror [n, D]
+    positions: torch.Tensor | None = None  # [n]
+
+    def nbytes(self) -> int:
+        if self.q is None:
+            return 0
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+@dataclass
+class SourceCache:
+    """What a Full layer publishes: compressed KV entries and index keys (FP4), plus the pending
+    tokens of an incomplete group (m > 1)."""
+    ratio: int
+    kv_packed: list = field(default_factory=list)   # int8 [n, D/2] chunks
+    kv_scale: list = field(default_factory=list)    # float8_e4m3fn [n, D/16]
+    ik_packed: list = field(default_factory=list)   # int8 [n, Di/2]
+    ik_scale: list = field(default_factory=list)    # float8_e8m0fnu [n, Di/32]
+    kv_values: torch.Tensor | None = None           # float32 mirror [N, D]
+    ik_values: torch.Tensor | None = None           # float32 mirror [N, Di]
+    pending_kv: torch.Tensor | None = None          # [r, D] fp32, r < ratio
+    pending_score: torch.Tensor | None = None
+
+    @property
+    def n_entries(self) -> int:
+        return 0 if self.kv_values is None else self.kv_values.shape[0]
+
+    def global_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_packed + self.kv_scale + self.ik_packed + self.ik_scale)
+
+    def pending_nbytes(self) -> int:
+        if self.pending_kv is None:
+            return 0
+        return 2 * self.pending_kv.numel() * 4
+
+    def append(self, kv: torch.Tensor, ik: torch.Tensor) -> None:
+        """Store new entries: kv [n, D] (rotated), ik [n, Di] (rotated index keys)."""
+        kv_p, kv_s = quant.quantize_fp4(kv, 16, "e4m3")
+        ik_p, ik_s = quant.quantize_fp4(ik, 32, "e8m0")
+        self.kv_packed.append(kv_p); self.kv_scale.append(kv_s)
+        self.ik_packed.append(ik_p); self.ik_scale.append(ik_s)
+        kv_f = ste(kv, quant.dequantize_fp4(kv_p, kv_s, 16))
+        ik_f = ste(ik, quant.dequantize_fp4(ik_p, ik_s, 32))
+        self.kv_values = kv_f if self.kv_values is None else torch.cat([self.kv_values, kv_f])
+        self.ik_values = ik_f if self.ik_values is None else torch.cat([self.ik_values, ik_f])
+
+
+@dataclass
+class Shared:
+    """What layers hand up the stack within one forward: the latest sources' caches, the latest
+    top-k (and its scores), and the candidate pool."""
+    source: SourceCache | None = None
+    topk: torch.Tensor | None = None         # [T, k] entry indices, -1 padded
+    topk_scores: torch.Tensor | None = None  # [T, k]
+    candidates: torch.Tensor | None = None   # [T, N] bool
+
+
+class LayerWeights:
+    """Float weights of one layer's attention, fetched by name from a weight source."""
+
+    def __init__(self, get, prefix: str):
+        self.get, self.prefix = get, prefix
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.get(f"{self.prefix}{name}")
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last axis with ties going to the lower index, so a prompt run whole and the
+    same prompt run token by token pick the same entries."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+    """Level one of the two-level top-k: per query keep the `n_blocks` blocks (of `block` entries)
+    with the best max score, always keeping the block of its newest visible entry.
+    scores: [T, N] with invisible entries at -inf; visible: [T] entry counts. Returns bool [T, N]."""
+    n = scores.shape[-1]
+    padded = F.pad(scores, (0, -n % block), value=NEG_INF)
+    block_scores = padded.unflatten(-1, (-1, block)).amax(-1)  # [T, nb]
+    nb = block_scores.shape[-1]
+    newest = (visible - 1).div(block, rounding_mode="floor")
+    block_scores = block_scores.masked_fill(torch.arange(nb)[None, :] == newest[:, None], float("inf"))
+    top_values, top_indices = stable_topk(block_scores, min(n_blocks, nb))
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top_indices, top_values > NEG_INF)
+    return keep.repeat_interleave(block, dim=-1)[:, :n]
+
+
+class Attention:
+    """One layer's attention. `forward` takes the normalized input x [T, dim] at `positions` and
+    returns [T, dim]; it reads and updates the layer's caches and the shared hand-down state."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear):
+        self.cfg, self.role, self.w, self.linear = cfg, role, weights, linear
+        self.ratio = role.compress_ratio
+        self.freqs = layer_freqs(cfg, self.ratio)
+        self.window = WindowCache()
+        self.source = SourceCache(self.ratio) if role.role == FULL else None
+
+    # -- the pieces -------------------------------------------------------------------------
+    def _window_kv(self, x: torch.Tensor, positions: torch.Tensor):
+        cfg = self.cfg
+        kv = rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
+        kv = rotate(kv, positions, self.freqs)
+        q8, s8 = quant.quantize_fp8(kv, 32)
+        kv = ste(kv, quant.dequantize_fp8(q8, s8, 32))
+        win = self.window
+        keys = kv if win.values is None else torch.cat([win.values, kv])
+        key_pos = positions if win.positions is None else torch.cat([win.positions, positions])
+        # keep only what a later query can still see
+        keep = slice(-cfg.window_size, None)
+        win.q = (q8 if win.q is None else torch.cat([win.q, q8]))[keep]
+        win.scale = (s8 if win.scale is None else torch.cat([win.scale, s8]))[keep]
+        win.values, win.positions = keys[keep].detach(), key_pos[keep]
+        return keys, key_pos
+
+    def _compress(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Pool new complete groups of `ratio` tokens into entries and publish them."""
+        cfg, src, m = self.cfg, self.source, self.ratio
+        kv = x.float() @ self.w("attn.compressor.wkv.weight").t()
+        if m > 1:
+            score = x.float() @ self.w("attn.compressor.wgate.weight").t()
+            if src.pending_kv is not None:
+                kv, score = torch.cat([src.pending_kv, kv]), torch.cat([src.pending_score, score])
+            n_groups = kv.shape[0] // m
+            cut = n_groups * m
+            src.pending_kv = kv[cut:].detach() if cut < kv.shape[0] else None
+            src.pending_score = score[cut:].detach() if cut < kv.shape[0] else None
+            if n_groups == 0:
+                return
+            kv = kv[:cut].unflatten(0, (n_groups, m))
+            weights = torch.softmax(score[:cut].unflatten(0, (n_groups, m)), dim=1)  # per channel over the group
+            kv = (kv * weights).sum(dim=1)
+        latent = rms_norm(kv, self.w("attn.compressor.norm.weight"), cfg.norm_eps)  # [n, D], pre-RoPE
+        first = torch.arange(src.n_entries, src.n_entries + latent.shape[0]) * m  # group's first position
+        ik = rms_norm(latent @ self.w("attn.indexer.wk.weight").t(), self.w("attn.indexer.k_norm.weight"), cfg.norm_eps)
+        src.append(rotate(latent, first, self.freqs), rotate(ik, first, self.freqs))
+
+    def _index(self, x, qr, positions, src: SourceCache, shared: Shared):
+        """Indexer scores over the source's entries and the top-k per query (position order)."""
+        cfg, m = self.cfg, self.ratio
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        q = self.linear(qr, "attn.indexer.wq_b").view(-1, hi, di)
+        q = rotate(q, positions, self.freqs)
+        q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
+        head_w = (x.float() @ self.w("attn.indexer.weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5)
+        keys = src.ik_values  # [N, Di]
+        scores = torch.einsum("thd,nd->thn", q, keys).relu()
+        scores = (scores * head_w.unsqueeze(-1)).sum(dim=1)  # [T, N]
+        visible = (positions + 1).div(m, rounding_mode="floor")  # entries each query may see
+        n = keys.shape[0]
+        scores = scores.masked_fill(torch.arange(n)[None, :] >= visible[:, None], NEG_INF)
+        if self.role.candidate_source:
+            shared.candidates = select_candidate_blocks(scores.detach(), visible, cfg.candidate_topk_blocks,
+                                                        cfg.candidate_block_size)
+        elif self.role.in_candidate_pool:
+            scores = scores.masked_fill(~shared.candidates, NEG_INF)
+        k = min(cfg.index_topk, n)
+        top_values, top_indices = stable_topk(scores.detach(), k)
+        idx = torch.where(top_values > NEG_INF, top_indices, torch.full_like(top_indices, n))
+        idx, order = idx.sort(dim=-1)
+        picked = top_values.gather(-1, order)
+        idx = torch.where(idx < n, idx, -1)
+        self.index_scores = scores  # kept for the training loss and probes
+        return idx, picked
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None):
+        cfg = self.cfg
+        n_heads, head_dim, rd = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        qr = rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
+        q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
+        q = rotate(q, positions, self.freqs)
+
+        keys, key_pos = self._window_kv(x, positions)
+        # window: entries at positions (p - W, p]
+        win_ok = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - cfg.window_size)
+        scale = head_dim ** -0.5
+        s_win = torch.einsum("thd,nd->thn", q, keys) * scale
+        s_win = s_win.masked_fill(~win_ok[:, None, :], NEG_INF)
+
+        idx = None
+        if self.ratio > 0:
+            if self.role.role == FULL:
+                self._compress(x, positions)
+                shared.source = self.source
+            src = shared.source
+            if self.role.role in (FULL, REINDEX):
+                if src.n_entries == 0:
+                    idx = torch.full((x.shape[0], 0), -1, dtype=torch.long)
+                    picked = torch.zeros(x.shape[0], 0)
+                else:
+                    idx, picked = self._index(x, qr, positions, src, shared)
+                shared.topk, shared.topk_scores = idx, picked
+            idx = shared.topk
+        if idx is not None and idx.shape[1] > 0:
+            valid = idx >= 0
+            gathered = shared.source.kv_values[idx.clamp_min(0)]  # [T, k, D]
+            s_glob = torch.einsum("thd,tkd->thk", q, gathered) * scale
+            s_glob = s_glob.masked_fill(~valid[:, None, :], NEG_INF)
+            logits = torch.cat([s_win, s_glob], dim=-1)
+        else:
+            gathered, logits = None, s_win
+        sink = self.w("attn.attn_sink").float().view(1, n_heads, 1).expand(x.shape[0], n_heads, 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]  # sink only in the denominator
+        n_win = keys.shape[0]
+        o = torch.einsum("thn,nd->thd", probs[..., :n_win], keys)
+        if gathered is not None:
+            o = o + torch.einsum("thk,tkd->thd", probs[..., n_win:], gathered)
+        o = rotate(o, positions, self.freqs, inverse=True)
+        self.global_probs = probs[..., n_win:] if gathered is not None else None
+
+        groups = cfg.o_groups
+        wo_a = self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", o.reshape(-1, groups, n_heads // groups * head_dim), wo_a)
+        out = self.linear(o.flatten(1), "attn.wo_b")
+
+        if probe is not None and self.ratio > 0 and idx is not None:
+            probe["topk"] = idx
+            probe["topk_scores"] = shared.topk_scores
+            if self.role.candidate_source or self.role.in_candidate_pool:
+                probe["candidate_pool"] = shared.candidates
+            probe["n_entries"] = shared.source.n_entries
+        return out

@@ -1,0 +1,44 @@
+"""Single-pass mHC: the residual stream is `hc_mult` copies, mixed around every sub-layer.
+
+Each sub-layer computes (pre, post, comb) from the stream entering it. `post` and `comb` write its
+output back; `pre` is NOT used to collapse its own input but the NEXT sub-layer's (one-step lag),
+so one fused kernel can do the update, the mix and the next coefficients in a single read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., n, n] logits -> a (nearly) doubly-stochastic mix: row softmax (+eps), then columns,
+    then `iters - 1` more rounds of rows-then-columns. The last step is on columns, so columns sum
+    to 1 and rows only approximately."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+             hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """x: [T, hc, dim]; fn: [(2+hc)*hc, hc*dim]; scale: [3]; base: [(2+hc)*hc].
+    Returns pre [T, hc], post [T, hc], comb [T, hc, hc] (comb[i, j]: from copy i into copy j)."""
+    flat = x.flatten(1).float()  # normalized over the whole flattened stream, one statistic per token
+    m = (flat @ fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    return pre, post, sinkhorn(comb, iters, hc_eps)
+
+
+def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, hc, dim] x [T, hc] -> [T, dim]."""
+    return (pre.unsqueeze(-1) * x).sum(dim=1)
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New stream X'[j] = post[j] * y + sum_i comb[i, j] * X[i]. y: [T, dim]; residual: [T, hc, dim]."""
+    return post.unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tij,tid->tjd", comb, residual)

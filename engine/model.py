@@ -1,0 +1,159 @@
+"""The V4.1-Flash forward: embed -> 4 residual copies -> 40 blocks (Engram, mHC, attention, MoE)
+-> collapse -> norm -> head. Weights come from a `WeightSource` (engine/weights.py); probes are a
+thin dict per layer, filled only for the layers and kinds asked for.
+
+The DSpark draft stages and the vision tower are counted by the tally but not run here; image
+positions can be marked (they route with `bias_vl` and take no part in Engram n-grams).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import mhc, quant
+from .attention import Attention, LayerWeights, Shared, rms_norm
+from .config import ModelConfig
+from .moe import moe_forward
+from .roles import role_plan
+
+PROBE_KINDS = ("topk", "mhc", "routing", "norms", "timing")
+
+
+@dataclass
+class ProbeRequest:
+    layers: set[int] | None = None      # None: every layer
+    kinds: set[str] = field(default_factory=lambda: set(PROBE_KINDS))
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+
+class Model:
+    """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
+
+    def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True):
+        self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.act_quant = act_quant
+        self.plan = role_plan(cfg)[: cfg.n_layers]
+        self.engram_layout = None
+        self.compressed_vocab = None
+        if cfg.engram_layer_ids:
+            from . import engram
+            self.engram_layout = engram.EngramLayout.from_config(cfg)
+        self.reset()
+
+    # -- weights --------------------------------------------------------------------------------
+    def get(self, name: str) -> torch.Tensor:
+        return self.weights.get(name)
+
+    def linear(self, x: torch.Tensor, base: str) -> torch.Tensor:
+        """y = x W^T for the weight `base.weight`; activations entering an FP8/FP4 GEMM are
+        quantized to E4M3 with an E8M0 scale per 32, as the release's kernels do."""
+        name = base + ".weight"
+        w = self.weights.get(name)
+        if self.act_quant and self.weights.stored_dtype(name) in ("F8_E4M3", "I8"):
+            x = quant.fp8_roundtrip(x, 32)
+        return x.float() @ w.t()
+
+    # -- state ----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every cache: the next forward starts at position 0."""
+        self.pos = 0
+        self.attn = [Attention(self.cfg, role, LayerWeights(self.get, f"layers.{role.layer}."),
+                               lambda x, n, L=role.layer: self.linear(x, f"layers.{L}.{n}"))
+                     for role in self.plan]
+        self.compressed_history = torch.zeros(0, dtype=torch.long)
+        self.dead_history = torch.zeros(0, dtype=torch.bool)
+
+    def cache_bytes(self) -> dict:
+        """Bytes held by the caches, measured from the cache tensors: global KV + index keys (FP4),
+        sliding windows (FP8), and the compressors' pending half-groups (fp32)."""
+        glob = sum(a.source.global_nbytes() for a in self.attn if a.source is not None)
+        window = sum(a.window.nbytes() for a in self.attn)
+        pending = sum(a.source.pending_nbytes() for a in self.attn if a.source is not None)
+        return {"global": glob, "window": window, "pending": pending, "total": glob + window + pending}
+
+    # -- forward --------------------------------------------------------------------------------
+    def _engram(self, layer: int, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+        from . import engram
+        cfg = self.cfg
+        index = cfg.engram_layer_ids.index(layer)
+        history = engram.mark_dead(self.compressed_history, self.dead_history)
+        rows = engram.ngram_rows(self.engram_layout, index, self._compressed(ids), dead, history)
+        p = f"layers.{layer}.engram."
+        table = self.weights.rows(p + "embed.weight", rows)  # [T, n_rows, head_dim]
+        wkv = self.get(p + "wkv.weight")
+        if self.act_quant:
+            table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
+        return engram.engram_forward(x, table, wkv, self.get(p + "q_weight"), self.get(p + "k_weight"),
+                                     cfg.norm_eps, token_mask=~dead)
+
+    def _compressed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.compressed_vocab is None:
+            if self.tokenizer is None:
+                raise RuntimeError("Engram needs the tokenizer's compressed vocabulary; no tokenizer is loaded")
+            lookup, size = self.tokenizer.compressed_vocab()
+            if size != self.cfg.engram_compressed_vocab_size:
+                raise RuntimeError(f"tokenizer's compressed vocab has {size} ids, config says "
+                                   f"engram_compressed_vocab_size={self.cfg.engram_compressed_vocab_size}")
+            self.compressed_vocab = torch.tensor(lookup, dtype=torch.long)
+        return self.compressed_vocab[ids]
+
+    def forward(self, ids: torch.Tensor, image_mask: torch.Tensor | None = None,
+                probes: ProbeRequest | None = None, collect: dict | None = None) -> torch.Tensor:
+        """Run a chunk of token ids [T] at the next positions; returns logits [T, vocab] (fp32).
+        `collect` receives per-layer probe dicts for the layers and kinds in `probes`."""
+        cfg = self.cfg
+        T = ids.shape[0]
+        positions = torch.arange(self.pos, self.pos + T)
+        image_mask = image_mask if image_mask is not None and bool(image_mask.any()) else None
+        dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool)
+        h = self.get("embed.weight")[ids].float()
+        x = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
+        pre = torch.zeros(T, cfg.hc_mult)
+        pre[:, 0] = 1.0  # the first collapse reads copy 0
+        shared = Shared()
+        for role in self.plan:
+            L = role.layer
+            want = probes is not None and probes.wants(L)
+            started = time.perf_counter()
+            if role.engram:
+                x = self._engram(L, x, ids, dead)
+            probe: dict | None = {} if want else None
+            x, pre = self._block(L, x, pre, positions, shared, image_mask, probe)
+            if want:
+                probe["time_s"] = time.perf_counter() - started
+                probe["residual_norms"] = x.detach().norm(dim=-1)
+                collect[L] = probe
+        if self.engram_layout is not None and self.tokenizer is not None:
+            self.compressed_history = torch.cat([self.compressed_history, self._compressed(ids)])
+            self.dead_history = torch.cat([self.dead_history, dead])
+        self.pos += T
+        y = rms_norm(mhc.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
+        return y @ self.get("head.weight").float().t()
+
+    def _block(self, L, x, pre, positions, shared, image_mask, probe):
+        cfg = self.cfg
+        p = f"layers.{L}."
+        hc_args = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        a_pre, a_post, a_comb = mhc.hc_mixes(x, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
+                                             self.get(p + "hc_attn_base"), *hc_args)
+        attn_probe = {} if probe is not None else None
+        y = self.attn[L].forward(rms_norm(mhc.collapse(x, pre), self.get(p + "attn_norm.weight"), cfg.norm_eps),
+                                 positions, shared, attn_probe)
+        x1 = mhc.expand(y, x, a_post, a_comb)
+        f_pre, f_post, f_comb = mhc.hc_mixes(x1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+                                             self.get(p + "hc_ffn_base"), *hc_args)
+        route_probe = {} if probe is not None else None
+        y = moe_forward(cfg, L, rms_norm(mhc.collapse(x1, a_pre), self.get(p + "ffn_norm.weight"), cfg.norm_eps),
+                        self.get, self.linear, image_mask, route_probe)
+        x2 = mhc.expand(y, x1, f_post, f_comb)
+        if probe is not None:
+            probe.update(attn_probe)
+            probe["routing"] = route_probe
+            probe["mhc"] = {"attn": {"pre": a_pre, "post": a_post, "comb": a_comb},
+                            "ffn": {"pre": f_pre, "post": f_post, "comb": f_comb}}
+        return x2, f_pre

@@ -1,0 +1,61 @@
+"""DeepSeekMoE with sqrt-softplus scores and two correction biases (text / image tokens).
+
+The bias only picks the experts; the weights come from the unbiased scores, normalized over the
+chosen experts and scaled by `route_scale`. Routed experts are fetched only when a token picks them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor | None,
+          image_mask: torch.Tensor | None, topk: int, route_scale: float, score_func: str = "sqrtsoftplus"):
+    """x: [T, dim] -> (scores [T, E], experts [T, k], weights [T, k])."""
+    logits = x.float() @ gate_w.float().t()
+    if score_func == "softmax":
+        scores = logits.softmax(-1)
+    elif score_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = F.softplus(logits).sqrt()
+    b = bias.float().expand_as(scores)
+    if image_mask is not None and bias_vl is not None:
+        b = torch.where(image_mask[:, None], bias_vl.float()[None, :], b)
+    experts = (scores + b).topk(topk, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if topk > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return scores, experts, weights * route_scale
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The clamps come from training: the gate branch only from above, the up branch both sides."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None):
+    """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM."""
+    n_routed, n_active = cfg.experts_of(layer)
+    prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
+    bias_vl = get(prefix + "gate.bias_vl") if cfg.vision_enabled else None
+    scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
+                                     image_mask, n_active, cfg.route_scale, cfg.score_func)
+    y = torch.zeros(x.shape[0], cfg.dim)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == e)
+        xe = x[rows]
+        base = f"{prefix}experts.{e}."
+        h = swiglu(linear(xe, base + "w1"), linear(xe, base + "w3"), cfg.swiglu_limit)
+        y = y.index_add(0, rows, linear(h * weights[rows, slot, None], base + "w2"))
+    base = prefix + "shared_experts."
+    y = y + linear(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit), base + "w2")
+    if probe is not None:
+        probe["experts"], probe["weights"], probe["scores"] = experts, weights, scores
+    return y

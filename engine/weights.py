@@ -1,0 +1,103 @@
+"""Where the model's weights come from: one `get(name)` that returns float32, whatever the storage.
+
+`TensorWeights` holds float tensors in memory (tests, training). `CheckpointWeights` reads a
+release-layout checkpoint lazily: a tensor is read and dequantized when first asked for, kept in a
+byte-bounded LRU cache, and table rows (Engram) are read by offset, never the table.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Protocol
+
+import torch
+
+from . import quant
+
+
+class WeightSource(Protocol):
+    def get(self, name: str) -> torch.Tensor: ...
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor: ...
+    def has(self, name: str) -> bool: ...
+    def stored_dtype(self, name: str) -> str: ...
+
+
+class TensorWeights:
+    """Float tensors by full checkpoint name (`layers.0.attn.wq_a.weight`, ...); no scales."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtypes: dict[str, str] | None = None):
+        self.tensors = tensors
+        self.dtypes = dtypes or {}
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"weight '{name}' is missing") from None
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        return self.get(name)[index]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def stored_dtype(self, name: str) -> str:
+        return self.dtypes.get(name, "F32")
+
+
+class CheckpointWeights:
+    """Lazy, dequantizing view of a release-layout checkpoint (see engine/checkpoint.py)."""
+
+    def __init__(self, reader, cache_bytes: int = 2 << 30):
+        self.reader = reader
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self.loads = 0  # tensors read from disk, for tests of laziness
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(name)
+
+    def stored_dtype(self, name: str) -> str:
+        return self.reader.dtype(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        with self._lock:
+            hit = self._cache.get(name)
+            if hit is not None:
+                self._cache.move_to_end(name)
+                return hit
+        value = self._load(name)
+        with self._lock:
+            self._cache[name] = value
+            self._held += value.numel() * value.element_size()
+            while self._held > self.cache_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._held -= old.numel() * old.element_size()
+        return value
+
+    def _load(self, name: str) -> torch.Tensor:
+        self.loads += 1
+        raw = self.reader.tensor(name)
+        dtype = self.reader.dtype(name)
+        scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+        if dtype == "F8_E4M3" and scale_name and self.reader.has(scale_name):
+            return quant.dequantize_fp8_weight(raw, self.reader.tensor(scale_name))
+        if dtype == "I8" and scale_name and self.reader.has(scale_name):
+            return quant.dequantize_fp4(raw, self.reader.tensor(scale_name), 32)
+        return raw.float()
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Float rows of a 2-D table; FP8 tables (Engram) use per-row E8M0 scales per 32."""
+        flat = index.reshape(-1)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        values = self.reader.read_rows(name, unique)
+        if self.reader.dtype(name) == "F8_E4M3":
+            scale_name = name[: -len(".weight")] + ".scale"
+            scales = self.reader.read_rows(scale_name, unique)
+            values = quant.dequantize_fp8(values, scales, 32)
+        else:
+            values = values.float()
+        return values[inverse].reshape(*index.shape, -1)
