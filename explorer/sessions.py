@@ -72,6 +72,7 @@ MAX_NOTES = 50_000
 MAX_PROMPT_CHARS = 200_000
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
+_LAYER_WORD_RE = re.compile(r"^layer[:=](\d{1,5})$", re.IGNORECASE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -676,13 +677,18 @@ class SessionStore:
         offset: int = 0,
     ) -> list[SessionSummary]:
         """Sessions, newest change first. ``query``: every whitespace-separated word must appear
-        (case-insensitive) in the name, author, prompt text or notes. ``author``/``layer``: exact."""
+        (case-insensitive) in the name, author, prompt text or notes; a word ``layer:N`` filters by
+        layer instead (so one search box covers all). ``author``/``layer``: exact filters."""
         t = sessions_table
         stmt = sa.select(
             t.c.id, t.c.name, t.c.author, t.c.layer, t.c.state_json, t.c.model_source, t.c.notes,
             t.c.created_at, t.c.updated_at, t.c.revision,
         ).where(t.c.deleted_at.is_(None))
         for word in (query or "").split():
+            layer_word = _LAYER_WORD_RE.match(word)
+            if layer_word:
+                stmt = stmt.where(t.c.layer == int(layer_word.group(1)))
+                continue
             stmt = stmt.where(
                 sa.or_(
                     t.c.name.icontains(word, autoescape=True),

@@ -135,6 +135,9 @@ def test_list_and_search(store):
     assert ids("1_0") == set()                        # _ is literal too
     assert ids(layer=24) == {a.id, c.id}
     assert ids("sparse", layer=24) == {c.id}
+    assert ids("layer:24") == {a.id, c.id}           # one search box: layer:N filters by layer
+    assert ids("Layer=24 cat") == {a.id, c.id}
+    assert ids("layer:3 sparse") == {d.id}
     assert ids(author="cy") == {c.id, d.id}
     assert ids(author="CY") == set()                  # author filter is exact
     assert [s.id for s in store.list_sessions(limit=2)] == [d.id, c.id]
