@@ -123,7 +123,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_block
     block_scores = padded.unflatten(-1, (-1, block)).amax(-1)  # [T, nb]
     nb = block_scores.shape[-1]
     newest = (visible - 1).div(block, rounding_mode="floor")
-    block_scores = block_scores.masked_fill(torch.arange(nb)[None, :] == newest[:, None], float("inf"))
+    block_scores = block_scores.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None], float("inf"))
     top_values, top_indices = stable_topk(block_scores, min(n_blocks, nb))
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top_indices, top_values > NEG_INF)
     return keep.repeat_interleave(block, dim=-1)[:, :n]
@@ -175,7 +175,7 @@ class Attention:
             weights = torch.softmax(score[:cut].unflatten(0, (n_groups, m)), dim=1)  # per channel over the group
             kv = (kv * weights).sum(dim=1)
         latent = rms_norm(kv, self.w("attn.compressor.norm.weight"), cfg.norm_eps)  # [n, D], pre-RoPE
-        first = torch.arange(src.n_entries, src.n_entries + latent.shape[0]) * m  # group's first position
+        first = torch.arange(src.n_entries, src.n_entries + latent.shape[0], device=x.device) * m  # group's first position
         ik = rms_norm(latent @ self.w("attn.indexer.wk.weight").t(), self.w("attn.indexer.k_norm.weight"), cfg.norm_eps)
         src.append(rotate(latent, first, self.freqs), rotate(ik, first, self.freqs))
 
@@ -192,7 +192,7 @@ class Attention:
         scores = (scores * head_w.unsqueeze(-1)).sum(dim=1)  # [T, N]
         visible = (positions + 1).div(m, rounding_mode="floor")  # entries each query may see
         n = keys.shape[0]
-        scores = scores.masked_fill(torch.arange(n)[None, :] >= visible[:, None], NEG_INF)
+        scores = scores.masked_fill(torch.arange(n, device=x.device)[None, :] >= visible[:, None], NEG_INF)
         if self.role.candidate_source:
             shared.candidates = select_candidate_blocks(scores.detach(), visible, cfg.candidate_topk_blocks,
                                                         cfg.candidate_block_size)
@@ -204,7 +204,7 @@ class Attention:
         idx, order = idx.sort(dim=-1)
         picked = top_values.gather(-1, order)
         idx = torch.where(idx < n, idx, -1)
-        self.index_scores = scores  # kept for the training loss and probes
+        self.index_scores, self.last_topk = scores, idx  # kept for the indexer's training loss
         return idx, picked
 
     # -- forward ------------------------------------------------------------------------------
@@ -230,8 +230,8 @@ class Attention:
             src = shared.source
             if self.role.role in (FULL, REINDEX):
                 if src.n_entries == 0:
-                    idx = torch.full((x.shape[0], 0), -1, dtype=torch.long)
-                    picked = torch.zeros(x.shape[0], 0)
+                    idx = torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
+                    picked = torch.zeros(x.shape[0], 0, device=x.device)
                 else:
                     idx, picked = self._index(x, qr, positions, src, shared)
                 shared.topk, shared.topk_scores = idx, picked

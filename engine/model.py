@@ -82,14 +82,14 @@ class Model:
         cfg = self.cfg
         index = cfg.engram_layer_ids.index(layer)
         history = engram.mark_dead(self.compressed_history, self.dead_history)
-        rows = engram.ngram_rows(self.engram_layout, index, self._compressed(ids), dead, history)
+        # hashing is integer work on the CPU; only the gathered rows go to the model's device
+        rows = engram.ngram_rows(self.engram_layout, index, self._compressed(ids.cpu()), dead.cpu(), history)
         p = f"layers.{layer}.engram."
-        table = self.weights.rows(p + "embed.weight", rows)  # [T, n_rows, head_dim]
-        wkv = self.get(p + "wkv.weight")
+        table = self.weights.rows(p + "embed.weight", rows).to(x.device)  # [T, n_rows, head_dim]
         if self.act_quant:
             table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
-        return engram.engram_forward(x, table, wkv, self.get(p + "q_weight"), self.get(p + "k_weight"),
-                                     cfg.norm_eps, token_mask=~dead)
+        return engram.engram_forward(x, table, self.get(p + "wkv.weight"), self.get(p + "q_weight"),
+                                     self.get(p + "k_weight"), cfg.norm_eps, token_mask=~dead)
 
     def _compressed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.compressed_vocab is None:
@@ -108,12 +108,13 @@ class Model:
         `collect` receives per-layer probe dicts for the layers and kinds in `probes`."""
         cfg = self.cfg
         T = ids.shape[0]
-        positions = torch.arange(self.pos, self.pos + T)
+        dev = ids.device
+        positions = torch.arange(self.pos, self.pos + T, device=dev)
         image_mask = image_mask if image_mask is not None and bool(image_mask.any()) else None
-        dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool)
+        dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool, device=dev)
         h = self.get("embed.weight")[ids].float()
         x = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
-        pre = torch.zeros(T, cfg.hc_mult)
+        pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0  # the first collapse reads copy 0
         shared = Shared()
         for role in self.plan:
@@ -129,8 +130,8 @@ class Model:
                 probe["residual_norms"] = x.detach().norm(dim=-1)
                 collect[L] = probe
         if self.engram_layout is not None and self.tokenizer is not None:
-            self.compressed_history = torch.cat([self.compressed_history, self._compressed(ids)])
-            self.dead_history = torch.cat([self.dead_history, dead])
+            self.compressed_history = torch.cat([self.compressed_history, self._compressed(ids.cpu())])
+            self.dead_history = torch.cat([self.dead_history, dead.cpu()])
         self.pos += T
         y = rms_norm(mhc.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
         return y @ self.get("head.weight").float().t()

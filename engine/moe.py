@@ -47,7 +47,7 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
     bias_vl = get(prefix + "gate.bias_vl") if cfg.vision_enabled else None
     scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
                                      image_mask, n_active, cfg.route_scale, cfg.score_func)
-    y = torch.zeros(x.shape[0], cfg.dim)
+    y = torch.zeros(x.shape[0], cfg.dim, device=x.device)
     for e in torch.unique(experts).tolist():
         rows, slot = torch.where(experts == e)
         xe = x[rows]

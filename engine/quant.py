@@ -49,7 +49,8 @@ def e8m0_from_float(scale: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Values already in [-6, 6] -> 4-bit codes (uint8, bit 3 = sign), round to nearest even."""
     mag = v.float().abs().unsqueeze(-1)
-    code = (mag > _E2M1_MIDS).sum(-1) + ((mag == _E2M1_MIDS) & _E2M1_TIE_UP).sum(-1)
+    mids, tie_up = _E2M1_MIDS.to(v.device), _E2M1_TIE_UP.to(v.device)
+    code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
 
 
@@ -64,7 +65,8 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8/uint8 [..., K/2] -> float32 values [..., K] (unscaled E2M1)."""
     b = packed.contiguous().view(torch.uint8)
-    values = torch.stack([FP4_TABLE[(b & 0x0F).long()], FP4_TABLE[(b >> 4).long()]], dim=-1)
+    table = FP4_TABLE.to(b.device)
+    values = torch.stack([table[(b & 0x0F).long()], table[(b >> 4).long()]], dim=-1)
     return values.flatten(-2)
 
 
@@ -74,7 +76,7 @@ def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     """[out, in] float -> (float8_e4m3fn [out, in], E8M0 scales [ceil(out/b), ceil(in/b)])."""
     out_dim, in_dim = w.shape
     rows, cols = -(-out_dim // block), -(-in_dim // block)
-    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=w.device)
     padded[:out_dim, :in_dim] = w.float()
     tiles = padded.view(rows, block, cols, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)

@@ -43,7 +43,7 @@ def layer_freqs(cfg: ModelConfig, compress_ratio: int) -> torch.Tensor:
 def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last len(freqs)*2 dims of x. x: [T, ..., D]; positions: [T] (int)."""
     rd = freqs.numel() * 2
-    angles = positions.to(torch.float32)[:, None] * freqs[None, :]  # [T, rd/2]
+    angles = positions.to(torch.float32)[:, None] * freqs.to(x.device)[None, :]  # [T, rd/2]
     if inverse:
         angles = -angles
     cos, sin = torch.cos(angles), torch.sin(angles)

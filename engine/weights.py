@@ -37,7 +37,8 @@ class TensorWeights:
             raise KeyError(f"weight '{name}' is missing") from None
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        return self.get(name)[index]
+        table = self.get(name)
+        return table[index.to(table.device)]
 
     def has(self, name: str) -> bool:
         return name in self.tensors

@@ -1,0 +1,250 @@
+"""The engine's public face: `load(path) -> Engine`, `engine.run(prompt, ...) -> RunResult`.
+
+Used by the CLI and the explorer; neither touches model internals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, ModelConfig, load_config
+from .model import PROBE_KINDS, Model, ProbeRequest
+from .roles import role_plan
+
+ENGINE_VERSION = "0.1.0"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = REPO_ROOT / "assets" / "model"
+
+
+class EngineError(ValueError):
+    """Bad input to the engine (prompt, layer, checkpoint); the message says what and why."""
+
+
+@dataclass
+class LayerResult:
+    """Probes of one layer for one run. Tensors are CPU; T = prompt length."""
+    layer: int
+    role: str
+    label: str
+    compress_ratio: int
+    kv_source: int | None
+    index_source: int | None
+    window_size: int
+    topk: torch.Tensor | None = None            # [T, k] global entry indices, -1 padded
+    topk_scores: torch.Tensor | None = None     # [T, k] indexer scores of those entries
+    candidate_pool: torch.Tensor | None = None  # [T, N] bool (candidate source and Reindex layers)
+    n_entries: int = 0                          # global entries after the prompt
+    mhc: dict = field(default_factory=dict)     # {"attn"|"ffn": {"pre": [T,hc], "post": [T,hc], "comb": [T,hc,hc]}}
+    routing: dict = field(default_factory=dict)  # experts [T,k], weights [T,k], scores [T,E]
+    residual_norms: torch.Tensor | None = None  # [T, hc]
+    time_s: float = 0.0
+
+    def to_json(self) -> dict:
+        def lst(t):
+            return None if t is None else t.tolist()
+
+        pool = None
+        if self.candidate_pool is not None:
+            pool = [row.nonzero().flatten().tolist() for row in self.candidate_pool]
+        return {
+            "layer": self.layer, "role": self.role, "label": self.label,
+            "compress_ratio": self.compress_ratio, "kv_source": self.kv_source,
+            "index_source": self.index_source, "window_size": self.window_size,
+            "n_entries": self.n_entries,
+            "topk": lst(self.topk), "topk_scores": _finite(self.topk_scores),
+            "candidate_pool": pool,
+            "mhc": {part: {k: v.tolist() for k, v in d.items()} for part, d in self.mhc.items()},
+            "routing": {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in self.routing.items()},
+            "residual_norms": lst(self.residual_norms),
+            "time_s": self.time_s,
+        }
+
+
+def _finite(t: torch.Tensor | None):
+    """-inf scores (padding) become None in JSON."""
+    if t is None:
+        return None
+    return [[None if not torch.isfinite(v) else float(v) for v in row] for row in t]
+
+
+@dataclass
+class RunResult:
+    tokens: list[str]
+    token_ids: list[int]
+    image_mask: list[bool]
+    layers: dict[int, LayerResult]
+    cache_bytes: dict
+    kv_bytes_formula: float
+    time_s: float
+    generated_ids: list[int] = field(default_factory=list)
+    generated_text: str = ""
+    next_token_logprobs: list[float] | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "engine_version": ENGINE_VERSION,
+            "tokens": self.tokens, "token_ids": self.token_ids, "image_mask": self.image_mask,
+            "layers": {str(k): v.to_json() for k, v in sorted(self.layers.items())},
+            "cache_bytes": self.cache_bytes, "kv_bytes_formula": self.kv_bytes_formula,
+            "time_s": self.time_s,
+            "generated_ids": self.generated_ids, "generated_text": self.generated_text,
+        }
+
+
+def global_kv_bytes(cfg: ModelConfig, n_tokens: int) -> int:
+    """Bytes of global KV + index keys for a prompt of n_tokens (the formula, per source layer:
+    floor(n/m) entries x (head_dim/2 + head_dim/16 + index_head_dim/2 + index_head_dim/32))."""
+    entry = cfg.head_dim // 2 + cfg.head_dim // 16 + cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    return sum((n_tokens // cfg.compress_ratios[L]) * entry for L in cfg.kv_source_layers)
+
+
+class Engine:
+    """A loaded model plus its tokenizer; `run` is serialized with a lock (one run at a time)."""
+
+    def __init__(self, cfg: ModelConfig, weights, tokenizer=None, source: str = "", identity: str = "",
+                 act_quant: bool = True):
+        self.cfg, self.tokenizer, self.source, self.identity = cfg, tokenizer, source, identity
+        self.model = Model(cfg, weights, tokenizer, act_quant=act_quant)
+        self.plan = role_plan(cfg)
+        self.lock = threading.Lock()
+
+    # -- input ----------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise EngineError("the prompt is empty")
+            if self.tokenizer is None:
+                raise EngineError("this checkpoint has no tokenizer.json: pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+        else:
+            ids = [int(i) for i in prompt]
+            if not ids:
+                raise EngineError("the prompt is empty (no token ids)")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        if len(ids) > self.cfg.max_seq_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens; this model accepts at most "
+                              f"{self.cfg.max_seq_len} (max_seq_len)")
+        return ids
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        if self.tokenizer is None:
+            return [str(i) for i in ids]
+        return self.tokenizer.token_strings(ids)
+
+    def check_layers(self, layers) -> set[int] | None:
+        if layers is None:
+            return None
+        out = set()
+        for layer in layers:
+            if not isinstance(layer, int) or not 0 <= layer < self.cfg.n_layers:
+                raise EngineError(f"layer {layer} does not exist (this model has layers 0..{self.cfg.n_layers - 1})")
+            out.add(layer)
+        return out
+
+    # -- runs -----------------------------------------------------------------------------------
+    def run(self, prompt: str | list[int], layers=None, probes=PROBE_KINDS,
+            image_spans: list[tuple[int, int]] = (), generate: int = 0) -> RunResult:
+        """Prefill the prompt (probes on the asked layers), then greedily generate `generate` tokens."""
+        ids = self.encode(prompt)
+        wanted = self.check_layers(layers)
+        unknown = set(probes) - set(PROBE_KINDS)
+        if unknown:
+            raise EngineError(f"unknown probe kinds {sorted(unknown)}; known: {list(PROBE_KINDS)}")
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        for start, end in image_spans:
+            if not 0 <= start < end <= len(ids):
+                raise EngineError(f"image span {start}..{end} is outside the prompt (0..{len(ids)})")
+            mask[start:end] = True
+        request = ProbeRequest(layers=wanted, kinds=set(probes))
+        collect: dict = {}
+        with self.lock, torch.inference_mode():
+            started = time.perf_counter()
+            self.model.reset()
+            logits = self.model.forward(torch.tensor(ids), image_mask=mask, probes=request, collect=collect)
+            cache = self.model.cache_bytes()
+            generated = []
+            for _ in range(generate):
+                nxt = int(logits[-1].argmax())
+                generated.append(nxt)
+                if self.tokenizer is not None and nxt == self.tokenizer.eos_id:
+                    break
+                logits = self.model.forward(torch.tensor([nxt]))
+            elapsed = time.perf_counter() - started
+        results = {L: self._layer_result(L, probe, set(probes)) for L, probe in collect.items()}
+        return RunResult(
+            tokens=self.token_strings(ids), token_ids=ids, image_mask=mask.tolist(), layers=results,
+            cache_bytes=cache, kv_bytes_formula=global_kv_bytes(self.cfg, len(ids)), time_s=elapsed,
+            generated_ids=generated,
+            generated_text=self.tokenizer.decode(generated) if self.tokenizer is not None and generated else "")
+
+    def _layer_result(self, layer: int, probe: dict, kinds: set[str]) -> LayerResult:
+        role = self.plan[layer]
+        out = LayerResult(layer=layer, role=role.role, label=role.label, compress_ratio=role.compress_ratio,
+                          kv_source=role.kv_source, index_source=role.index_source,
+                          window_size=self.cfg.window_size, n_entries=probe.get("n_entries", 0))
+        if "topk" in kinds and "topk" in probe:
+            out.topk, out.topk_scores = probe["topk"], probe["topk_scores"]
+            out.candidate_pool = probe.get("candidate_pool")
+        if "mhc" in kinds:
+            out.mhc = probe["mhc"]
+        if "routing" in kinds:
+            out.routing = dict(probe["routing"])
+        if "norms" in kinds:
+            out.residual_norms = probe["residual_norms"]
+        if "timing" in kinds:
+            out.time_s = probe["time_s"]
+        return out
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """Next-token log-probabilities [T-1] of ids[1:] given the prefix (one prefill)."""
+        with self.lock, torch.inference_mode():
+            self.model.reset()
+            logits = self.model.forward(torch.tensor(ids))
+        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+        return logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def checkpoint_identity(path: Path) -> str:
+    """A short hash of the config and the shard index (headers), naming this checkpoint."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = path / name
+        if f.exists():
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: bool = True) -> Engine:
+    """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model)."""
+    from .checkpoint import CheckpointError, CheckpointReader
+    from .weights import CheckpointWeights
+
+    path = Path(path) if path is not None else DEFAULT_CHECKPOINT
+    if not path.exists():
+        raise EngineError(f"{path}: no such checkpoint folder")
+    if not path.is_dir():
+        raise EngineError(f"{path}: not a folder (a checkpoint is a folder with config.json and shards)")
+    try:
+        cfg = load_config(path)
+        reader = CheckpointReader(path, cfg)
+    except (ConfigError, CheckpointError) as err:
+        raise EngineError(str(err)) from None
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from .tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(path / "tokenizer.json")
+    return Engine(cfg, CheckpointWeights(reader, cache_bytes), tokenizer, source=str(path),
+                  identity=checkpoint_identity(path), act_quant=act_quant)
+
+
+def save_result(result: RunResult, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result.to_json()))
