@@ -609,10 +609,10 @@ class SessionStore:
         }
 
     @staticmethod
-    def _session_from_row(row: Any) -> Session:
+    def _session_from_row(row: Any, *, with_probes: bool = True) -> Session:
         state = json.loads(row.state_json)
         try:
-            probes = decompress_probes(row.probes)
+            probes = decompress_probes(row.probes) if with_probes else None
         except (zlib.error, ValueError) as exc:
             raise StoreUnavailable(f"The stored probe results of session {row.id!r} are damaged ({exc}).") from None
         return Session(
@@ -745,7 +745,7 @@ class SessionStore:
             row = self._fetch(conn, session_id)
             if expected_revision is not None and row.revision != expected_revision:
                 raise SessionConflict(session_id, expected_revision, row.revision)
-            current = self._session_from_row(row).data()
+            current = self._session_from_row(row, with_probes=False).data()  # probes: kept as bytes or replaced
             merged = dataclasses.replace(current, **clean)
             values = self._row_values(merged)
             if "probes" not in clean:
