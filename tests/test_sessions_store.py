@@ -161,9 +161,11 @@ def test_update_rename_notes_and_revisions(store):
     assert {s.id for s in store.list_sessions(layer=12)} == {saved.id}
     assert {s.id for s in store.list_sessions("one")} == {saved.id}
     assert store.list_sessions("France") == []  # search follows the new prompts
+    assert store.update(saved.id, probes={"tokens": ["z"], "layers": {}}).probes == {"tokens": ["z"], "layers": {}}
+    assert store.load(saved.id).view == {"x": 1}
 
     with pytest.raises(SessionConflict) as err:
-        store.set_notes(saved.id, "stale edit", expected_revision=2)
+        store.set_notes(saved.id, "stale edit", expected_revision=2)  # now at revision 5
     assert "changed by someone else" in str(err.value)
     assert store.load(saved.id).notes == "new notes"  # the stale edit did not land
 
