@@ -78,3 +78,10 @@ def e2m1_code(v):
             + (a > 5.0).to(tl.int32))
     sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
     return code | (sign << 3)
+
+
+def dot_dtype():
+    """Operand type for tl.dot: bf16 on the GPU; float32 under TRITON_INTERPRET=1, whose bf16 dot is
+    wrong (seen with triton 3.7.1: a 16x16 bf16 product off by 1e10)."""
+    import os
+    return tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else tl.bfloat16
