@@ -26,7 +26,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from .config import ModelConfig
-from .layout import TensorSpec, tensor_specs
+from .layout import GROUPS, TensorSpec, tensor_specs
 from .roles import decoder_start
 
 SCALE_BYTES_FP4_KV = 1     # global KV: one E4M3 scale per 16 values
@@ -228,6 +228,8 @@ def tally_from_specs(specs: list[TensorSpec], cfg: ModelConfig, source: str) -> 
             total_bytes=nbytes * row["n"], active_decode_params=_as_number(row["decode"] * share),
             active_prefill_params=_as_number(row["prefill"] * share), fmt=w.fmt))
 
+    rank = {g: i for i, g in enumerate(GROUPS)}
+    out_rows.sort(key=lambda r: (rank.get(r.group, len(rank)), r.name))
     total = sum(s.params for s in specs)
     by_group: Counter = Counter()
     for s in specs:
