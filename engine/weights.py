@@ -102,3 +102,32 @@ class CheckpointWeights:
         else:
             values = values.float()
         return values[inverse].reshape(*index.shape, -1)
+
+
+def init_weight(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A sensible random float value for a checkpoint tensor of this name (norm gains near 1,
+    biases 0, sinks and mHC bases O(1), mHC projections small, linears ~ N(0, 1/fan_in))."""
+    leaf = name.rsplit(".", 2)
+    if "norm" in name and name.endswith(".weight") and len(shape) == 1:
+        return 1 + 0.02 * torch.randn(shape, generator=generator)
+    if name.endswith((".bias", ".bias_vl")):
+        return torch.zeros(shape)
+    if name.endswith("_scale") and "hc_" in name:
+        return torch.ones(shape)
+    if name.endswith("_base") or name.endswith("attn_sink"):
+        return 0.5 * torch.randn(shape, generator=generator)
+    if "hc_" in name and name.endswith("_fn"):
+        return 0.02 * torch.randn(shape, generator=generator)
+    if leaf[-1] in ("q_weight", "k_weight") or len(shape) == 1:
+        return torch.ones(shape)
+    fan_in = shape[-1]
+    return torch.randn(shape, generator=generator) / fan_in ** 0.5
+
+
+def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Float tensors for every weight of the layout (scales are implied), e.g. for tests."""
+    from .layout import tensor_specs
+
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: init_weight(s.name, tuple(s.logical_shape), g)
+            for s in tensor_specs(cfg) if s.part == "weight" and s.group not in ("vision",)}
