@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 
-from . import quant
 
 
 class WeightSource(Protocol):
@@ -48,7 +47,7 @@ class TensorWeights:
 
 
 class CheckpointWeights:
-    """Lazy, dequantizing view of a release-layout checkpoint (see engine/checkpoint.py)."""
+    """Lazy, dequantizing view of a release-layout checkpoint (an engine/checkpoint.py reader)."""
 
     def __init__(self, reader, cache_bytes: int = 2 << 30):
         self.reader = reader
@@ -59,10 +58,14 @@ class CheckpointWeights:
         self.loads = 0  # tensors read from disk, for tests of laziness
 
     def has(self, name: str) -> bool:
-        return self.reader.has(name)
+        return name in self.reader
 
     def stored_dtype(self, name: str) -> str:
-        return self.reader.dtype(name)
+        return self.reader.entry(name).dtype
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
 
     def get(self, name: str) -> torch.Tensor:
         with self._lock:
@@ -70,8 +73,9 @@ class CheckpointWeights:
             if hit is not None:
                 self._cache.move_to_end(name)
                 return hit
-        value = self._load(name)
+        value = self.reader.dequantized(name)
         with self._lock:
+            self.loads += 1
             self._cache[name] = value
             self._held += value.numel() * value.element_size()
             while self._held > self.cache_bytes and len(self._cache) > 1:
@@ -79,28 +83,11 @@ class CheckpointWeights:
                 self._held -= old.numel() * old.element_size()
         return value
 
-    def _load(self, name: str) -> torch.Tensor:
-        self.loads += 1
-        raw = self.reader.tensor(name)
-        dtype = self.reader.dtype(name)
-        scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
-        if dtype == "F8_E4M3" and scale_name and self.reader.has(scale_name):
-            return quant.dequantize_fp8_weight(raw, self.reader.tensor(scale_name))
-        if dtype == "I8" and scale_name and self.reader.has(scale_name):
-            return quant.dequantize_fp4(raw, self.reader.tensor(scale_name), 32)
-        return raw.float()
-
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """Float rows of a 2-D table; FP8 tables (Engram) use per-row E8M0 scales per 32."""
+        """Float rows of a 2-D table, read by offset (an Engram table is never read whole)."""
         flat = index.reshape(-1)
         unique, inverse = torch.unique(flat, return_inverse=True)
-        values = self.reader.read_rows(name, unique)
-        if self.reader.dtype(name) == "F8_E4M3":
-            scale_name = name[: -len(".weight")] + ".scale"
-            scales = self.reader.read_rows(scale_name, unique)
-            values = quant.dequantize_fp8(values, scales, 32)
-        else:
-            values = values.float()
+        values = self.reader.dequantized_rows(name, unique)
         return values[inverse].reshape(*index.shape, -1)
 
 
