@@ -1,0 +1,258 @@
+"""`python -m engine <command>`: tally, inspect, skeleton (and any `engine/cli_*.py` plug-ins).
+
+Adding a command: create `engine/cli_<name>.py` with `COMMANDS = [Command(name, help, add_arguments,
+run)]`; it is discovered at start-up, nothing here needs editing. `run(args)` returns the exit code.
+User errors (bad config, bad checkpoint, bad arguments) print one line to stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .config import ConfigError, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "assets" / "configs" / "v41-flash.json"
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """Bad command-line usage (reported in one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+# -- formatting -----------------------------------------------------------------------------------
+
+def fmt_count(n: float) -> str:
+    """12_345_678 -> '12.35 M'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:g}"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:g} B"
+
+
+def table(headers: list[str], rows: list[list], right: set[int] | None = None) -> str:
+    right = set(range(1, len(headers))) if right is None else right
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for k, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# -- tally ----------------------------------------------------------------------------------------
+
+def _tally_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", type=Path, help=f"config file (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+    src.add_argument("--checkpoint", type=Path, help="checkpoint folder (headers only)")
+    p.add_argument("--context", type=int, help="also report cache bytes at this many tokens of context")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _run_tally(args: argparse.Namespace) -> int:
+    from .checkpoint import checkpoint_config
+    from .tally import cache_breakdown_at, tally_from_checkpoint, tally_from_config
+
+    if args.context is not None and args.context < 0:
+        raise UsageError("tally: --context must not be negative")
+    if args.checkpoint is not None:
+        t = tally_from_checkpoint(args.checkpoint)
+        cfg = checkpoint_config(args.checkpoint)
+        source = f"checkpoint headers: {args.checkpoint}"
+    else:
+        path = args.config or DEFAULT_CONFIG
+        cfg = load_config(path)
+        t = tally_from_config(cfg)
+        source = f"config: {path}"
+    cache = cache_breakdown_at(cfg, args.context) if args.context is not None else None
+    if args.json:
+        out = t.to_json()
+        if cache is not None:
+            out["cache"] = cache
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"source: {source}")
+    print(table(["box", "group", "dtype", "shape", "inst", "params/inst", "total params", "bytes", "active/gen",
+                 "active/prompt"],
+                [[r.name, r.group, r.fmt or r.dtype, "x".join(map(str, r.shape)), r.instances, fmt_count(r.params),
+                  fmt_count(r.total_params), fmt_bytes(r.total_bytes), fmt_count(r.active_decode_params),
+                  fmt_count(r.active_prefill_params)] for r in t.rows], right={4, 5, 6, 7, 8, 9}))
+    print()
+    groups = Counter()
+    for r in t.rows:
+        groups[r.group] += r.total_params
+    print(table(["group", "params"], [[g, f"{n:,}"] for g, n in groups.items()]))
+    print()
+    figures = [
+        ("all parameters", t.total_params), ("backbone (all but Engram tables and DSpark)", t.backbone_params),
+        ("routed experts (backbone)", t.routed_expert_params), ("Engram tables", t.engram_params),
+        ("DSpark (dense + routed)", t.dspark_params), ("  dense", t.dspark_dense_params),
+        ("  routed", t.dspark_routed_params), ("vision tower + aligner", t.vision_params),
+        ("active per generated token", t.active_decode_params), ("active per prompt token", t.active_prefill_params)]
+    print(table(["figure", "parameters", ""], [[k, f"{v:,}", fmt_count(v)] for k, v in figures]))
+    print()
+    print(f"checkpoint: {t.tensor_count:,} tensors, {t.checkpoint_bytes:,} bytes ({fmt_bytes(t.checkpoint_bytes)})")
+    print(table(["dtype", "bytes"], [[d, f"{b:,}"] for d, b in t.bytes_by_dtype.items()]))
+    print()
+    print(table(["KV source", "ratio", "entries/token", "entry B", "index key B", "B/token"],
+                [[k.layer, k.ratio, f"{k.entries_per_token:g}", k.main_entry_bytes, k.index_key_bytes,
+                  f"{k.bytes_per_token:g}"] for k in t.kv]))
+    print(f"global KV per token: {t.kv_bytes_per_token:g} B; sliding window per layer: {t.window_bytes_per_layer:,} B")
+    if cache is not None:
+        print(f"cache at {cache['context_len']:,} tokens: global KV {fmt_bytes(cache['global_kv'])}, index keys "
+              f"{fmt_bytes(cache['index_keys'])}, windows {fmt_bytes(cache['windows'])}, "
+              f"total {cache['total']:,} B ({fmt_bytes(cache['total'])})")
+    return 0
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", type=Path, help="checkpoint folder")
+    p.add_argument("--config", type=Path, help="compare against this config instead of DIR/config.json")
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import check_against_config, checkpoint_config, read_inventory
+
+    inv = read_inventory(args.dir)
+    cfg = load_config(args.config) if args.config else checkpoint_config(args.dir)
+    print(f"checkpoint: {args.dir}  ({len(inv.shards)} shards, {len(inv):,} tensors, {inv.total_bytes:,} data bytes)")
+    counts = inv.count_by_dtype()
+    print(table(["dtype", "tensors", "bytes"], [[d, counts[d], f"{b:,}"] for d, b in inv.bytes_by_dtype().items()]))
+    print()
+    print(table(["shard", "tensors", "data bytes", "file size"],
+                [[s.filename, s.n_tensors, f"{s.data_bytes:,}", fmt_bytes(s.size)] for s in inv.shards]))
+    print()
+    by_layer: Counter = Counter()
+    n_layer: Counter = Counter()
+    for e in inv.tensors.values():
+        parts = e.name.split(".")
+        key = f"{parts[0]}.{parts[1]}" if parts[0] in ("layers", "mtp") else parts[0]
+        by_layer[key] += e.nbytes
+        n_layer[key] += 1
+
+    def order(k: str):
+        p = k.split(".")
+        return ({"layers": 1, "mtp": 2}.get(p[0], 0), int(p[1]) if len(p) > 1 else 0, k)
+    print(table(["part", "tensors", "bytes"], [[k, n_layer[k], f"{by_layer[k]:,}"] for k in sorted(by_layer, key=order)]))
+    problems = check_against_config(inv, cfg)
+    print()
+    if problems:
+        print(f"{len(problems)} mismatches with the config:")
+        for p in problems:
+            print(f"  {p}")
+        return 1
+    print("matches the config's layout: every tensor present with the expected dtype and shape")
+    return 0
+
+
+# -- skeleton -------------------------------------------------------------------------------------
+
+def _skeleton_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config file (default: the release)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--shards", type=int, default=None, help="number of shards (default: the release's plan)")
+
+
+def _run_skeleton(args: argparse.Namespace) -> int:
+    from .checkpoint import write_skeleton
+
+    cfg = load_config(args.config)
+    out = write_skeleton(cfg, args.out, args.shards)
+    files = sorted(out.glob("*.safetensors"))
+    apparent = sum(f.stat().st_size for f in files)
+    on_disk = sum(getattr(f.stat(), "st_blocks", 0) * 512 for f in files)
+    print(f"wrote {len(files)} sparse shards + index + config.json to {out}: "
+          f"{fmt_bytes(apparent)} apparent, {fmt_bytes(on_disk)} on disk")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> None:
+    COMMANDS[command.name] = command
+
+
+for _c in (Command("tally", "parameters, bytes and KV figures from a config or checkpoint headers", _tally_args, _run_tally),
+           Command("inspect", "inventory a checkpoint folder and list mismatches with its config", _inspect_args, _run_inspect),
+           Command("skeleton", "write the full layout as sparse files (headers only)", _skeleton_args, _run_skeleton)):
+    register(_c)
+
+
+def _discover() -> None:
+    """Pick up `engine/cli_*.py` plug-ins (each with a COMMANDS list)."""
+    import engine
+    for info in pkgutil.iter_modules(engine.__path__):
+        if info.name.startswith("cli_"):
+            module = importlib.import_module(f"engine.{info.name}")
+            for command in getattr(module, "COMMANDS", []):
+                register(command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m engine", description="DeepSeek-V4.1-Flash explorer engine")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for command in COMMANDS.values():
+        command.add_arguments(sub.add_parser(command.name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError
+
+    try:
+        _discover()
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not args.command:
+            parser.print_help()
+            return 2
+        return COMMANDS[args.command].run(args)
+    except (UsageError, CheckpointError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into `head`: not an error
+        sys.stderr.close()
+        return 0
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
