@@ -1,0 +1,422 @@
+"""V4.1-Flash explorer: `streamlit run app.py`. Widget wiring only; figures and view models live in
+explorer/, the model in engine/.
+
+Environment: EXPLORER_SOURCE=config|shipped|path picks the default model source (also `?source=`),
+EXPLORER_CHECKPOINT the default checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import streamlit as st
+
+from engine.config import ConfigError, load_config
+from engine.roles import TAB_TITLES, TABS, role_plan
+from engine.tally import cache_breakdown_at, tally_from_config
+from explorer import kv_view, layer_views as lv, prompt as pr
+from explorer.diagram import diagram_figure
+from explorer.plan import describe_layer, legend_html, plan_figure
+from explorer.state import (POSITION_TITLES, POSITIONS, ViewState, boxes_from_selection, picked_customdata,
+                            select_layer, state_from_query)
+from explorer.style import fmt_bytes, fmt_params, fmt_tokens
+from explorer.tally_view import (box_stats, headline, layer_params, margin_lines, position_total,
+                                 representative_layer, source_note, tally_figure)
+
+st.set_page_config(page_title="V4.1-Flash explorer", layout="wide", initial_sidebar_state="expanded")
+st.html("""<style>
+  .block-container {padding-top: 2.2rem; padding-bottom: 2rem; max-width: 1800px;}
+  h1 {font-size: 1.55rem !important; margin-bottom: 0 !important;}
+  h3 {font-size: 1.08rem !important; margin-top: .4rem !important;}
+  [data-testid="stMetricValue"] {font-size: 1.5rem;}
+  .muted {color: #6B7280; font-size: .85rem;}
+</style>""")
+TAB_BY_TITLE = {title: tab for tab, title in TAB_TITLES.items()}
+PLOT_CONFIG = {"displayModeBar": False, "scrollZoom": False}
+
+
+def fail(what: str, err: Exception) -> None:
+    """A user-facing error: one clear line, the traceback only in the server log."""
+    print(traceback.format_exc())
+    st.error(f"{what}: {err}")
+
+
+# -- model source (sidebar) ---------------------------------------------------------------------
+
+@st.cache_resource(show_spinner="Reading the tally…")
+def cached_tally(source: str, path: str):
+    from engine.tally import tally_from_checkpoint
+    if source == pr.SOURCE_CONFIG or not any(Path(path).glob("*.safetensors")):
+        return tally_from_config(load_config(path))
+    return tally_from_checkpoint(path)
+
+
+@st.cache_resource(show_spinner="Loading the model…")
+def cached_engine(path: str):
+    from engine.api import load
+    return load(path)   # one shared engine; its run() holds a lock
+
+
+def sidebar():
+    """Model source and prompt. Returns (source, cfg_path, prompt text, image span or None)."""
+    st.sidebar.markdown("### Model")
+    default = os.environ.get("EXPLORER_SOURCE") or st.query_params.get("source") or pr.SOURCE_SHIPPED
+    options = [pr.SOURCE_SHIPPED, pr.SOURCE_PATH, pr.SOURCE_CONFIG]
+    if "source" not in st.session_state:
+        st.session_state["source"] = default if default in options else pr.SOURCE_SHIPPED
+    source = st.sidebar.radio("Source", options, key="source", format_func=pr.SOURCE_TITLES.get,
+                              label_visibility="collapsed")
+    path = ""
+    if source == pr.SOURCE_SHIPPED:
+        path = str(pr.MODEL_DIR)
+        if not (pr.MODEL_DIR / "config.json").exists():
+            st.sidebar.info("The shipped small model is not in assets/model yet: plan, diagram and tallies use the "
+                            "release config; live views need weights.")
+            path = str(pr.RELEASE_CONFIG)
+    elif source == pr.SOURCE_PATH:
+        path = st.sidebar.text_input("Checkpoint folder", value=os.environ.get("EXPLORER_CHECKPOINT", ""),
+                                     placeholder="/data/v41-flash", help="A release-layout folder: config.json, "
+                                     "model.safetensors.index.json and its shards.").strip()
+        if not path:
+            st.sidebar.caption("Enter a folder; until then the release config is shown.")
+            path = str(pr.RELEASE_CONFIG)
+    else:
+        path = str(pr.RELEASE_CONFIG)
+        st.sidebar.caption("Plan, diagram and tallies from assets/configs/v41-flash.json. No weights are loaded.")
+
+    st.sidebar.markdown("### Prompt")
+    samples = pr.sample_prompts()
+    titles = {s.id: s.title for s in samples}
+    pick = st.sidebar.selectbox("Sample", [s.id for s in samples], format_func=titles.get, key="sample",
+                                on_change=lambda: st.session_state.update(
+                                    prompt_text=next(s.text for s in samples if s.id == st.session_state["sample"])))
+    if "prompt_text" not in st.session_state:
+        st.session_state["prompt_text"] = next((s.text for s in samples if s.id == pick), "")
+    upload = st.sidebar.file_uploader("…or upload a text file", type=["txt", "md", "py", "json", "csv"],
+                                      key="upload")
+    if upload is not None and st.session_state.get("_uploaded") != upload.file_id:
+        try:
+            st.session_state["prompt_text"] = pr.decode_upload(upload.name, upload.getvalue())
+            st.session_state["_uploaded"] = upload.file_id
+        except pr.PromptError as err:
+            st.sidebar.error(str(err))
+    text = st.sidebar.text_area("Prompt text", key="prompt_text", height=220)
+    n_tokens, span = 0, None
+    try:
+        tok_path = str(Path(path) / "tokenizer.json") if (Path(path) / "tokenizer.json").exists() else None
+        ids, _ = pr.tokenize(text, tok_path) if text.strip() else ([], [])
+        n_tokens = len(ids)
+        st.sidebar.caption(f"**{n_tokens:,} tokens** (with BOS) · "
+                           f"{'checkpoint' if tok_path else 'project'} tokenizer")
+    except Exception as err:  # a broken tokenizer file must not take the page down
+        fail("Could not tokenize the prompt", err)
+    if st.sidebar.checkbox("Mark a token span as image positions", key="image_on",
+                           help="Those positions route with the gate's bias_vl instead of bias."):
+        raw = st.sidebar.text_input("Image span (start-end, end exclusive)", key="image_span",
+                                    placeholder=f"e.g. 10-{min(40, max(n_tokens, 11))}")
+        try:
+            span = pr.parse_span(raw, n_tokens)
+        except pr.PromptError as err:
+            st.sidebar.error(str(err))
+    return source, path, text, span
+
+
+# -- state and callbacks ------------------------------------------------------------------------
+
+def view() -> ViewState:
+    return st.session_state["view"]
+
+
+def set_view(new: ViewState) -> None:
+    st.session_state["view"] = new
+
+
+def on_plan_select(plan) -> None:
+    new = select_layer(view(), st.session_state.get("plan_chart"), plan)
+    if new != view():
+        set_view(new)
+        st.session_state["diagram_tab"] = TAB_TITLES[new.tab]
+        st.session_state["highlight"] = []
+
+
+def on_tab_change() -> None:
+    title = st.session_state.get("diagram_tab")
+    if title in TAB_BY_TITLE:
+        set_view(replace(view(), tab=TAB_BY_TITLE[title]))
+
+
+def on_position_change() -> None:
+    set_view(replace(view(), position=st.session_state["tally_pos"]))
+
+
+def on_tally_select() -> None:
+    picked = picked_customdata(st.session_state.get("tally_chart"))
+    st.session_state["highlight"] = boxes_from_selection(st.session_state.get("tally_chart"))
+    st.session_state["highlight_line"] = picked[-1][1] if picked and len(picked[-1]) > 1 else None
+
+
+def on_diagram_select(key: str) -> None:
+    picked = picked_customdata(st.session_state.get(key))
+    if picked:
+        st.session_state["picked_box"] = picked[-1][0]
+        st.session_state["scroll_to"] = picked[-1][1] or None
+
+
+# -- page sections ------------------------------------------------------------------------------
+
+def plan_column(cfg, plan, tally) -> None:
+    st.markdown("### Layer plan")
+    st.html(legend_html(plan))
+    fig = plan_figure(cfg, plan, layer_params=layer_params(tally), selected=view().layer)
+    st.plotly_chart(fig, key="plan_chart", on_select=lambda: on_plan_select(plan), selection_mode="points",
+                    config=PLOT_CONFIG, width="stretch")
+
+
+def diagram_column(cfg, plan, tally) -> None:
+    v = view()
+    st.markdown("### Block diagram")
+    st.session_state.setdefault("diagram_tab", TAB_TITLES[v.tab])
+    tabs = st.tabs([TAB_TITLES[t] for t in TABS], key="diagram_tab", on_change=on_tab_change)
+    highlight = set(st.session_state.get("highlight") or [])
+    for tab_id, container in zip(TABS, tabs):
+        if not container.open:
+            continue
+        with container:
+            rep = representative_layer(tab_id, plan, v.layer)
+            if rep is None:
+                st.info(f"No layer of this model is {TAB_TITLES[tab_id]}.")
+                continue
+            r = plan[rep]
+            stats = box_stats(tally, rep)
+            note = "the selected layer" if rep == v.layer else f"layer {rep}, the first {TAB_TITLES[tab_id]} layer"
+            st.caption(f"Drawn for {note}: {describe_layer(r, cfg)}. Grey: parameters and storage dtype from the "
+                       "tally; hover for shapes, bytes and FLOPs per token; click the indexer, mHC or MoE boxes to jump "
+                       "to their live view.")
+            fig = diagram_figure(cfg, tab_id, stats, role=r, highlight=highlight)
+            st.plotly_chart(fig, key=f"diagram_{tab_id}", on_select=lambda k=f"diagram_{tab_id}": on_diagram_select(k),
+                            selection_mode="points", config=PLOT_CONFIG, width="stretch")
+            picked = st.session_state.get("picked_box")
+            if picked and picked in stats:
+                s = stats[picked]
+                st.caption(f"**{picked}** · {s.params:,} params · {s.dtype} · {fmt_bytes(s.bytes)} · "
+                           f"tensors {', '.join(s.tensors)} · shapes {', '.join(s.shapes)}")
+
+
+def tally_column(tally) -> None:
+    v = view()
+    st.markdown("### Parameter tally")
+    st.session_state.setdefault("tally_pos", v.position)
+    st.radio("Position", POSITIONS, key="tally_pos", format_func=POSITION_TITLES.get, on_change=on_position_change,
+             label_visibility="collapsed")
+    lines = margin_lines(tally, v.position)
+    st.metric(POSITION_TITLES[v.position], fmt_params(position_total(tally, v.position)),
+              help=f"{position_total(tally, v.position):,} parameters")
+    st.plotly_chart(tally_figure(lines, v.position, highlight=st.session_state.get("highlight_line")),
+                    key="tally_chart", on_select=on_tally_select, selection_mode="points", config=PLOT_CONFIG,
+                    width="stretch")
+    st.caption(f"{headline(tally, v.position)} = the sum of the rows. {source_note(tally)} "
+               "Click a row to outline its boxes in the diagram.")
+    if st.session_state.get("highlight"):
+        st.button("Clear highlight", on_click=lambda: st.session_state.update(highlight=[], highlight_line=None))
+
+
+def kv_panel(cfg, run: dict | None) -> None:
+    st.markdown("### KV cache", help="Global KV per token, the bounded windows, and the cache at a chosen length.")
+    left, right = st.columns([1, 1.4], gap="large")
+    with left:
+        st.markdown(kv_view.kv_explainer(cfg))
+        st.dataframe(kv_view.kv_table(cfg), hide_index=True, width="stretch")
+        st.caption(kv_view.window_note(cfg))
+    with right:
+        n = st.select_slider("Context length", options=kv_view.CONTEXT_CHOICES, value=1_000_000,
+                             format_func=fmt_tokens, key="context_len")
+        at = cache_breakdown_at(cfg, n)
+        c1, c2, c3 = st.columns(3)
+        c1.metric("Global KV + index keys", fmt_bytes(at["global_kv"] + at["index_keys"]))
+        c2.metric("Windows", fmt_bytes(at["windows"]))
+        c3.metric("Total cache", fmt_bytes(at["total"]))
+        measured = kv_view.measured_vs_formula(cfg, run)
+        st.plotly_chart(kv_view.kv_figure(cfg, n, measured=measured), key="kv_chart", config=PLOT_CONFIG,
+                        width="stretch")
+        if measured:
+            st.caption(f"After the run ({measured['context_len']:,} tokens): the engine held "
+                       f"{measured['total']:,} B; the formula gives {measured['formula_total']:,} B.")
+
+
+@st.fragment
+def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
+    """The selected layer on the prompt. A fragment: picking a query token does not redraw the page."""
+    r = plan[view().layer]
+    st.markdown(f"## {lv.layer_heading(r)}")
+    st.markdown(f"<span class='muted'>{lv.layer_subheading(r, cfg)}</span>", unsafe_allow_html=True)
+    probe = None
+    if run is None:
+        st.info(why_no_run or "No run yet.")
+    else:
+        try:
+            probe = lv.layer_probe(run, r.layer)
+        except lv.ProbeError as err:
+            fail("The run's probes are malformed", err)
+    tokens = (run or {}).get("tokens") or []
+
+    st.subheader("Top-k selections", anchor=ANCHORS["topk"])
+    note = lv.global_branch_note(r, cfg)
+    if note:
+        st.caption(note)
+    if probe is not None and r.kv_source is not None:
+        try:
+            source_probe = lv.layer_probe(run, r.index_source) if r.role == "reuse" else probe
+            model = lv.topk_model(run, source_probe) if source_probe else None
+            if model is None:
+                st.caption("The run recorded no top-k for this layer.")
+            else:
+                q = st.slider("Query token", 0, model.T - 1, model.T - 1, key="query_pos")
+                st.plotly_chart(lv.topk_figure(model, query=q), key="topk_map", config=PLOT_CONFIG)
+                st.caption("Token strip: shade = how often each token's entry was selected; ringed = the entries "
+                           f"query {q} ({tokens[q]!r}) selected.")
+                st.html(lv.token_strip_html(tokens, lv.selection_counts(model), focus=q,
+                                            highlight=lv.selected_positions(model, q), image=lv.image_mask(run, probe)))
+        except lv.ProbeError as err:
+            fail("Cannot draw the top-k view", err)
+
+    st.subheader("mHC coefficients", anchor=ANCHORS["mhc"])
+    if probe is not None and probe.get("mhc"):
+        try:
+            t = st.slider("Token", 0, len(tokens) - 1, len(tokens) - 1, key="mhc_pos")
+            st.plotly_chart(lv.mhc_token_figure(probe, t), key="mhc_token", config=PLOT_CONFIG)
+            a, b = st.columns(2)
+            a.plotly_chart(lv.mhc_lines_figure(probe, tokens, "attn"), key="mhc_attn", config=PLOT_CONFIG)
+            b.plotly_chart(lv.residual_norms_figure(probe, tokens), key="mhc_norms", config=PLOT_CONFIG)
+        except lv.ProbeError as err:
+            fail("Cannot draw the mHC view", err)
+    elif probe is not None:
+        st.caption("The run recorded no mHC coefficients for this layer.")
+
+    st.subheader("Expert routing", anchor=ANCHORS["routing"])
+    if probe is not None:
+        try:
+            n_routed, n_active = cfg.experts_of(r.layer)
+            model = lv.routing_model(run, probe, n_routed)
+            if model is None:
+                st.caption("The run recorded no routing for this layer.")
+            else:
+                split = lv.bias_split(model)
+                st.caption(f"Top-{n_active} of {n_routed} routed experts per token plus the always-on shared expert. "
+                           f"{split['text_tokens']} text tokens (bias) use {split['text_experts']} experts; "
+                           f"{split['image_tokens']} image tokens (bias_vl) use {split['image_experts']}.")
+                a, b = st.columns([1.3, 1])
+                a.plotly_chart(lv.routing_heatmap(model, tokens), key="routing_map", config=PLOT_CONFIG)
+                b.plotly_chart(lv.expert_load_figure(model), key="routing_load", config=PLOT_CONFIG)
+                st.dataframe(lv.token_routes(model, tokens), hide_index=True, height=240)
+        except lv.ProbeError as err:
+            fail("Cannot draw the routing view", err)
+
+    if probe is not None:
+        c1, c2 = st.columns(2)
+        c1.download_button("Download layer JSON", lv.layer_json(run, r.layer), f"layer{r.layer}.json",
+                           "application/json", on_click="ignore")
+        c2.download_button("Download layer CSV", lv.layer_csv(run, r.layer), f"layer{r.layer}.csv", "text/csv",
+                           on_click="ignore")
+
+
+ANCHORS = {"topk": "topk", "mhc": "mhc", "routing": "routing"}
+
+
+def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None, str | None]:
+    """Run the selected layer (and the layer whose top-k it borrows) on the prompt, or say why not."""
+    if source == pr.SOURCE_CONFIG:
+        return None, "Config only: no weights are loaded, so there are no live views. Pick the shipped model or a " \
+                     "checkpoint folder in the sidebar."
+    folder = Path(path)
+    if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+        return None, f"No weights at {folder}: live views need a checkpoint with safetensors shards."
+    if not text.strip():
+        return None, "The prompt is empty."
+    r = plan[view().layer]
+    if r.is_dspark:
+        return None, "DSpark stages are counted, not run, by this engine."
+    layers = tuple(sorted({r.layer} | ({r.index_source} if r.index_source is not None else set())))
+    try:
+        engine = cached_engine(str(folder))
+        return run_cached(engine.identity, str(folder), text, layers, (span,) if span else ()), None
+    except Exception as err:   # the engine's messages are written for users (EngineError)
+        print(traceback.format_exc())
+        return None, f"The run failed: {err}"
+
+
+@st.cache_data(show_spinner="Running the layer on the prompt…", max_entries=32)
+def run_cached(identity: str, folder: str, text: str, layers: tuple, spans: tuple) -> dict:
+    return cached_engine(folder).run(text, layers=list(layers), image_spans=list(spans)).to_json()
+
+
+def scroll_if_asked() -> None:
+    target = st.session_state.pop("scroll_to", None)
+    if target in ANCHORS.values():
+        st.html(f"<script>setTimeout(() => window.parent.document.getElementById('{target}')"
+                f"?.scrollIntoView({{behavior: 'smooth'}}), 300)</script>", unsafe_allow_javascript=True)
+
+
+def main() -> None:
+    source, path, text, span = sidebar()
+    try:
+        cfg = load_config(path)
+        plan = role_plan(cfg)
+        tally = cached_tally(source, path)
+    except (ConfigError, OSError, ValueError) as err:
+        fail("Cannot read the model", err)
+        st.stop()
+
+    if "view" not in st.session_state:
+        state, problems = state_from_query(st.query_params.to_dict(), plan)
+        set_view(state)
+        st.session_state["diagram_tab"] = TAB_TITLES[state.tab]
+        st.session_state["tally_pos"] = state.position
+        for p in problems:
+            st.warning(p)
+    if view().layer >= len(plan):      # a smaller model after a source change
+        set_view(replace(view(), layer=0, tab=plan[0].tab))
+        st.session_state["diagram_tab"] = TAB_TITLES[plan[0].tab]
+
+    st.title("DeepSeek-V4.1-Flash explorer")
+    st.markdown(f"<span class='muted'>{cfg.n_layers} layers + {cfg.n_mtp_layers} DSpark stages · "
+                f"{fmt_params(tally.total_params)} parameters · {fmt_params(tally.active_decode_params)} active per "
+                f"generated token · {kv_view.kv_bytes_per_token(cfg):g} B of global KV per token · "
+                f"{'config' if tally.source == 'config' else 'checkpoint headers'}</span>", unsafe_allow_html=True)
+
+    left, mid, right = st.columns([0.95, 2.35, 1.35], gap="medium")
+    with left:
+        try:
+            plan_column(cfg, plan, tally)
+        except Exception as err:
+            fail("Cannot draw the plan", err)
+    with mid:
+        try:
+            diagram_column(cfg, plan, tally)
+        except Exception as err:
+            fail("Cannot draw the diagram", err)
+    with right:
+        try:
+            tally_column(tally)
+        except Exception as err:
+            fail("Cannot draw the tally", err)
+
+    run, why = live_run(source, path, text, span, plan)
+    st.divider()
+    try:
+        live_views(cfg, plan, run, why)
+    except Exception as err:
+        fail("Cannot draw the layer views", err)
+    st.divider()
+    try:
+        kv_panel(cfg, run)
+    except Exception as err:
+        fail("Cannot draw the KV panel", err)
+    scroll_if_asked()
+    st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
+                                  if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
+
+
+main()

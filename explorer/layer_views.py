@@ -1,0 +1,420 @@
+"""Live layer views: view models and figures from one run's probes (`RunResult.to_json()`).
+
+The probe layout this module reads (T = prompt tokens, k = index_topk, E = routed experts):
+    run = {"tokens": [str]*T, "token_ids": [int]*T, "image_mask": [bool]*T (optional),
+           "layers": {"24": layer, ...}, "cache_bytes": int | {"global", "window", "pending", "total"},
+           "kv_bytes_formula": number}
+    layer = {"role", "kv_source", "index_source", "compress_ratio", "window_size",
+             "topk": [[entry]*k]*T (-1 padded) | None, "topk_scores": [[float|None]*k]*T | None,
+             "candidate_pool": [[entry, ...]]*T | None,
+             "mhc": {"attn"|"ffn": {"pre": [[hc]]*T, "post": [[hc]]*T, "comb": [[[hc]*hc]]*T}},
+             "routing": {"experts": [[k]]*T, "weights": [[k]]*T, "scores": [[E]]*T, "image_mask": [bool]*T?},
+             "residual_norms": [[hc]]*T | None, "time_s": float}
+Global entry j of a layer with compress ratio m covers prompt tokens j*m .. j*m+m-1.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine.config import ModelConfig
+from engine.roles import LayerRole
+
+from .style import GRID, INK, MHC_COLOUR, MUTED, ROLE_COLOURS, base_layout
+
+COPY_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000")
+MAX_MAP_CELLS = 320          # the top-k map is binned down to at most this many cells per axis
+
+
+class ProbeError(ValueError):
+    """A run's probe data does not have the expected structure; the message says which field."""
+
+
+# -- headings and notes -------------------------------------------------------------------------
+
+def layer_heading(r: LayerRole) -> str:
+    return f"Layer {r.layer} · {r.label}"
+
+
+def layer_subheading(r: LayerRole, cfg: ModelConfig) -> str:
+    """`KV from layer X · top-k from layer Y`, or what the layer does instead."""
+    if r.is_dspark:
+        return f"DSpark draft stage {r.layer - cfg.n_layers} · window only"
+    if r.kv_source is None:
+        return f"window only ({cfg.window_size} tokens) · no global branch"
+    text = f"KV from layer {r.kv_source} · top-k from layer {r.index_source}"
+    if r.in_candidate_pool:
+        text += f" · inside layer {cfg.candidate_source_layer}'s candidate pool"
+    return text
+
+
+def global_branch_note(r: LayerRole, cfg: ModelConfig) -> str | None:
+    """What the top-k section says instead of (or above) a map, by role."""
+    if r.kv_source is None:
+        return (f"Layer {r.layer} is SWA-only: it attends over its own {cfg.window_size}-token window and has no "
+                "global branch, so there are no top-k selections to show.")
+    if r.role == "reuse":
+        return (f"Layer {r.layer} is a Reuse layer: it computes no selection of its own. It attends over layer "
+                f"{r.kv_source}'s compressed KV with the top-{cfg.index_topk} that layer {r.index_source} chose "
+                "(shown below).")
+    return None
+
+
+# -- probe access -------------------------------------------------------------------------------
+
+def layer_probe(run: dict | None, layer: int) -> dict | None:
+    """The probes of one layer, or None when the run did not record it."""
+    if not run:
+        return None
+    layers = run.get("layers")
+    if not isinstance(layers, dict):
+        raise ProbeError("run has no 'layers' mapping")
+    return layers.get(str(layer), layers.get(layer))
+
+
+def image_mask(run: dict, probe: dict | None = None) -> list[bool]:
+    T = len(run.get("tokens") or [])
+    mask = (probe or {}).get("routing", {}).get("image_mask") if probe else None
+    mask = mask if mask is not None else run.get("image_mask")
+    return [bool(v) for v in mask] if mask is not None else [False] * T
+
+
+def _rows(probe: dict, key: str, T: int) -> list:
+    value = probe.get(key)
+    if value is None:
+        return []
+    if len(value) != T:
+        raise ProbeError(f"'{key}' has {len(value)} rows for {T} tokens")
+    return value
+
+
+# -- top-k --------------------------------------------------------------------------------------
+
+@dataclass
+class TopkModel:
+    T: int
+    ratio: int
+    n_entries: int
+    selected: list[list[int]]          # per query: selected entry ids (no padding)
+    pool: list[list[int]] | None       # per query: candidate pool entry ids
+    window: int
+
+
+def topk_model(run: dict, probe: dict) -> TopkModel | None:
+    """The selections of one index-producing layer (its own or the one it borrows)."""
+    T = len(run.get("tokens") or [])
+    topk = _rows(probe, "topk", T)
+    if not topk:
+        return None
+    m = int(probe.get("compress_ratio") or 1)
+    selected = [[int(j) for j in row if j is not None and int(j) >= 0] for row in topk]
+    pool_rows = probe.get("candidate_pool")
+    pool = [[int(j) for j in row] for row in pool_rows] if pool_rows else None
+    n = max([max(r) for r in selected if r] + [max(r) for r in (pool or []) if r] + [T // m - 1, 0]) + 1
+    return TopkModel(T, m, n, selected, pool, int(probe.get("window_size") or 0))
+
+
+def entry_tokens(entry: int, ratio: int, T: int) -> range:
+    """Prompt positions a global entry covers."""
+    return range(entry * ratio, min(entry * ratio + ratio, T))
+
+
+def selection_counts(model: TopkModel) -> list[int]:
+    """Per prompt token: how many queries selected the entry that token belongs to."""
+    per_entry = [0] * model.n_entries
+    for row in model.selected:
+        for j in row:
+            per_entry[j] += 1
+    counts = [0] * model.T
+    for j, c in enumerate(per_entry):
+        for t in entry_tokens(j, model.ratio, model.T):
+            counts[t] = c
+    return counts
+
+
+def selected_positions(model: TopkModel, query: int) -> set[int]:
+    """Prompt positions covered by the entries query `query` selected."""
+    if not 0 <= query < model.T:
+        raise ProbeError(f"query position {query} is outside the prompt (0..{model.T - 1})")
+    return {t for j in model.selected[query] for t in entry_tokens(j, model.ratio, model.T)}
+
+
+def topk_map(model: TopkModel) -> dict:
+    """Binned map: z[qb][eb] = share of (query, entry) cells selected (2 = selected, 1 = in pool only)."""
+    qb = max(1, -(-model.T // MAX_MAP_CELLS))
+    eb = max(1, -(-model.n_entries // MAX_MAP_CELLS))
+    nq, ne = -(-model.T // qb), -(-model.n_entries // eb)
+    sel = [[0.0] * ne for _ in range(nq)]
+    pool = [[0.0] * ne for _ in range(nq)]
+    for t, row in enumerate(model.selected):
+        for j in row:
+            sel[t // qb][j // eb] += 1.0 / (qb * eb)
+    if model.pool:
+        for t, row in enumerate(model.pool):
+            for j in row:
+                pool[t // qb][j // eb] += 1.0 / (qb * eb)
+    return {"sel": sel, "pool": pool, "q_bin": qb, "e_bin": eb}
+
+
+def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380) -> go.Figure:
+    """Query position (y) × global entry (x): selected cells dark, the candidate pool light, the
+    sliding window's band outlined (entries the window already covers)."""
+    binned = topk_map(model)
+    qb, eb = binned["q_bin"], binned["e_bin"]
+    xs = [i * eb for i in range(len(binned["sel"][0]) if binned["sel"] else 0)]
+    ys = [i * qb for i in range(len(binned["sel"]))]
+    fig = go.Figure()
+    if model.pool:
+        fig.add_trace(go.Heatmap(z=binned["pool"], x=xs, y=ys, showscale=False, hoverinfo="skip",
+                                 colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(230,159,0,0.35)"]], zmin=0, zmax=1))
+    fig.add_trace(go.Heatmap(z=binned["sel"], x=xs, y=ys, showscale=False, zmin=0, zmax=1,
+                             colorscale=[[0, "rgba(0,0,0,0)"], [0.001, "#C6DBEF"], [1, "#08306B"]],
+                             hovertemplate="query %{y} · entry %{x}<br>selected share %{z:.2f}<extra></extra>"))
+    if model.window:
+        qs = list(range(model.T))
+        lo = [max(0, (t - model.window + 1) // model.ratio) for t in qs]
+        hi = [t // model.ratio for t in qs]
+        fig.add_trace(go.Scatter(x=lo + [None] + hi, y=qs + [None] + qs, mode="lines", hoverinfo="skip",
+                                 line=dict(color="#D55E00", width=1, dash="dot"), name="window"))
+    if query is not None and 0 <= query < model.T:
+        fig.add_hline(y=query, line=dict(color=INK, width=1))
+    fig.update_layout(**base_layout(
+        height=height, margin=dict(l=8, r=8, t=8, b=8),
+        xaxis=dict(title=dict(text=f"global entry (1 per {model.ratio} token{'s' if model.ratio > 1 else ''})",
+                              font=dict(size=11, color=MUTED)), gridcolor=GRID, range=[-0.5, model.n_entries]),
+        yaxis=dict(title=dict(text="query position", font=dict(size=11, color=MUTED)), gridcolor=GRID,
+                   autorange="reversed"),
+        hovermode="closest"))
+    return fig
+
+
+def token_strip_html(tokens: list[str], values: list[float] | None = None, *, highlight: set[int] = frozenset(),
+                     focus: int | None = None, image: list[bool] | None = None, max_tokens: int = 2000) -> str:
+    """The prompt as inline token chips: background by value (0..max), a yellow ring on `highlight`,
+    an ink ring on `focus`, a dashed underline on image positions. Text is escaped."""
+    values = values or [0.0] * len(tokens)
+    top = max(values) if values and max(values) > 0 else 1.0
+    chips = []
+    for i, tok in enumerate(tokens[:max_tokens]):
+        a = values[i] / top if i < len(values) else 0
+        style = [f"background:rgba(8,48,107,{0.08 + 0.72 * a:.2f})" if a > 0 else "background:#F3F4F6",
+                 f"color:{'white' if a > 0.55 else INK}", "border-radius:3px", "padding:1px 2px", "margin:1px",
+                 "display:inline-block", "font-family:ui-monospace,Menlo,monospace", "font-size:12px",
+                 "white-space:pre"]
+        if i in highlight:
+            style.append("box-shadow:0 0 0 2px #E69F00")
+        if i == focus:
+            style.append("outline:2px solid #1F2430")
+        if image and i < len(image) and image[i]:
+            style.append("border-bottom:2px dashed #CC79A7")
+        text = html.escape(tok.replace("\n", "⏎").replace("\t", "⇥")) or "∅"
+        chips.append(f"<span title='#{i} · {values[i] if i < len(values) else 0:g}' style='{';'.join(style)}'>{text}</span>")
+    more = f"<span style='color:{MUTED}'> … {len(tokens) - max_tokens} more</span>" if len(tokens) > max_tokens else ""
+    return f"<div style='line-height:1.9;max-height:260px;overflow-y:auto'>{''.join(chips)}{more}</div>"
+
+
+# -- mHC ----------------------------------------------------------------------------------------
+
+def mhc_token(probe: dict, t: int) -> dict:
+    """One token's coefficients: {'attn'|'ffn': {'pre': [hc], 'post': [hc], 'comb': [[hc]*hc]}}."""
+    out = {}
+    for part, d in (probe.get("mhc") or {}).items():
+        if not 0 <= t < len(d.get("pre", [])):
+            raise ProbeError(f"token {t} is outside the mHC probe of '{part}'")
+        out[part] = {k: d[k][t] for k in ("pre", "post", "comb") if k in d}
+    return out
+
+
+def mhc_token_figure(probe: dict, t: int, height: int = 300) -> go.Figure:
+    """Pre and post bars of both sub-layers, and the two comb mixes, for one token."""
+    coeff = mhc_token(probe, t)
+    parts = [p for p in ("attn", "ffn") if p in coeff]
+    fig = make_subplots(rows=1, cols=2 + len(parts), column_widths=[0.25, 0.25] + [0.25] * len(parts),
+                        subplot_titles=["pre (collapse)", "post (write back)"] + [f"comb {p} (i → j)" for p in parts],
+                        horizontal_spacing=0.07)
+    for col, key in ((1, "pre"), (2, "post")):
+        for k, part in enumerate(parts):
+            vals = coeff[part][key]
+            fig.add_trace(go.Bar(x=[f"c{i}" for i in range(len(vals))], y=vals, name=part,
+                                 marker_color=(MHC_COLOUR, "#9CA3AF")[k], showlegend=col == 1,
+                                 hovertemplate=f"{part} {key} copy %{{x}}: %{{y:.4f}}<extra></extra>"), row=1, col=col)
+    for k, part in enumerate(parts):
+        comb = coeff[part].get("comb")
+        if comb:
+            fig.add_trace(go.Heatmap(z=comb, colorscale="Purples", zmin=0, zmax=1, showscale=False,
+                                     text=[[f"{v:.2f}" for v in row] for row in comb], texttemplate="%{text}",
+                                     hovertemplate="from copy %{y} to copy %{x}: %{z:.4f}<extra></extra>"),
+                          row=1, col=3 + k)
+            fig.update_yaxes(autorange="reversed", row=1, col=3 + k)
+    fig.update_layout(**base_layout(height=height, showlegend=True, barmode="group",
+                                    margin=dict(l=8, r=8, t=28, b=8),
+                                    legend=dict(orientation="h", y=-0.12, font=dict(size=11))))
+    fig.update_annotations(font=dict(size=11, color=MUTED))
+    return fig
+
+
+def mhc_lines_figure(probe: dict, tokens: list[str], part: str = "attn", height: int = 260) -> go.Figure:
+    """Across tokens: pre and post per residual copy (solid pre, dotted post)."""
+    d = (probe.get("mhc") or {}).get(part) or {}
+    fig = go.Figure()
+    for key, dash in (("pre", "solid"), ("post", "dot")):
+        rows = d.get(key) or []
+        for c in range(len(rows[0]) if rows else 0):
+            fig.add_trace(go.Scatter(y=[r[c] for r in rows], mode="lines", name=f"{key} c{c}",
+                                     line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], dash=dash, width=1.3),
+                                     customdata=tokens, hovertemplate=f"{key} c{c} · token %{{x}} %{{customdata}}: "
+                                                                      "%{y:.4f}<extra></extra>"))
+    fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
+                                    legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
+                                    xaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)), gridcolor=GRID),
+                                    yaxis=dict(gridcolor=GRID), hovermode="closest"))
+    return fig
+
+
+def residual_norms_figure(probe: dict, tokens: list[str], height: int = 220) -> go.Figure:
+    rows = probe.get("residual_norms") or []
+    fig = go.Figure()
+    for c in range(len(rows[0]) if rows else 0):
+        fig.add_trace(go.Scatter(y=[r[c] for r in rows], mode="lines", name=f"copy {c}", customdata=tokens,
+                                 line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], width=1.3),
+                                 hovertemplate=f"copy {c} · token %{{x}} %{{customdata}}: %{{y:.3g}}<extra></extra>"))
+    fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
+                                    legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
+                                    xaxis=dict(gridcolor=GRID), yaxis=dict(gridcolor=GRID, title="‖X[c]‖"),
+                                    hovermode="closest"))
+    return fig
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+@dataclass
+class RoutingModel:
+    T: int
+    n_experts: int
+    experts: list[list[int]]
+    weights: list[list[float]]
+    image: list[bool]
+
+    def load(self, image: bool | None = None) -> list[int]:
+        """Tokens routed to each expert (optionally only text or only image tokens)."""
+        out = [0] * self.n_experts
+        for t, row in enumerate(self.experts):
+            if image is None or self.image[t] == image:
+                for e in row:
+                    out[e] += 1
+        return out
+
+    def matrix(self) -> list[list[float]]:
+        """[T, E] routing weights (0 where an expert is not chosen)."""
+        z = [[0.0] * self.n_experts for _ in range(self.T)]
+        for t, (es, ws) in enumerate(zip(self.experts, self.weights)):
+            for e, w in zip(es, ws):
+                z[t][e] = w
+        return z
+
+
+def routing_model(run: dict, probe: dict, n_experts: int) -> RoutingModel | None:
+    T = len(run.get("tokens") or [])
+    r = probe.get("routing") or {}
+    experts, weights = r.get("experts"), r.get("weights")
+    if experts is None or weights is None:
+        return None
+    if len(experts) != T or len(weights) != T:
+        raise ProbeError(f"routing has {len(experts)} rows for {T} tokens")
+    scores = r.get("scores")
+    n = max(n_experts, len(scores[0]) if scores else 0, max((max(row) for row in experts if row), default=-1) + 1)
+    return RoutingModel(T, n, [[int(e) for e in row] for row in experts],
+                        [[float(w) for w in row] for row in weights], image_mask(run, probe))
+
+
+def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -> go.Figure:
+    z = model.matrix()
+    fig = go.Figure(go.Heatmap(z=z, colorscale="Blues", zmin=0, showscale=False,
+                               customdata=[[tokens[t]] * model.n_experts for t in range(model.T)],
+                               hovertemplate="token %{y} %{customdata} · expert %{x}: weight %{z:.3f}<extra></extra>"))
+    fig.update_layout(**base_layout(height=height, margin=dict(l=8, r=8, t=8, b=8),
+                                    xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),
+                                    yaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)),
+                                               autorange="reversed")))
+    return fig
+
+
+def expert_load_figure(model: RoutingModel, height: int = 220) -> go.Figure:
+    """Tokens per expert, text and image stacked (they balance with separate biases)."""
+    fig = go.Figure()
+    fig.add_trace(go.Bar(y=model.load(image=False), name="text tokens (bias)", marker_color=ROLE_COLOURS["full_m2"],
+                         hovertemplate="expert %{x}: %{y} text tokens<extra></extra>"))
+    if any(model.image):
+        fig.add_trace(go.Bar(y=model.load(image=True), name="image tokens (bias_vl)", marker_color="#CC79A7",
+                             hovertemplate="expert %{x}: %{y} image tokens<extra></extra>"))
+    fig.update_layout(**base_layout(height=height, barmode="stack", showlegend=True, bargap=0.05,
+                                    margin=dict(l=8, r=8, t=8, b=8),
+                                    legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
+                                    xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),
+                                    yaxis=dict(gridcolor=GRID)))
+    return fig
+
+
+def token_routes(model: RoutingModel, tokens: list[str]) -> list[dict]:
+    """Each token's top-k experts with weights, strongest first (a table)."""
+    out = []
+    for t in range(model.T):
+        pairs = sorted(zip(model.experts[t], model.weights[t]), key=lambda p: -p[1])
+        out.append({"pos": t, "token": tokens[t], "image": model.image[t],
+                    "experts": " ".join(f"{e}:{w:.3f}" for e, w in pairs), "weight sum": round(sum(model.weights[t]), 4)})
+    return out
+
+
+def bias_split(model: RoutingModel) -> dict:
+    """How many distinct experts text and image tokens use, and how many they share."""
+    text = {e for t, row in enumerate(model.experts) if not model.image[t] for e in row}
+    image = {e for t, row in enumerate(model.experts) if model.image[t] for e in row}
+    return {"text_tokens": model.image.count(False), "image_tokens": model.image.count(True),
+            "text_experts": len(text), "image_experts": len(image), "shared_experts_used": len(text & image)}
+
+
+# -- downloads ----------------------------------------------------------------------------------
+
+def layer_json(run: dict, layer: int) -> str:
+    probe = layer_probe(run, layer)
+    if probe is None:
+        raise ProbeError(f"the run has no probes for layer {layer}")
+    return json.dumps({"tokens": run.get("tokens"), "token_ids": run.get("token_ids"), "layer": layer, **probe})
+
+
+def layer_csv(run: dict, layer: int) -> str:
+    """One row per token: position, token, image flag, selected entries, experts/weights, mHC pre/post,
+    residual norms."""
+    probe = layer_probe(run, layer)
+    if probe is None:
+        raise ProbeError(f"the run has no probes for layer {layer}")
+    tokens = run.get("tokens") or []
+    T = len(tokens)
+    img = image_mask(run, probe)
+    topk = _rows(probe, "topk", T)
+    r = probe.get("routing") or {}
+    mhc = probe.get("mhc") or {}
+    norms = _rows(probe, "residual_norms", T)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["pos", "token", "token_id", "image", "topk_entries", "experts", "expert_weights",
+                "attn_pre", "attn_post", "ffn_pre", "ffn_post", "residual_norms"])
+    ids = run.get("token_ids") or [None] * T
+    for t in range(T):
+        def col(part, key):
+            rows = (mhc.get(part) or {}).get(key)
+            return " ".join(f"{v:.6g}" for v in rows[t]) if rows else ""
+        w.writerow([t, tokens[t], ids[t], int(img[t]),
+                    " ".join(str(j) for j in topk[t] if j is not None and j >= 0) if topk else "",
+                    " ".join(map(str, r["experts"][t])) if r.get("experts") else "",
+                    " ".join(f"{v:.6g}" for v in r["weights"][t]) if r.get("weights") else "",
+                    col("attn", "pre"), col("attn", "post"), col("ffn", "pre"), col("ffn", "post"),
+                    " ".join(f"{v:.6g}" for v in norms[t]) if norms else ""])
+    return buf.getvalue()
