@@ -1,0 +1,122 @@
+"""One entry point per kernel: Triton on CUDA (when triton imports), the PyTorch reference elsewhere.
+
+Every function here has the same signature as its `*_reference` / `*_triton` pair in the kernel's
+module; `compare(name, *args)` runs both and reports the largest absolute and relative difference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from kernels import fp8_linear as _lin
+from kernels import indexer as _idx
+from kernels import mhc as _mhc
+from kernels import moe as _moe
+from kernels import quant as _q
+from kernels import sparse_attn as _attn
+from kernels import topk as _topk
+
+_PAIRS = {
+    "indexer_scores": (_idx.indexer_scores_reference, _idx.indexer_scores_triton),
+    "indexer_topk": (_idx.indexer_topk_reference, _idx.indexer_topk_triton),
+    "topk_positions": (_topk.topk_positions_reference, _topk.topk_positions_triton),
+    "sparse_attn": (_attn.sparse_attn_reference, _attn.sparse_attn_triton),
+    "moe_fp4": (_moe.moe_fp4_reference, _moe.moe_fp4_triton),
+    "mhc": (_mhc.mhc_reference, _mhc.mhc_triton),
+    "fp8_linear": (_lin.fp8_linear_reference, _lin.fp8_linear_triton),
+    "quantize_fp4": (_q.quantize_fp4_reference, _q.quantize_fp4_triton),
+    "quantize_fp8": (_q.quantize_fp8_reference, _q.quantize_fp8_triton),
+}
+
+
+def use_triton(device) -> bool:
+    """True when `device` is a CUDA device and triton can be imported."""
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _device_of(args) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _call(name, *args, **kwargs):
+    ref, fast = _PAIRS[name]
+    return (fast if use_triton(_device_of(args)) else ref)(*args, **kwargs)
+
+
+def indexer_scores(*args, **kwargs):
+    return _call("indexer_scores", *args, **kwargs)
+
+
+def indexer_topk(*args, **kwargs):
+    return _call("indexer_topk", *args, **kwargs)
+
+
+def topk_positions(*args, **kwargs):
+    return _call("topk_positions", *args, **kwargs)
+
+
+def sparse_attn(*args, **kwargs):
+    return _call("sparse_attn", *args, **kwargs)
+
+
+def moe_fp4(*args, **kwargs):
+    return _call("moe_fp4", *args, **kwargs)
+
+
+def mhc(*args, **kwargs):
+    return _call("mhc", *args, **kwargs)
+
+
+def fp8_linear(*args, **kwargs):
+    return _call("fp8_linear", *args, **kwargs)
+
+
+def quantize_fp4(*args, **kwargs):
+    return _call("quantize_fp4", *args, **kwargs)
+
+
+def quantize_fp8(*args, **kwargs):
+    return _call("quantize_fp8", *args, **kwargs)
+
+
+def _flat(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [o for o in out if o is not None]
+
+
+def compare(fn_name: str, *args, **kwargs) -> dict:
+    """Run the reference and the Triton version on the same inputs.
+
+    Returns {"name", "max_abs", "max_rel", "rel_l2", "mismatched_bytes"}: max_rel is max_abs over the
+    reference's largest magnitude; for integer/FP8 outputs (indices, quantized bytes) max_abs counts
+    differing elements' largest difference and mismatched_bytes the number of differing elements."""
+    if fn_name not in _PAIRS:
+        raise ValueError(f"unknown kernel {fn_name!r}; known: {', '.join(sorted(_PAIRS))}")
+    ref, fast = _PAIRS[fn_name]
+    a, b = _flat(ref(*args, **kwargs)), _flat(fast(*args, **kwargs))
+    max_abs = max_rel = rel_l2 = 0.0
+    mismatched = 0
+    for u, v in zip(a, b):
+        if u.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8):
+            u, v = u.view(torch.uint8).long(), v.view(torch.uint8).long()
+        uf, vf = u.double().cpu(), v.double().cpu()
+        fin = torch.isfinite(uf)
+        mismatched += int((uf != vf).sum()) if not u.is_floating_point() else int((~torch.isclose(uf, vf, equal_nan=True)).sum())
+        if not torch.equal(fin, torch.isfinite(vf)):
+            max_abs = max_rel = rel_l2 = float("inf")
+            continue
+        d = (uf[fin] - vf[fin]).abs()
+        scale = uf[fin].abs().max().item() if fin.any() else 0.0
+        ma = d.max().item() if d.numel() else 0.0
+        max_abs = max(max_abs, ma)
+        max_rel = max(max_rel, ma / scale if scale else ma)
+        nrm = uf[fin].norm().item()
+        rel_l2 = max(rel_l2, (d.norm().item() / nrm) if nrm else d.norm().item())
+    return {"name": fn_name, "max_abs": max_abs, "max_rel": max_rel, "rel_l2": rel_l2,
+            "mismatched_bytes": mismatched}
