@@ -53,7 +53,7 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
         xe = x[rows]
         base = f"{prefix}experts.{e}."
         h = swiglu(linear(xe, base + "w1"), linear(xe, base + "w3"), cfg.swiglu_limit)
-        y = y.index_add(0, rows, linear(h * weights[rows, slot, None], base + "w2"))
+        y.index_add_(0, rows, linear(h * weights[rows, slot, None], base + "w2"))
     base = prefix + "shared_experts."
     y = y + linear(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit), base + "w2")
     if probe is not None:

@@ -1,0 +1,97 @@
+"""`python -m engine run` (a prompt through the engine, with probes) and `python -m engine eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .__main__ import Command, fmt_bytes, table
+from .api import DEFAULT_CHECKPOINT, EngineError, load
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
+                   help="release-layout checkpoint folder (default: the shipped small model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text")
+    src.add_argument("--ids", help="comma-separated token ids instead of text (e.g. 0,523,77)")
+    p.add_argument("--layer", type=int, action="append", help="layer to probe (repeatable; default: all)")
+    p.add_argument("--generate", type=int, default=0, help="greedy tokens to generate after the prompt")
+    p.add_argument("--image-span", action="append", default=[], metavar="START:END",
+                   help="mark token positions START..END-1 as image positions (routes with bias_vl)")
+    p.add_argument("--json", dest="json_out", help="write the probes as JSON to this file ('-' for stdout)")
+
+
+def _spans(values: list[str]) -> list[tuple[int, int]]:
+    spans = []
+    for v in values:
+        try:
+            a, b = (int(x) for x in v.split(":"))
+        except ValueError:
+            raise EngineError(f"--image-span {v!r}: expected START:END, e.g. 10:20") from None
+        spans.append((a, b))
+    return spans
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        if args.prompt_file:
+            try:
+                prompt = Path(args.prompt_file).read_text()
+            except OSError as err:
+                raise EngineError(f"{args.prompt_file}: cannot read the prompt file ({err.strerror})") from None
+        elif args.ids is not None:
+            try:
+                prompt = [int(v) for v in args.ids.split(",") if v.strip()]
+            except ValueError:
+                raise EngineError(f"--ids {args.ids!r}: expected comma-separated integers") from None
+        else:
+            prompt = args.prompt
+        if args.generate < 0:
+            raise EngineError("--generate must not be negative")
+        engine = load(args.checkpoint)
+        result = engine.run(prompt, layers=args.layer, image_spans=_spans(args.image_span), generate=args.generate)
+    except EngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json_out:
+        text = json.dumps(result.to_json())
+        if args.json_out == "-":
+            print(text)
+            return 0
+        Path(args.json_out).write_text(text)
+    rows = []
+    for L, lr in sorted(result.layers.items()):
+        sel = "-" if lr.topk is None else f"{int((lr.topk[-1] >= 0).sum())} of {lr.n_entries}"
+        experts = " ".join(str(e) for e in lr.routing["experts"][-1].tolist()) if lr.routing else "-"
+        rows.append([L, lr.label, lr.kv_source if lr.kv_source is not None else "-",
+                     lr.index_source if lr.index_source is not None else "-", sel, experts, f"{lr.time_s * 1e3:.1f}"])
+    print(f"{len(result.token_ids)} tokens through {engine.cfg.n_layers} layers in {result.time_s:.2f} s "
+          f"({engine.source})")
+    print(table(["layer", "role", "KV from", "top-k from", "last token selects", "last token experts", "ms"], rows))
+    cache = result.cache_bytes
+    print(f"cache held: global {fmt_bytes(cache['global'])} (formula {fmt_bytes(result.kv_bytes_formula)}), "
+          f"windows {fmt_bytes(cache['window'])}")
+    if result.generated_ids:
+        print(f"generated: {result.generated_text!r}")
+    if args.json_out and args.json_out != "-":
+        print(f"probes written to {args.json_out}")
+    return 0
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="[--checkpoint DIR] --text-file F [--json]")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from . import eval as evaluation
+    return evaluation.main(args.rest)
+
+
+COMMANDS = [
+    Command("run", "run a prompt through the engine and print (or save) the probes", _run_args, _run),
+    Command("eval", "mean next-token loss and perplexity of a checkpoint on a text file", _eval_args, _eval),
+]
