@@ -359,12 +359,13 @@ def shard_plan(cfg: ModelConfig, n_shards: int | None = None,
     natural = len(ordinary) + len(engram)
     n = natural if n_shards is None else max(1, min(int(n_shards), natural))
     if n < natural:
-        n_engram = min(len(engram), n - 1) if ordinary else min(len(engram), n)
-        if n_engram < len(engram) and n_engram > 0:  # fold the surplus Engram groups into the last one
-            engram = engram[: n_engram - 1] + [sum(engram[n_engram - 1:], [])]
-        elif n_engram == 0:
-            ordinary, engram = [sum(ordinary + engram, [])], []
-        ordinary = _merge(ordinary, n - len(engram))
+        if n == 1 or not ordinary:
+            ordinary, engram = _merge(ordinary + engram, n), []
+        else:
+            if len(engram) > n - 1:  # keep Engram last: fold the surplus Engram groups together
+                keep = n - 1
+                engram = engram[: keep - 1] + [sum(engram[keep - 1:], [])]
+            ordinary = _merge(ordinary, n - len(engram))
     groups = ordinary + engram
     return [Shard(shard_name(i + 1, len(groups)), g) for i, g in enumerate(groups)]
 
