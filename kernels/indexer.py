@@ -72,35 +72,43 @@ def _decode_fp4_tile(p_ptr, s_ptr, rows, row_mask, HALF: tl.constexpr, D: tl.con
 def _indexer_scores_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, out_ptr,
                            T, N, n_pool_cols, stride_out, POOL_BLOCK: tl.constexpr,
                            H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                           HAS_POOL: tl.constexpr, DT: tl.constexpr):
+                           HAS_POOL: tl.constexpr, DT: tl.constexpr, NLOOP: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)
     t_mask = t < T
     n_vis = tl.load(nvis_ptr + t, mask=t_mask, other=0)
-    n0 = pid_n * BN
-    cols = n0 + tl.arange(0, BN)
-    out_ptrs = out_ptr + t[:, None].to(tl.int64) * stride_out + cols[None, :]
-    store_mask = t_mask[:, None] & (cols[None, :] < N)
-    if n0 >= tl.max(n_vis, axis=0):  # nothing visible to any query of this tile
-        tl.store(out_ptrs, tl.full([BT, BN], float("-inf"), tl.float32), mask=store_mask)
-        return
     qrows = t[:, None] * H + tl.arange(0, H)[None, :]  # [BT, H]
     qrows = tl.reshape(qrows, (BT * H,))
     qrow_mask = qrows < T * H
-    q = _decode_fp4_tile(qp_ptr, qs_ptr, qrows, qrow_mask, D // 2, D, DT)  # [BT*H, D]
-    kmask = cols < N
-    k = _decode_fp4_tile(kp_ptr, ks_ptr, cols, kmask, D // 2, D, DT)  # [BN, D]
-    s = tl.dot(q, tl.trans(k))  # [BT*H, BN], exact products, fp32 sums
+    q = _decode_fp4_tile(qp_ptr, qs_ptr, qrows, qrow_mask, D // 2, D, DT)  # [BT*H, D], reused NLOOP times
     w = tl.load(w_ptr + qrows, mask=qrow_mask, other=0.0)
-    s = tl.maximum(s, 0.0) * w[:, None]
-    score = tl.sum(tl.reshape(s, (BT, H, BN)), axis=1)  # [BT, BN]
-    allowed = cols[None, :] < n_vis[:, None]
-    if HAS_POOL:
-        pm = tl.load(pool_ptr + t[:, None] * n_pool_cols + cols[None, :] // POOL_BLOCK,
-                     mask=store_mask, other=0)
-        allowed &= pm != 0
-    tl.store(out_ptrs, tl.where(allowed, score, float("-inf")), mask=store_mask)
+    for it in range(NLOOP):
+        _indexer_scores_tile(q, w, kp_ptr, ks_ptr, pool_ptr, out_ptr, t, t_mask, n_vis, (pid_n * NLOOP + it) * BN,
+                             N, n_pool_cols, stride_out, POOL_BLOCK, H, D, BT, BN, HAS_POOL, DT)
+
+
+@triton.jit
+def _indexer_scores_tile(q, w, kp_ptr, ks_ptr, pool_ptr, out_ptr, t, t_mask, n_vis, n0, N, n_pool_cols, stride_out,
+                         POOL_BLOCK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                         BN: tl.constexpr, HAS_POOL: tl.constexpr, DT: tl.constexpr):
+    cols = n0 + tl.arange(0, BN)
+    out_ptrs = out_ptr + t[:, None].to(tl.int64) * stride_out + cols[None, :]
+    store_mask = t_mask[:, None] & (cols[None, :] < N)
+    if n0 >= tl.max(n_vis, axis=0):  # nothing visible to any query of this tile: skip the keys
+        tl.store(out_ptrs, tl.full([BT, BN], float("-inf"), tl.float32), mask=store_mask)
+    else:
+        kmask = cols < N
+        k = _decode_fp4_tile(kp_ptr, ks_ptr, cols, kmask, D // 2, D, DT)  # [BN, D]
+        s = tl.dot(q, tl.trans(k))  # [BT*H, BN], exact products, fp32 sums
+        s = tl.maximum(s, 0.0) * w[:, None]
+        score = tl.sum(tl.reshape(s, (BT, H, BN)), axis=1)  # [BT, BN]
+        allowed = cols[None, :] < n_vis[:, None]
+        if HAS_POOL:
+            pm = tl.load(pool_ptr + t[:, None] * n_pool_cols + cols[None, :] // POOL_BLOCK,
+                         mask=store_mask, other=0)
+            allowed &= pm != 0
+        tl.store(out_ptrs, tl.where(allowed, score, float("-inf")), mask=store_mask)
 
 
 def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
@@ -109,13 +117,14 @@ def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visib
     out = torch.empty(t, n, dtype=torch.float32, device=q_packed.device)
     bt = 1 if t < 16 else max(1, 128 // h)
     bn = 128
+    nloop = 1 if t < 16 else 4
     pool = pool_mask.contiguous().view(torch.uint8) if pool_mask is not None else out
-    _indexer_scores_kernel[(triton.cdiv(t, bt), triton.cdiv(n, bn))](
+    _indexer_scores_kernel[(triton.cdiv(t, bt), triton.cdiv(n, bn * nloop))](
         q_packed.contiguous(), q_scale.contiguous().view(torch.uint8), k_packed.contiguous(),
         k_scale.contiguous().view(torch.uint8), weights.float().contiguous(),
         n_visible.to(torch.int32).contiguous(), pool, out, t, n,
         pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), POOL_BLOCK=pool_block,
-        H=h, D=d, BT=bt, BN=bn, HAS_POOL=pool_mask is not None, DT=dot_dtype(), num_warps=4)
+        H=h, D=d, BT=bt, BN=bn, HAS_POOL=pool_mask is not None, DT=dot_dtype(), NLOOP=nloop, num_warps=4)
     return out
 
 

@@ -67,7 +67,8 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     flat = topk_ids.flatten().long()
     p = flat.numel()
     order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # scatter_add, not bincount: bincount reads the max back to the host, which breaks graph capture
+    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     row_start = torch.cumsum(counts, 0) - counts
     nblk = (counts + block_m - 1) // block_m
     blk_cum = torch.cumsum(nblk, 0)

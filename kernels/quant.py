@@ -39,7 +39,7 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
     x_odd = tl.load(x_ptr + offs + 1, mask=m2, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
     if E4M3_SCALE:
-        s_code = e4m3_code(tl.maximum(amax, 6.0 * 0.001953125) / 6.0)
+        s_code = e4m3_code(tl.minimum(tl.maximum(amax, 6.0 * 0.001953125) / 6.0, 448.0))
         exp = (s_code >> 3) & 15
         man = s_code & 7
         s_norm = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)

@@ -1,0 +1,222 @@
+"""Every Triton kernel against its PyTorch reference, on the CPU under TRITON_INTERPRET=1 (tiny shapes).
+
+Inputs are fresh random draws each run (the seed is in the failure message); outputs the kernels
+allocate are poisoned (NaN / sentinel bytes) so an unwritten element fails the comparison.
+"""
+
+import importlib
+import os
+import random
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+
+import pytest
+import torch
+
+import kernels._formats
+import kernels.quant
+import kernels.topk
+import kernels.indexer
+import kernels.sparse_attn
+import kernels.moe
+import kernels.mhc
+import kernels.fp8_linear
+import kernels.dispatch
+
+# if another test imported the kernels without the interpreter, re-create the jit functions
+for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.moe,
+           kernels.mhc, kernels.fp8_linear, kernels.dispatch):
+    importlib.reload(_m)
+
+from engine import quant as Q  # noqa: E402
+from kernels import dispatch, fp8_linear, indexer, mhc, moe, quant, sparse_attn, topk  # noqa: E402
+
+_empty, _empty_like = torch.empty, torch.empty_like
+
+
+def _poison(t):
+    if t.is_floating_point() and t.dtype.itemsize >= 2:
+        return t.fill_(float("nan"))
+    return t.view(torch.uint8).fill_(0xA5).view(t.dtype) if t.numel() else t
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_empty_like(*a, **k)))
+
+
+@pytest.fixture
+def gen():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    assert not torch.isnan(b).any(), "NaN in the kernel's output (unwritten or invalid)"
+    return ((a - b).norm() / a.norm()).item()
+
+
+# -- quantizers: byte for byte ------------------------------------------------------------------
+
+@pytest.mark.parametrize("block,kind", [(32, "e8m0"), (16, "e4m3")])
+def test_fp4_quantizer_bit_exact(poisoned, gen, block, kind):
+    x = torch.randn(9, 256, generator=gen) * torch.logspace(-6, 3, 9)[:, None]
+    x[0, :block] = 0  # all-zero group keeps a finite scale
+    x[1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75] * 2)  # ties at E2M1 midpoints
+    x = x.to(torch.bfloat16)
+    (qa, sa), (qb, sb) = quant.quantize_fp4_reference(x, block, kind), quant.quantize_fp4_triton(x, block, kind)
+    assert sb.dtype == sa.dtype and qb.dtype == qa.dtype, gen.initial_seed()
+    assert torch.equal(qa, qb), gen.initial_seed()
+    assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8)), gen.initial_seed()
+
+
+def test_fp8_quantizer_bit_exact(poisoned, gen):
+    x = torch.randn(7, 512, generator=gen) * torch.logspace(-8, 4, 7)[:, None]
+    x[0, :32] = 0
+    (qa, sa), (qb, sb) = quant.quantize_fp8_reference(x, 32), quant.quantize_fp8_triton(x, 32)
+    assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)), gen.initial_seed()
+    assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8)), gen.initial_seed()
+
+
+# -- top-k ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,length,k,chunk", [(3, 700, 32, None), (2, 1500, 64, 256)])
+def test_topk_positions_exact(poisoned, gen, rows, length, k, chunk):
+    v = torch.randn(rows, length, generator=gen)
+    v[0, ::3] = float("-inf")
+    v[1, 40:90] = 0.25  # a block of ties straddling the threshold region
+    v[1, 300:340] = 0.25
+    lengths = torch.randint(1, length, (rows,), generator=gen, dtype=torch.int32)
+    lengths[-1] = 5  # fewer visible than k: -1 padding
+    want = topk.topk_positions_reference(v, k, lengths)
+    got = topk.topk_positions_triton(v, k, lengths, chunk=chunk, block=128)
+    assert torch.equal(want, got), gen.initial_seed()
+    assert (got[-1, 5:] == -1).all() and (got[-1, :5] == torch.arange(5)).all()
+
+
+# -- indexer -------------------------------------------------------------------------------------
+
+def _indexer_inputs(gen, t, h=4, d=64, n=200, pool=True):
+    q = Q.quantize_fp4(torch.randn(t, h, d, generator=gen), 32)
+    k = Q.quantize_fp4(torch.randn(n, d, generator=gen), 32)
+    w = torch.randn(t, h, generator=gen)
+    nv = torch.randint(0, n + 1, (t,), generator=gen, dtype=torch.int32)
+    nv[0] = n
+    pm = (torch.rand(t, -(-n // 8), generator=gen) > 0.3) if pool else None
+    return (*q, *k, w, nv, pm)
+
+
+@pytest.mark.parametrize("t", [1, 20])  # decode (one query) and a prefill tile
+def test_indexer_scores_and_topk(poisoned, gen, t):
+    args = _indexer_inputs(gen, t, pool=t == 1)
+    want = indexer.indexer_scores_reference(*args)
+    got = indexer.indexer_scores_triton(*args)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)), gen.initial_seed()
+    assert _rel(want[fin], got[fin]) < 1e-5, gen.initial_seed()
+    sel = indexer.indexer_topk_triton(*args, topk=16)
+    ref = indexer.indexer_topk_reference(*args, topk=16)
+    # same choice up to exact ties of the float64 scores
+    for r in range(t):
+        a, b = ref[r][ref[r] >= 0], sel[r][sel[r] >= 0]
+        assert a.numel() == b.numel() and (b.diff() > 0).all(), gen.initial_seed()
+        if not torch.equal(a, b):
+            assert torch.allclose(want[r, a.long()].sort().values, want[r, b.long()].sort().values), gen.initial_seed()
+
+
+# -- sparse attention ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t", [2, 5])
+def test_sparse_attn(poisoned, gen, t):
+    h, d, n, w, k, wn = 16, 64, 60, 24, 40, 8
+    q = (torch.randn(t, h, d, generator=gen) * 2).to(torch.bfloat16)
+    kvp, kvs = Q.quantize_fp4(torch.randn(n, d, generator=gen), 16, "e4m3")
+    w8, ws = Q.quantize_fp8(torch.randn(w, d, generator=gen))
+    idx = torch.randint(-1, n, (t, k), generator=gen, dtype=torch.int32)
+    widx = torch.randint(-1, w, (t, wn), generator=gen, dtype=torch.int32)
+    idx[-1], widx[-1] = -1, -1  # nothing selected: zeros
+    sink = torch.randn(h, generator=gen)
+    args = (q, kvp, kvs, idx, w8, ws, widx, sink)
+    want = sparse_attn.sparse_attn_reference(*args)
+    got = sparse_attn.sparse_attn_triton(*args, block_n=16)
+    assert _rel(want, got) < 1e-2, gen.initial_seed()  # bf16 output (the interpreter truncates to bf16)
+    assert (got[-1] == 0).all()
+
+
+# -- MoE -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t,block_m", [(1, 16), (9, 16)])
+def test_moe_fp4(poisoned, gen, t, block_m):
+    e, inter, dim, k = 6, 64, 128, 3
+    wq = lambda o, i: Q.quantize_fp4(torch.randn(e, o, i, generator=gen), 32)
+    w1, s1 = wq(inter, dim)
+    w3, s3 = wq(inter, dim)
+    w2, s2 = wq(dim, inter)
+    x = (torch.randn(t, dim, generator=gen)).to(torch.bfloat16)  # large enough to hit the clamps
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    tw = torch.rand(t, k, generator=gen)
+    args = (x, w1, s1, w3, s3, w2, s2, ids, tw)
+    want = moe.moe_fp4_reference(*args)
+    got = moe.moe_fp4_triton(*args, block_m=block_m, block_n=32, block_k=64)
+    assert _rel(want, got) < 1e-4, gen.initial_seed()
+
+
+def test_moe_swiglu_clamps_are_active(gen):
+    """The clamp must matter at these scales, or the MoE test could not catch a missing clamp."""
+    e, inter, dim = 6, 64, 128
+    w1, s1 = Q.quantize_fp4(torch.randn(e, inter, dim, generator=gen), 32)
+    x = torch.randn(4, dim, generator=gen).to(torch.bfloat16)
+    g = x.double() @ Q.dequantize_fp4(w1[0], s1[0], 32).double().T
+    assert (g.abs() > 10).any()
+
+
+# -- mHC -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,with_post", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_mhc(poisoned, gen, dtype, with_post):
+    t, dim = 5, 64
+    x = torch.randn(t, 4, dim, generator=gen).to(dtype)
+    fn = torch.randn(24, 4 * dim, generator=gen) * 0.05
+    scale, base = torch.rand(3, generator=gen) + 0.5, torch.randn(24, generator=gen) * 0.5
+    pre_prev = torch.rand(t, 4, generator=gen)
+    extra = ()
+    if with_post:
+        extra = (torch.randn(t, dim, generator=gen).to(dtype), torch.rand(t, 4, generator=gen) * 2,
+                 torch.softmax(torch.randn(t, 4, 4, generator=gen), -1))
+    want = mhc.mhc_reference(x, fn, scale, base, pre_prev, *extra)
+    got = mhc.mhc_triton(x, fn, scale, base, pre_prev, *extra, block_d=32)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for a, b in zip(want, got):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert _rel(a, b) < tol, gen.initial_seed()
+    # the Sinkhorn output is doubly stochastic to within the eps terms
+    comb = got[4]
+    assert torch.allclose(comb.sum(-2), torch.ones(t, 4), atol=1e-4)
+
+
+# -- FP8 linear ----------------------------------------------------------------------------------
+
+def test_fp8_linear(poisoned, gen):
+    x = torch.randn(70, 96, generator=gen).to(torch.bfloat16)
+    w, ws = Q.quantize_fp8_weight(torch.randn(100, 96, generator=gen))
+    want = fp8_linear.fp8_linear_reference(x, w, ws)
+    got = fp8_linear.fp8_linear_triton(x, w, ws, block_m=64, block_n=32)
+    assert _rel(want, got) < 1e-2, gen.initial_seed()
+
+
+# -- dispatch ------------------------------------------------------------------------------------
+
+def test_dispatch_uses_reference_on_cpu_and_compare_reports(gen):
+    assert dispatch.use_triton("cpu") is False
+    x = torch.randn(4, 64, generator=gen)
+    assert torch.equal(dispatch.quantize_fp4(x, 16, "e4m3")[0], Q.quantize_fp4(x, 16, "e4m3")[0])
+    rep = dispatch.compare("quantize_fp4", x, 16, "e4m3")
+    assert rep["max_abs"] == 0 and rep["mismatched_bytes"] == 0
+    v = torch.randn(2, 300, generator=gen)
+    assert dispatch.compare("topk_positions", v, 16)["mismatched_bytes"] == 0
+    with pytest.raises(ValueError, match="unknown kernel"):
+        dispatch.compare("nope")
