@@ -285,12 +285,24 @@ def train(args) -> None:
         model = Model(dense_cfg if phase == "dense" else cfg, trainee.weights(fake_quant=phase == "quant"),
                       tokenizer, act_quant=False)
         collect: dict = {}
-        logits = model.forward(ids, probes=ProbeRequest(kinds={"routing"}), collect=collect)
-        ce = F.cross_entropy(logits[:-1], ids[1:])
-        kl = indexer_kl(model)
-        loss = ce + args.kl_weight * kl
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            logits = model.forward(ids, probes=ProbeRequest(kinds={"routing"}), collect=collect)
+            ce = F.cross_entropy(logits[:-1], ids[1:])
+            kl = indexer_kl(model)
+            loss = ce + args.kl_weight * kl
+            loss.backward()
+        except torch.OutOfMemoryError:
+            # fall back to shorter sequences rather than lose the run
+            del model, collect
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            if phase == "dense":
+                args.dense_seq //= 2
+            else:
+                args.seq //= 2
+            note(event="oom", phase=phase, seq=seq)
+            continue
         gnorm = torch.nn.utils.clip_grad_norm_(list(trainee.params.values()), 1.0)
         opt.step()
         with torch.no_grad():
