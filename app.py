@@ -266,6 +266,9 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
     note = lv.global_branch_note(r, cfg)
     if note:
         st.caption(note)
+    if probe is None and r.kv_source is not None:
+        st.caption("After a run: query position × global entry (window band and candidate pool marked), the prompt "
+                   "shaded by how often each token was selected, and one query's picks highlighted in the text.")
     if probe is not None and r.kv_source is not None:
         try:
             source_probe = lv.layer_probe(run, r.index_source) if r.role == "reuse" else probe
@@ -294,9 +297,15 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
             fail("Cannot draw the mHC view", err)
     elif probe is not None:
         st.caption("The run recorded no mHC coefficients for this layer.")
+    else:
+        st.caption("After a run: one token's pre/post weights and its two 4×4 comb mixes, the coefficients across "
+                   "tokens, and the norms of the residual copies.")
 
     st.subheader("Expert routing", anchor=ANCHORS["routing"])
-    if probe is not None:
+    if probe is None:
+        st.caption("After a run: token × expert weights, expert load (text vs image tokens), and each token's "
+                   "top-k experts; the shared expert runs on every token.")
+    else:
         try:
             n_routed, n_active = cfg.experts_of(r.layer)
             model = lv.routing_model(run, probe, n_routed)
@@ -386,7 +395,7 @@ def main() -> None:
                 f"generated token · {kv_view.kv_bytes_per_token(cfg):g} B of global KV per token · "
                 f"{'config' if tally.source == 'config' else 'checkpoint headers'}</span>", unsafe_allow_html=True)
 
-    left, mid, right = st.columns([0.95, 2.35, 1.35], gap="medium")
+    left, mid, right = st.columns([1.1, 2.45, 1.3], gap="medium")
     with left:
         try:
             plan_column(cfg, plan, tally)

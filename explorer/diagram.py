@@ -126,7 +126,7 @@ def diagram_boxes(cfg: ModelConfig, tab: str, role: LayerRole | None = None) -> 
     add(_b("wkv", "wkv", _KV, 11.5, "weight", f"{cfg.dim} → {cfg.head_dim}: the one KV latent (K = V)"))
     add(_b("kv_norm", "kv_norm", _KV, 17.2, "norm", "RMSNorm of the latent"))
     add(_b("kv_rope", f"RoPE (last {cfg.rope_head_dim})", _KV, 22.9, "op", "rotated once, stored rotated"))
-    add(_b("window", f"FP8 window · {cfg.window_size} slots", _KV, 28.6, "cache",
+    add(_b("window", f"FP8 window ({cfg.window_size})", _KV, 28.6, "cache",
            f"{cfg.window_size} entries × ({cfg.head_dim} E4M3 + {cfg.head_dim // 32} E8M0) bytes, bounded"))
 
     if tab in ("full_m2", "full_m1"):
@@ -141,7 +141,7 @@ def diagram_boxes(cfg: ModelConfig, tab: str, role: LayerRole | None = None) -> 
             add(_b("compressor_wkv", "cmp.wkv", _CMP, 11.5, "weight", f"{cfg.dim} → {cfg.head_dim} (no gate, m=1)"))
             add(_b("compressor_pool", "one entry per token", _CMP, 17.2, "op", "m=1: no pooling"))
         add(_b("compressor_norm", "cmp.norm → RoPE", _CMP, 22.9, "norm", "rotated at the group's first position"))
-        add(_b("global_kv", f"FP4 KV cache · 1/{m} per token", _CMP, 28.6, "cache",
+        add(_b("global_kv", f"FP4 KV · 1/{m} per token", _CMP, 28.6, "cache",
                "512 E2M1 + one E4M3 scale per 16 = 288 B per entry; read by the layers above"))
         add(_b("indexer_wk", "idx.wk", (_IDX[0], 83.6), 11.5, "weight",
                f"{cfg.head_dim} → {cfg.index_head_dim} index key from the pre-RoPE latent"))
@@ -163,8 +163,8 @@ def diagram_boxes(cfg: ModelConfig, tab: str, role: LayerRole | None = None) -> 
         pool = ""
         if mine is not None and mine.in_candidate_pool or (mine is None and tab == "reindex"):
             pool = " in pool"
-        add(_b("topk_select", f"Σ w·relu(q·k) → top-{cfg.index_topk}{pool}", _IDX, 28.6, "op",
-               "lightning indexer scores; top-k kept in position order"
+        add(_b("topk_select", f"top-{cfg.index_topk}{pool}", _IDX, 28.6, "op",
+               "lightning indexer: score = Σ_h w_h·relu(q_h·k); top-k kept in position order"
                + ("; scored only inside the candidate pool" if pool else "")))
         if tab == "reindex":
             key_src = mine.index_key_source if mine is not None else None
@@ -190,7 +190,7 @@ def diagram_boxes(cfg: ModelConfig, tab: str, role: LayerRole | None = None) -> 
     add(_b("hc_ffn", "mHC pre-mix · collapse 4 → 1", (9, 95), 53.0, "mhc",
            "the attention sub-layer's pre weights collapse the FFN input", h=3.6))
     add(_b("ffn_norm", "ffn_norm", (38, 66), 58.4, "norm", "RMSNorm over dim"))
-    add(_b("gate", "gate · bias + bias_vl", (9, 40), 64.5, "weight",
+    add(_b("gate", "gate (bias, bias_vl)", (9, 44), 64.5, "weight",
            f"√softplus scores, top-{cfg.n_activated_experts} of {cfg.n_routed_experts} with bias "
            "(bias_vl on image positions)"))
     add(_b("experts", f"routed experts · {cfg.n_activated_experts} of {cfg.n_routed_experts}", (9, 62), 70.5,
@@ -237,9 +237,11 @@ _FILL = {"weight": "#FFFFFF", "op": "#F3F4F6", "cache": "#FFF8E1", "borrowed": "
 
 def _box_text(box: Box, stat: BoxStat | None) -> str:
     grey = "#8A8F98"
-    sep = "<br>" if box.x1 - box.x0 < 30 else " "
+    paren = f"({fmt_params(stat.params)} {stat.dtype})" if stat is not None else "(no tally)"
+    # about one character per x unit at the figure's usual width: wrap when the line would not fit
+    sep = "<br>" if len(box.label) + len(paren) + 2 > (box.x1 - box.x0) * 0.95 else " "
     if stat is not None:
-        return f"<b>{box.label}</b>{sep}<span style='color:{grey}'>({fmt_params(stat.params)} {stat.dtype})</span>"
+        return f"<b>{box.label}</b>{sep}<span style='color:{grey}'>{paren}</span>"
     if box.kind == "weight":
         return f"<b>{box.label}</b>{sep}<span style='color:{grey}'>(no tally)</span>"
     return f"<b>{box.label}</b>" if box.kind not in ("op", "cache", "borrowed") else box.label

@@ -36,12 +36,11 @@ def kv_rows(cfg: ModelConfig) -> list[KVRow]:
 
 def kv_table(cfg: ModelConfig) -> list[dict]:
     """Rows for a table: one per KV source, then the total line (its bytes = kv_bytes_per_token)."""
-    rows = [{"source layer": str(r.layer), "ratio m": r.ratio, "entries / token": r.entries_per_token,
-             "main entry (B)": r.main_entry_bytes, "index key (B)": r.index_key_bytes,
-             "bytes / token": r.bytes_per_token} for r in kv_rows(cfg)]
-    rows.append({"source layer": "all", "ratio m": None,
-                 "entries / token": sum(r.entries_per_token for r in kv_rows(cfg)),
-                 "main entry (B)": None, "index key (B)": None, "bytes / token": kv_bytes_per_token(cfg)})
+    rows = [{"layer": str(r.layer), "m": str(r.ratio), "entries/token": r.entries_per_token,
+             "entry B": str(r.main_entry_bytes), "key B": str(r.index_key_bytes),
+             "B/token": r.bytes_per_token} for r in kv_rows(cfg)]
+    rows.append({"layer": "all", "m": "", "entries/token": sum(r.entries_per_token for r in kv_rows(cfg)),
+                 "entry B": "", "key B": "", "B/token": kv_bytes_per_token(cfg)})
     return rows
 
 
@@ -76,34 +75,36 @@ def context_series(cfg: ModelConfig, points: int = 60, max_len: int = 1_000_000)
     return {"context_len": lengths, **{k: [r[k] for r in rows] for k in ("global_kv", "index_keys", "windows", "total")}}
 
 
-def kv_figure(cfg: ModelConfig, context_len: int, *, measured: dict | None = None, height: int = 300) -> go.Figure:
-    """Stacked cache bytes against context length (log x), the picked length marked; `measured` is the
-    engine's own count after a run ({'context_len', 'total', ...}) drawn as a diamond beside it."""
+def kv_figure(cfg: ModelConfig, context_len: int, *, measured: dict | None = None, height: int = 320) -> go.Figure:
+    """Cache bytes against context length, log-log: the global KV and index keys grow linearly, the
+    windows stop growing at the window size. The picked length is marked; `measured` is the engine's
+    own count after a run ({'context_len', 'total', ...}), drawn as a diamond beside the formula."""
     series = context_series(cfg)
     x = series["context_len"]
     fig = go.Figure()
-    for key, name, colour in (("windows", "sliding windows", WINDOW_COLOUR),
-                              ("index_keys", "index keys (FP4)", INDEX_COLOUR),
-                              ("global_kv", "global KV entries (FP4)", ROLE_COLOURS["full_m2"])):
-        fig.add_trace(go.Scatter(x=x, y=series[key], mode="lines", stackgroup="cache", name=name,
-                                 line=dict(width=0.8, color=colour), fillcolor=colour,
+    for key, name, colour, width in (("total", "total", INK, 2.4),
+                                     ("global_kv", "global KV entries (FP4)", ROLE_COLOURS["full_m2"], 1.6),
+                                     ("index_keys", "index keys (FP4)", INDEX_COLOUR, 1.6),
+                                     ("windows", "sliding windows (FP8)", WINDOW_COLOUR, 1.6)):
+        fig.add_trace(go.Scatter(x=x, y=[max(v, 1) for v in series[key]], mode="lines", name=name,
+                                 line=dict(width=width, color=colour),
                                  hovertemplate=f"{name}: %{{y:,.0f}} B at %{{x:,}} tokens<extra></extra>"))
     at = cache_breakdown_at(cfg, context_len)
+    fig.add_vline(x=context_len, line=dict(color=MUTED, width=1, dash="dot"))
     fig.add_trace(go.Scatter(x=[context_len], y=[at["total"]], mode="markers+text", name="picked",
-                             marker=dict(size=10, color=INK, symbol="circle"),
-                             text=[f"{fmt_bytes(at['total'])} at {fmt_tokens(context_len)}"],
-                             textposition="top left" if context_len > 100_000 else "top right",
+                             marker=dict(size=9, color=INK), text=[f"{fmt_bytes(at['total'])} at {fmt_tokens(context_len)}"],
+                             textposition="middle left" if context_len > 50_000 else "middle right",
                              hovertemplate="total %{y:,.0f} B at %{x:,} tokens<extra></extra>", showlegend=False))
     if measured:
         fig.add_trace(go.Scatter(x=[measured["context_len"]], y=[measured["total"]], mode="markers",
-                                 name="engine held", marker=dict(size=12, color="#D55E00", symbol="diamond"),
+                                 name="engine held (last run)", marker=dict(size=12, color="#D55E00", symbol="diamond"),
                                  hovertemplate="engine held %{y:,.0f} B after %{x:,} tokens<extra></extra>"))
     fig.update_layout(**base_layout(
         height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
         legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0, font=dict(size=11)),
         xaxis=dict(type="log", title=dict(text="context length (tokens)", font=dict(size=11, color=MUTED)),
                    gridcolor=GRID, tickfont=dict(size=10)),
-        yaxis=dict(title=dict(text="cache bytes", font=dict(size=11, color=MUTED)), gridcolor=GRID,
+        yaxis=dict(type="log", title=dict(text="bytes", font=dict(size=11, color=MUTED)), gridcolor=GRID,
                    tickfont=dict(size=10), tickformat=".2s"),
         hovermode="closest",
     ))
