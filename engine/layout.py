@@ -4,7 +4,8 @@ logical shape, parameter count and bytes, the diagram box (kind) it belongs to, 
 For the release config this is exactly the release's 96,085 tensors and 510,286,023,000 bytes. Names,
 dtypes and shapes follow the released checkpoint (spec section 3); which tensors exist is derived from
 the config's lists (KV sources own a compressor and index keys, index sources own indexer queries,
-ratio-1 compressors have no gate, Engram layers own a table, a vision tower adds `bias_vl`).
+ratio-1 compressors have no gate, Engram layers own a table). Every MoE gate has `bias_vl` (image
+positions), as the release does; text-only configs keep it so image spans can still be marked.
 
 `classify(name)` turns a tensor name into its kind/group/layer without a config, so a checkpoint read
 from headers lands in exactly the same boxes as the config's contract.
@@ -224,8 +225,9 @@ def _block(b: _Builder, cfg: ModelConfig, prefix: str, *, ratio: int, kv_source:
     b.add(f"{prefix}.ffn_norm.weight", "BF16", (dim,))
     b.add(f"{ffn}.gate.weight", "BF16", (n_experts, dim))
     b.add(f"{ffn}.gate.bias", "F32", (n_experts,))
-    if cfg.vision_enabled:  # image positions route with their own bias
-        b.add(f"{ffn}.gate.bias_vl", "F32", (n_experts,))
+    # image positions route with their own bias; kept without a vision tower too, so image spans can
+    # be marked in a text-only model (the small model trains it on marked spans)
+    b.add(f"{ffn}.gate.bias_vl", "F32", (n_experts,))
     for e in range(n_experts):
         b.fp4_linear(f"{ffn}.experts.{e}.w1", inter, dim)
         b.fp4_linear(f"{ffn}.experts.{e}.w2", dim, inter)

@@ -44,7 +44,7 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
     """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM."""
     n_routed, n_active = cfg.experts_of(layer)
     prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
-    bias_vl = get(prefix + "gate.bias_vl") if cfg.vision_enabled else None
+    bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
     scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
                                      image_mask, n_active, cfg.route_scale, cfg.score_func)
     y = torch.zeros(x.shape[0], cfg.dim, device=x.device)

@@ -86,7 +86,7 @@ def test_image_positions_route_with_bias_vl():
     for L in range(cfg.n_layers):
         weights[f"layers.{L}.ffn.gate.bias_vl"] = torch.zeros(cfg.n_routed_experts)
         weights[f"layers.{L}.ffn.gate.bias_vl"][:cfg.n_activated_experts] = 100.0  # forces experts 0-5
-    engine = Engine(cfg.replace(vision_n_layers=1), TensorWeights(weights), IdentityTokenizer(300))
+    engine = Engine(cfg, TensorWeights(weights), IdentityTokenizer(300))
     ids = random_ids(cfg, 12).tolist()
     result = engine.run(ids, layers=[4], image_spans=[(3, 7)])
     experts = result.layers[4].routing["experts"]
