@@ -163,6 +163,14 @@ HF_TO_INFERENCE = {
     "engram_pad_token_id": "engram_pad_id",
     "max_position_embeddings": "max_seq_len",
 }
+VISION_HF_TO_INFERENCE = {
+    "hidden_size": "vision_dim",
+    "num_hidden_layers": "vision_n_layers",
+    "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim",
+    "patch_size": "vision_patch_size",
+    "rope_theta": "vision_rope_theta",
+}
 # HF-only keys with no inference counterpart that we accept silently.
 _HF_IGNORED = {"norm_topk_prob", "rope_scaling", "model_type", "architectures", "torch_dtype",
                "transformers_version", "quantization_config", "initializer_range", "use_cache",
@@ -218,7 +226,7 @@ def config_from_dict(raw: dict, where: str = "config") -> ModelConfig:
                 extra[key] = value
         # the vision tower's settings may sit beside the text config
         for key, value in (raw.get("vision_config") or {}).items():
-            name = key if key.startswith("vision_") else f"vision_{key}"
+            name = VISION_HF_TO_INFERENCE.get(key, key if key.startswith("vision_") else f"vision_{key}")
             if name in _FIELDS:
                 flat.setdefault(name, value)
         if "image_token_id" in raw:
