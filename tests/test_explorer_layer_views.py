@@ -1,0 +1,122 @@
+"""Live layer view models on a synthetic run shaped like `RunResult.to_json()`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from engine.config import release_config
+from engine.roles import role_plan
+from explorer import layer_views as lv
+from explorer_synth import synthetic_layer, synthetic_run
+
+CFG = release_config()
+PLAN = role_plan(CFG)
+
+
+def tiny_run():
+    """T=6, ratio 2: entries 0..2 cover tokens (0,1), (2,3), (4,5)."""
+    layer = synthetic_layer(6, ratio=2, k=2, n_experts=8, top=2)
+    layer["topk"] = [[-1, -1], [0, -1], [0, -1], [0, 1], [1, -1], [0, 2]]
+    layer["candidate_pool"] = [[], [0], [0], [0, 1], [0, 1], [0, 1, 2]]
+    layer["routing"]["experts"] = [[0, 1], [0, 2], [0, 1], [3, 1], [0, 7], [0, 1]]
+    layer["routing"]["weights"] = [[1.0, 0.5]] * 6
+    image = [False, False, True, True, False, False]
+    layer["routing"]["image_mask"] = image
+    return synthetic_run(6, {8: layer}, image=image)
+
+
+def test_headings():
+    assert lv.layer_heading(PLAN[24]) == "Layer 24 · Reindex"
+    assert lv.layer_subheading(PLAN[25], CFG) == "KV from layer 20 · top-k from layer 24"
+    assert "no global branch" in lv.layer_subheading(PLAN[0], CFG)
+    assert "no global branch" in lv.global_branch_note(PLAN[1], CFG)
+    assert "layer 24 chose" in lv.global_branch_note(PLAN[25], CFG)
+    assert lv.global_branch_note(PLAN[24], CFG) is None
+
+
+def test_topk_counts_and_token_mapping():
+    run = tiny_run()
+    m = lv.topk_model(run, lv.layer_probe(run, 8))
+    assert (m.T, m.ratio, m.n_entries) == (6, 2, 3)
+    # entry 0 picked by queries 1, 2, 3, 5 (4 times), entry 1 by 3 and 4, entry 2 by 5
+    assert lv.selection_counts(m) == [4, 4, 2, 2, 1, 1]
+    assert lv.selected_positions(m, 5) == {0, 1, 4, 5}
+    assert lv.selected_positions(m, 0) == set()
+    with pytest.raises(lv.ProbeError):
+        lv.selected_positions(m, 6)
+    binned = lv.topk_map(m)
+    assert binned["sel"][3] == [1.0, 1.0, 0.0] and binned["pool"][5] == [1.0, 1.0, 1.0]
+    fig = lv.topk_figure(m, query=5)
+    assert any(t.name == "window" for t in fig.data)
+
+
+def test_topk_map_bins_large_prompts():
+    T = 1000
+    run = synthetic_run(T, {24: synthetic_layer(T, k=8, seed=3)})
+    m = lv.topk_model(run, lv.layer_probe(run, 24))
+    binned = lv.topk_map(m)
+    assert len(binned["sel"]) <= lv.MAX_MAP_CELLS and len(binned["sel"][0]) <= lv.MAX_MAP_CELLS
+    # binning keeps the total count of selections (weights are 1 / cells per bin)
+    total = sum(map(sum, binned["sel"])) * binned["q_bin"] * binned["e_bin"]
+    assert round(total) == sum(len(r) for r in m.selected)
+
+
+def test_token_strip_escapes_and_marks():
+    html_text = lv.token_strip_html(["<b>", "a"], [0, 1], highlight={0}, focus=1, image=[True, False])
+    assert "&lt;b&gt;" in html_text and "<b>" not in html_text
+    assert "box-shadow" in html_text and "outline" in html_text and "dashed" in html_text
+
+
+def test_mhc_views():
+    run = tiny_run()
+    probe = lv.layer_probe(run, 8)
+    coeff = lv.mhc_token(probe, 3)
+    assert set(coeff) == {"attn", "ffn"} and len(coeff["attn"]["comb"]) == 4
+    assert coeff["attn"]["pre"] == probe["mhc"]["attn"]["pre"][3]
+    fig = lv.mhc_token_figure(probe, 3)
+    assert sum(1 for t in fig.data if t.type == "heatmap") == 2
+    assert len(lv.mhc_lines_figure(probe, run["tokens"]).data) == 8     # pre and post for 4 copies
+    assert len(lv.residual_norms_figure(probe, run["tokens"]).data) == 4
+    with pytest.raises(lv.ProbeError):
+        lv.mhc_token(probe, 6)
+
+
+def test_routing_views():
+    run = tiny_run()
+    model = lv.routing_model(run, lv.layer_probe(run, 8), 8)
+    assert model.load() == [5, 4, 1, 1, 0, 0, 0, 1]
+    assert model.load(image=True) == [1, 2, 0, 1, 0, 0, 0, 0]
+    assert model.matrix()[4][7] == 0.5 and model.matrix()[4][1] == 0.0
+    split = lv.bias_split(model)
+    assert split == {"text_tokens": 4, "image_tokens": 2, "text_experts": 4, "image_experts": 3,
+                     "shared_experts_used": 2}
+    routes = lv.token_routes(model, run["tokens"])
+    assert routes[3]["experts"] == "3:1.000 1:0.500" and routes[2]["image"] is True
+    fig = lv.expert_load_figure(model)
+    assert [t.name for t in fig.data] == ["text tokens (bias)", "image tokens (bias_vl)"]
+
+
+def test_downloads():
+    run = tiny_run()
+    rows = list(csv.DictReader(io.StringIO(lv.layer_csv(run, 8))))
+    assert len(rows) == 6 and rows[5]["topk_entries"] == "0 2" and rows[2]["image"] == "1"
+    assert rows[0]["topk_entries"] == ""
+    data = json.loads(lv.layer_json(run, 8))
+    assert data["layer"] == 8 and data["topk"][5] == [0, 2]
+    with pytest.raises(lv.ProbeError):
+        lv.layer_csv(run, 9)
+
+
+def test_malformed_probes_raise_clear_errors():
+    run = tiny_run()
+    probe = lv.layer_probe(run, 8)
+    probe["topk"] = probe["topk"][:3]
+    with pytest.raises(lv.ProbeError, match="'topk' has 3 rows for 6 tokens"):
+        lv.topk_model(run, probe)
+    with pytest.raises(lv.ProbeError, match="no 'layers'"):
+        lv.layer_probe({"tokens": []}, 1)
+    assert lv.layer_probe(None, 1) is None
