@@ -1,0 +1,90 @@
+"""Widget flows of app.py with Streamlit's AppTest (config-only source; no Plotly clicks here)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+
+
+@pytest.fixture(autouse=True)
+def config_source(monkeypatch):
+    monkeypatch.setenv("EXPLORER_SOURCE", "config")
+
+
+def run(query: dict | None = None) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    for key, value in (query or {}).items():
+        at.query_params[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def markdown(at) -> str:
+    return "\n".join(m.value for m in at.markdown)
+
+
+def test_default_view_and_url():
+    at = run()
+    assert "## Layer 24 · Reindex" in markdown(at)
+    assert at.query_params["layer"] == ["24"] or at.query_params["layer"] == "24"
+    assert [s.value for s in at.subheader] == ["Top-k selections", "mHC coefficients", "Expert routing"]
+    assert any("no weights are loaded" in i.value for i in at.info)
+    assert not at.error
+
+
+def test_url_restores_layer_and_tab():
+    at = run({"layer": "2", "tab": "full_m2"})
+    assert "## Layer 2 · Full m=2" in markdown(at)
+    assert at.session_state["diagram_tab"] == "Full (m=2, encoder)"
+    at = run({"layer": "29"})
+    assert "## Layer 29 · Reuse" in markdown(at)
+    assert any("layer 28 chose" in c.value for c in at.caption)
+
+
+def test_bad_url_warns_and_falls_back():
+    at = run({"layer": "77"})
+    assert any("77" in w.value for w in at.warning)
+    assert "## Layer 24 · Reindex" in markdown(at)
+
+
+def test_tally_position_radio_updates_metric_and_url():
+    at = run()
+    assert at.metric[0].value == "763.2B"
+    at.radio(key="tally_pos").set_value("decode").run()
+    assert at.metric[0].value == "16.13B"
+    assert dict(at.query_params)["pos"] in ("decode", ["decode"])
+    at.radio(key="tally_pos").set_value("prefill").run()
+    assert at.metric[0].value == "7.90B"
+
+
+def test_sidebar_sample_and_image_span():
+    at = run()
+    at.sidebar.selectbox(key="sample").set_value("04_long_incident_review").run()
+    assert "Incident review" in at.sidebar.text_area(key="prompt_text").value
+    assert any("tokens" in c.value for c in at.sidebar.caption)
+    at.sidebar.checkbox(key="image_on").check().run()
+    at.sidebar.text_input(key="image_span").input("5-2").run()
+    assert any("start < end" in e.value for e in at.sidebar.error)
+
+
+def test_context_length_changes_kv_metrics():
+    at = run()
+    total = [m for m in at.metric if m.label == "Total cache"][0]
+    assert total.value == "893 MB"
+    at.select_slider(key="context_len").set_value(1000).run()
+    total = [m for m in at.metric if m.label == "Total cache"][0]
+    assert total.value == "3.59 MB"      # 890 x 1000 B + 40 x 128 x 528 B of windows
+
+
+def test_missing_checkpoint_folder_is_a_clear_message():
+    at = run()
+    at.sidebar.radio(key="source").set_value("path").run()
+    at.sidebar.text_input[0].input("/nonexistent/ckpt").run()
+    assert not at.exception
+    assert at.error and "Cannot read the model" in at.error[0].value
