@@ -275,48 +275,51 @@ def diagram_figure(cfg: ModelConfig, tab: str, stats: dict[str, BoxStat] | None 
     accent = ROLE_COLOURS[tab]
     by_id = {b.id: b for b in boxes}
     fig = go.Figure()
+    # shapes and annotations are collected as dicts and set once: add_shape per box is ~10x slower
+    shapes: list[dict] = []
+    notes: list[dict] = []
     y_min = min(b.y0 for b in boxes) - 1.5
 
     # the residual stream: hc_mult thin lanes on the left
     for i in range(cfg.hc_mult):
         x = 1.6 + i * 1.3
-        fig.add_shape(type="line", x0=x, x1=x, y0=y_min + 0.5, y1=H_TOTAL - 18.5,
-                      line=dict(color=MHC_COLOUR, width=1.4), opacity=0.55, layer="below")
-    fig.add_annotation(x=3.5, y=H_TOTAL - 18.2, text=f"X ×{cfg.hc_mult}", showarrow=False,
-                       font=dict(size=10, color=MHC_COLOUR), yanchor="bottom")
+        shapes.append(dict(type="line", x0=x, x1=x, y0=y_min + 0.5, y1=H_TOTAL - 18.5,
+                           line=dict(color=MHC_COLOUR, width=1.4), opacity=0.55, layer="below"))
+    notes.append(dict(x=3.5, y=H_TOTAL - 18.2, text=f"X ×{cfg.hc_mult}", showarrow=False,
+                      font=dict(size=10, color=MHC_COLOUR), yanchor="bottom"))
     # sub-layer enclosures
     for name, y0, y1, colour in (("attention", -1.2, 50.9, accent), ("MoE", 52.0, 81.7, "#9CA3AF")):
-        fig.add_shape(type="rect", x0=8, x1=96.2, y0=y0, y1=y1, line=dict(color=colour, width=1.2, dash="dot"),
-                      fillcolor="rgba(0,0,0,0)", layer="below")
-        fig.add_annotation(x=96.2, y=y1, text=name, showarrow=False, xanchor="right", yanchor="bottom",
-                           font=dict(size=10, color=colour))
+        shapes.append(dict(type="rect", x0=8, x1=96.2, y0=y0, y1=y1, line=dict(color=colour, width=1.2, dash="dot"),
+                           fillcolor="rgba(0,0,0,0)", layer="below"))
+        notes.append(dict(x=96.2, y=y1, text=name, showarrow=False, xanchor="right", yanchor="bottom",
+                          font=dict(size=10, color=colour)))
 
     for a, b in _arrows(boxes):
         src, dst = by_id[a], by_id[b]
         lo, hi = max(src.x0, dst.x0), min(src.x1, dst.x1)
         if abs(src.y0 - dst.y0) < 1:    # same row: a short horizontal arrow
             left = src.x1 < dst.x0
-            fig.add_annotation(x=dst.x0 if left else dst.x1, y=dst.cy, ax=src.x1 if left else src.x0, ay=src.cy,
-                               xref="x", yref="y", axref="x", ayref="y", showarrow=True, arrowhead=2,
-                               arrowsize=0.8, arrowwidth=1, arrowcolor="#B8BEC8", text="")
+            notes.append(dict(x=dst.x0 if left else dst.x1, y=dst.cy, ax=src.x1 if left else src.x0, ay=src.cy,
+                              xref="x", yref="y", axref="x", ayref="y", showarrow=True, arrowhead=2,
+                              arrowsize=0.8, arrowwidth=1, arrowcolor="#B8BEC8", text=""))
             continue
         if hi - lo > 2:     # overlapping columns: a straight vertical arrow
             x_from = x_to = (lo + hi) / 2
         else:
             x_from, x_to = src.cx, min(max(src.cx, dst.x0 + 3), dst.x1 - 3)
-        fig.add_annotation(x=x_to, y=dst.y0, ax=x_from, ay=src.y1, xref="x", yref="y", axref="x", ayref="y",
-                           showarrow=True, arrowhead=2, arrowsize=0.8, arrowwidth=1, arrowcolor="#B8BEC8", text="")
+        notes.append(dict(x=x_to, y=dst.y0, ax=x_from, ay=src.y1, xref="x", yref="y", axref="x", ayref="y",
+                          showarrow=True, arrowhead=2, arrowsize=0.8, arrowwidth=1, arrowcolor="#B8BEC8", text=""))
 
     for box in boxes:
         colour = MHC_COLOUR if box.kind == "mhc" else ENGRAM_COLOUR if box.id == "engram" else accent
         hot = box.id in highlight or (box.id.endswith("_post") and box.id[:-5] in highlight)
-        fig.add_shape(type="rect", x0=box.x0, x1=box.x1, y0=box.y0, y1=box.y1, layer="below",
-                      fillcolor=HIGHLIGHT if hot else _FILL.get(box.kind, "#FFFFFF"),
-                      line=dict(color=INK if hot else colour, width=2.4 if hot else (1.4 if box.kind == "weight" else 1),
-                                dash="dash" if box.kind == "borrowed" else "solid"))
+        shapes.append(dict(type="rect", x0=box.x0, x1=box.x1, y0=box.y0, y1=box.y1, layer="below",
+                           fillcolor=HIGHLIGHT if hot else _FILL.get(box.kind, "#FFFFFF"),
+                           line=dict(color=INK if hot else colour, width=2.4 if hot else (1.4 if box.kind == "weight" else 1),
+                                     dash="dash" if box.kind == "borrowed" else "solid")))
         stat = stats.get(box.id) or (stats.get(box.id[:-5]) if box.id.endswith("_post") else None)
-        fig.add_annotation(x=box.cx, y=box.cy, text=_box_text(box, stat), showarrow=False,
-                           font=dict(size=11, color=MUTED if box.kind == "borrowed" else INK))
+        notes.append(dict(x=box.cx, y=box.cy, text=_box_text(box, stat), showarrow=False,
+                          font=dict(size=11, color=MUTED if box.kind == "borrowed" else INK)))
 
     # hover and click targets: a row of faint squares across each box
     xs, ys, data, hover = [], [], [], []
@@ -333,6 +336,7 @@ def diagram_figure(cfg: ModelConfig, tab: str, stats: dict[str, BoxStat] | None 
                              selected=dict(marker=dict(opacity=1)), unselected=dict(marker=dict(opacity=1)),
                              name="boxes"))
     fig.update_layout(**base_layout(
+        shapes=shapes, annotations=notes,
         height=height, margin=dict(l=4, r=4, t=4, b=4),
         xaxis=dict(range=[0, 97], visible=False, fixedrange=True),
         yaxis=dict(range=[y_min, 84.2], visible=False, fixedrange=True),

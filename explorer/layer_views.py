@@ -21,6 +21,7 @@ import io
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -172,9 +173,9 @@ def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380
     ys = [i * qb for i in range(len(binned["sel"]))]
     fig = go.Figure()
     if model.pool:
-        fig.add_trace(go.Heatmap(z=binned["pool"], x=xs, y=ys, showscale=False, hoverinfo="skip",
+        fig.add_trace(go.Heatmap(z=np.asarray(binned["pool"], dtype=np.float32), x=xs, y=ys, showscale=False, hoverinfo="skip",
                                  colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(230,159,0,0.35)"]], zmin=0, zmax=1))
-    fig.add_trace(go.Heatmap(z=binned["sel"], x=xs, y=ys, showscale=False, zmin=0, zmax=1,
+    fig.add_trace(go.Heatmap(z=np.asarray(binned["sel"], dtype=np.float32), x=xs, y=ys, showscale=False, zmin=0, zmax=1,
                              colorscale=[[0, "rgba(0,0,0,0)"], [0.001, "#C6DBEF"], [1, "#08306B"]],
                              hovertemplate="query %{y} · entry %{x}<br>selected share %{z:.2f}<extra></extra>"))
     if model.window:
@@ -335,10 +336,10 @@ def routing_model(run: dict, probe: dict, n_experts: int) -> RoutingModel | None
 
 
 def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -> go.Figure:
-    z = model.matrix()
+    z = np.asarray(model.matrix(), dtype=np.float32)   # numpy: Plotly ships it as one binary block
+    # token text on the y axis ticks would crowd; the hover names the position (tokens are in the table)
     fig = go.Figure(go.Heatmap(z=z, colorscale="Blues", zmin=0, showscale=False,
-                               customdata=[[tokens[t]] * model.n_experts for t in range(model.T)],
-                               hovertemplate="token %{y} %{customdata} · expert %{x}: weight %{z:.3f}<extra></extra>"))
+                               hovertemplate="token %{y} · expert %{x}: weight %{z:.3f}<extra></extra>"))
     fig.update_layout(**base_layout(height=height, margin=dict(l=8, r=8, t=8, b=8),
                                     xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),
                                     yaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)),
