@@ -130,6 +130,27 @@ def test_click_plan_flips_diagram_and_tally(server, browser):
     page.wait_for_selector("button:has-text('Clear highlight')", timeout=30_000)
     page.wait_for_timeout(800)
     page.screenshot(path=str(ARTIFACTS / "explorer_tally_highlight.png"), full_page=False)
+    # a click on the routed experts box scrolls to the live "Expert routing" section
+    index = page.evaluate("""() => {
+        const gd = document.querySelector('.st-key-diagram_reindex .js-plotly-plot');
+        return gd.data[gd.data.length - 1].customdata.findIndex(d => d[0] === 'experts');
+    }""")
+    targets = page.locator(".st-key-diagram_reindex .js-plotly-plot .scatterlayer .trace").last.locator(".point")
+    targets.nth(index).click(force=True)
+    page.wait_for_function("""() => { const h = document.getElementById('routing');
+        if (!h) return false; const r = h.getBoundingClientRect(); return r.top >= 0 && r.top < innerHeight; }""",
+                           timeout=30_000)
+    page.wait_for_timeout(600)
+    page.screenshot(path=str(ARTIFACTS / "explorer_scrolled_to_routing.png"))
+
+    # the Reuse tab draws borrowed top-k and KV (dashed boxes)
+    page.evaluate("() => document.querySelector('[data-testid=stMain]')?.scrollTo(0, 0) ?? window.scrollTo(0, 0)")
+    page.get_by_role("tab", name="Reuse").click()
+    page.wait_for_function("() => location.search.includes('tab=reuse')", timeout=30_000)
+    page.wait_for_selector(".st-key-diagram_reuse .js-plotly-plot", timeout=30_000)
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(ARTIFACTS / "explorer_reuse_tab.png"))
+
     # Streamlit scrolls an inner container, so a tall viewport is what captures the whole page
     page.set_viewport_size({"width": 1680, "height": 2900})
     page.wait_for_timeout(1200)
