@@ -7,6 +7,7 @@ EXPLORER_CHECKPOINT the default checkpoint folder.
 
 from __future__ import annotations
 
+import json
 import os
 import traceback
 from dataclasses import replace
@@ -335,7 +336,14 @@ ANCHORS = {"topk": "topk", "mhc": "mhc", "routing": "routing"}
 
 
 def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None, str | None]:
-    """Run the selected layer (and the layer whose top-k it borrows) on the prompt, or say why not."""
+    """Run the selected layer (and the layer whose top-k it borrows) on the prompt, or say why not.
+    EXPLORER_RUN_JSON names a saved run (`engine.api.save_result`) to show instead of running."""
+    saved = os.environ.get("EXPLORER_RUN_JSON")
+    if saved:
+        try:
+            return json.loads(Path(saved).read_text()), None
+        except (OSError, ValueError) as err:
+            return None, f"Cannot read the saved run {saved}: {err}"
     if source == pr.SOURCE_CONFIG:
         return None, "Config only: no weights are loaded, so there are no live views. Pick the shipped model or a " \
                      "checkpoint folder in the sidebar."

@@ -88,3 +88,27 @@ def test_missing_checkpoint_folder_is_a_clear_message():
     at.sidebar.text_input[0].input("/nonexistent/ckpt").run()
     assert not at.exception
     assert at.error and "Cannot read the model" in at.error[0].value
+
+
+def test_saved_run_renders_live_views(tmp_path, monkeypatch):
+    """A saved run (RunResult.to_json shape) drives all three live sections without errors."""
+    import json
+
+    from explorer_synth import synthetic_layer, synthetic_run
+
+    T = 40
+    image = [10 <= t < 20 for t in range(T)]
+    layers = {24: synthetic_layer(T, k=8, n_experts=384, image=image),
+              20: synthetic_layer(T, role="full", k=8, n_experts=384, index_source=20, image=image)}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(synthetic_run(T, layers, image=image)))
+    monkeypatch.setenv("EXPLORER_RUN_JSON", str(path))
+    at = run()
+    assert not at.error, [e.value for e in at.error]
+    assert at.slider(key="query_pos").value == T - 1
+    assert any("text tokens (bias) use" in c.value for c in at.caption)
+    assert any("engine held" in c.value for c in at.caption)
+    at.slider(key="query_pos").set_value(5).run()
+    assert not at.exception and not at.error
+    at = run({"layer": "25"})      # Reuse: shows layer 24's selection
+    assert not at.error and any("layer 24 chose" in c.value for c in at.caption)
