@@ -107,11 +107,31 @@ class LayerWeights:
         return self.get(f"{self.prefix}{name}")
 
 
+QUERY_BLOCK = 512  # queries scored at once: bounds memory at [block, entries]
+
+
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last axis with ties going to the lower index, so a prompt run whole and the
-    same prompt run token by token pick the same entries."""
+    """Top-k along the last axis with ties going to the lower index (a full stable sort; use it
+    for short rows such as block scores)."""
     values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
+
+
+def topk_in_position_order(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best finite entries of each row, listed in position order, -1 padded at the end.
+    Ties at the k-th value go to the lower positions, so a prompt run whole and token by token
+    selects the same entries. scores: [T, N] -> (indices [T, k], their scores [T, k])."""
+    n = scores.shape[-1]
+    kth = scores.topk(k, dim=-1).values[:, -1:]
+    above = scores > kth
+    ties = (scores == kth) & (kth > NEG_INF)
+    need = k - above.sum(-1, keepdim=True)
+    chosen = above | (ties & (ties.cumsum(-1) <= need))
+    pos = torch.where(chosen, torch.arange(n, device=scores.device), n)
+    idx = pos.topk(k, dim=-1, largest=False, sorted=True).values
+    picked = scores.gather(-1, idx.clamp(max=n - 1))
+    missing = idx >= n
+    return idx.masked_fill(missing, -1), picked.masked_fill(missing, NEG_INF)
 
 
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
@@ -180,7 +200,8 @@ class Attention:
         src.append(rotate(latent, first, self.freqs), rotate(ik, first, self.freqs))
 
     def _index(self, x, qr, positions, src: SourceCache, shared: Shared):
-        """Indexer scores over the source's entries and the top-k per query (position order)."""
+        """Indexer scores over the source's entries and the top-k per query (position order),
+        one block of queries at a time."""
         cfg, m = self.cfg, self.ratio
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         q = self.linear(qr, "attn.indexer.wq_b").view(-1, hi, di)
@@ -188,40 +209,67 @@ class Attention:
         q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
         head_w = (x.float() @ self.w("attn.indexer.weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5)
         keys = src.ik_values  # [N, Di]
-        scores = torch.einsum("thd,nd->thn", q, keys).relu()
-        scores = (scores * head_w.unsqueeze(-1)).sum(dim=1)  # [T, N]
-        visible = (positions + 1).div(m, rounding_mode="floor")  # entries each query may see
         n = keys.shape[0]
-        scores = scores.masked_fill(torch.arange(n, device=x.device)[None, :] >= visible[:, None], NEG_INF)
-        if self.role.candidate_source:
-            shared.candidates = select_candidate_blocks(scores.detach(), visible, cfg.candidate_topk_blocks,
-                                                        cfg.candidate_block_size)
-        elif self.role.in_candidate_pool:
-            scores = scores.masked_fill(~shared.candidates, NEG_INF)
         k = min(cfg.index_topk, n)
-        top_values, top_indices = stable_topk(scores.detach(), k)
-        idx = torch.where(top_values > NEG_INF, top_indices, torch.full_like(top_indices, n))
-        idx, order = idx.sort(dim=-1)
-        picked = top_values.gather(-1, order)
-        idx = torch.where(idx < n, idx, -1)
-        self.index_scores, self.last_topk = scores, idx  # kept for the indexer's training loss
+        visible = (positions + 1).div(m, rounding_mode="floor")  # entries each query may see
+        entry = torch.arange(n, device=x.device)
+        if self.role.candidate_source:
+            shared.candidates = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
+        keep_scores = torch.is_grad_enabled()  # the indexer's training loss needs them all
+        all_scores, idx, picked = [], [], []
+        for a in range(0, x.shape[0], QUERY_BLOCK):
+            b = slice(a, a + QUERY_BLOCK)
+            scores = torch.zeros(q[b].shape[0], n, device=x.device)
+            for h in range(hi):  # one head at a time: [block, N], never [block, heads, N]
+                scores = scores + head_w[b, h:h + 1] * (q[b, h] @ keys.t()).relu()
+            scores = scores.masked_fill(entry[None, :] >= visible[b, None], NEG_INF)
+            if self.role.candidate_source:
+                shared.candidates[b] = select_candidate_blocks(scores.detach(), visible[b], cfg.candidate_topk_blocks,
+                                                               cfg.candidate_block_size)
+            elif self.role.in_candidate_pool:
+                scores = scores.masked_fill(~shared.candidates[b], NEG_INF)
+            block_idx, block_picked = topk_in_position_order(scores.detach(), k)
+            idx.append(block_idx)
+            picked.append(block_picked)
+            if keep_scores:
+                all_scores.append(scores)
+        idx, picked = torch.cat(idx), torch.cat(picked)
+        self.index_scores = torch.cat(all_scores) if keep_scores else None
+        self.last_topk = idx  # kept for the indexer's training loss
         return idx, picked
+
+    def _attend(self, q, positions, keys, key_pos, sink, idx, global_kv):
+        """Softmax over the window entries at positions (p - W, p] and the selected global entries,
+        with exp(sink) added to each head's denominator. q: [B, H, D] -> ([B, H, D], probs on global)."""
+        cfg = self.cfg
+        lo = int(torch.searchsorted(key_pos, positions[0] - cfg.window_size + 1))
+        hi = int(torch.searchsorted(key_pos, positions[-1], right=True))
+        k_win, p_win = keys[lo:hi], key_pos[lo:hi]
+        ok = (p_win[None, :] <= positions[:, None]) & (p_win[None, :] > positions[:, None] - cfg.window_size)
+        scale = cfg.head_dim ** -0.5
+        logits = (torch.einsum("thd,nd->thn", q, k_win) * scale).masked_fill(~ok[:, None, :], NEG_INF)
+        gathered = None
+        if global_kv is not None:
+            gathered = global_kv[idx.clamp_min(0)]  # [B, k, D]
+            s_glob = torch.einsum("thd,tkd->thk", q, gathered) * scale
+            logits = torch.cat([logits, s_glob.masked_fill((idx < 0)[:, None, :], NEG_INF)], dim=-1)
+        sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]  # sink: denominator only
+        n_win = k_win.shape[0]
+        o = torch.einsum("thn,nd->thd", probs[..., :n_win], k_win)
+        if gathered is None:
+            return o, None
+        return o + torch.einsum("thk,tkd->thd", probs[..., n_win:], gathered), probs[..., n_win:]
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None):
         cfg = self.cfg
-        n_heads, head_dim, rd = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        n_heads, head_dim = cfg.n_heads, cfg.head_dim
         qr = rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
         q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
         q = rotate(q, positions, self.freqs)
 
         keys, key_pos = self._window_kv(x, positions)
-        # window: entries at positions (p - W, p]
-        win_ok = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - cfg.window_size)
-        scale = head_dim ** -0.5
-        s_win = torch.einsum("thd,nd->thn", q, keys) * scale
-        s_win = s_win.masked_fill(~win_ok[:, None, :], NEG_INF)
-
         idx = None
         if self.ratio > 0:
             if self.role.role == FULL:
@@ -236,22 +284,17 @@ class Attention:
                     idx, picked = self._index(x, qr, positions, src, shared)
                 shared.topk, shared.topk_scores = idx, picked
             idx = shared.topk
-        if idx is not None and idx.shape[1] > 0:
-            valid = idx >= 0
-            gathered = shared.source.kv_values[idx.clamp_min(0)]  # [T, k, D]
-            s_glob = torch.einsum("thd,tkd->thk", q, gathered) * scale
-            s_glob = s_glob.masked_fill(~valid[:, None, :], NEG_INF)
-            logits = torch.cat([s_win, s_glob], dim=-1)
-        else:
-            gathered, logits = None, s_win
-        sink = self.w("attn.attn_sink").float().view(1, n_heads, 1).expand(x.shape[0], n_heads, 1)
-        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]  # sink only in the denominator
-        n_win = keys.shape[0]
-        o = torch.einsum("thn,nd->thd", probs[..., :n_win], keys)
-        if gathered is not None:
-            o = o + torch.einsum("thk,tkd->thd", probs[..., n_win:], gathered)
-        o = rotate(o, positions, self.freqs, inverse=True)
-        self.global_probs = probs[..., n_win:] if gathered is not None else None
+        global_kv = shared.source.kv_values if idx is not None and idx.shape[1] > 0 else None
+        sink = self.w("attn.attn_sink").float()
+        outs, global_probs = [], []
+        for a in range(0, x.shape[0], QUERY_BLOCK):
+            b = slice(a, a + QUERY_BLOCK)
+            o, p_glob = self._attend(q[b], positions[b], keys, key_pos, sink,
+                                     None if global_kv is None else idx[b], global_kv)
+            outs.append(o)
+            global_probs.append(p_glob)
+        o = rotate(torch.cat(outs), positions, self.freqs, inverse=True)
+        self.global_probs = torch.cat(global_probs) if global_kv is not None else None
 
         groups = cfg.o_groups
         wo_a = self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1)

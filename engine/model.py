@@ -38,6 +38,8 @@ class Model:
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.act_quant = act_quant
         self.plan = role_plan(cfg)[: cfg.n_layers]
+        self.quantized_experts = weights.stored_dtype("layers.0.ffn.experts.0.w1.weight") in ("F8_E4M3", "I8") \
+            if weights.has("layers.0.ffn.experts.0.w1.weight") else False
         self.engram_layout = None
         self.compressed_vocab = None
         if cfg.engram_layer_ids:
@@ -49,9 +51,12 @@ class Model:
     def get(self, name: str) -> torch.Tensor:
         return self.weights.get(name)
 
-    def linear(self, x: torch.Tensor, base: str) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, base: str | None) -> torch.Tensor:
         """y = x W^T for the weight `base.weight`; activations entering an FP8/FP4 GEMM are
-        quantized to E4M3 with an E8M0 scale per 32, as the release's kernels do."""
+        quantized to E4M3 with an E8M0 scale per 32, as the release's kernels do.
+        base None: only that activation rounding (for the routed experts' batched GEMMs)."""
+        if base is None:
+            return quant.fp8_roundtrip(x, 32) if self.act_quant and self.quantized_experts else x.float()
         name = base + ".weight"
         w = self.weights.get(name)
         if self.act_quant and self.weights.stored_dtype(name) in ("F8_E4M3", "I8"):

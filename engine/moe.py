@@ -40,6 +40,36 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                   get, linear) -> torch.Tensor:
+    """sum_e w_e Expert_e(x) over each token's chosen experts, as three batched GEMMs over the
+    experts in use (tokens padded per expert). Only the chosen experts' weights are fetched."""
+    T, k = experts.shape
+    used, slot_expert = torch.unique(experts.flatten(), return_inverse=True)  # [U], [T*k]
+    counts = torch.bincount(slot_expert, minlength=used.numel())
+    order = torch.argsort(slot_expert, stable=True)
+    rank = torch.arange(order.numel(), device=x.device) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts)  # position of each sorted slot inside its expert
+    token = order // k
+    width = int(counts.max())
+    padded_tokens = torch.zeros(used.numel(), width, dtype=torch.long, device=x.device)
+    padded_tokens[slot_expert[order], rank] = token
+    names = [f"{prefix}experts.{e}." for e in used.tolist()]
+    w1 = torch.stack([get(n + "w1.weight") for n in names])  # [U, inter, dim]
+    w3 = torch.stack([get(n + "w3.weight") for n in names])
+    w2 = torch.stack([get(n + "w2.weight") for n in names])  # [U, dim, inter]
+    xq = linear(x, None)  # the activation as the FP4 GEMM sees it (E4M3 per 32), once for all experts
+    xe = xq[padded_tokens]  # [U, width, dim]
+    h = swiglu(xe @ w1.transpose(1, 2), xe @ w3.transpose(1, 2), cfg.swiglu_limit)
+    gate_w = torch.zeros(used.numel(), width, device=x.device)
+    gate_w[slot_expert[order], rank] = weights.flatten()[order]
+    h = linear(h * gate_w.unsqueeze(-1), None)
+    out = h @ w2.transpose(1, 2)  # [U, width, dim]; padded rows carry weight 0
+    y = torch.zeros(T, cfg.dim, device=x.device)
+    y.index_add_(0, padded_tokens.flatten(), out.flatten(0, 1))
+    return y
+
+
 def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None):
     """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM."""
     n_routed, n_active = cfg.experts_of(layer)
@@ -47,13 +77,7 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
     bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
     scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
                                      image_mask, n_active, cfg.route_scale, cfg.score_func)
-    y = torch.zeros(x.shape[0], cfg.dim, device=x.device)
-    for e in torch.unique(experts).tolist():
-        rows, slot = torch.where(experts == e)
-        xe = x[rows]
-        base = f"{prefix}experts.{e}."
-        h = swiglu(linear(xe, base + "w1"), linear(xe, base + "w3"), cfg.swiglu_limit)
-        y.index_add_(0, rows, linear(h * weights[rows, slot, None], base + "w2"))
+    y = routed_experts(cfg, prefix, x, experts, weights, get, linear)
     base = prefix + "shared_experts."
     y = y + linear(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit), base + "w2")
     if probe is not None:
