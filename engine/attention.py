@@ -238,16 +238,15 @@ class Attention:
         self.last_topk = idx  # kept for the indexer's training loss
         return idx, picked
 
-    def _attend(self, q, positions, keys, key_pos, sink, idx, global_kv):
-        """Softmax over the window entries at positions (p - W, p] and the selected global entries,
-        with exp(sink) added to each head's denominator. q: [B, H, D] -> ([B, H, D], probs on global)."""
+    def _attend(self, q, positions, windows, sink, idx, global_kv):
+        """Softmax over each query's window (its last W latents) and its selected global entries,
+        with exp(sink) added to each head's denominator.
+        q: [B, H, D]; windows: [B, D, W] (a strided view, oldest first) -> ([B, H, D], probs on global)."""
         cfg = self.cfg
-        lo = int(torch.searchsorted(key_pos, positions[0] - cfg.window_size + 1))
-        hi = int(torch.searchsorted(key_pos, positions[-1], right=True))
-        k_win, p_win = keys[lo:hi], key_pos[lo:hi]
-        ok = (p_win[None, :] <= positions[:, None]) & (p_win[None, :] > positions[:, None] - cfg.window_size)
+        w = cfg.window_size
         scale = cfg.head_dim ** -0.5
-        logits = (torch.einsum("thd,nd->thn", q, k_win) * scale).masked_fill(~ok[:, None, :], NEG_INF)
+        slot_pos = positions[:, None] - (w - 1) + torch.arange(w, device=q.device)[None, :]
+        logits = (torch.einsum("thd,tdw->thw", q, windows) * scale).masked_fill((slot_pos < 0)[:, None, :], NEG_INF)
         gathered = None
         if global_kv is not None:
             gathered = global_kv[idx.clamp_min(0)]  # [B, k, D]
@@ -255,11 +254,10 @@ class Attention:
             logits = torch.cat([logits, s_glob.masked_fill((idx < 0)[:, None, :], NEG_INF)], dim=-1)
         sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
         probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]  # sink: denominator only
-        n_win = k_win.shape[0]
-        o = torch.einsum("thn,nd->thd", probs[..., :n_win], k_win)
+        o = torch.einsum("thw,tdw->thd", probs[..., :w], windows)
         if gathered is None:
             return o, None
-        return o + torch.einsum("thk,tkd->thd", probs[..., n_win:], gathered), probs[..., n_win:]
+        return o + torch.einsum("thk,tkd->thd", probs[..., w:], gathered), probs[..., w:]
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None):
@@ -285,11 +283,18 @@ class Attention:
                 shared.topk, shared.topk_scores = idx, picked
             idx = shared.topk
         global_kv = shared.source.kv_values if idx is not None and idx.shape[1] > 0 else None
+        # each query's window as a strided view over the keys: [T, D, W], no copy
+        w = cfg.window_size
+        n_cached = keys.shape[0] - x.shape[0]
+        pad = max(0, w - 1 - n_cached)
+        padded = torch.cat([keys.new_zeros(pad, keys.shape[1]), keys]) if pad else keys
+        start = n_cached + pad - (w - 1)
+        windows = padded.unfold(0, w, 1)[start:start + x.shape[0]]
         sink = self.w("attn.attn_sink").float()
         outs, global_probs = [], []
         for a in range(0, x.shape[0], QUERY_BLOCK):
             b = slice(a, a + QUERY_BLOCK)
-            o, p_glob = self._attend(q[b], positions[b], keys, key_pos, sink,
+            o, p_glob = self._attend(q[b], positions[b], windows[b], sink,
                                      None if global_kv is None else idx[b], global_kv)
             outs.append(o)
             global_probs.append(p_glob)

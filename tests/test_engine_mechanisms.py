@@ -251,3 +251,31 @@ def test_rope_is_interleaved_pairs_on_the_tail():
     assert abs(y[t, 0, -rd + 2 * i].item() - (a * math.cos(ang) - b * math.sin(ang))) < 1e-5
     assert abs(y[t, 0, -rd + 2 * i + 1].item() - (a * math.sin(ang) + b * math.cos(ang))) < 1e-5
     assert torch.allclose(rotate(y, pos, freqs, inverse=True), x, atol=1e-5)
+
+
+def test_sparse_attention_with_window_sinks_and_padding_matches_float64_loop():
+    cfg = tiny_config()
+    attn, w = _attention(cfg, 2)
+    g = torch.Generator().manual_seed(7)
+    B, H, D, W, N, k = 5, cfg.n_heads, cfg.head_dim, cfg.window_size, 12, 4
+    q = torch.randn(B, H, D, generator=g)
+    keys = torch.randn(3 + B, D, generator=g)  # latents of positions 0..7; queries at positions 3..7
+    positions = torch.arange(3, 3 + B)
+    padded = torch.cat([torch.zeros(W - 1, D), keys])
+    windows = padded.unfold(0, W, 1)[3:3 + B]  # query at p sees positions p-W+1..p
+    sink = torch.randn(H, generator=g)
+    global_kv = torch.randn(N, D, generator=g)
+    idx = torch.tensor([[0, 3, -1, -1], [1, 2, 5, -1], [-1, -1, -1, -1], [0, 4, 7, 11], [2, 6, 9, -1]])
+    out, _ = attn._attend(q, positions, windows, sink, idx, global_kv)
+    scale = D ** -0.5
+    for t in range(B):
+        p = positions[t].item()
+        entries = [keys[j].double() for j in range(max(0, p - W + 1), p + 1)]
+        entries += [global_kv[j].double() for j in idx[t].tolist() if j >= 0]
+        for h in range(H):
+            logits = [float(q[t, h].double() @ e) * scale for e in entries]
+            mx = max(logits + [sink[h].item()])
+            weights = [math.exp(v - mx) for v in logits]
+            denom = sum(weights) + math.exp(sink[h].item() - mx)
+            expected = sum(wt * e for wt, e in zip(weights, entries)) / denom
+            assert torch.allclose(out[t, h].double(), expected, atol=1e-5), (t, h)
