@@ -1,0 +1,370 @@
+"""The engine as a small HTTP/JSON service (`python -m engine serve`), so the explorer can attach to
+an engine running elsewhere (for example the release-size model spread over several GPUs).
+
+Endpoints (JSON in, JSON out; errors are `{"error": message, "kind": ...}` with a 4xx/5xx status):
+- `GET  /info`           engine version, identity, source, config, role plan, world size, tokenizer
+- `GET  /health`         liveness and the queue: running, waiting per client
+- `POST /tokenize`       `{"prompt": text | [ids]}` -> `{"ids", "tokens"}`
+- `POST /token_strings`  `{"ids": [...]}` -> `{"tokens"}`
+- `POST /run`            `{"prompt" | "ids", "layers", "probes", "image_spans", "generate"}` ->
+                         `{"result": RunResult.to_json(), "queue": {"position", "wait_s", "run_s"}}`
+
+Runs go one at a time through a `FairQueue`: clients (header `X-Client-Id`, else the peer address)
+take turns, each client's own requests in order, and a client may have at most `per_client` waiting,
+so one user cannot starve the others. With several processes (torchrun), rank 0 answers HTTP and
+broadcasts each run to the other ranks; every rank computes its shard (`follow`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .api import ENGINE_VERSION, EngineError
+
+MAX_BODY = 64 << 20
+HEARTBEAT_S = 30.0   # an idle rank 0 pings the others so their waiting broadcast never times out
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class QueueFull(Exception):
+    """This client already has as many runs waiting as the service allows."""
+
+
+# -- the queue ---------------------------------------------------------------------------------------
+
+@dataclass
+class Ticket:
+    client: str
+    request: dict
+    submitted: float = field(default_factory=time.monotonic)
+    position: int = 0            # runs ahead of this one when it was queued (the running one included)
+    started: float | None = None
+    finished: float | None = None
+    result: dict | None = None
+    error: Exception | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def queue_info(self) -> dict:
+        started = self.started if self.started is not None else time.monotonic()
+        finished = self.finished if self.finished is not None else started
+        return {"position": self.position, "wait_s": round(started - self.submitted, 4),
+                "run_s": round(finished - started, 4)}
+
+
+class FairQueue:
+    """Runs one at a time. Clients with waiting runs take turns (round-robin in order of arrival);
+    each client's own runs keep their order; at most `per_client` waiting runs per client."""
+
+    def __init__(self, per_client: int = 4, max_waiting: int = 256):
+        self.per_client, self.max_waiting = per_client, max_waiting
+        self._waiting: dict[str, deque[Ticket]] = {}
+        self._turns: deque[str] = deque()   # clients with waiting runs, next turn first
+        self._cond = threading.Condition()
+        self.running: Ticket | None = None
+        self.served = 0
+        self.closed = False
+
+    def submit(self, client: str, request: dict) -> Ticket:
+        with self._cond:
+            mine = self._waiting.get(client)
+            if mine is not None and len(mine) >= self.per_client:
+                raise QueueFull(f"you already have {len(mine)} runs waiting (at most {self.per_client} per "
+                                "client); wait for one to finish")
+            if sum(len(q) for q in self._waiting.values()) >= self.max_waiting:
+                raise QueueFull(f"the engine has {self.max_waiting} runs waiting; try again later")
+            ticket = Ticket(client, request)
+            if mine is None:
+                mine = self._waiting[client] = deque()
+                self._turns.append(client)
+            mine.append(ticket)
+            ticket.position = self._ahead(ticket)
+            self._cond.notify_all()
+            return ticket
+
+    def _ahead(self, ticket: Ticket) -> int:
+        """Runs that go before `ticket` if nobody else arrives: its client's earlier runs, and in
+        each round before (and the part of its own round ahead of) its client's turn, one run of
+        every other client."""
+        order = list(self._turns)
+        me = order.index(ticket.client)
+        depth = self._waiting[ticket.client].index(ticket)
+        ahead = depth + (1 if self.running is not None else 0)
+        for i, client in enumerate(order):
+            if client != ticket.client:
+                ahead += min(len(self._waiting[client]), depth + (1 if i < me else 0))
+        return ahead
+
+    def next(self, timeout: float | None = None) -> Ticket | None:
+        """The next run (blocks up to `timeout`; None when nothing came). It is `running` until done()."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._turns) or self.closed, timeout) or self.closed:
+                return None
+            client = self._turns.popleft()
+            mine = self._waiting[client]
+            ticket = mine.popleft()
+            if mine:
+                self._turns.append(client)
+            else:
+                del self._waiting[client]
+            ticket.started = time.monotonic()
+            self.running = ticket
+            return ticket
+
+    def done(self, ticket: Ticket) -> None:
+        with self._cond:
+            ticket.finished = time.monotonic()
+            self.running = None
+            self.served += 1
+        ticket.done.set()
+
+    def close(self) -> None:
+        """Wake the worker for good (the service is stopping)."""
+        with self._cond:
+            self.closed = True
+            for mine in self._waiting.values():
+                for ticket in mine:
+                    ticket.error = RuntimeError("the engine service is stopping")
+                    ticket.done.set()
+            self._waiting.clear()
+            self._turns.clear()
+            self._cond.notify_all()
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {"running": self.running is not None,
+                    "running_for_s": None if self.running is None else round(time.monotonic() - self.running.started, 3),
+                    "waiting": sum(len(q) for q in self._waiting.values()),
+                    "waiting_by_client": {c: len(q) for c, q in self._waiting.items()},
+                    "served": self.served, "per_client": self.per_client}
+
+
+# -- running a request -----------------------------------------------------------------------------
+
+RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate"}
+
+
+def run_args(body: dict) -> dict:
+    """Check a /run body and turn it into engine.run keyword arguments (EngineError when bad)."""
+    if not isinstance(body, dict):
+        raise EngineError("the request body must be a JSON object")
+    unknown = set(body) - RUN_KEYS
+    if unknown:
+        raise EngineError(f"unknown fields {sorted(unknown)}; known: {sorted(RUN_KEYS)}")
+    if ("prompt" in body) == ("ids" in body):
+        raise EngineError("give exactly one of 'prompt' (text) and 'ids' (token ids)")
+    prompt = body.get("prompt", body.get("ids"))
+    if "ids" in body and not (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt)):
+        raise EngineError("'ids' must be a list of integers")
+    if "prompt" in body and not isinstance(prompt, (str, list)):
+        raise EngineError("'prompt' must be text (or a list of token ids)")
+    args: dict = {"prompt": prompt}
+    layers = body.get("layers")
+    if layers is not None:
+        if not (isinstance(layers, list) and all(isinstance(v, int) for v in layers)):
+            raise EngineError("'layers' must be a list of layer numbers")
+        args["layers"] = layers
+    if body.get("probes") is not None:
+        if not (isinstance(body["probes"], list) and all(isinstance(v, str) for v in body["probes"])):
+            raise EngineError("'probes' must be a list of probe kinds")
+        args["probes"] = tuple(body["probes"])
+    spans = body.get("image_spans") or []
+    try:
+        args["image_spans"] = [(int(a), int(b)) for a, b in spans]
+    except (TypeError, ValueError):
+        raise EngineError("'image_spans' must be a list of [start, end] pairs") from None
+    generate = body.get("generate", 0)
+    if not isinstance(generate, int) or generate < 0:
+        raise EngineError("'generate' must be a non-negative integer")
+    args["generate"] = generate
+    return args
+
+
+def execute(engine, request: dict) -> dict:
+    """Run one request on this process's engine (every rank does the same): the run's JSON."""
+    return engine.run(**request).to_json()
+
+
+def follow(engine, parallel) -> None:
+    """The loop of ranks other than 0: take each broadcast request and compute its share."""
+    parallel.bind_thread()
+    while True:
+        message = parallel.broadcast(None)
+        if message["op"] == "stop":
+            return
+        if message["op"] == "run":
+            try:
+                execute(engine, message["args"])
+            except EngineError:
+                pass  # rank 0 hit the same input error and reports it
+
+
+# -- the service -----------------------------------------------------------------------------------
+
+class EngineService:
+    """An engine (and, with several processes, its group) behind a fair queue; `start` launches the
+    one worker thread that runs everything that touches the model."""
+
+    def __init__(self, engine, parallel=None, per_client: int = 4, max_waiting: int = 256):
+        self.engine, self.parallel = engine, parallel
+        self.queue = FairQueue(per_client, max_waiting)
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"engine_version": ENGINE_VERSION, "identity": e.identity, "source": e.source,
+                "config": e.cfg.to_dict(), "plan": [r.to_dict() for r in e.plan],
+                "world_size": 1 if self.parallel is None else self.parallel.world,
+                "device": "cpu" if self.parallel is None else str(self.parallel.device),
+                "tokenizer": e.tokenizer is not None}
+
+    def start(self) -> None:
+        self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
+        self._worker.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.close()
+        if self._worker is not None:
+            self._worker.join(timeout=60)
+
+    def _work(self) -> None:
+        if self.parallel is not None:
+            self.parallel.bind_thread()
+        while not self._stop.is_set():
+            ticket = self.queue.next(timeout=HEARTBEAT_S if self.parallel is not None else 0.5)
+            if ticket is None:
+                if self.parallel is not None:
+                    self.parallel.broadcast({"op": "idle"})
+                continue
+            try:
+                args = run_args(ticket.request)
+                self.engine.encode(args["prompt"])           # input errors before any rank starts
+                self.engine.check_layers(args.get("layers"))
+                if self.parallel is not None:
+                    self.parallel.broadcast({"op": "run", "args": args})
+                ticket.result = execute(self.engine, args)
+            except EngineError as err:
+                ticket.error = err
+            except Exception as err:  # a fault of the engine, not of the request: log it, report one line
+                traceback.print_exc()
+                ticket.error = RuntimeError(f"the engine failed: {type(err).__name__}: {err}")
+            finally:
+                self.queue.done(ticket)
+        if self.parallel is not None:
+            self.parallel.broadcast({"op": "stop"})
+
+    def run(self, client: str, body: dict, timeout: float | None = None) -> Ticket:
+        ticket = self.queue.submit(client, body)
+        ticket.done.wait(timeout)
+        return ticket
+
+
+class _Handler(BaseHTTPRequestHandler):
+    service: EngineService  # set on the subclass made by make_server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # one line per request on stderr, without the default noise
+        if getattr(self.server, "verbose", False):
+            sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
+
+    def _send(self, status: int, payload: dict) -> None:
+        raw = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _error(self, status: int, kind: str, message: str) -> None:
+        self._send(status, {"error": message, "kind": kind})
+
+    def _body(self) -> dict | None:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            n = -1
+        if not 0 <= n <= MAX_BODY:
+            self._error(400, "BadRequest", f"request body must be 0..{MAX_BODY} bytes with a Content-Length")
+            return None
+        try:
+            body = json.loads(self.rfile.read(n) or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            self._error(400, "BadRequest", f"the request body is not JSON ({err})")
+            return None
+        if not isinstance(body, dict):
+            self._error(400, "BadRequest", "the request body must be a JSON object")
+            return None
+        return body
+
+    def _client(self) -> str:
+        return self.headers.get("X-Client-Id") or self.client_address[0]
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        if path == "/info":
+            self._send(200, self.service.info())
+        elif path == "/health":
+            self._send(200, {"ok": True, "queue": self.service.queue.snapshot()})
+        else:
+            self._error(404, "NotFound", f"no endpoint GET {path} (try /info, /health)")
+
+    def do_POST(self):
+        path = self.path.split("?")[0]
+        body = self._body()
+        if body is None:
+            return
+        engine = self.service.engine
+        try:
+            if path == "/tokenize":
+                ids = engine.encode(body.get("prompt", ""))
+                self._send(200, {"ids": ids, "tokens": engine.token_strings(ids)})
+            elif path == "/token_strings":
+                ids = body.get("ids")
+                if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+                    raise EngineError("'ids' must be a list of integers")
+                self._send(200, {"tokens": engine.token_strings(ids)})
+            elif path == "/run":
+                self._run(body)
+            else:
+                self._error(404, "NotFound", f"no endpoint POST {path} (try /run, /tokenize, /token_strings)")
+        except EngineError as err:
+            self._error(400, "EngineError", str(err))
+
+    def _run(self, body: dict) -> None:
+        try:
+            ticket = self.service.run(self._client(), body)
+        except QueueFull as err:
+            self._error(429, "QueueFull", str(err))
+            return
+        if isinstance(ticket.error, EngineError):
+            self._error(400, "EngineError", str(ticket.error))
+        elif ticket.error is not None:
+            self._error(500, "EngineFailed", str(ticket.error))
+        else:
+            self._send(200, {"result": ticket.result, "queue": ticket.queue_info()})
+
+
+def make_server(service: EngineService, host: str = "127.0.0.1", port: int = 8765,
+                verbose: bool = False) -> ThreadingHTTPServer:
+    """An HTTP server for the service (port 0: any free port; see `server.server_address`)."""
+    handler = type("Handler", (_Handler,), {"service": service})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    server.verbose = verbose
+    return server
+
+
+def host_warning(host: str) -> str | None:
+    """The warning printed when the service listens beyond this machine."""
+    if host in LOOPBACK:
+        return None
+    return (f"warning: listening on {host}: anyone who can reach this machine on that address can run prompts "
+            "through the engine (there is no authentication); use the default 127.0.0.1 unless you mean it")

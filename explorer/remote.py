@@ -1,0 +1,207 @@
+"""Attach the explorer to an engine service (`python -m engine serve`) instead of loading a model.
+
+`RemoteEngine(url)` has the surface the app uses from `engine.api.Engine`: `cfg`, `plan`, `source`,
+`identity`, `encode`, `token_strings`, `run(...) -> result with .to_json() and .layers`. Input errors
+come back as `engine.api.EngineError` (the same message as in-process); a service that cannot be
+reached, or that dies during a run, raises `EngineUnreachable` with a message written for the user.
+
+`attached_engine()` reads `EXPLORER_ENGINE_URL`; the app calls it before loading a model itself.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import urllib.error
+import urllib.request
+import uuid
+from functools import lru_cache
+
+import torch
+
+from engine.api import EngineError, LayerResult
+from engine.config import ConfigError, ModelConfig, config_from_dict
+from engine.roles import role_plan
+
+ENV_URL = "EXPLORER_ENGINE_URL"
+DEFAULT_TIMEOUT = 3600.0   # a long prompt on a big model, behind other users' runs
+INFO_TIMEOUT = 10.0
+
+
+class RemoteEngineError(RuntimeError):
+    """A problem with the engine service (not with the input); the message says what to do."""
+
+
+class EngineUnreachable(RemoteEngineError):
+    """The service is not running, not reachable, or stopped answering."""
+
+
+class EngineBusy(RemoteEngineError):
+    """The service refused to queue another run for this client."""
+
+
+class RemoteRun:
+    """One run's result from the service: `to_json()` is exactly the engine's `RunResult.to_json()`;
+    `layers` maps layer -> LayerResult (tensors), as on the in-process result."""
+
+    def __init__(self, data: dict, queue: dict | None = None):
+        self._data = data
+        self.queue = queue or {}   # position when queued, wait_s, run_s
+        for key in ("tokens", "token_ids", "image_mask", "cache_bytes", "kv_bytes_formula", "time_s",
+                    "generated_ids", "generated_text"):
+            setattr(self, key, data.get(key))
+        self._layers: dict[int, LayerResult] | None = None
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(self._data))  # a private copy, as a fresh to_json() would be
+
+    @property
+    def layers(self) -> dict[int, LayerResult]:
+        if self._layers is None:
+            self._layers = {int(k): layer_from_json(v) for k, v in self._data["layers"].items()}
+        return self._layers
+
+
+def layer_from_json(d: dict) -> LayerResult:
+    """A LayerResult (tensors) from its JSON form."""
+    def tensor(v, dtype=None):
+        return None if v is None else torch.tensor(v, dtype=dtype)
+
+    scores = d.get("topk_scores")
+    pool = None
+    if d.get("candidate_pool") is not None:
+        pool = torch.zeros(len(d["candidate_pool"]), d.get("n_entries", 0), dtype=torch.bool)
+        for t, row in enumerate(d["candidate_pool"]):
+            pool[t, row] = True
+    return LayerResult(
+        layer=d["layer"], role=d["role"], label=d["label"], compress_ratio=d["compress_ratio"],
+        kv_source=d["kv_source"], index_source=d["index_source"], window_size=d["window_size"],
+        topk=tensor(d.get("topk"), torch.long),
+        topk_scores=None if scores is None else torch.tensor(
+            [[float("-inf") if v is None else v for v in row] for row in scores]),
+        candidate_pool=pool, n_entries=d.get("n_entries", 0),
+        mhc={part: {k: torch.tensor(v) for k, v in parts.items()} for part, parts in (d.get("mhc") or {}).items()},
+        routing={k: torch.tensor(v) for k, v in (d.get("routing") or {}).items()},
+        residual_norms=tensor(d.get("residual_norms")), time_s=d.get("time_s", 0.0))
+
+
+class RemoteEngine:
+    """An engine service at `url` (e.g. http://127.0.0.1:8765), used like engine.api.Engine."""
+
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, client_id: str | None = None):
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            url = "http://" + url
+        self.url, self.timeout = url, timeout
+        self.client_id = client_id or uuid.uuid4().hex[:12]
+        self.info = self._call("GET", "/info", timeout=INFO_TIMEOUT)
+        try:
+            self.cfg: ModelConfig = config_from_dict(self.info["config"], where=f"{url}/info")
+        except (ConfigError, KeyError) as err:
+            raise RemoteEngineError(f"the engine service at {url} sent a config this explorer cannot read: {err}") \
+                from None
+        self.plan = role_plan(self.cfg)
+        self.identity = f"{self.info.get('identity', '')}@{self.info.get('world_size', 1)}"
+        self.source = f"{url} ({self.info.get('source', '')})"
+        self.engine_version = self.info.get("engine_version")
+        self.world_size = self.info.get("world_size", 1)
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine({self.url!r})"
+
+    # -- the Engine surface ----------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return self._call("POST", "/tokenize", {"prompt": prompt}, INFO_TIMEOUT * 6)["ids"]
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return self._call("POST", "/token_strings", {"ids": [int(i) for i in ids]}, INFO_TIMEOUT * 6)["tokens"]
+
+    def run(self, prompt: str | list[int], layers=None, probes=None, image_spans=(), generate: int = 0) -> RemoteRun:
+        body: dict = {"prompt": prompt} if isinstance(prompt, str) else {"ids": [int(i) for i in prompt]}
+        if layers is not None:
+            body["layers"] = [int(v) for v in layers]
+        if probes is not None:
+            body["probes"] = list(probes)
+        body["image_spans"] = [[int(a), int(b)] for a, b in image_spans]
+        body["generate"] = int(generate)
+        reply = self._call("POST", "/run", body, self.timeout, during="the run")
+        return RemoteRun(reply["result"], reply.get("queue"))
+
+    def health(self) -> dict:
+        return self._call("GET", "/health", timeout=INFO_TIMEOUT)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body: dict | None = None, timeout: float = INFO_TIMEOUT,
+              during: str | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json", "X-Client-Id": self.client_id})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            raise self._http_error(err) from None
+        except urllib.error.URLError as err:
+            raise self._unreachable(err.reason, during) from None
+        except (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError) as err:
+            raise self._unreachable(err, during) from None
+        except json.JSONDecodeError:
+            raise RemoteEngineError(f"the engine service at {self.url} answered {path} with something that is "
+                                    "not JSON (is that URL an engine service?)") from None
+
+    def _http_error(self, err: urllib.error.HTTPError) -> Exception:
+        try:
+            payload = json.loads(err.read())
+            message, kind = payload["error"], payload.get("kind")
+        except (ValueError, KeyError, TypeError, OSError):
+            return RemoteEngineError(f"the engine service at {self.url} answered HTTP {err.code} ({err.reason}); "
+                                     "is that URL an engine service?")
+        if kind == "EngineError":
+            return EngineError(message)
+        if kind == "QueueFull":
+            return EngineBusy(f"the engine service is busy: {message}")
+        return RemoteEngineError(f"the engine service at {self.url} failed: {message}")
+
+    def _unreachable(self, reason, during: str | None) -> EngineUnreachable:
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            what = f"did not answer within {self.timeout if during else INFO_TIMEOUT:g} s"
+            return EngineUnreachable(f"the engine service at {self.url} {what}" + (f" during {during}" if during else ""))
+        if during and not isinstance(reason, ConnectionRefusedError):
+            return EngineUnreachable(
+                f"the engine service at {self.url} stopped answering during {during} "
+                f"({_reason(reason)}): it may have crashed or been stopped. Restart it "
+                "(python -m engine serve --checkpoint DIR) and run again.")
+        return EngineUnreachable(
+            f"cannot reach the engine service at {self.url} ({_reason(reason)}). Start it with "
+            f"`python -m engine serve --checkpoint DIR`, or unset {ENV_URL} to load the model in this process.")
+
+
+def _reason(reason) -> str:
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(reason, (http.client.RemoteDisconnected, ConnectionResetError, http.client.IncompleteRead)):
+        return "the connection was closed"
+    if isinstance(reason, socket.gaierror):
+        return "unknown host"
+    text = getattr(reason, "strerror", None) or str(reason)
+    return text or type(reason).__name__
+
+
+def engine_url() -> str | None:
+    """The engine service URL from EXPLORER_ENGINE_URL (None when unset or blank)."""
+    url = os.environ.get(ENV_URL, "").strip()
+    return url or None
+
+
+def attached_engine() -> RemoteEngine | None:
+    """The engine service named by EXPLORER_ENGINE_URL, or None to load the model in-process.
+    Raises EngineUnreachable (a readable message) when the URL is set but nobody answers."""
+    url = engine_url()
+    return None if url is None else _connect(url)
+
+
+@lru_cache(maxsize=4)
+def _connect(url: str) -> RemoteEngine:
+    return RemoteEngine(url)
