@@ -130,11 +130,12 @@ def _mhc_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_ptr, 
                 xc = x2
             else:
                 xc = x3
-            fa = tl.load(fn_ptr + r16[None, :] * (4 * DIM) + c * DIM + d[:, None], mask=r16[None, :] < 8,
-                         other=0.0)  # [BD, 16]
-            fc = tl.load(fn_ptr + (8 + r16[None, :]) * (4 * DIM) + c * DIM + d[:, None])  # [BD, 16]
-            acc_a += tl.dot(xc, fa, input_precision=PREC)
-            acc_c += tl.dot(xc, fc, input_precision=PREC)
+            # [16, BD] tiles, contiguous along d (coalesced); transposed for the dot
+            fa = tl.load(fn_ptr + r16[:, None] * (4 * DIM) + c * DIM + d[None, :], mask=r16[:, None] < 8,
+                         other=0.0)
+            fc = tl.load(fn_ptr + (8 + r16[:, None]) * (4 * DIM) + c * DIM + d[None, :])
+            acc_a += tl.dot(xc, tl.trans(fa), input_precision=PREC)
+            acc_c += tl.dot(xc, tl.trans(fc), input_precision=PREC)
     rs = 1.0 / tl.sqrt(sumsq / (4 * DIM) + norm_eps)
     s0 = tl.load(scale_ptr + 0)
     s1 = tl.load(scale_ptr + 1)

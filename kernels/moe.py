@@ -171,7 +171,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64
     if block_n is None:
-        block_n = 64 if block_m == 16 else 128
+        block_n = 32 if block_m == 16 else 128
+    if block_m == 16 and block_k == 64:
+        block_k = 256  # decode streams weights: longer rows per load
     bk = min(block_k, inter, dim)
     if dim % bk or inter % bk or bk % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the K block {bk} (a multiple of 32)")

@@ -39,7 +39,8 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
     x_odd = tl.load(x_ptr + offs + 1, mask=m2, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
     if E4M3_SCALE:
-        s_code = e4m3_code(tl.minimum(tl.maximum(amax, 6.0 * 0.001953125) / 6.0, 448.0))
+        # IEEE division (div_rn): Triton's plain fp32 '/' is approximate on the GPU and broke bit-exactness
+        s_code = e4m3_code(tl.minimum(tl.div_rn(tl.maximum(amax, 6.0 * 0.001953125), tl.full(amax.shape, 6.0, tl.float32)), 448.0))
         exp = (s_code >> 3) & 15
         man = s_code & 7
         s_norm = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
@@ -49,8 +50,9 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
         scale = pow2_scale_up(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0)
         s_byte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
         s_byte = tl.where(s_byte == 0, 0, s_byte)
-    lo = e2m1_code(tl.minimum(tl.maximum(x_even / scale[:, None], -6.0), 6.0))
-    hi = e2m1_code(tl.minimum(tl.maximum(x_odd / scale[:, None], -6.0), 6.0))
+    sb = tl.broadcast_to(scale[:, None], x_even.shape)
+    lo = e2m1_code(tl.minimum(tl.maximum(tl.div_rn(x_even, sb), -6.0), 6.0))
+    hi = e2m1_code(tl.minimum(tl.maximum(tl.div_rn(x_odd, sb), -6.0), 6.0))
     tl.store(q_ptr + g[:, None] * (BLOCK // 2) + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m2)
     tl.store(s_ptr + g, s_byte.to(tl.uint8), mask=gmask)
 
@@ -65,7 +67,7 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
     x = tl.load(x_ptr + offs, mask=gmask[:, None], other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     scale = pow2_scale_up(amax, 1.0 / 448.0)
-    v = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    v = tl.minimum(tl.maximum(tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0), 448.0)
     tl.store(q_ptr + offs, e4m3_code(v).to(tl.uint8), mask=gmask[:, None])
     tl.store(s_ptr + g, ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8), mask=gmask)
 

@@ -3,8 +3,9 @@
 `topk_positions_reference(values, k, lengths)` and `topk_positions_triton(...)` take scores
 [R, L] float32 where -inf marks entries that may not be chosen, and return int32 [R, k]: the
 positions of the min(k, #finite) largest scores, ascending, then -1. Ties at the threshold go to the
-earliest positions. The Triton version never sorts: three histogram passes (11 + 11 + 10 bits of the
-order-preserving integer key) find the k-th largest key exactly, a fourth pass writes the winners.
+earliest positions. The Triton version never sorts: 32/bits histogram passes over the
+order-preserving integer key find the k-th largest key exactly; a last pass writes the winners.
+Digit width `bits` (4, 8 or 16): the cost of Triton's histogram grows with the bin count.
 Long rows are split into chunks whose winners are merged by a second launch.
 """
 
@@ -53,7 +54,8 @@ def _pick_digit(hist, need, NB: tl.constexpr):
 @triton.jit
 def _topk_kernel(v_ptr, stride_v, n_cols, len_ptr, n_chunks, chunk, src_ptr, stride_src,
                  out_idx_ptr, out_val_ptr, K: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_LEN: tl.constexpr, HAS_SRC: tl.constexpr, WRITE_VAL: tl.constexpr):
+                 HAS_LEN: tl.constexpr, HAS_SRC: tl.constexpr, WRITE_VAL: tl.constexpr,
+                 BITS: tl.constexpr = 8):
     pid = tl.program_id(0)
     row = pid // n_chunks
     c = pid % n_chunks
@@ -66,49 +68,37 @@ def _topk_kernel(v_ptr, stride_v, n_cols, len_ptr, n_chunks, chunk, src_ptr, str
     offs = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
 
-    # pass 1: count finite entries, histogram of the top 11 key bits
-    h1 = tl.zeros([2048], dtype=tl.int32)
+    # count finite entries
     n_valid = 0
     for start in range(0, length, BLOCK):
         idx = start + offs
         x = tl.load(base + idx, mask=idx < length, other=neg_inf)
-        valid = x > neg_inf
-        key = _ordered_key(x)
-        h1 += tl.histogram(tl.where(valid, (key >> 21).to(tl.int32), 0), 2048)
-        n_valid += tl.sum(valid.to(tl.int32), axis=0)
-    n_bad = ((length + BLOCK - 1) // BLOCK) * BLOCK - n_valid
-    h1 -= tl.where(tl.arange(0, 2048) == 0, n_bad, 0)
-    need = tl.minimum(n_valid, K)
+        n_valid += tl.sum((x > neg_inf).to(tl.int32), axis=0)
     take_all = n_valid <= K
-    d1, need = _pick_digit(h1, tl.maximum(need, 1), 2048)
-
-    # pass 2: next 11 bits among keys that share the first digit
-    h2 = tl.zeros([2048], dtype=tl.int32)
-    n_miss = 0
-    for start in range(0, length, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < length, other=neg_inf)
-        key = _ordered_key(x)
-        hit = (x > neg_inf) & ((key >> 21).to(tl.int32) == d1)
-        h2 += tl.histogram(tl.where(hit, ((key >> 10) & 0x7FF).to(tl.int32), 0), 2048)
-        n_miss += BLOCK - tl.sum(hit.to(tl.int32), axis=0)
-    h2 -= tl.where(tl.arange(0, 2048) == 0, n_miss, 0)
-    d2, need = _pick_digit(h2, need, 2048)
-
-    # pass 3: last 10 bits
-    prefix = (d1 << 11) | d2
-    h3 = tl.zeros([1024], dtype=tl.int32)
-    n_miss = 0
-    for start in range(0, length, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < length, other=neg_inf)
-        key = _ordered_key(x)
-        hit = (x > neg_inf) & ((key >> 10).to(tl.int32) == prefix)
-        h3 += tl.histogram(tl.where(hit, (key & 0x3FF).to(tl.int32), 0), 1024)
-        n_miss += BLOCK - tl.sum(hit.to(tl.int32), axis=0)
-    h3 -= tl.where(tl.arange(0, 1024) == 0, n_miss, 0)
-    d3, need_eq = _pick_digit(h3, need, 1024)
-    thr = ((prefix.to(tl.uint32) << 10) | d3.to(tl.uint32))
+    need = tl.maximum(tl.minimum(n_valid, K), 1)
+    # radix passes, BITS bits each from the top: the k-th largest key, digit by digit
+    NB: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, NB)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    for p in tl.static_range(32 // BITS):
+        hist = tl.zeros([NB], dtype=tl.int32)
+        n_miss = 0
+        if not take_all:
+            for start in range(0, length, BLOCK):
+                idx = start + offs
+                x = tl.load(base + idx, mask=idx < length, other=neg_inf)
+                key = _ordered_key(x)
+                hit = x > neg_inf
+                if p > 0:
+                    hit = hit & ((key >> (32 - p * BITS)) == prefix)
+                digit = ((key >> (32 - (p + 1) * BITS)) & (NB - 1)).to(tl.int32)
+                hist += tl.histogram(tl.where(hit, digit, 0), NB)
+                n_miss += BLOCK - tl.sum(hit.to(tl.int32), axis=0)
+        hist -= tl.where(bins == 0, n_miss, 0)
+        d, need = _pick_digit(hist, need, NB)
+        prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
+    need_eq = need
+    thr = prefix
 
     # pass 4: write winners in position order
     out_row = out_idx_ptr + pid.to(tl.int64) * K
@@ -140,7 +130,8 @@ def _topk_kernel(v_ptr, stride_v, n_cols, len_ptr, n_chunks, chunk, src_ptr, str
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
-                          chunk: int | None = None, block: int = 1024) -> torch.Tensor:
+                          chunk: int | None = None, block: int = 1024,
+                          bits: int = 8) -> torch.Tensor:
     """Triton twin of `topk_positions_reference`. values [R, L] float32 (row stride may exceed L)."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
@@ -158,18 +149,18 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
         out = torch.empty(r, k, dtype=torch.int32, device=dev)
         _topk_kernel[(r,)](values, values.stride(0), n, lens if lens is not None else dummy, 1, n,
                            dummy, 0, out, dummy, K=k, BLOCK=block, HAS_LEN=lens is not None,
-                           HAS_SRC=False, WRITE_VAL=False)
+                           HAS_SRC=False, WRITE_VAL=False, BITS=bits)
         return out
     cand_idx = torch.empty(r * n_chunks, k, dtype=torch.int32, device=dev)
     cand_val = torch.empty(r * n_chunks, k, dtype=torch.float32, device=dev)
     _topk_kernel[(r * n_chunks,)](values, values.stride(0), n, lens if lens is not None else dummy,
                                   n_chunks, chunk, dummy, 0, cand_idx, cand_val, K=k, BLOCK=block,
-                                  HAS_LEN=lens is not None, HAS_SRC=False, WRITE_VAL=True)
+                                  HAS_LEN=lens is not None, HAS_SRC=False, WRITE_VAL=True, BITS=bits)
     # the chunk winners are in position order already, so the merge keeps position order too
     cand_idx = cand_idx.view(r, n_chunks * k)
     cand_val = cand_val.view(r, n_chunks * k)
     out = torch.empty(r, k, dtype=torch.int32, device=dev)
     _topk_kernel[(r,)](cand_val, cand_val.stride(0), n_chunks * k, dummy, 1, n_chunks * k,
                        cand_idx, cand_idx.stride(0), out, dummy, K=k, BLOCK=block, HAS_LEN=False,
-                       HAS_SRC=True, WRITE_VAL=False)
+                       HAS_SRC=True, WRITE_VAL=False, BITS=bits)
     return out

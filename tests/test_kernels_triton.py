@@ -83,8 +83,8 @@ def test_fp8_quantizer_bit_exact(poisoned, gen):
 
 # -- top-k ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows,length,k,chunk", [(3, 700, 32, None), (2, 1500, 64, 256)])
-def test_topk_positions_exact(poisoned, gen, rows, length, k, chunk):
+@pytest.mark.parametrize("rows,length,k,chunk,bits", [(3, 700, 32, None, 8), (2, 1500, 64, 256, 4)])
+def test_topk_positions_exact(poisoned, gen, rows, length, k, chunk, bits):
     v = torch.randn(rows, length, generator=gen)
     v[0, ::3] = float("-inf")
     v[1, 40:90] = 0.25  # a block of ties straddling the threshold region
@@ -92,7 +92,7 @@ def test_topk_positions_exact(poisoned, gen, rows, length, k, chunk):
     lengths = torch.randint(1, length, (rows,), generator=gen, dtype=torch.int32)
     lengths[-1] = 5  # fewer visible than k: -1 padding
     want = topk.topk_positions_reference(v, k, lengths)
-    got = topk.topk_positions_triton(v, k, lengths, chunk=chunk, block=128)
+    got = topk.topk_positions_triton(v, k, lengths, chunk=chunk, block=128, bits=bits)
     assert torch.equal(want, got), gen.initial_seed()
     assert (got[-1, 5:] == -1).all() and (got[-1, :5] == torch.arange(5)).all()
 
