@@ -18,11 +18,14 @@ import streamlit as st
 from engine.config import ConfigError, load_config
 from engine.roles import TAB_TITLES, TABS, role_plan
 from engine.tally import cache_breakdown_at, tally_from_config
-from explorer import kv_view, layer_views as lv, prompt as pr
+from explorer import kv_view, layer_views as lv, prompt as pr, session_view as sv
+from explorer.session_compare import CompareError, compare_layer, replay_report
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
 from explorer.state import (POSITION_TITLES, POSITIONS, ViewState, boxes_from_selection, picked_customdata,
                             select_layer, state_from_query)
+from explorer.sessions import (InvalidSessionFile, SessionConflict, SessionError, SessionNotFound, SessionStore,
+                               StoreUnavailable)
 from explorer.style import fmt_bytes, fmt_params, fmt_tokens
 from explorer.tally_view import (box_stats, headline, layer_params, margin_lines, position_total,
                                  representative_layer, source_note, tally_figure)
@@ -78,8 +81,8 @@ def sidebar():
                             "release config; live views need weights.")
             path = str(pr.RELEASE_CONFIG)
     elif source == pr.SOURCE_PATH:
-        path = st.sidebar.text_input("Checkpoint folder", value=os.environ.get("EXPLORER_CHECKPOINT", ""),
-                                     placeholder="/data/v41-flash", help="A release-layout folder: config.json, "
+        st.session_state.setdefault("ckpt_path", os.environ.get("EXPLORER_CHECKPOINT", ""))
+        path = st.sidebar.text_input("Checkpoint folder", key="ckpt_path", placeholder="/data/v41-flash", help="A release-layout folder: config.json, "
                                      "model.safetensors.index.json and its shards.").strip()
         if not path:
             st.sidebar.caption("Enter a folder; until then the release config is shown.")
@@ -338,7 +341,14 @@ ANCHORS = {"topk": "topk", "mhc": "mhc", "routing": "routing"}
 def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None, str | None]:
     """Run the selected layer (and the layer whose top-k it borrows) on the prompt, or say why not.
     EXPLORER_RUN_JSON names a saved run (`engine.api.save_result`) to show instead of running."""
+    st.session_state["run_origin"] = None
     saved = os.environ.get("EXPLORER_RUN_JSON")
+    stored = sv.stored_run(st.session_state.get("open_session"), plan[view().layer], text, span)
+    if stored is not None and not saved:
+        opened = st.session_state["open_session"]
+        st.session_state["run_origin"] = {"identity": opened.model_identity, "source": opened.model_source,
+                                          "engine_version": opened.engine_version, "stored": True}
+        return stored, None
     if saved:
         try:
             return json.loads(Path(saved).read_text()), None
@@ -358,6 +368,7 @@ def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None
     layers = tuple(sorted({r.layer} | ({r.index_source} if r.index_source is not None else set())))
     try:
         engine = cached_engine(str(folder))
+        st.session_state["run_origin"] = {"identity": engine.identity, "source": engine.source, "stored": False}
         return run_cached(engine.identity, str(folder), text, layers, (span,) if span else ()), None
     except Exception as err:   # the engine's messages are written for users (EngineError)
         print(traceback.format_exc())
@@ -376,7 +387,381 @@ def scroll_if_asked() -> None:
                 f"?.scrollIntoView({{behavior: 'smooth'}}), 300)</script>", unsafe_allow_javascript=True)
 
 
+# -- sessions -----------------------------------------------------------------------------------
+
+@st.cache_resource(show_spinner="Opening the session database…")
+def cached_store():
+    """(store, None), or (None, why): one store per process. A failure is remembered until "Retry",
+    so a dead database server does not stall every rerun."""
+    try:
+        return SessionStore.from_env(), None
+    except SessionError as err:
+        return None, str(err)
+    except Exception as err:   # a missing driver or the like: still one line for the user
+        print(traceback.format_exc())
+        return None, f"The session database cannot be opened: {err}"
+
+
+def flash(kind: str, text: str) -> None:
+    """A message for the top of the page on the next draw (callbacks run before the page)."""
+    st.session_state.setdefault("session_msgs", []).append((kind, text))
+
+
+def show_session(session) -> None:
+    """Put a session's prompt, marks and settings into the widgets; its layer and tab follow in
+    main() once the plan is known."""
+    st.session_state["open_session"] = session
+    st.session_state.update(sv.widget_state(session))
+    values, note = sv.source_state(session, lambda folder: Path(folder).is_dir())
+    st.session_state.update(values)
+    if note:
+        flash("info", note)
+    st.session_state["_restore_view"] = True
+    for key in ("replay", "_confirm_delete"):
+        st.session_state.pop(key, None)
+
+
+def open_session(session_id: str) -> None:
+    store, why = cached_store()
+    if store is None:
+        flash("error", f"Cannot open the session: {why}")
+        return
+    try:
+        show_session(store.load(session_id))
+    except SessionNotFound as err:
+        flash("warning", f"{err} The current view is unchanged.")
+    except SessionError as err:
+        flash("error", f"Cannot open the session: {err}")
+
+
+def close_session() -> None:
+    st.session_state.pop("open_session", None)
+    st.session_state.pop("replay", None)
+    set_view(sv.with_session(view(), None))
+
+
+def current_data(name: str, author: str, notes: str):
+    """SessionData of what is on screen (stashed by main() on every draw)."""
+    a = st.session_state["_analysis"]
+    origin = a["origin"] or {}
+    return sv.build_session_data(
+        name=name, author=author, notes=notes, view=a["view"], role=a["role"], source_kind=a["source"],
+        model_source=origin.get("source") or a["path"], model_identity=origin.get("identity", ""),
+        engine_version=origin.get("engine_version", ""), prompt=a["text"], span=a["span"],
+        settings={k: st.session_state.get(k) for k in sv.SETTING_KEYS}, run=a["run"])
+
+
+def on_save() -> None:
+    store, why = cached_store()
+    try:
+        data = current_data(st.session_state.get("save_name", ""), st.session_state.get("save_author", ""),
+                            st.session_state.get("save_notes", ""))
+        if store is None:
+            raise StoreUnavailable(why)
+        saved = store.save(data)
+    except StoreUnavailable as err:
+        flash("error", f"Not saved: {err} Export the analysis as JSON from the sidebar instead.")
+        return
+    except SessionError as err:
+        flash("error", f"Not saved: {err}")
+        return
+    st.session_state["open_session"] = saved
+    set_view(sv.with_session(view(), saved.id))
+    flash("success", f"Saved session “{saved.name}”. Share the link below.")
+
+
+def on_import() -> None:
+    upload = st.session_state.get("session_import")
+    if upload is None:
+        return
+    store, why = cached_store()
+    try:
+        if store is None:
+            raise StoreUnavailable(why)
+        session = store.import_json(upload.getvalue())
+    except InvalidSessionFile as err:
+        flash("error", f"{upload.name}: {err} Nothing was imported.")
+        return
+    except SessionError as err:
+        flash("error", f"Cannot import {upload.name}: {err}")
+        return
+    show_session(session)
+    flash("success", f"Imported “{session.name}” as a new session.")
+
+
+def on_edit(session_id: str, revision: int) -> None:
+    store, _ = cached_store()
+    try:
+        session = store.update(session_id, expected_revision=revision, name=st.session_state.get("edit_name", ""),
+                               notes=st.session_state.get("edit_notes", ""))
+    except SessionConflict as err:
+        flash("warning", str(err))
+        session = None
+    except SessionError as err:
+        flash("error", f"Not changed: {err}")
+        return
+    if session is None:
+        try:
+            session = store.load(session_id)
+        except SessionError as err:
+            flash("error", str(err))
+            return
+    else:
+        flash("success", "Saved the name and notes.")
+    st.session_state["open_session"] = session
+
+
+def on_duplicate(session_id: str) -> None:
+    store, _ = cached_store()
+    try:
+        copy = store.duplicate(session_id)
+    except SessionError as err:
+        flash("error", f"Not duplicated: {err}")
+        return
+    show_session(copy)
+    flash("success", f"Made a copy: “{copy.name}” (its own link).")
+
+
+def on_delete(session_id: str) -> None:
+    store, _ = cached_store()
+    try:
+        store.delete(session_id)
+    except SessionError as err:
+        flash("error", f"Not deleted: {err}")
+        return
+    name = st.session_state["open_session"].name
+    close_session()
+    st.session_state["_deleted"] = (session_id, name)
+
+
+def on_undo_delete() -> None:
+    session_id, _ = st.session_state.pop("_deleted")
+    store, _ = cached_store()
+    try:
+        show_session(store.restore(session_id))
+    except SessionError as err:
+        flash("error", f"Cannot restore: {err}")
+
+
+def show_flashes() -> None:
+    for kind, text in st.session_state.pop("session_msgs", []):
+        getattr(st, kind)(sv.md_escape(text))     # messages quote names, ids and files: user text
+    deleted = st.session_state.get("_deleted")
+    if deleted:
+        a, b = st.columns([5, 1])
+        a.info(sv.md_escape(f"Deleted the session “{deleted[1]}”; its link no longer opens."))
+        b.button("Undo delete", on_click=on_undo_delete, key="undo_delete")
+
+
+def weights_folder(source: str, path: str) -> Path | None:
+    folder = Path(path)
+    if source == pr.SOURCE_CONFIG or not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+        return None
+    return folder
+
+
+def replay(session, source: str, path: str) -> None:
+    """Re-run the stored prompt on the loaded model and keep the report for this session."""
+    folder = weights_folder(source, path)
+    if folder is None:
+        st.info("Replay needs model weights: pick the shipped model or a checkpoint folder in the sidebar.")
+        return
+    if not session.probes or not session.prompts:
+        st.info("This session stored no probes, so there is nothing to replay against.")
+        return
+    span = sv.image_span(session.spans)
+    try:
+        engine = cached_engine(str(folder))
+        with st.spinner("Replaying the stored prompt…"):
+            new = engine.run(session.prompts[0], layers=sv.replay_layers(session),
+                             image_spans=[span] if span else []).to_json()
+    except Exception as err:   # EngineError messages are written for users
+        print(traceback.format_exc())
+        st.error(sv.md_escape(f"The replay failed: {err}"))
+        return
+    st.session_state["replay"] = (session.id, sv.replay_view(replay_report(session.probes, new)),
+                                  sv.identity_note(session, engine.identity))
+
+
+def session_panel(source: str, path: str) -> None:
+    """The open session: who and what, its share link, and its actions (main page, under the title)."""
+    session = st.session_state.get("open_session")
+    if session is None:
+        return
+    with st.container(border=True, key="session_panel"):
+        left, right = st.columns([1.5, 1], gap="medium")
+        with left:
+            st.markdown(f"**Session:** {sv.md_escape(session.name)}")
+            st.caption(sv.md_escape(sv.session_caption(session)))
+            if session.notes.strip():
+                st.markdown(sv.md_escape(session.notes))
+            origin = st.session_state.get("run_origin") or {}
+            if origin.get("stored"):
+                st.caption("The layer views show the session's stored probes (no model run). Replay re-runs them.")
+        with right:
+            st.code(sv.share_link(app_url(), session.id), language=None, wrap_lines=True)
+        buttons = st.columns(6)
+        if buttons[0].button("Replay", key="replay_btn", help="Re-run the stored prompt on the loaded model and "
+                             "check that selections, mixing and routing come out identical."):
+            replay(session, source, path)
+        buttons[1].button("Duplicate", key="dup_btn", on_click=on_duplicate, args=(session.id,))
+        buttons[2].download_button("Export JSON", session_export(session), sv.export_filename(session.name, session.id),
+                                   "application/json", key="export_btn", on_click="ignore")
+        with buttons[3].popover("Rename / notes"):
+            st.text_input("Name", value=session.name, key="edit_name")
+            st.text_area("Notes", value=session.notes, key="edit_notes", height=120)
+            st.button("Save changes", key="edit_save", on_click=on_edit, args=(session.id, session.revision))
+        if buttons[4].button("Delete…", key="delete_btn"):
+            st.session_state["_confirm_delete"] = session.id
+        buttons[5].button("Close", key="close_btn", on_click=close_session)
+        if st.session_state.get("_confirm_delete") == session.id:
+            st.warning(sv.md_escape(f"Delete the session “{session.name}” for everyone? Its link stops working."))
+            a, b, _ = st.columns([1, 1, 4])
+            a.button("Yes, delete", key="delete_yes", type="primary", on_click=on_delete, args=(session.id,))
+            b.button("Cancel", key="delete_no", on_click=lambda: st.session_state.pop("_confirm_delete", None))
+        shown = st.session_state.get("replay")
+        if shown and shown[0] == session.id:
+            _, result, note = shown
+            if note:
+                st.warning(sv.md_escape(note))
+            (st.success if result.identical else st.warning)(result.headline)
+            if result.lines:
+                st.code("\n".join(result.lines), language=None)
+
+
+def session_export(session) -> str:
+    store, _ = cached_store()
+    try:
+        return store.export_json(session.id)
+    except SessionError:
+        return sv.export_document(session.data())
+
+
+def app_url() -> str:
+    try:
+        return (st.context.url or "").split("?")[0]
+    except Exception:   # no browser context (AppTest)
+        return ""
+
+
+def sessions_sidebar() -> None:
+    """Save, search, open and import team sessions (sidebar, under the prompt)."""
+    st.sidebar.markdown("### Sessions")
+    store, why = cached_store()
+    if store is None:
+        st.sidebar.error(sv.md_escape(f"Team sessions are unavailable: {why}"))
+        st.sidebar.download_button("Export this analysis (JSON)", current_export(), "analysis.json",
+                                   "application/json", key="export_current", on_click="ignore")
+        st.sidebar.button("Retry the database", key="store_retry", on_click=cached_store.clear)
+        return
+    st.sidebar.caption(sv.md_escape(f"Shared with the team in {store.describe()}."))
+    with st.sidebar.expander("Save this analysis"):
+        with st.form("save_form", border=False):
+            st.text_input("Name", key="save_name", max_chars=200, placeholder="Copy heads at layer 24")
+            st.text_input("Author", key="save_author", max_chars=100)
+            st.text_area("Notes", key="save_notes", height=90)
+            st.form_submit_button("Save session", type="primary", on_click=on_save)
+    with st.sidebar.expander("Open a team session", expanded=bool(st.session_state.get("session_query"))):
+        query = st.text_input("Search", key="session_query", placeholder="name, author, prompt text, layer:24")
+        try:
+            found = store.list_sessions(query, limit=50)
+        except SessionError as err:
+            st.error(sv.md_escape(str(err)))
+            found = []
+        if found:
+            labels = {s.id: sv.summary_label(s) for s in found}
+            pick = st.selectbox("Session", list(labels), format_func=labels.get, key="session_pick")
+            st.button("Open", key="session_open", on_click=open_session, args=(pick,))
+        else:
+            st.caption("No session matches." if query.strip() else "No sessions saved yet.")
+        st.file_uploader("Import a session file", type=["json"], key="session_import", on_change=on_import)
+
+
+def current_export() -> str:
+    try:
+        return sv.export_document(current_data("Unsaved analysis", "unknown", ""))
+    except Exception as err:
+        return json.dumps({"error": f"cannot export: {err}"})
+
+
+def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None:
+    """Two runs at the selected layer: the one on screen (A) and a saved session or another prompt (B)."""
+    r = plan[view().layer]
+    st.markdown(f"### Side by side at layer {r.layer}",
+                help="Which KV entries each query selected and which experts each token was routed to, in run A "
+                     "(on screen) and run B; blue only in A, orange only in B, grey in both.")
+    if run is None:
+        st.caption("Needs a run on screen (A): load model weights, or open a session.")
+        return
+    mode = st.radio("Compare with", ["session", "prompt"], key="cmp_mode", horizontal=True,
+                    format_func={"session": "a saved session", "prompt": "another prompt"}.get)
+    run_b, label_b = None, "B"
+    store, why = cached_store()
+    if mode == "session":
+        if store is None:
+            st.caption(sv.md_escape(f"Saved sessions are unavailable: {why}"))
+            return
+        opened = st.session_state.get("open_session")
+        try:
+            choices = sv.compare_choices(store.list_sessions(f"layer:{r.layer}", limit=50),
+                                         opened.id if opened else None)
+        except SessionError as err:
+            st.error(sv.md_escape(str(err)))
+            return
+        if not choices:
+            st.caption(f"No other saved session is at layer {r.layer}.")
+            return
+        pick = st.selectbox("Session B", list(choices), format_func=choices.get, key="cmp_session")
+        try:
+            other = store.load(pick)
+        except SessionError as err:
+            st.warning(sv.md_escape(str(err)))
+            return
+        run_b, label_b = other.probes, other.name
+    else:
+        text_b = st.text_area("Prompt B", key="cmp_prompt", height=90)
+        folder = weights_folder(source, path)
+        if folder is None:
+            st.caption("Running prompt B needs model weights (pick the shipped model or a checkpoint folder).")
+            return
+        if st.button("Run prompt B", key="cmp_run", disabled=not text_b.strip()):
+            try:
+                engine = cached_engine(str(folder))
+                st.session_state["cmp_run_b"] = (text_b, run_cached(engine.identity, str(folder), text_b,
+                                                                    tuple(sv.looked_at_layers(r)), ()))
+            except Exception as err:
+                print(traceback.format_exc())
+                st.error(sv.md_escape(f"The run of prompt B failed: {err}"))
+        held = st.session_state.get("cmp_run_b")
+        if held and held[0] == text_b:
+            run_b, label_b = held[1], "prompt B"
+    if run_b is None:
+        return
+    try:
+        cmp = compare_layer(run, run_b, r.layer)
+    except CompareError as err:
+        st.warning(sv.md_escape(str(err)))
+        return
+    st.caption(f"A: what is on screen · B: {sv.md_escape(label_b)}")
+    for line in sv.comparison_summary(cmp):
+        st.markdown(f"- {sv.md_escape(line)}")
+    a, b = st.columns(2)
+    if cmp.has_selections:
+        a.plotly_chart(sv.comparison_figure(cmp, "selections"), key="cmp_selections", config=PLOT_CONFIG)
+    if cmp.has_routing:
+        b.plotly_chart(sv.comparison_figure(cmp, "routing"), key="cmp_routing", config=PLOT_CONFIG)
+    rows = sv.comparison_rows(cmp, only_differences=True)
+    if rows:
+        st.dataframe(rows, hide_index=True, height=min(320, 38 + 35 * len(rows)))
+    else:
+        st.caption("No position differs.")
+
+
 def main() -> None:
+    first_load = "view" not in st.session_state
+    url_session = st.query_params.get("session")
+    if first_load and url_session:
+        open_session(url_session)
     source, path, text, span = sidebar()
     try:
         cfg = load_config(path)
@@ -393,6 +778,18 @@ def main() -> None:
         st.session_state["tally_pos"] = state.position
         for p in problems:
             st.warning(p)
+    opened = st.session_state.get("open_session")
+    if view().session and (opened is None or opened.id != view().session):
+        set_view(sv.with_session(view(), None))     # a link to a session that did not open
+    if st.session_state.pop("_restore_view", False) and opened is not None:
+        restored, problems = sv.view_from_session(opened, plan, opened.id)
+        if first_load and "layer" in st.query_params:    # an explicit layer in the link wins
+            restored = sv.with_session(view(), opened.id)
+        set_view(restored)
+        st.session_state["diagram_tab"] = TAB_TITLES[restored.tab]
+        st.session_state["tally_pos"] = restored.position
+        for p in problems:
+            st.warning(p)
     if view().layer >= len(plan):      # a smaller model after a source change
         set_view(replace(view(), layer=0, tab=plan[0].tab))
         st.session_state["diagram_tab"] = TAB_TITLES[plan[0].tab]
@@ -402,6 +799,8 @@ def main() -> None:
                 f"{fmt_params(tally.total_params)} parameters · {fmt_params(tally.active_decode_params)} active per "
                 f"generated token · {kv_view.kv_bytes_per_token(cfg):g} B of global KV per token · "
                 f"{'config' if tally.source == 'config' else 'checkpoint headers'}</span>", unsafe_allow_html=True)
+    show_flashes()
+    panel = st.container()
 
     left, mid, right = st.columns([1.1, 2.45, 1.3], gap="medium")
     with left:
@@ -421,6 +820,13 @@ def main() -> None:
             fail("Cannot draw the tally", err)
 
     run, why = live_run(source, path, text, span, plan)
+    st.session_state["_analysis"] = dict(view=view(), role=plan[view().layer], source=source, path=path, text=text,
+                                         span=span, run=run, origin=st.session_state.get("run_origin"))
+    with panel:
+        try:
+            session_panel(source, path)
+        except Exception as err:
+            fail("Cannot show the session", err)
     st.divider()
     try:
         live_views(cfg, plan, run, why)
@@ -428,9 +834,18 @@ def main() -> None:
         fail("Cannot draw the layer views", err)
     st.divider()
     try:
+        compare_section(cfg, plan, run, source, path)
+    except Exception as err:
+        fail("Cannot draw the comparison", err)
+    st.divider()
+    try:
         kv_panel(cfg, run)
     except Exception as err:
         fail("Cannot draw the KV panel", err)
+    try:
+        sessions_sidebar()
+    except Exception as err:
+        fail("Cannot show the sessions", err)
     scroll_if_asked()
     st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
                                   if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
