@@ -24,7 +24,7 @@ from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
 from explorer.state import (POSITION_TITLES, POSITIONS, ViewState, boxes_from_selection, picked_customdata,
                             select_layer, state_from_query)
-from explorer.sessions import (InvalidSessionFile, SessionConflict, SessionError, SessionNotFound, SessionStore,
+from explorer.sessions import (SessionConflict, SessionError, SessionNotFound, SessionStore,
                                StoreUnavailable)
 from explorer.style import fmt_bytes, fmt_params, fmt_tokens
 from explorer.tally_view import (box_stats, headline, layer_params, margin_lines, position_total,
@@ -390,16 +390,21 @@ def scroll_if_asked() -> None:
 # -- sessions -----------------------------------------------------------------------------------
 
 @st.cache_resource(show_spinner="Opening the session database…")
-def cached_store():
-    """(store, None), or (None, why): one store per process. A failure is remembered until "Retry",
-    so a dead database server does not stall every rerun."""
+def open_store(db_url: str, db_path: str):
+    """(store, None), or (None, why): one store per database and process. A failure is remembered
+    until "Retry", so a dead database server does not stall every rerun."""
     try:
-        return SessionStore.from_env(), None
+        return SessionStore.from_env({"EXPLORER_DB_URL": db_url, "EXPLORER_DB_PATH": db_path}), None
     except SessionError as err:
         return None, str(err)
     except Exception as err:   # a missing driver or the like: still one line for the user
         print(traceback.format_exc())
         return None, f"The session database cannot be opened: {err}"
+
+
+def cached_store():
+    """The store named by EXPLORER_DB_URL (PostgreSQL) or EXPLORER_DB_PATH (SQLite; default path)."""
+    return open_store(os.environ.get("EXPLORER_DB_URL", ""), os.environ.get("EXPLORER_DB_PATH", ""))
 
 
 def flash(kind: str, text: str) -> None:
@@ -474,16 +479,9 @@ def on_import() -> None:
     upload = st.session_state.get("session_import")
     if upload is None:
         return
-    store, why = cached_store()
-    try:
-        if store is None:
-            raise StoreUnavailable(why)
-        session = store.import_json(upload.getvalue())
-    except InvalidSessionFile as err:
-        flash("error", f"{upload.name}: {err} Nothing was imported.")
-        return
-    except SessionError as err:
-        flash("error", f"Cannot import {upload.name}: {err}")
+    session, problem = sv.import_upload(cached_store()[0], upload.name, upload.getvalue())
+    if problem:
+        flash("error", problem)
         return
     show_session(session)
     flash("success", f"Imported “{session.name}” as a new session.")
@@ -652,7 +650,7 @@ def sessions_sidebar() -> None:
         st.sidebar.error(sv.md_escape(f"Team sessions are unavailable: {why}"))
         st.sidebar.download_button("Export this analysis (JSON)", current_export(), "analysis.json",
                                    "application/json", key="export_current", on_click="ignore")
-        st.sidebar.button("Retry the database", key="store_retry", on_click=cached_store.clear)
+        st.sidebar.button("Retry the database", key="store_retry", on_click=open_store.clear)
         return
     st.sidebar.caption(sv.md_escape(f"Shared with the team in {store.describe()}."))
     with st.sidebar.expander("Save this analysis"):

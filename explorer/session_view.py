@@ -363,3 +363,17 @@ def source_state(session: SessionData, folder_exists) -> tuple[dict[str, Any], s
         return {}, (f"The session's checkpoint folder {session.model_source or '(none)'} is not on this machine; "
                     "its stored probes are shown with the model chosen in the sidebar.")
     return {}, None
+
+
+def import_upload(store, filename: str, data: bytes):
+    """Store an uploaded export as a new session: (session, None), or (None, a message) when the file
+    is not a session export or the store cannot take it. Nothing is stored on failure."""
+    from .sessions import InvalidSessionFile, SessionError
+    if store is None:
+        return None, f"Cannot import {filename}: team sessions are unavailable."
+    try:
+        return store.import_json(data), None
+    except InvalidSessionFile as err:
+        return None, f"{filename}: {err} Nothing was imported."
+    except SessionError as err:
+        return None, f"Cannot import {filename}: {err}"
