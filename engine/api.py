@@ -109,9 +109,11 @@ class Engine:
     """A loaded model plus its tokenizer; `run` is serialized with a lock (one run at a time)."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, source: str = "", identity: str = "",
-                 act_quant: bool = True):
+                 act_quant: bool = True, parallel=None):
         self.cfg, self.tokenizer, self.source, self.identity = cfg, tokenizer, source, identity
-        self.model = Model(cfg, weights, tokenizer, act_quant=act_quant)
+        self.parallel = parallel  # engine/parallel.py when this is one rank of several processes
+        self.device = torch.device("cpu") if parallel is None else parallel.device
+        self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel)
         self.plan = role_plan(cfg)
         self.lock = threading.Lock()
 
@@ -159,7 +161,7 @@ class Engine:
         unknown = set(probes) - set(PROBE_KINDS)
         if unknown:
             raise EngineError(f"unknown probe kinds {sorted(unknown)}; known: {list(PROBE_KINDS)}")
-        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask = torch.zeros(len(ids), dtype=torch.bool, device=self.device)
         for start, end in image_spans:
             if not 0 <= start < end <= len(ids):
                 raise EngineError(f"image span {start}..{end} is outside the prompt (0..{len(ids)})")
@@ -169,7 +171,8 @@ class Engine:
         with self.lock, torch.inference_mode():
             started = time.perf_counter()
             self.model.reset()
-            logits = self.model.forward(torch.tensor(ids), image_mask=mask, probes=request, collect=collect)
+            logits = self.model.forward(torch.tensor(ids, device=self.device), image_mask=mask, probes=request,
+                                        collect=collect)
             cache = self.model.cache_bytes()
             generated = []
             for _ in range(generate):
@@ -177,11 +180,11 @@ class Engine:
                 generated.append(nxt)
                 if self.tokenizer is not None and nxt == self.tokenizer.eos_id:
                     break
-                logits = self.model.forward(torch.tensor([nxt]))
+                logits = self.model.forward(torch.tensor([nxt], device=self.device))
             elapsed = time.perf_counter() - started
-        results = {L: self._layer_result(L, probe, set(probes)) for L, probe in collect.items()}
+        results = {L: self._layer_result(L, _to_cpu(probe), set(probes)) for L, probe in collect.items()}
         return RunResult(
-            tokens=self.token_strings(ids), token_ids=ids, image_mask=mask.tolist(), layers=results,
+            tokens=self.token_strings(ids), token_ids=ids, image_mask=mask.cpu().tolist(), layers=results,
             cache_bytes=cache, kv_bytes_formula=global_kv_bytes(self.cfg, len(ids)), time_s=elapsed,
             generated_ids=generated,
             generated_text=self.tokenizer.decode(generated) if self.tokenizer is not None and generated else "")
@@ -208,9 +211,18 @@ class Engine:
         """Next-token log-probabilities [T-1] of ids[1:] given the prefix (one prefill)."""
         with self.lock, torch.inference_mode():
             self.model.reset()
-            logits = self.model.forward(torch.tensor(ids))
+            logits = self.model.forward(torch.tensor(ids, device=self.device))
         logp = torch.log_softmax(logits[:-1].float(), dim=-1)
         return logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def _to_cpu(probe):
+    """Probe tensors as CPU tensors (a rank's probes live on its GPU)."""
+    if torch.is_tensor(probe):
+        return probe.cpu()
+    if isinstance(probe, dict):
+        return {k: _to_cpu(v) for k, v in probe.items()}
+    return probe
 
 
 def checkpoint_identity(path: Path) -> str:
@@ -223,8 +235,10 @@ def checkpoint_identity(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: bool = True) -> Engine:
-    """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model)."""
+def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: bool = True,
+         parallel=None) -> Engine:
+    """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
+    parallel (engine/parallel.py): this process is one rank; it reads only its shard of the weights."""
     from .checkpoint import CheckpointError, CheckpointReader
     from .weights import CheckpointWeights
 
@@ -242,8 +256,15 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     if (path / "tokenizer.json").exists():
         from .tokenizer import load_tokenizer
         tokenizer = load_tokenizer(path / "tokenizer.json")
-    return Engine(cfg, CheckpointWeights(reader, cache_bytes), tokenizer, source=str(path),
-                  identity=checkpoint_identity(path), act_quant=act_quant)
+    weights = CheckpointWeights(reader, cache_bytes)
+    if parallel is not None:
+        from .parallel import ParallelError, ShardedWeights
+        try:
+            weights = ShardedWeights(weights, parallel, cfg, cache_bytes)
+        except ParallelError as err:
+            raise EngineError(str(err)) from None
+    return Engine(cfg, weights, tokenizer, source=str(path), identity=checkpoint_identity(path),
+                  act_quant=act_quant, parallel=parallel)
 
 
 def save_result(result: RunResult, path: str | Path) -> None:

@@ -153,8 +153,9 @@ class Attention:
     """One layer's attention. `forward` takes the normalized input x [T, dim] at `positions` and
     returns [T, dim]; it reads and updates the layer's caches and the shared hand-down state."""
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, parallel=None):
         self.cfg, self.role, self.w, self.linear = cfg, role, weights, linear
+        self.parallel = parallel  # engine/parallel.py; None in one process
         self.ratio = role.compress_ratio
         self.freqs = layer_freqs(cfg, self.ratio)
         self.window = WindowCache()
@@ -204,7 +205,8 @@ class Attention:
         one block of queries at a time."""
         cfg, m = self.cfg, self.ratio
         hi, di = cfg.index_n_heads, cfg.index_head_dim
-        q = self.linear(qr, "attn.indexer.wq_b").view(-1, hi, di)
+        local_hi = hi if self.parallel is None else self.parallel.local(hi, "index heads")  # this rank's heads
+        q = self.linear(qr, "attn.indexer.wq_b").view(-1, local_hi, di)
         q = rotate(q, positions, self.freqs)
         q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
         head_w = (x.float() @ self.w("attn.indexer.weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5)
@@ -220,8 +222,10 @@ class Attention:
         for a in range(0, x.shape[0], QUERY_BLOCK):
             b = slice(a, a + QUERY_BLOCK)
             scores = torch.zeros(q[b].shape[0], n, device=x.device)
-            for h in range(hi):  # one head at a time: [block, N], never [block, heads, N]
+            for h in range(local_hi):  # one head at a time: [block, N], never [block, heads, N]
                 scores = scores + head_w[b, h:h + 1] * (q[b, h] @ keys.t()).relu()
+            if self.parallel is not None:  # partial sums over each rank's heads, before any top-k
+                scores = self.parallel.all_reduce(scores)
             scores = scores.masked_fill(entry[None, :] >= visible[b, None], NEG_INF)
             if self.role.candidate_source:
                 shared.candidates[b] = select_candidate_blocks(scores.detach(), visible[b], cfg.candidate_topk_blocks,
@@ -263,6 +267,9 @@ class Attention:
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None):
         cfg = self.cfg
         n_heads, head_dim = cfg.n_heads, cfg.head_dim
+        groups = cfg.o_groups
+        if self.parallel is not None:  # this rank's heads and output groups
+            n_heads, groups = self.parallel.local(n_heads, "heads"), self.parallel.local(groups, "groups")
         qr = rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
         q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
         q = rotate(q, positions, self.freqs)
@@ -301,10 +308,11 @@ class Attention:
         o = rotate(torch.cat(outs), positions, self.freqs, inverse=True)
         self.global_probs = torch.cat(global_probs) if global_kv is not None else None
 
-        groups = cfg.o_groups
         wo_a = self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o.reshape(-1, groups, n_heads // groups * head_dim), wo_a)
         out = self.linear(o.flatten(1), "attn.wo_b")
+        if self.parallel is not None:  # wo_b holds this rank's input columns: a partial sum
+            out = self.parallel.all_reduce(out)
 
         if probe is not None and self.ratio > 0 and idx is not None:
             probe["topk"] = idx

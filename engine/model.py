@@ -34,8 +34,9 @@ class ProbeRequest:
 class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
 
-    def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True):
+    def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True, parallel=None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.parallel = parallel  # engine/parallel.py (several processes); None in one process
         self.act_quant = act_quant
         self.plan = role_plan(cfg)[: cfg.n_layers]
         self.quantized_experts = weights.stored_dtype("layers.0.ffn.experts.0.w1.weight") in ("F8_E4M3", "I8") \
@@ -68,7 +69,7 @@ class Model:
         """Forget every cache: the next forward starts at position 0."""
         self.pos = 0
         self.attn = [Attention(self.cfg, role, LayerWeights(self.get, f"layers.{role.layer}."),
-                               lambda x, n, L=role.layer: self.linear(x, f"layers.{L}.{n}"))
+                               lambda x, n, L=role.layer: self.linear(x, f"layers.{L}.{n}"), self.parallel)
                      for role in self.plan]
         self.compressed_history = torch.zeros(0, dtype=torch.long)
         self.dead_history = torch.zeros(0, dtype=torch.bool)
@@ -117,7 +118,8 @@ class Model:
         positions = torch.arange(self.pos, self.pos + T, device=dev)
         image_mask = image_mask if image_mask is not None and bool(image_mask.any()) else None
         dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool, device=dev)
-        h = self.get("embed.weight")[ids].float()
+        embed = self.get("embed.weight")
+        h = embed[ids].float() if self.parallel is None else self.parallel.embed(embed, ids)  # vocab-split rows
         x = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
         pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0  # the first collapse reads copy 0
@@ -139,7 +141,8 @@ class Model:
             self.dead_history = torch.cat([self.dead_history, dead.cpu()])
         self.pos += T
         y = rms_norm(mhc.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
-        return y @ self.get("head.weight").float().t()
+        logits = y @ self.get("head.weight").float().t()
+        return logits if self.parallel is None else self.parallel.gather_last(logits)  # vocab-split head
 
     def _block(self, L, x, pre, positions, shared, image_mask, probe):
         cfg = self.cfg
@@ -155,7 +158,7 @@ class Model:
                                              self.get(p + "hc_ffn_base"), *hc_args)
         route_probe = {} if probe is not None else None
         y = moe_forward(cfg, L, rms_norm(mhc.collapse(x1, a_pre), self.get(p + "ffn_norm.weight"), cfg.norm_eps),
-                        self.get, self.linear, image_mask, route_probe)
+                        self.get, self.linear, image_mask, route_probe, self.parallel)
         x2 = mhc.expand(y, x1, f_post, f_comb)
         if probe is not None:
             probe.update(attn_probe)

@@ -41,16 +41,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                   get, linear) -> torch.Tensor:
+                   get, linear, owned: tuple[int, int] | None = None) -> torch.Tensor:
     """sum_e w_e Expert_e(x) over each token's chosen experts, as three batched GEMMs over the
-    experts in use (tokens padded per expert). Only the chosen experts' weights are fetched."""
+    experts in use (tokens padded per expert). Only the chosen experts' weights are fetched.
+    owned (expert parallel): only the slots whose expert is in [start, stop) count."""
     T, k = experts.shape
-    used, slot_expert = torch.unique(experts.flatten(), return_inverse=True)  # [U], [T*k]
+    slot_experts, slot_weights = experts.flatten(), weights.flatten()   # [T*k]
+    slot_token = torch.arange(T * k, device=x.device) // k
+    if owned is not None:
+        mine = (slot_experts >= owned[0]) & (slot_experts < owned[1])
+        slot_experts, slot_weights, slot_token = slot_experts[mine], slot_weights[mine], slot_token[mine]
+        if slot_experts.numel() == 0:
+            return torch.zeros(T, cfg.dim, device=x.device)
+    used, slot_expert = torch.unique(slot_experts, return_inverse=True)  # [U], [slots]
     counts = torch.bincount(slot_expert, minlength=used.numel())
     order = torch.argsort(slot_expert, stable=True)
     rank = torch.arange(order.numel(), device=x.device) - torch.repeat_interleave(
         torch.cumsum(counts, 0) - counts, counts)  # position of each sorted slot inside its expert
-    token = order // k
+    token = slot_token[order]
     width = int(counts.max())
     padded_tokens = torch.zeros(used.numel(), width, dtype=torch.long, device=x.device)
     padded_tokens[slot_expert[order], rank] = token
@@ -62,7 +70,7 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     xe = xq[padded_tokens]  # [U, width, dim]
     h = swiglu(xe @ w1.transpose(1, 2), xe @ w3.transpose(1, 2), cfg.swiglu_limit)
     gate_w = torch.zeros(used.numel(), width, device=x.device)
-    gate_w[slot_expert[order], rank] = weights.flatten()[order]
+    gate_w[slot_expert[order], rank] = slot_weights[order]
     h = linear(h * gate_w.unsqueeze(-1), None)
     out = h @ w2.transpose(1, 2)  # [U, width, dim]; padded rows carry weight 0
     y = torch.zeros(T, cfg.dim, device=x.device)
@@ -70,14 +78,20 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     return y
 
 
-def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None):
-    """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM."""
+def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None,
+                parallel=None):
+    """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM.
+    parallel (engine/parallel.py): each rank adds its own experts' share, then all_reduce."""
     n_routed, n_active = cfg.experts_of(layer)
     prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
     bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
     scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
                                      image_mask, n_active, cfg.route_scale, cfg.score_func)
-    y = routed_experts(cfg, prefix, x, experts, weights, get, linear)
+    if parallel is None:
+        y = routed_experts(cfg, prefix, x, experts, weights, get, linear)
+    else:
+        owned = parallel.split(n_routed, "routed experts")
+        y = parallel.all_reduce(routed_experts(cfg, prefix, x, experts, weights, get, linear, owned))
     base = prefix + "shared_experts."
     y = y + linear(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit), base + "w2")
     if probe is not None:

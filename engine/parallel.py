@@ -209,6 +209,9 @@ class ShardedWeights:
         return self.base.rows(name, index)
 
     def get(self, name: str) -> torch.Tensor:
+        if self.device.type == "cpu" and split_of(name) is None:
+            self._check_expert(name)
+            return self.base.get(name)  # the base's own cache already holds it
         with self._lock:
             hit = self._cache.get(name)
             if hit is not None:
@@ -223,11 +226,14 @@ class ShardedWeights:
                 self._held -= old.numel() * old.element_size()
         return value
 
-    def _load(self, name: str) -> torch.Tensor:
+    def _check_expert(self, name: str) -> None:
         expert = expert_of(name)
         if expert is not None and not self.parallel.owns_expert(expert, self.cfg.n_routed_experts):
             a, b = self.parallel.split(self.cfg.n_routed_experts)
             raise KeyError(f"'{name}': rank {self.parallel.rank} holds routed experts {a}..{b - 1} only")
+
+    def _load(self, name: str) -> torch.Tensor:
+        self._check_expert(name)
         split = split_of(name)
         if split is None:
             return self.base.get(name)
