@@ -1,0 +1,77 @@
+"""Runs the engine on a written checkpoint in N gloo processes (tests/test_engine_parallel.py).
+
+python -m tests.parallel_workers CHECKPOINT OUT.pt WORLD IDS_CSV
+Each rank loads only its shard (ShardedWeights over the checkpoint); rank 0 saves the run's JSON,
+the prefill logits and what each rank read.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_engine(checkpoint: str, parallel=None):
+    """The engine over the checkpoint (sharded when `parallel` is given), with the stand-in
+    tokenizer the tiny configs' Engram needs."""
+    from engine.api import Engine
+    from engine.checkpoint import CheckpointReader, checkpoint_config
+    from engine.parallel import ShardedWeights
+    from engine.weights import CheckpointWeights
+    from tests.engine_helpers import IdentityTokenizer
+
+    cfg = checkpoint_config(checkpoint)
+    weights = CheckpointWeights(CheckpointReader(checkpoint, cfg))
+    if parallel is not None:
+        weights = ShardedWeights(weights, parallel, cfg)
+    return Engine(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), source=checkpoint,
+                  identity="test", parallel=parallel)
+
+
+def reference(checkpoint: str, ids: list[int]) -> dict:
+    """The single-process run: JSON (with 3 generated tokens) and prefill logits."""
+    engine = build_engine(checkpoint)
+    result = engine.run(ids, generate=3, image_spans=[(5, 9)]).to_json()
+    with torch.inference_mode():
+        engine.model.reset()
+        logits = engine.model.forward(torch.tensor(ids))
+    return {"json": result, "logits": logits}
+
+
+def _rank(rank: int, world: int, port: int, checkpoint: str, out: str, ids: list[int]) -> None:
+    from engine.parallel import Parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parallel = Parallel(rank, world)
+    engine = build_engine(checkpoint, parallel)
+    result = engine.run(ids, generate=3, image_spans=[(5, 9)]).to_json()
+    with torch.inference_mode():
+        engine.model.reset()
+        logits = engine.model.forward(torch.tensor(ids))
+    read = parallel.gather_objects(engine.model.weights.bytes_read)
+    if rank == 0:
+        torch.save({"json": result, "logits": logits, "bytes_read": read}, out)
+    parallel.close()
+
+
+def main(argv: list[str]) -> int:
+    checkpoint, out, world, ids = argv[0], argv[1], int(argv[2]), [int(v) for v in argv[3].split(",")]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_rank, args=(world, free_port(), checkpoint, out, ids), nprocs=world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

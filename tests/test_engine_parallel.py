@@ -1,0 +1,121 @@
+"""Expert + tensor parallel engine (engine/parallel.py): two gloo processes on a written checkpoint give
+the single-process probes; each rank reads only its slice of the split weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from engine.checkpoint import CheckpointReader, write_checkpoint
+from engine.parallel import Parallel, ParallelError, ShardedWeights, check_splittable, split_of
+from engine.weights import CheckpointWeights, TensorWeights, random_weights
+from tests.engine_helpers import tiny_config
+from tests.parallel_workers import reference
+
+IDS = [0] + [int(v) for v in np.random.default_rng(3).integers(5, 300, 63)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = tiny_config()
+    out = tmp_path_factory.mktemp("tiny_parallel")
+    write_checkpoint(cfg, out, tensors=random_weights(cfg, 1), n_shards=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks") / "rank0.pt"
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel_workers", str(checkpoint), str(out), "2",
+                           ",".join(map(str, IDS))], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint):
+    return reference(str(checkpoint), IDS)
+
+
+def test_two_processes_give_the_single_process_probes(two_ranks, single):
+    par, one = two_ranks["json"], single["json"]
+    assert par["token_ids"] == one["token_ids"] and par["image_mask"] == one["image_mask"]
+    assert set(par["layers"]) == set(one["layers"]) == {str(L) for L in range(8)}
+    for L, a in par["layers"].items():
+        b = one["layers"][L]
+        assert a["topk"] == b["topk"], f"layer {L}: top-k differs"
+        assert a["candidate_pool"] == b["candidate_pool"], f"layer {L}: candidate pool differs"
+        assert a["n_entries"] == b["n_entries"]
+        if a["topk_scores"] is not None:
+            sa = torch.tensor([[float("-inf") if v is None else v for v in r] for r in a["topk_scores"]])
+            sb = torch.tensor([[float("-inf") if v is None else v for v in r] for r in b["topk_scores"]])
+            torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-5)
+        assert a["routing"]["experts"] == b["routing"]["experts"], f"layer {L}: routing differs"
+        for key in ("weights", "scores"):
+            torch.testing.assert_close(torch.tensor(a["routing"][key]), torch.tensor(b["routing"][key]),
+                                       rtol=1e-4, atol=1e-5)
+        for part in ("attn", "ffn"):
+            for key in ("pre", "post", "comb"):
+                torch.testing.assert_close(torch.tensor(a["mhc"][part][key]), torch.tensor(b["mhc"][part][key]),
+                                           rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(a["residual_norms"]), torch.tensor(b["residual_norms"]),
+                                   rtol=1e-4, atol=1e-4)
+    assert par["cache_bytes"] == one["cache_bytes"]
+    # decode steps after the prefill (greedy) agree too
+    assert par["generated_ids"] == one["generated_ids"] and len(par["generated_ids"]) == 3
+
+
+def test_two_processes_give_the_single_process_logits(two_ranks, single):
+    a, b = two_ranks["logits"], single["logits"]
+    assert a.shape == b.shape == (len(IDS), 300)  # the gathered head covers the whole vocabulary
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_each_rank_reads_half_of_the_split_weights(two_ranks, checkpoint):
+    """dim-0 splits read only their rows; wo_b (split by columns) and the sinks are read whole."""
+    reader = CheckpointReader(checkpoint)
+    rows_split = column_split = 0
+    for name in reader.names():
+        split = split_of(name)
+        if split is None or name.startswith("mtp."):
+            continue
+        e = reader.entry(name)
+        if split.dim == 0 and len(e.shape) == 2:
+            rows_split += e.nbytes // 2
+        else:
+            column_split += e.nbytes
+    assert two_ranks["bytes_read"] == [rows_split + column_split] * 2
+
+
+def test_sharded_slices_match_the_full_weights(checkpoint):
+    cfg = tiny_config()
+    full = CheckpointWeights(CheckpointReader(checkpoint, cfg))
+    names = ["embed.weight", "head.weight", "layers.2.attn.wq_b.weight", "layers.2.attn.attn_sink",
+             "layers.2.attn.wo_a.weight", "layers.2.attn.wo_b.weight", "layers.2.attn.indexer.wq_b.weight",
+             "layers.7.attn.indexer.weights_proj.weight"]
+    for rank in range(2):
+        mine = ShardedWeights(CheckpointWeights(CheckpointReader(checkpoint, cfg)), Parallel(rank, 2), cfg)
+        in_memory = ShardedWeights(TensorWeights({n: full.get(n) for n in names}), Parallel(rank, 2), cfg)
+        for name in names:
+            whole = full.get(name)
+            dim = split_of(name).dim
+            part = whole.shape[dim] // 2
+            expected = whole.narrow(dim, rank * part, part)
+            assert torch.equal(mine.get(name), expected), name
+            assert torch.equal(in_memory.get(name), expected), name
+        assert torch.equal(mine.get("layers.2.attn.wq_a.weight"), full.get("layers.2.attn.wq_a.weight"))
+        theirs = 4 if rank == 0 else 0
+        with pytest.raises(KeyError, match=f"rank {rank} holds routed experts"):
+            mine.get(f"layers.3.ffn.experts.{theirs}.w1.weight")
+        mine.get(f"layers.3.ffn.experts.{4 - theirs}.w2.weight")  # its own: fine
+
+
+def test_a_model_that_does_not_split_says_which_count():
+    with pytest.raises(ParallelError, match="n_heads=4, o_groups=2, index_n_heads=2, n_routed_experts=8 not divisible by 3"):
+        check_splittable(tiny_config(), 3)
+    check_splittable(tiny_config(), 2)
