@@ -87,11 +87,13 @@ class RunResult:
     generated_text: str = ""
     next_token_logprobs: list[float] | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self, layers=None) -> dict:
+        """JSON-able dict; `layers` limits the per-layer probes to those layers (all by default)."""
+        keep = self.layers.keys() if layers is None else [L for L in layers if L in self.layers]
         return {
             "engine_version": ENGINE_VERSION,
             "tokens": self.tokens, "token_ids": self.token_ids, "image_mask": self.image_mask,
-            "layers": {str(k): v.to_json() for k, v in sorted(self.layers.items())},
+            "layers": {str(k): self.layers[k].to_json() for k in sorted(keep)},
             "cache_bytes": self.cache_bytes, "kv_bytes_formula": self.kv_bytes_formula,
             "time_s": self.time_s,
             "generated_ids": self.generated_ids, "generated_text": self.generated_text,
