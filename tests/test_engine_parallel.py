@@ -119,3 +119,22 @@ def test_a_model_that_does_not_split_says_which_count():
     with pytest.raises(ParallelError, match="n_heads=4, o_groups=2, index_n_heads=2, n_routed_experts=8 not divisible by 3"):
         check_splittable(tiny_config(), 3)
     check_splittable(tiny_config(), 2)
+
+
+def test_bench_smoke_runs_the_multi_gpu_script_on_two_cpu_processes(tmp_path):
+    """benches/parallel.py --smoke: generated release-format shards, all layers timed, memory per rank,
+    and click-to-view through the service, on 2 gloo processes."""
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "benches/parallel.py", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = __import__("json").loads(out.read_text())
+    assert report["world"] == 2 and report["tokens"] == 96 and report["json_layers"] == 8
+    assert [row["layer"] for row in report["layers"]] == list(range(8))
+    assert all(row["time_s"] > 0 and row["roofline_fp8_s"] > 0 for row in report["layers"])
+    assert [m["rank"] for m in report["memory"]] == [0, 1]
+    # each rank holds half the routed experts and split weights, all replicated ones
+    assert 0 < report["memory"][0]["resident_weights_bytes"] == report["memory"][1]["resident_weights_bytes"]
+    views = report["click_to_view"]
+    assert [v["layer"] for v in views] == [7, 6] and views[1]["layers_run"] == [5, 6]
+    assert all(v["view_s"] >= v["answer_s"] > 0 and v["json_mb"] > 0 for v in views)
