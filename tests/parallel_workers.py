@@ -1,8 +1,10 @@
 """Runs the engine on a written checkpoint in N gloo processes (tests/test_engine_parallel.py).
 
 python -m tests.parallel_workers CHECKPOINT OUT.pt WORLD IDS_CSV
-Each rank loads only its shard (ShardedWeights over the checkpoint); rank 0 saves the run's JSON,
-the prefill logits and what each rank read.
+Each rank loads only its shard (ShardedWeights over the checkpoint); rank 0 saves, for activations
+in float and FP8-rounded (the release's kernels), the run's JSON and the prefill logits, plus what
+each rank read. FP8 rounding turns the all_reduce's different summation order (~1e-7) into an
+occasional rounding flip (~1e-3 downstream), so exact agreement is checked without it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_engine(checkpoint: str, parallel=None):
+def build_engine(checkpoint: str, parallel=None, act_quant: bool = False):
     """The engine over the checkpoint (sharded when `parallel` is given), with the stand-in
     tokenizer the tiny configs' Engram needs."""
     from engine.api import Engine
@@ -36,17 +38,21 @@ def build_engine(checkpoint: str, parallel=None):
     if parallel is not None:
         weights = ShardedWeights(weights, parallel, cfg)
     return Engine(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), source=checkpoint,
-                  identity="test", parallel=parallel)
+                  identity="test", parallel=parallel, act_quant=act_quant)
 
 
-def reference(checkpoint: str, ids: list[int]) -> dict:
-    """The single-process run: JSON (with 3 generated tokens) and prefill logits."""
-    engine = build_engine(checkpoint)
+def one_run(engine, ids: list[int]) -> dict:
+    """The run's JSON (with 3 generated tokens) and the prefill logits."""
     result = engine.run(ids, generate=3, image_spans=[(5, 9)]).to_json()
     with torch.inference_mode():
         engine.model.reset()
         logits = engine.model.forward(torch.tensor(ids))
     return {"json": result, "logits": logits}
+
+
+def reference(checkpoint: str, ids: list[int]) -> dict:
+    """The single-process runs, activations in float and FP8-rounded."""
+    return {quantized: one_run(build_engine(checkpoint, act_quant=quantized), ids) for quantized in (False, True)}
 
 
 def _rank(rank: int, world: int, port: int, checkpoint: str, out: str, ids: list[int]) -> None:
@@ -55,14 +61,13 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: str, ids: list
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel = Parallel(rank, world)
-    engine = build_engine(checkpoint, parallel)
-    result = engine.run(ids, generate=3, image_spans=[(5, 9)]).to_json()
-    with torch.inference_mode():
-        engine.model.reset()
-        logits = engine.model.forward(torch.tensor(ids))
+    runs = {}
+    for quantized in (False, True):
+        engine = build_engine(checkpoint, parallel, act_quant=quantized)
+        runs[quantized] = one_run(engine, ids)
     read = parallel.gather_objects(engine.model.weights.bytes_read)
     if rank == 0:
-        torch.save({"json": result, "logits": logits, "bytes_read": read}, out)
+        torch.save({**runs, "bytes_read": read}, out)
     parallel.close()
 
 

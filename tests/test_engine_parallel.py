@@ -41,8 +41,15 @@ def single(checkpoint):
     return reference(str(checkpoint), IDS)
 
 
-def test_two_processes_give_the_single_process_probes(two_ranks, single):
-    par, one = two_ranks["json"], single["json"]
+# The caches are stored in FP8/FP4 (and activations FP8-rounded in the release mode), so a last-bit
+# difference from the all_reduce's summation order can flip one rounding and move later values by
+# ~1e-4; a missing all_reduce or a wrong slice moves them by O(1).
+TOL = dict(rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-activations", "fp8-activations"])
+def test_two_processes_give_the_single_process_probes(two_ranks, single, quantized):
+    par, one = two_ranks[quantized]["json"], single[quantized]["json"]
     assert par["token_ids"] == one["token_ids"] and par["image_mask"] == one["image_mask"]
     assert set(par["layers"]) == set(one["layers"]) == {str(L) for L in range(8)}
     for L, a in par["layers"].items():
@@ -53,26 +60,26 @@ def test_two_processes_give_the_single_process_probes(two_ranks, single):
         if a["topk_scores"] is not None:
             sa = torch.tensor([[float("-inf") if v is None else v for v in r] for r in a["topk_scores"]])
             sb = torch.tensor([[float("-inf") if v is None else v for v in r] for r in b["topk_scores"]])
-            torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(sa, sb, **TOL)
         assert a["routing"]["experts"] == b["routing"]["experts"], f"layer {L}: routing differs"
         for key in ("weights", "scores"):
-            torch.testing.assert_close(torch.tensor(a["routing"][key]), torch.tensor(b["routing"][key]),
-                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(a["routing"][key]), torch.tensor(b["routing"][key]), **TOL)
         for part in ("attn", "ffn"):
             for key in ("pre", "post", "comb"):
                 torch.testing.assert_close(torch.tensor(a["mhc"][part][key]), torch.tensor(b["mhc"][part][key]),
-                                           rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(torch.tensor(a["residual_norms"]), torch.tensor(b["residual_norms"]),
-                                   rtol=1e-4, atol=1e-4)
+                                           **TOL)
+        torch.testing.assert_close(torch.tensor(a["residual_norms"]), torch.tensor(b["residual_norms"]), rtol=1e-3,
+                                   atol=0)
     assert par["cache_bytes"] == one["cache_bytes"]
     # decode steps after the prefill (greedy) agree too
     assert par["generated_ids"] == one["generated_ids"] and len(par["generated_ids"]) == 3
 
 
-def test_two_processes_give_the_single_process_logits(two_ranks, single):
-    a, b = two_ranks["logits"], single["logits"]
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-activations", "fp8-activations"])
+def test_two_processes_give_the_single_process_logits(two_ranks, single, quantized):
+    a, b = two_ranks[quantized]["logits"], single[quantized]["logits"]
     assert a.shape == b.shape == (len(IDS), 300)  # the gathered head covers the whole vocabulary
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a, b, rtol=0, atol=5e-3)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
