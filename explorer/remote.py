@@ -54,8 +54,12 @@ class RemoteRun:
             setattr(self, key, data.get(key))
         self._layers: dict[int, LayerResult] | None = None
 
-    def to_json(self) -> dict:
-        return json.loads(json.dumps(self._data))  # a private copy, as a fresh to_json() would be
+    def to_json(self, layers=None) -> dict:
+        """A private copy, as a fresh to_json() would be; `layers` keeps only those layers' probes."""
+        data = json.loads(json.dumps(self._data))
+        if layers is not None:
+            data["layers"] = {k: v for k, v in data["layers"].items() if int(k) in set(layers)}
+        return data
 
     @property
     def layers(self) -> dict[int, LayerResult]:

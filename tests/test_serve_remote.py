@@ -134,6 +134,7 @@ def test_client_gives_the_in_process_views(served, engine):
         assert torch.equal(la.topk, lb.topk) and torch.equal(la.candidate_pool, lb.candidate_pool)
         assert torch.equal(la.routing["experts"], lb.routing["experts"])
         torch.testing.assert_close(la.mhc["ffn"]["comb"], lb.mhc["ffn"]["comb"], rtol=0, atol=0)
+    assert no_time(remote_run.to_json(layers=[7])) == no_time(local_run.to_json(layers=[7]))
     with pytest.raises(EngineError, match="outside the vocabulary"):
         client.run([0, 99999])
 
