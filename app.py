@@ -598,20 +598,22 @@ def session_panel(source: str, path: str) -> None:
                 st.caption("The layer views show the session's stored probes (no model run). Replay re-runs them.")
         with right:
             st.code(sv.share_link(app_url(), session.id), language=None, wrap_lines=True)
-        buttons = st.columns(6)
-        if buttons[0].button("Replay", key="replay_btn", help="Re-run the stored prompt on the loaded model and "
-                             "check that selections, mixing and routing come out identical."):
+        with st.container(horizontal=True, key="session_actions"):
+            replay_clicked = st.button("Replay", key="replay_btn", type="primary", help="Re-run the stored prompt on "
+                                       "the loaded model and check that selections, mixing and routing come out "
+                                       "identical.")
+            st.button("Duplicate", key="dup_btn", on_click=on_duplicate, args=(session.id,))
+            st.download_button("Export JSON", session_export(session), sv.export_filename(session.name, session.id),
+                               "application/json", key="export_btn", on_click="ignore")
+            with st.popover("Rename / notes"):
+                st.text_input("Name", value=session.name, key="edit_name")
+                st.text_area("Notes", value=session.notes, key="edit_notes", height=120)
+                st.button("Save changes", key="edit_save", on_click=on_edit, args=(session.id, session.revision))
+            if st.button("Delete…", key="delete_btn"):
+                st.session_state["_confirm_delete"] = session.id
+            st.button("Close", key="close_btn", on_click=close_session)
+        if replay_clicked:
             replay(session, source, path)
-        buttons[1].button("Duplicate", key="dup_btn", on_click=on_duplicate, args=(session.id,))
-        buttons[2].download_button("Export JSON", session_export(session), sv.export_filename(session.name, session.id),
-                                   "application/json", key="export_btn", on_click="ignore")
-        with buttons[3].popover("Rename / notes"):
-            st.text_input("Name", value=session.name, key="edit_name")
-            st.text_area("Notes", value=session.notes, key="edit_notes", height=120)
-            st.button("Save changes", key="edit_save", on_click=on_edit, args=(session.id, session.revision))
-        if buttons[4].button("Delete…", key="delete_btn"):
-            st.session_state["_confirm_delete"] = session.id
-        buttons[5].button("Close", key="close_btn", on_click=close_session)
         if st.session_state.get("_confirm_delete") == session.id:
             st.warning(sv.md_escape(f"Delete the session “{session.name}” for everyone? Its link stops working."))
             a, b, _ = st.columns([1, 1, 4])
@@ -722,7 +724,10 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         if folder is None:
             st.caption("Running prompt B needs model weights (pick the shipped model or a checkpoint folder).")
             return
-        if st.button("Run prompt B", key="cmp_run", disabled=not text_b.strip()):
+        clicked = st.button("Run prompt B", key="cmp_run")
+        if clicked and not text_b.strip():
+            st.warning("Type prompt B first.")
+        elif clicked:
             try:
                 engine = cached_engine(str(folder))
                 st.session_state["cmp_run_b"] = (text_b, run_cached(engine.identity, str(folder), text_b,

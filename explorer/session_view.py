@@ -313,6 +313,7 @@ def comparison_figure(cmp: LayerComparison, kind: str, *, label_a: str = "A", la
         raise ValueError(f"kind must be 'selections' or 'routing', not {kind!r}")
     pts = _points(cmp, kind)
     what = "KV entry" if kind == "selections" else "expert"
+    dense = sum(len(xs) for xs, _ in pts.values()) > 3000
     fig = go.Figure()
     for name, colour, symbol, title in (("both", COLOUR_BOTH, "square", "both"),
                                         ("a", COLOUR_A, "circle", f"only {label_a}"),
@@ -320,12 +321,14 @@ def comparison_figure(cmp: LayerComparison, kind: str, *, label_a: str = "A", la
         xs, ys = pts[name]
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="markers", name=f"{title} ({len(xs)})",
-            marker=dict(color=colour, symbol=symbol, size=6 if name == "both" else 7,
+            marker=dict(color=colour, symbol=symbol, size=(3 if dense else 6) + (name != "both"),
                         line=dict(width=0) if name != "b" else dict(width=1.5, color=colour)),
             hovertemplate=f"position %{{x}} · {what} %{{y}} · {title}<extra></extra>"))
     fig.update_layout(**base_layout(height=height))
-    fig.update_layout(legend=dict(orientation="h", y=1.02, x=0, yanchor="bottom"), showlegend=True,
-                      margin=dict(l=50, r=10, t=30, b=40))
+    title = "Top-k selections" if kind == "selections" else "Routed experts"
+    fig.update_layout(title=dict(text=f"{title}: {label_a} vs {label_b}", x=0, y=0.98, font=dict(size=13)),
+                      legend=dict(orientation="h", y=1.0, x=0, yanchor="bottom"), showlegend=True,
+                      margin=dict(l=50, r=10, t=56, b=40))
     fig.update_xaxes(title_text="query position", gridcolor=GRID, zeroline=False)
     fig.update_yaxes(title_text=what, gridcolor=GRID, zeroline=False, color=MUTED)
     return fig

@@ -1,0 +1,231 @@
+"""Sessions in a real browser: save in one browser context, open the share link in a fresh one and see
+the same layer and views from the stored probes, replay them on the model, compare with a second
+prompt, and clear messages for an unknown id and a file that is not a session.
+
+The model is a tiny random-weight checkpoint in the release's 40-layer plan (written once per test
+session; the real tokenizer); sessions go to a temporary SQLite file. Needs Debian's /usr/bin/chromium:
+skips without it, fails under CI=true. Screenshots land in test-artifacts/sessions_*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+LAYER = 29                 # a Reuse layer: its page shows layer 28's top-k, so two layers are stored
+RUN_TIMEOUT = 180_000      # ms: a CPU run of the tiny model on the sample prompt takes ~10-20 s
+
+
+def _require_browser() -> None:
+    if Path(CHROMIUM).exists():
+        return
+    message = f"{CHROMIUM} is missing: apt-get install -y chromium"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The release's layer plan at a tiny width, random weights, the project tokenizer (~12 MB)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine.checkpoint import write_checkpoint
+    from engine.weights import random_weights
+    from engine_helpers import release_lists_config
+
+    cfg = release_lists_config(vocab_size=4096, engram_compressed_vocab_size=2804)
+    out = tmp_path_factory.mktemp("tiny_ckpt")
+    write_checkpoint(cfg, out, tensors=random_weights(cfg, 0))
+    shutil.copy(REPO / "assets" / "tokenizer" / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    _require_browser()
+    port = _free_port()
+    db = tmp_path_factory.mktemp("sessions_db") / "sessions.sqlite3"
+    env = {k: v for k, v in os.environ.items() if k not in ("EXPLORER_DB_URL", "EXPLORER_RUN_JSON")}
+    env.update(EXPLORER_SOURCE="path", EXPLORER_CHECKPOINT=str(tiny_checkpoint), EXPLORER_DB_PATH=str(db),
+               PYTHONPATH=str(REPO))
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = open(ARTIFACTS / "streamlit_sessions.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+                             "--server.port", str(port), "--browser.gatherUsageStats", "false",
+                             # others edit engine/ while tests run: a "source changed" banner would hang the waits
+                             "--server.fileWatcherType", "none"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/_stcore/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"streamlit exited with {proc.returncode}; see test-artifacts/streamlit_sessions.log")
+            time.sleep(0.5)
+    else:
+        proc.terminate()
+        pytest.fail("streamlit did not answer its health check within 60 s")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def _idle(page) -> None:
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=RUN_TIMEOUT)
+    page.wait_for_timeout(500)
+
+
+def _wait_views(page, layer: int) -> None:
+    """The layer page with all three live sections drawn."""
+    page.wait_for_selector(f"h2:has-text('Layer {layer} · ')", timeout=RUN_TIMEOUT)
+    for key in ("topk_map", "mhc_token", "routing_map"):
+        page.wait_for_selector(f".st-key-{key} .js-plotly-plot", timeout=RUN_TIMEOUT)
+    _idle(page)
+
+
+def _figure_data(page) -> dict:
+    """The drawn data of the three live figures (what 'the same views' means, number for number)."""
+    return page.evaluate("""() => Object.fromEntries(['topk_map', 'mhc_token', 'routing_map'].map(k => {
+        const gd = document.querySelector(`.st-key-${k} .js-plotly-plot`);
+        return [k, JSON.stringify(gd.data.map(t => [t.x, t.y, t.z]))];
+    }))""")
+
+
+def _shot(page, name: str) -> None:
+    page.mouse.move(1600, 5)      # no tooltip in the picture
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(ARTIFACTS / name))
+
+
+def _new_page(browser, errors: list[str]):
+    context = browser.new_context(viewport={"width": 1680, "height": 1250})
+    page = context.new_page()
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return context, page
+
+
+def test_save_share_open_replay_compare(server, browser):
+    errors: list[str] = []
+    # -- browser 1: look at layer 29 on the model, save the analysis --------------------------------
+    ctx1, page = _new_page(browser, errors)
+    page.goto(server + f"/?layer={LAYER}")
+    _wait_views(page, LAYER)
+    drawn = _figure_data(page)
+    sidebar = page.locator("[data-testid=stSidebar]")
+    sidebar.get_by_text("Save this analysis").click()
+    sidebar.locator(".st-key-save_name input").fill("Reuse at 29 <b>look</b>")
+    sidebar.locator(".st-key-save_author input").fill("ana")
+    sidebar.locator(".st-key-save_notes textarea").fill("Copy heads? *check* the routing")
+    sidebar.get_by_role("button", name="Save session").click()
+    page.wait_for_function("() => location.search.includes('session=')", timeout=30_000)
+    session_id = re.search(r"session=([A-Za-z0-9_-]+)", page.url).group(1)
+    panel = page.locator(".st-key-session_panel")
+    panel.wait_for(timeout=30_000)
+    assert "Reuse at 29 <b>look</b>" in panel.inner_text()          # shown literally, not as HTML
+    assert f"?session={session_id}" in panel.locator("code").inner_text()
+    _idle(page)
+    _shot(page, "sessions_saved.png")
+    ctx1.close()
+
+    # -- browser 2 (fresh context, no state): the share link ------------------------------------------
+    ctx2, page = _new_page(browser, errors)
+    started = time.time()
+    page.goto(server + f"/?session={session_id}")
+    _wait_views(page, LAYER)
+    opened_s = time.time() - started
+    assert page.locator("[role=tab][aria-selected=true]").first.inner_text().startswith("Reuse")
+    for section in ("Top-k selections", "mHC coefficients", "Expert routing"):
+        assert page.locator(f"h3:has-text('{section}')").count() == 1
+    assert _figure_data(page) == drawn                                 # the same views, number for number
+    panel = page.locator(".st-key-session_panel")
+    assert "stored probes" in panel.inner_text() and "by ana" in panel.inner_text()
+    assert "Copy heads? *check* the routing" in panel.inner_text()
+    assert re.search(rf"layer={LAYER}", page.url) and f"session={session_id}" in page.url
+    _shot(page, "sessions_opened_by_link.png")
+
+    # replay: the stored prompt on the loaded model gives the same selections, mixing and routing
+    panel.get_by_role("button", name="Replay", exact=True).click()
+    page.wait_for_selector("text=Replay identical", timeout=RUN_TIMEOUT)
+    _idle(page)
+    _shot(page, "sessions_replay_identical.png")
+
+    # side by side with a second prompt at the same layer
+    page.locator(".st-key-cmp_mode").get_by_text("another prompt").click()
+    page.wait_for_selector(".st-key-cmp_prompt textarea", timeout=30_000)
+    page.locator(".st-key-cmp_prompt textarea").fill("The quick brown fox jumps over the lazy dog. " * 8)
+    page.locator(".st-key-cmp_prompt textarea").blur()
+    _idle(page)
+    page.get_by_role("button", name="Run prompt B").click()
+    page.wait_for_selector(".st-key-cmp_routing .js-plotly-plot", timeout=RUN_TIMEOUT)
+    page.wait_for_selector(".st-key-cmp_selections .js-plotly-plot", timeout=RUN_TIMEOUT)
+    _idle(page)
+    assert page.locator("text=Routing differs at").count() == 1
+    page.locator(".st-key-cmp_routing").scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    _shot(page, "sessions_side_by_side.png")
+    assert not page.locator("[data-testid=stException]").count(), "the page shows a traceback"
+    ctx2.close()
+    print(f"share link opened in {opened_s:.1f} s")
+    assert not errors, errors
+
+
+def test_unknown_session_and_bad_import_file(server, browser, tmp_path):
+    errors: list[str] = []
+    ctx, page = _new_page(browser, errors)
+    page.goto(server + "/?session=NoSuchSession_0001")
+    page.wait_for_selector("text=No saved session has the id", timeout=60_000)
+    page.wait_for_selector("h2:has-text('Layer 24 · Reindex')", timeout=60_000)   # the default view stays
+    page.wait_for_function("() => !location.search.includes('session=')", timeout=30_000)
+    _idle(page)
+    _shot(page, "sessions_unknown_id.png")
+
+    bad = tmp_path / "notes.json"
+    bad.write_text(json.dumps({"hello": "world"}))
+    sidebar = page.locator("[data-testid=stSidebar]")
+    sidebar.get_by_text("Open a team session").click()
+    sidebar.locator(".st-key-session_import input[type=file]").set_input_files(str(bad))
+    page.wait_for_selector("text=is not a session export of this app", timeout=60_000)
+    page.wait_for_selector("h2:has-text('Layer 24 · Reindex')", timeout=60_000)
+    _idle(page)
+    _shot(page, "sessions_bad_import.png")
+    assert not page.locator("[data-testid=stException]").count()
+    ctx.close()
+    assert not errors, errors
