@@ -18,7 +18,7 @@ import streamlit as st
 from engine.config import ConfigError, load_config
 from engine.roles import TAB_TITLES, TABS, role_plan
 from engine.tally import cache_breakdown_at, tally_from_config
-from explorer import kv_view, layer_views as lv, prompt as pr, session_view as sv
+from explorer import kv_view, layer_views as lv, prompt as pr, remote, session_view as sv
 from explorer.session_compare import CompareError, compare_layer, replay_report
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
@@ -61,7 +61,7 @@ def cached_tally(source: str, path: str):
 @st.cache_resource(show_spinner="Loading the model…")
 def cached_engine(path: str):
     from engine.api import load
-    return load(path)   # one shared engine; its run() holds a lock
+    return remote.attached_engine() or load(path)   # one shared engine; its run() holds a lock
 
 
 def sidebar():
@@ -358,7 +358,7 @@ def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None
         return None, "Config only: no weights are loaded, so there are no live views. Pick the shipped model or a " \
                      "checkpoint folder in the sidebar."
     folder = Path(path)
-    if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+    if not (folder.is_dir() and any(folder.glob("*.safetensors"))) and not remote.engine_url():
         return None, f"No weights at {folder}: live views need a checkpoint with safetensors shards."
     if not text.strip():
         return None, "The prompt is empty."
@@ -375,9 +375,14 @@ def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None
         return None, f"The run failed: {err}"
 
 
-@st.cache_data(show_spinner="Running the layer on the prompt…", max_entries=32)
+@st.cache_resource(show_spinner="Running the prompt through all layers…", max_entries=8)
+def prompt_run(identity: str, folder: str, text: str, spans: tuple):
+    """One run per prompt with every layer probed, shared read-only: another layer is a lookup."""
+    return cached_engine(folder).run(text, image_spans=list(spans))
+
+
 def run_cached(identity: str, folder: str, text: str, layers: tuple, spans: tuple) -> dict:
-    return cached_engine(folder).run(text, layers=list(layers), image_spans=list(spans)).to_json()
+    return prompt_run(identity, folder, text, spans).to_json(layers=list(layers))
 
 
 def scroll_if_asked() -> None:

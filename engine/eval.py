@@ -73,7 +73,8 @@ def evaluate(engine, ids: list[int], max_len: int = 2048, counts: np.ndarray | N
     """Loss, token count and perplexity of an `engine.api.Engine` over token ids."""
     if len(ids) < 2:
         raise EvalError("need at least two tokens to score")
-    with engine.lock:
+    from .api import one_thread
+    with engine.lock, one_thread():
         losses = token_losses(engine.model, ids, min(max_len, engine.cfg.max_seq_len))
         engine.model.reset()
     loss = float(losses.mean())
