@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,8 +24,8 @@ import numpy as np
 import torch
 
 from . import quant
-from .config import HF_TO_INFERENCE, ConfigError, ModelConfig, load_config
-from .layout import DTYPE_BYTES, WEIGHT_BLOCK, Shard, TensorSpec, shard_plan, spec_from_header, tensor_specs
+from .config import HF_TO_INFERENCE, ModelConfig, load_config
+from .layout import WEIGHT_BLOCK, Shard, TensorSpec, shard_plan, spec_from_header, tensor_specs
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"

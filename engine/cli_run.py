@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .__main__ import Command, fmt_bytes, table
+from . import eval as evaluation
 from .api import DEFAULT_CHECKPOINT, EngineError, load
 
 
@@ -82,16 +83,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="[--checkpoint DIR] --text-file F [--json]")
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from . import eval as evaluation
-    return evaluation.main(args.rest)
-
-
 COMMANDS = [
     Command("run", "run a prompt through the engine and print (or save) the probes", _run_args, _run),
-    Command("eval", "mean next-token loss and perplexity of a checkpoint on a text file", _eval_args, _eval),
+    Command("eval", "mean next-token loss and perplexity of a checkpoint on a text file", evaluation.add_arguments,
+            evaluation.run),
 ]

@@ -85,15 +85,23 @@ def evaluate(engine, ids: list[int], max_len: int = 2048, counts: np.ndarray | N
     return result
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine eval",
-                                     description="Mean next-token loss of a checkpoint over a text file.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, help="checkpoint folder (default: assets/model)")
     parser.add_argument("--text-file", required=True, help="UTF-8 text to score")
     parser.add_argument("--max-len", type=int, default=2048, help="window length in tokens (default 2048)")
     parser.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine eval",
+                                     description="Mean next-token loss of a checkpoint over a text file.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`python -m engine eval`: loss, tokens and perplexity; errors as one line, exit 2."""
     from .api import EngineError, load
     try:
         path = Path(args.text_file)

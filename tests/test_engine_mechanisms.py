@@ -257,7 +257,7 @@ def test_sparse_attention_with_window_sinks_and_padding_matches_float64_loop():
     cfg = tiny_config()
     attn, w = _attention(cfg, 2)
     g = torch.Generator().manual_seed(7)
-    B, H, D, W, N, k = 5, cfg.n_heads, cfg.head_dim, cfg.window_size, 12, 4
+    B, H, D, W, N = 5, cfg.n_heads, cfg.head_dim, cfg.window_size, 12
     q = torch.randn(B, H, D, generator=g)
     keys = torch.randn(3 + B, D, generator=g)  # latents of positions 0..7; queries at positions 3..7
     positions = torch.arange(3, 3 + B)

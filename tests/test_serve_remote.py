@@ -5,7 +5,6 @@ mid-run, and a queue that does not let one client starve another."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -10,40 +10,17 @@ skips without it, fails under CI=true. Screenshots land in test-artifacts/sessio
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+from harness import ARTIFACTS, REPO, streamlit_server
+
 LAYER = 29                 # a Reuse layer: its page shows layer 28's top-k, so two layers are stored
 RUN_TIMEOUT = 180_000      # ms: a CPU run of the tiny model on the sample prompt takes ~10-20 s
-
-
-def _require_browser() -> None:
-    if Path(CHROMIUM).exists():
-        return
-    message = f"{CHROMIUM} is missing: apt-get install -y chromium"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -63,49 +40,10 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    _require_browser()
-    port = _free_port()
     db = tmp_path_factory.mktemp("sessions_db") / "sessions.sqlite3"
-    env = {k: v for k, v in os.environ.items() if k not in ("EXPLORER_DB_URL", "EXPLORER_RUN_JSON")}
-    env.update(EXPLORER_SOURCE="path", EXPLORER_CHECKPOINT=str(tiny_checkpoint), EXPLORER_DB_PATH=str(db),
-               PYTHONPATH=str(REPO))
-    ARTIFACTS.mkdir(exist_ok=True)
-    log = open(ARTIFACTS / "streamlit_sessions.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-                             "--server.port", str(port), "--browser.gatherUsageStats", "false",
-                             # others edit engine/ while tests run: a "source changed" banner would hang the waits
-                             "--server.fileWatcherType", "none"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url + "/_stcore/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None:
-                pytest.fail(f"streamlit exited with {proc.returncode}; see test-artifacts/streamlit_sessions.log")
-            time.sleep(0.5)
-    else:
-        proc.terminate()
-        pytest.fail("streamlit did not answer its health check within 60 s")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    _require_browser()
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield b
-        b.close()
+    env = dict(EXPLORER_SOURCE="path", EXPLORER_CHECKPOINT=str(tiny_checkpoint), EXPLORER_DB_PATH=str(db))
+    with streamlit_server(env, "streamlit_sessions.log") as url:
+        yield url
 
 
 def _idle(page) -> None:

@@ -1,0 +1,76 @@
+"""What every browser test shares: Debian's chromium through Playwright, and a Streamlit server of
+app.py on a free local port (the test's own process; stopped at the end of the module).
+
+Without /usr/bin/chromium the tests skip, except under CI=true where they fail. Never `playwright install`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+def require_browser() -> None:
+    if Path(CHROMIUM).exists():
+        return
+    message = f"{CHROMIUM} is missing: apt-get install -y chromium"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def streamlit_server(env: dict[str, str], log_name: str):
+    """Serve app.py with these environment overrides; yields the base URL."""
+    require_browser()
+    port = _free_port()
+    full_env = {k: v for k, v in os.environ.items() if k not in ("EXPLORER_DB_URL", "EXPLORER_RUN_JSON")}
+    full_env.update(env, PYTHONPATH=str(REPO))
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / log_name
+    with open(log_path, "w") as log:
+        # no file watcher: a "source changed" banner (someone editing the tree) would hang the waits
+        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+                                 "--server.port", str(port), "--browser.gatherUsageStats", "false",
+                                 "--server.fileWatcherType", "none"],
+                                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(url + "/_stcore/health", timeout=2)
+                    break
+                except OSError:
+                    if proc.poll() is not None:
+                        pytest.fail(f"streamlit exited with {proc.returncode}; see {log_path}")
+                    if time.time() > deadline:
+                        pytest.fail("streamlit did not answer its health check within 60 s")
+                    time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
