@@ -75,6 +75,15 @@ class SourceCache:
             return 0
         return 2 * self.pending_kv.numel() * 4
 
+    def packed(self) -> tuple[torch.Tensor, ...]:
+        """The stored bytes as single tensors: (kv int8 [N, D/2], kv e4m3 [N, D/16], index keys int8
+        [N, Di/2], e8m0 [N, Di/32]); the chunk lists are joined once and kept joined."""
+        for name in ("kv_packed", "kv_scale", "ik_packed", "ik_scale"):
+            chunks = getattr(self, name)
+            if len(chunks) > 1:
+                setattr(self, name, [torch.cat(chunks)])
+        return self.kv_packed[0], self.kv_scale[0], self.ik_packed[0], self.ik_scale[0]
+
     def append(self, kv: torch.Tensor, ik: torch.Tensor) -> None:
         """Store new entries: kv [n, D] (rotated), ik [n, Di] (rotated index keys)."""
         kv_p, kv_s = quant.quantize_fp4(kv, 16, "e4m3")
@@ -95,6 +104,7 @@ class Shared:
     topk: torch.Tensor | None = None         # [T, k] entry indices, -1 padded
     topk_scores: torch.Tensor | None = None  # [T, k]
     candidates: torch.Tensor | None = None   # [T, N] bool
+    kernels: object | None = None            # engine/kernel_path.py KernelPath, None on the reference path
 
 
 class LayerWeights:
@@ -162,7 +172,7 @@ class Attention:
         self.source = SourceCache(self.ratio) if role.role == FULL else None
 
     # -- the pieces -------------------------------------------------------------------------
-    def _window_kv(self, x: torch.Tensor, positions: torch.Tensor):
+    def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
         cfg = self.cfg
         kv = rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
         kv = rotate(kv, positions, self.freqs)
@@ -173,8 +183,11 @@ class Attention:
         key_pos = positions if win.positions is None else torch.cat([win.positions, positions])
         # keep only what a later query can still see
         keep = slice(-cfg.window_size, None)
-        win.q = (q8 if win.q is None else torch.cat([win.q, q8]))[keep]
-        win.scale = (s8 if win.scale is None else torch.cat([win.scale, s8]))[keep]
+        all_q = q8 if win.q is None else torch.cat([win.q, q8])
+        all_s = s8 if win.scale is None else torch.cat([win.scale, s8])
+        # kernel path: the FP8 bytes of every key this chunk's queries see, for sparse attention
+        self.window_bytes = (all_q, all_s) if keep_bytes else None
+        win.q, win.scale = all_q[keep], all_s[keep]
         win.values, win.positions = keys[keep].detach(), key_pos[keep]
         return keys, key_pos
 
@@ -208,8 +221,14 @@ class Attention:
         local_hi = hi if self.parallel is None else self.parallel.local(hi, "index heads")  # this rank's heads
         q = self.linear(qr, "attn.indexer.wq_b").view(-1, local_hi, di)
         q = rotate(q, positions, self.freqs)
+        q_rotated = q
         q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
         head_w = (x.float() @ self.w("attn.indexer.weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5)
+        kp = shared.kernels
+        if kp is not None and kp.active(self.role.layer) and self.parallel is None:
+            got = self._index_kernels(kp, q_rotated, head_w, positions, src, shared)
+            if got is not None:
+                return got
         keys = src.ik_values  # [N, Di]
         n = keys.shape[0]
         k = min(cfg.index_topk, n)
@@ -240,6 +259,32 @@ class Attention:
         idx, picked = torch.cat(idx), torch.cat(picked)
         self.index_scores = torch.cat(all_scores) if keep_scores else None
         self.last_topk = idx  # kept for the indexer's training loss
+        return idx, picked
+
+    def _index_kernels(self, kp, q, head_w, positions, src: SourceCache, shared: Shared):
+        """`_index` on the kernel path: FP4 queries (the kernels' quantizer) against the packed index
+        keys, scores and top-k by kernels; the candidate pool's block choice stays here. None when
+        the kernel path only records this layer's inputs."""
+        cfg, m = self.cfg, self.ratio
+        n = src.n_entries
+        visible = (positions + 1).div(m, rounding_mode="floor")
+        block = cfg.candidate_block_size
+        pool = shared.candidates[:, ::block].contiguous() if self.role.in_candidate_pool else None  # per block
+        if self.role.candidate_source:
+            shared.candidates = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
+
+        def pick_pool(b, scores):
+            if self.role.candidate_source:
+                shared.candidates[b] = select_candidate_blocks(scores, visible[b], cfg.candidate_topk_blocks, block)
+
+        _, _, ik_packed, ik_scale = src.packed()
+        got = kp.indexer(self.role.layer, q, head_w, (ik_packed, ik_scale), visible, pool, block,
+                         min(cfg.index_topk, n), QUERY_BLOCK, pick_pool)
+        if got is None:
+            return None
+        idx, picked, scores = got
+        self.index_scores = scores if torch.is_grad_enabled() else None
+        self.last_topk = idx
         return idx, picked
 
     def _attend(self, q, positions, windows, sink, idx, global_kv):
@@ -274,7 +319,9 @@ class Attention:
         q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
         q = rotate(q, positions, self.freqs)
 
-        keys, key_pos = self._window_kv(x, positions)
+        kp = shared.kernels if shared.kernels is not None and shared.kernels.active(self.role.layer) \
+            and self.parallel is None else None
+        keys, key_pos = self._window_kv(x, positions, keep_bytes=kp is not None)
         idx = None
         if self.ratio > 0:
             if self.role.role == FULL:
@@ -290,23 +337,32 @@ class Attention:
                 shared.topk, shared.topk_scores = idx, picked
             idx = shared.topk
         global_kv = shared.source.kv_values if idx is not None and idx.shape[1] > 0 else None
-        # each query's window as a strided view over the keys: [T, D, W], no copy
         w = cfg.window_size
         n_cached = keys.shape[0] - x.shape[0]
-        pad = max(0, w - 1 - n_cached)
-        padded = torch.cat([keys.new_zeros(pad, keys.shape[1]), keys]) if pad else keys
-        start = n_cached + pad - (w - 1)
-        windows = padded.unfold(0, w, 1)[start:start + x.shape[0]]
         sink = self.w("attn.attn_sink").float()
-        outs, global_probs = [], []
-        for a in range(0, x.shape[0], QUERY_BLOCK):
-            b = slice(a, a + QUERY_BLOCK)
-            o, p_glob = self._attend(q[b], positions[b], windows[b], sink,
-                                     None if global_kv is None else idx[b], global_kv)
-            outs.append(o)
-            global_probs.append(p_glob)
-        o = rotate(torch.cat(outs), positions, self.freqs, inverse=True)
-        self.global_probs = torch.cat(global_probs) if global_kv is not None else None
+        o = None
+        if kp is not None:  # kernel path: FP8 window bytes + selected packed FP4 entries, sinks
+            packed_kv = shared.source.packed()[:2] if global_kv is not None else None
+            o = kp.sparse_attn(self.role.layer, q, self.window_bytes, n_cached, w,
+                               idx if global_kv is not None else None, packed_kv, sink)
+            self.window_bytes = None
+            self.global_probs = None
+        if o is None:
+            # each query's window as a strided view over the keys: [T, D, W], no copy
+            pad = max(0, w - 1 - n_cached)
+            padded = torch.cat([keys.new_zeros(pad, keys.shape[1]), keys]) if pad else keys
+            start = n_cached + pad - (w - 1)
+            windows = padded.unfold(0, w, 1)[start:start + x.shape[0]]
+            outs, global_probs = [], []
+            for a in range(0, x.shape[0], QUERY_BLOCK):
+                b = slice(a, a + QUERY_BLOCK)
+                o, p_glob = self._attend(q[b], positions[b], windows[b], sink,
+                                         None if global_kv is None else idx[b], global_kv)
+                outs.append(o)
+                global_probs.append(p_glob)
+            o = torch.cat(outs)
+            self.global_probs = torch.cat(global_probs) if global_kv is not None else None
+        o = rotate(o, positions, self.freqs, inverse=True)
 
         wo_a = self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o.reshape(-1, groups, n_heads // groups * head_dim), wo_a)

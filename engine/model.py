@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import mhc, quant
+from . import kernel_path, mhc, quant
 from .attention import Attention, LayerWeights, Shared, rms_norm
 from .config import ModelConfig
 from .moe import moe_forward
@@ -34,10 +34,15 @@ class ProbeRequest:
 class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
 
-    def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True, parallel=None):
+    def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True, parallel=None,
+                 kernels: bool | None = None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.parallel = parallel  # engine/parallel.py (several processes); None in one process
         self.act_quant = act_quant
+        # kernel path (engine/kernel_path.py): None = auto (CUDA + checkpoint weights), True, False;
+        # kernel_path: an installed KernelPath (parity captures, tests) that overrides the flag
+        self.kernels, self.kernel_path = kernels, None
+        self._kp = None  # the KernelPath of the running forward, None on the reference path
         self.plan = role_plan(cfg)[: cfg.n_layers]
         self.quantized_experts = weights.stored_dtype("layers.0.ffn.experts.0.w1.weight") in ("F8_E4M3", "I8") \
             if weights.has("layers.0.ffn.experts.0.w1.weight") else False
@@ -58,6 +63,10 @@ class Model:
         base None: only that activation rounding (for the routed experts' batched GEMMs)."""
         if base is None:
             return quant.fp8_roundtrip(x, 32) if self.act_quant and self.quantized_experts else x.float()
+        if self._kp is not None:  # kernel path: FP8 block-scaled GEMM on the stored bytes
+            y = self._kp.linear(x, base)
+            if y is not None:
+                return y
         name = base + ".weight"
         w = self.weights.get(name)
         if self.act_quant and self.weights.stored_dtype(name) in ("F8_E4M3", "I8"):
@@ -123,7 +132,8 @@ class Model:
         x = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
         pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0  # the first collapse reads copy 0
-        shared = Shared()
+        self._kp = kernel_path.for_forward(self, dev)
+        shared = Shared(kernels=self._kp)
         for role in self.plan:
             L = role.layer
             want = probes is not None and probes.wants(L)
@@ -148,17 +158,32 @@ class Model:
         cfg = self.cfg
         p = f"layers.{L}."
         hc_args = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-        a_pre, a_post, a_comb = mhc.hc_mixes(x, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
-                                             self.get(p + "hc_attn_base"), *hc_args)
+        kp = self._kp if self._kp is not None and self._kp.active(L) else None
+        fused = None if kp is None else kp.mhc(L, "attention mixes", x, self.get(p + "hc_attn_fn"),
+                                               self.get(p + "hc_attn_scale"), self.get(p + "hc_attn_base"), pre,
+                                               None, cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
+        if fused is None:
+            a_pre, a_post, a_comb = mhc.hc_mixes(x, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
+                                                 self.get(p + "hc_attn_base"), *hc_args)
+            attn_in = mhc.collapse(x, pre)
+        else:  # kernel path: one fused mHC launch (collapse + mixes)
+            _, attn_in, a_pre, a_post, a_comb = fused
         attn_probe = {} if probe is not None else None
-        y = self.attn[L].forward(rms_norm(mhc.collapse(x, pre), self.get(p + "attn_norm.weight"), cfg.norm_eps),
+        y = self.attn[L].forward(rms_norm(attn_in, self.get(p + "attn_norm.weight"), cfg.norm_eps),
                                  positions, shared, attn_probe)
-        x1 = mhc.expand(y, x, a_post, a_comb)
-        f_pre, f_post, f_comb = mhc.hc_mixes(x1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
-                                             self.get(p + "hc_ffn_base"), *hc_args)
+        fused = None if kp is None else kp.mhc(L, "FFN mixes + attention update", x, self.get(p + "hc_ffn_fn"),
+                                               self.get(p + "hc_ffn_scale"), self.get(p + "hc_ffn_base"), a_pre,
+                                               (y, a_post, a_comb), cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
+        if fused is None:
+            x1 = mhc.expand(y, x, a_post, a_comb)
+            f_pre, f_post, f_comb = mhc.hc_mixes(x1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+                                                 self.get(p + "hc_ffn_base"), *hc_args)
+            ffn_in = mhc.collapse(x1, a_pre)
+        else:  # kernel path: the attention's post/comb update fused with the FFN's collapse + mixes
+            x1, ffn_in, f_pre, f_post, f_comb = fused
         route_probe = {} if probe is not None else None
-        y = moe_forward(cfg, L, rms_norm(mhc.collapse(x1, a_pre), self.get(p + "ffn_norm.weight"), cfg.norm_eps),
-                        self.get, self.linear, image_mask, route_probe, self.parallel)
+        y = moe_forward(cfg, L, rms_norm(ffn_in, self.get(p + "ffn_norm.weight"), cfg.norm_eps),
+                        self.get, self.linear, image_mask, route_probe, self.parallel, kernels=kp)
         x2 = mhc.expand(y, x1, f_post, f_comb)
         if probe is not None:
             probe.update(attn_probe)

@@ -79,17 +79,21 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
 
 
 def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None,
-                parallel=None):
+                parallel=None, kernels=None):
     """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM.
-    parallel (engine/parallel.py): each rank adds its own experts' share, then all_reduce."""
+    parallel (engine/parallel.py): each rank adds its own experts' share, then all_reduce.
+    kernels (engine/kernel_path.py KernelPath): the routed experts from the packed FP4 bytes."""
     n_routed, n_active = cfg.experts_of(layer)
     prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
     bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
     scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
                                      image_mask, n_active, cfg.route_scale, cfg.score_func)
-    if parallel is None:
+    y = None
+    if kernels is not None and parallel is None:  # kernel path (None when it does not compute here)
+        y = kernels.routed(layer, prefix, n_routed, linear(x, None), experts, weights, cfg.swiglu_limit)
+    if y is None and parallel is None:
         y = routed_experts(cfg, prefix, x, experts, weights, get, linear)
-    else:
+    elif y is None:
         owned = parallel.split(n_routed, "routed experts")
         y = parallel.all_reduce(routed_experts(cfg, prefix, x, experts, weights, get, linear, owned))
     base = prefix + "shared_experts."
