@@ -22,7 +22,7 @@ ANCHOR_TOPK, ANCHOR_MHC, ANCHOR_ROUTING = "topk", "mhc", "routing"
 
 @dataclass(frozen=True)
 class Box:
-    id: str                  # the tally's box id (BOX_TENSORS key) or a weightless op
+    id: str                  # the tally's box id (tally_view.BOX_KINDS key) or a weightless op
     label: str
     x0: float
     x1: float
@@ -58,32 +58,6 @@ class BoxStat:
         return 2 * self.matmul_params
 
 
-# Checkpoint tensors (relative to `layers.L.`) behind each weighted box.
-BOX_TENSORS: dict[str, tuple[str, ...]] = {
-    "hc_attn": ("hc_attn_fn", "hc_attn_base", "hc_attn_scale"),
-    "attn_norm": ("attn_norm",),
-    "wq_a": ("attn.wq_a",),
-    "q_norm": ("attn.q_norm",),
-    "wq_b": ("attn.wq_b",),
-    "wkv": ("attn.wkv",),
-    "kv_norm": ("attn.kv_norm",),
-    "compressor_wkv": ("attn.compressor.wkv",),
-    "compressor_wgate": ("attn.compressor.wgate",),
-    "compressor_norm": ("attn.compressor.norm",),
-    "indexer_wk": ("attn.indexer.wk",),
-    "indexer_k_norm": ("attn.indexer.k_norm",),
-    "indexer_wq_b": ("attn.indexer.wq_b",),
-    "indexer_weights_proj": ("attn.indexer.weights_proj",),
-    "attn_sink": ("attn.attn_sink",),
-    "wo_a": ("attn.wo_a",),
-    "wo_b": ("attn.wo_b",),
-    "hc_ffn": ("hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"),
-    "ffn_norm": ("ffn_norm",),
-    "gate": ("ffn.gate",),
-    "experts": ("ffn.experts",),
-    "shared_experts": ("ffn.shared_experts",),
-    "engram": ("engram",),
-}
 CLICK_ANCHORS = {"indexer_wq_b": ANCHOR_TOPK, "indexer_weights_proj": ANCHOR_TOPK, "indexer_wk": ANCHOR_TOPK,
                  "indexer_k_norm": ANCHOR_TOPK, "indexer_score": ANCHOR_TOPK, "topk_select": ANCHOR_TOPK,
                  "borrowed_topk": ANCHOR_TOPK, "hc_attn": ANCHOR_MHC, "hc_attn_post": ANCHOR_MHC,
