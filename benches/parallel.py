@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +77,7 @@ class GeneratedWeights:
     def __init__(self, cfg, parallel, seed: int = 0, cache_bytes: int = 8 << 30):
         from engine.layout import tensor_specs
         from engine.parallel import check_splittable
+        from engine.weights import TensorCache
 
         if parallel is not None:
             check_splittable(cfg, parallel.world)
@@ -87,10 +87,7 @@ class GeneratedWeights:
                       if s.part == "weight" and s.group != "vision" and s.stage is None and s.layer is not None
                       or s.name in ("embed.weight", "head.weight", "norm.weight")}
         self.stored: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._held = 0
-        self._lock = threading.Lock()
+        self.cache = TensorCache(cache_bytes)
         self.seed = seed
         started = time.perf_counter()
         for name, spec in self.specs.items():
@@ -140,28 +137,18 @@ class GeneratedWeights:
         return self.specs[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
-        from engine import quant
-        with self._lock:
-            hit = self._cache.get(name)
-            if hit is not None:
-                self._cache.move_to_end(name)
-                return hit
         if name not in self.stored:
             raise KeyError(f"weight '{name}' is not held by this rank")
+        return self.cache.get(name, self._dequantize)
+
+    def _dequantize(self, name: str) -> torch.Tensor:
+        from engine import quant
         w, s = self.stored[name]
         if w.dtype == torch.int8:
-            value = quant.dequantize_fp4_weight(w, s, 32)
-        elif w.dtype == torch.float8_e4m3fn:
-            value = quant.dequantize_fp8_weight(w, s, 32)
-        else:
-            value = w.float()
-        with self._lock:
-            self._cache[name] = value
-            self._held += value.numel() * 4
-            while self._held > self.cache_bytes and len(self._cache) > 1:
-                _, old = self._cache.popitem(last=False)
-                self._held -= old.numel() * 4
-        return value
+            return quant.dequantize_fp4_weight(w, s, 32)
+        if w.dtype == torch.float8_e4m3fn:
+            return quant.dequantize_fp8_weight(w, s, 32)
+        return w.float()
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Engram rows [*index.shape, head_dim]: about N(0, 1), FP8-rounded per 32 like the stored table."""

@@ -17,8 +17,6 @@ along dim 0.
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ModelConfig
+from .weights import TensorCache
 
 WEIGHT_BLOCK = 32  # FP8 weights carry one scale per 32x32 block
 
@@ -192,10 +191,7 @@ class ShardedWeights:
         self.base, self.parallel, self.cfg = base, parallel, cfg
         self.reader = getattr(base, "reader", None)
         self.device = parallel.device
-        self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._held = 0
-        self._lock = threading.Lock()
+        self.cache = TensorCache(cache_bytes)
         self.bytes_read = 0  # stored bytes read for split weights (tests of laziness)
 
     # the WeightSource surface
@@ -212,19 +208,7 @@ class ShardedWeights:
         if self.device.type == "cpu" and split_of(name) is None:
             self._check_expert(name)
             return self.base.get(name)  # the base's own cache already holds it
-        with self._lock:
-            hit = self._cache.get(name)
-            if hit is not None:
-                self._cache.move_to_end(name)
-                return hit
-        value = self._load(name).to(self.device)
-        with self._lock:
-            self._cache[name] = value
-            self._held += value.numel() * value.element_size()
-            while self._held > self.cache_bytes and len(self._cache) > 1:
-                _, old = self._cache.popitem(last=False)
-                self._held -= old.numel() * old.element_size()
-        return value
+        return self.cache.get(name, lambda n: self._load(n).to(self.device))
 
     def _check_expert(self, name: str) -> None:
         expert = expert_of(name)

@@ -46,16 +46,43 @@ class TensorWeights:
         return self.dtypes.get(name, "F32")
 
 
+class TensorCache:
+    """A byte-bounded LRU of float tensors by name; `get(name, load)` loads on a miss.
+    Thread-safe; two threads missing the same name may both load it (the second copy wins)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.held_bytes = 0
+        self.loads = 0
+        self._lock = threading.Lock()
+
+    def get(self, name: str, load) -> torch.Tensor:
+        with self._lock:
+            hit = self._items.get(name)
+            if hit is not None:
+                self._items.move_to_end(name)
+                return hit
+        value = load(name)
+        with self._lock:
+            self.loads += 1
+            old = self._items.pop(name, None)
+            if old is not None:
+                self.held_bytes -= old.numel() * old.element_size()
+            self._items[name] = value
+            self.held_bytes += value.numel() * value.element_size()
+            while self.held_bytes > self.max_bytes and len(self._items) > 1:
+                _, dropped = self._items.popitem(last=False)
+                self.held_bytes -= dropped.numel() * dropped.element_size()
+        return value
+
+
 class CheckpointWeights:
     """Lazy, dequantizing view of a release-layout checkpoint (an engine/checkpoint.py reader)."""
 
     def __init__(self, reader, cache_bytes: int = 2 << 30):
         self.reader = reader
-        self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._held = 0
-        self._lock = threading.Lock()
-        self.loads = 0  # tensors read from disk, for tests of laziness
+        self.cache = TensorCache(cache_bytes)
 
     def has(self, name: str) -> bool:
         return name in self.reader
@@ -64,24 +91,16 @@ class CheckpointWeights:
         return self.reader.entry(name).dtype
 
     @property
+    def loads(self) -> int:
+        """Tensors read from disk so far (tests of laziness)."""
+        return self.cache.loads
+
+    @property
     def held_bytes(self) -> int:
-        return self._held
+        return self.cache.held_bytes
 
     def get(self, name: str) -> torch.Tensor:
-        with self._lock:
-            hit = self._cache.get(name)
-            if hit is not None:
-                self._cache.move_to_end(name)
-                return hit
-        value = self.reader.dequantized(name)
-        with self._lock:
-            self.loads += 1
-            self._cache[name] = value
-            self._held += value.numel() * value.element_size()
-            while self._held > self.cache_bytes and len(self._cache) > 1:
-                _, old = self._cache.popitem(last=False)
-                self._held -= old.numel() * old.element_size()
-        return value
+        return self.cache.get(name, self.reader.dequantized)
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Float rows of a 2-D table, read by offset (an Engram table is never read whole)."""
