@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import attention, quant
 from .config import ModelConfig, load_config
 from .layout import tensor_specs
 from .model import Model, ProbeRequest
@@ -244,7 +244,10 @@ def train(args) -> None:
     train_ids = torch.from_numpy(np.load(Path(args.tokens) / "train.npy").astype(np.int64)).to(device)
     held_text = (REPO / "assets" / "corpus" / "heldout_sample.txt").read_text()
     held_ids = torch.tensor(tokenizer.encode(held_text, add_bos=True)[: args.eval_tokens], device=device)
-    log = {"config": cfg.to_dict(), "device": device, "events": []}
+    # Queries scored/attended at once: one block per sequence removes the per-block Python loops
+    # (launch-bound on the GPU); memory is the same since training keeps every block for backward.
+    attention.QUERY_BLOCK = args.query_block or max(args.seq, args.dense_seq)
+    log = {"config": cfg.to_dict(), "device": device, "events": [], "query_block": attention.QUERY_BLOCK}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -256,7 +259,7 @@ def train(args) -> None:
     trainee = Trainee(cfg, device, args.seed)
     n_params = sum(p.numel() for p in trainee.params.values())
     note(event="init", params=n_params, train_tokens=int(train_ids.numel()), eval_tokens=int(held_ids.numel()))
-    if args.eval_tokens > 0:
+    if args.eval_tokens > 0 and not args.skip_init_eval:
         r = heldout_loss(cfg, trainee.weights(), held_ids, args.eval_window, tokenizer)
         log["heldout_init"] = r
         note(event="heldout_init", **r)
@@ -271,11 +274,14 @@ def train(args) -> None:
     step, tokens_seen = 0, 0
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     loads_acc = None
+    mark_t, mark_tokens = time.time(), 0
     while True:
         frac = (time.time() - t0) / budget
         if frac >= 1.0 or (args.max_steps and step >= args.max_steps):
             break
         phase = "dense" if frac < args.dense_frac else ("sparse" if frac < 1 - args.quant_frac else "quant")
+        if args.smoke:  # one step of each phase, whatever the clock says
+            phase = ("dense", "sparse", "quant")[min(step, 2)]
         seq = args.dense_seq if phase == "dense" else args.seq
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for group in opt.param_groups:
@@ -310,15 +316,28 @@ def train(args) -> None:
         loads_acc = loads if loads_acc is None else loads_acc * 0.9 + loads * 0.1
         step += 1
         tokens_seen += seq
+        if not math.isfinite(ce.item() if step <= 3 or step % args.log_every == 0 else 0.0):
+            note(event="abort", reason="non-finite loss", step=step)
+            raise SystemExit(f"training aborted: non-finite loss at step {step}")
         if step % args.log_every == 0 or step == 1:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            now = time.time()
+            tok_s = (tokens_seen - mark_tokens) / max(now - mark_t, 1e-9)
+            mark_t, mark_tokens = now, tokens_seen
             share = loads_acc / loads_acc.sum(-1, keepdim=True) * cfg.n_routed_experts
             note(event="step", step=step, phase=phase, seq=seq, lr=round(lr, 6), ce=round(ce.item(), 4),
                  kl=round(float(kl.detach()) if torch.is_tensor(kl) else float(kl), 4), gnorm=round(float(gnorm), 3), tokens=tokens_seen,
                  min_load_share=round(share.min().item(), 3), max_load_share=round(share.max().item(), 3),
-                 mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device == "cuda" else 0)
+                 mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device == "cuda" else 0,
+                 tok_s=round(tok_s))
         del model, collect, logits, loss
     log["steps"], log["tokens_seen"], log["train_s"] = step, tokens_seen, round(time.time() - t0, 1)
-    note(event="trained", steps=step, tokens=tokens_seen)
+    note(event="trained", steps=step, tokens=tokens_seen, train_s=log["train_s"],
+         tok_s=round(tokens_seen / max(log["train_s"], 1e-9)))
+    print("loss curve (step, phase, seq, ce, tok/s):", " | ".join(
+        f"{e['step']} {e['phase'][0]} {e['seq']} {e['ce']} {e['tok_s']}" for e in log["events"] if e["event"] == "step"),
+        flush=True)
 
     if args.eval_tokens > 0:
         for key, fq in (("heldout_float", False), ("heldout_fakequant", True)):
@@ -369,6 +388,10 @@ def main(argv=None) -> None:
     t.add_argument("--n-shards", type=int, default=4)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--query-block", type=int, default=0,
+                   help="engine.attention.QUERY_BLOCK while training (0: the longest sequence)")
+    t.add_argument("--skip-init-eval", action="store_true", help="no held-out loss at initialization")
+    t.add_argument("--smoke", action="store_true", help="one step per phase (dense, sparse, quant); use --max-steps 3")
     t.add_argument("--cpu", action="store_true")
     t.add_argument("--tiny", action="store_true", help="a tiny-width variant for CPU debugging")
     args = parser.parse_args(argv)
