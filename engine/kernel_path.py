@@ -37,11 +37,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# rel L2 bounds for a row's verdict. They follow the kernels' own checks (notes/kernels.md,
-# tests/test_kernels_triton.py): bf16 outputs (attention, linears, MoE on the GPU) 1e-2, since the
-# interpreter truncates fp32 -> bf16; fp32 scores 1e-5; mHC (tf32x3 dots, fp32 out) 1e-4; the
-# quantizer is bit-exact; top-k must pick the same entries up to ties within the scores' difference.
-BOUNDS = {"fp8_linear": 1e-2, "sparse_attn": 1e-2, "moe_fp4": 1e-2, "mhc": 1e-4, "indexer_scores": 1e-5,
+# rel L2 (||kernel - ref|| / ||ref||) bounds for a row's verdict, from the METHOD page of the device
+# notes: float32 arithmetic lands far under 1e-3 (indexer scores: exact FP4 products, fp32 sums; mHC:
+# tf32x3 dots), bf16 operands between 1e-3 and 1e-2 (attention, the FP8 linears' bf16 output, the
+# MoE's bf16 activations); NaN never passes. The quantizer must be bit-exact, the top-k must pick the
+# same entries up to near-ties (see _topk_verdict).
+BOUNDS = {"fp8_linear": 1e-2, "sparse_attn": 1e-2, "moe_fp4": 1e-2, "mhc": 1e-3, "indexer_scores": 1e-3,
           "quantize_fp4": 0.0, "indexer_topk": 0.0}
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: fewer heads are zero-padded for attention and the indexer
 

@@ -1,0 +1,228 @@
+"""The engine's kernel path (engine/kernel_path.py) on the CPU, with the Triton kernels under the
+interpreter, on a tiny written checkpoint.
+
+The interpreter must be on before triton is imported, so the kernel runs happen in one subprocess
+(this file run as a script); the tests assert on the JSON it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from engine_helpers import IdentityTokenizer, random_ids, tiny_config  # noqa: E402
+
+N_TOKENS = 16
+PARITY_LAYERS = (2, 7)  # Full m=2 (all visible); Reindex inside the candidate pool (pool-masked)
+
+
+def _config():
+    return tiny_config()
+
+
+# -- the subprocess ---------------------------------------------------------------------------------
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _worker(ckpt: str) -> dict:
+    """Runs with TRITON_INTERPRET=1. Reference forward, kernel forwards, and layer parity."""
+    from engine import kernel_path as K
+    from engine.api import Engine
+    from engine.checkpoint import CheckpointReader
+    from engine.model import Model, ProbeRequest
+    from engine.weights import CheckpointWeights
+
+    cfg = _config()
+    weights = CheckpointWeights(CheckpointReader(ckpt, cfg))
+    ids = random_ids(cfg, N_TOKENS, seed=3)
+
+    def forward(kernels, wrap_linear=None):
+        model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), kernels=kernels)
+        if wrap_linear is not None:
+            model.linear = wrap_linear(model.linear)
+            model.reset()
+        collect: dict = {}
+        with torch.inference_mode():
+            logits = model.forward(ids, probes=ProbeRequest(kinds={"topk"}), collect=collect)
+        topk = {L: p["topk"] for L, p in collect.items() if "topk" in p}
+        return logits, topk, dict(model._kp.calls) if model._kp is not None else {}
+
+    ref_logits, ref_topk, ref_calls = forward(False)
+
+    def against_ref(logits, topk):
+        d = logits - ref_logits
+        return {"rel_l2": (d.norm() / ref_logits.norm()).item(), "max_abs": d.abs().max().item(),
+                "finite": bool(torch.isfinite(logits).all()),
+                "topk_identical": {str(L): float((topk[L] == ref_topk[L]).all(-1).float().mean()) for L in ref_topk}}
+
+    out = {"ref_calls": ref_calls, "interpreter": K.interpreter_active()}
+    # exact-precision kernels only (mHC, quantizer, indexer scores, top-k): bf16-output hooks switched off
+    saved = {name: getattr(K.KernelPath, name) for name in ("linear", "sparse_attn", "routed")}
+    for name in saved:
+        setattr(K.KernelPath, name, lambda self, *a, **k: None)
+    logits, topk, calls = forward(True)
+    out["fp32_kernels"] = {**against_ref(logits, topk), "calls": calls}
+    for name, fn in saved.items():
+        setattr(K.KernelPath, name, fn)
+    # every kernel
+    logits, topk, calls = forward(True)
+    out["all_kernels"] = {**against_ref(logits, topk), "calls": calls}
+    # the reference's own sensitivity to the kernels' output precision: its linears rounded to bf16
+    bf16 = lambda lin: (lambda x, base: lin(x, base).to(torch.bfloat16).float() if base is not None else lin(x, base))
+    logits, topk, _ = forward(False, bf16)
+    out["bf16_reference"] = against_ref(logits, topk)
+    # the hooks hand the kernels the engine's own operands: the kernels' references on the captured
+    # arguments equal the engine's reference computations on the same inputs (layer 7)
+    from engine.moe import routed_experts
+    from kernels import dispatch
+    model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), kernels=False)
+    capture = model.kernel_path = K.KernelPath(weights, "cpu", compute=False, capture_layer=7)
+    probe: dict = {}
+    with torch.inference_mode():
+        model.forward(ids, probes=ProbeRequest(layers={7}, kinds={"routing"}), collect=probe)
+    model.kernel_path = model._kp = None
+    route = probe[7]["routing"]
+    got = {}
+    for kernel, case, args, kwargs in capture.captured:
+        ref = dispatch._PAIRS.get(kernel, (None,))[0]
+        if kernel == "moe_fp4":
+            # the engine's routing (probe) and no FP8 rounding of the hidden activation (the kernel keeps it)
+            no_h_rounding = lambda v, base: v.float() if base is None else model.linear(v, base)
+            mine = routed_experts(cfg, "layers.7.ffn.", args[0].float(), route["experts"], route["weights"],
+                                  model.get, no_h_rounding)
+            got["moe_fp4"] = rel(ref(*args, **kwargs), mine)
+        elif kernel == "fp8_linear":
+            got[case] = rel(ref(*args).float(), model.linear(args[0], "layers.7." + case))
+    out["hook_operands"] = got
+    # layer parity through an Engine (the app's entry point)
+    engine = Engine(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size))
+    out["parity"] = {str(L): K.layer_parity(engine, ids.tolist(), L) for L in PARITY_LAYERS}
+    out["parity_rows"] = K.layer_parity(engine, ids.tolist(), 7, max_rows=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    from engine.checkpoint import write_checkpoint
+    from engine.weights import random_weights
+
+    cfg = _config()
+    ckpt = tmp_path_factory.mktemp("kp") / "ckpt"
+    write_checkpoint(cfg, ckpt, random_weights(cfg, 0))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, str(ckpt)], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- the tests --------------------------------------------------------------------------------------
+
+def test_reference_run_calls_no_kernel(worker):
+    assert worker["interpreter"] is True
+    assert worker["ref_calls"] == {}
+
+
+def test_fp32_kernels_in_the_forward_match_the_reference(worker):
+    """mHC (tf32x3), the FP4 query quantizer (bit-exact), indexer scores (exact products) and the
+    top-k: the whole forward agrees to float rounding and every layer picks the same entries."""
+    got = worker["fp32_kernels"]
+    assert {"mhc", "quantize_fp4", "indexer_scores", "topk_positions"} <= set(got["calls"])
+    assert "fp8_linear" not in got["calls"] and "sparse_attn" not in got["calls"]
+    assert got["finite"]
+    assert got["rel_l2"] < 1e-4, got
+    assert all(v == 1.0 for v in got["topk_identical"].values()), got["topk_identical"]
+
+
+def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):
+    """With every kernel, the logits differ from the reference by about what rounding the
+    reference's own linear outputs to bf16 does (the quantized model amplifies any bf16-size change:
+    FP8/FP4 rounding and top-k decisions flip). Stated tolerance: at most 2x that change."""
+    got, noise = worker["all_kernels"], worker["bf16_reference"]
+    assert set(got["calls"]) == {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores",
+                                 "topk_positions"}
+    assert got["finite"]
+    assert got["rel_l2"] <= 2 * noise["rel_l2"], (got, noise)
+    # the first Full layer's selections are taken before most of the drift
+    assert got["topk_identical"]["2"] >= 0.75, got["topk_identical"]
+
+
+def test_hooks_pass_the_engines_operands(worker):
+    """The kernels' references on what the hooks captured reproduce the engine's own computation:
+    FP8 linears to bf16 output rounding; routed experts (given the engine's routing probe, without the
+    FP8 rounding of the hidden activation that the kernel does not do) to float rounding. A wrong
+    routing weight, expert id or scale layout is far outside these bounds."""
+    got = worker["hook_operands"]
+    assert len(got) == 9, got
+    for case, r in got.items():
+        assert r < (1e-5 if case == "moe_fp4" else 5e-3), (case, r)
+
+
+def test_layer_parity_rows(worker):
+    for layer, rows in worker["parity"].items():
+        kernels = {r["kernel"] for r in rows}
+        assert kernels == {"mhc", "fp8_linear", "quantize_fp4", "indexer_scores", "indexer_topk", "sparse_attn",
+                           "moe_fp4"}, (layer, kernels)
+        for r in rows:
+            assert r["ok"], (layer, r)
+            assert r["rel_l2"] == r["rel_l2"] and r["rel_l2"] <= max(r["bound"], 0.0) + 1e-12, (layer, r)
+        # the capture is the layer's real inputs: 7 FP8 linears (q_a, q_b, wkv, index q_b, wo_b, shared w1/w3/w2)
+        assert sum(r["kernel"] == "fp8_linear" for r in rows) == 8
+        assert [r["case"] for r in rows if r["kernel"] == "mhc"] == ["attention mixes", "FFN mixes + attention update"]
+    assert {r["case"] for r in worker["parity"]["7"] if r["kernel"] == "indexer_scores"} == {"pool-masked"}
+    assert all("(rows 12-15 of 16)" in r["case"] for r in worker["parity_rows"])
+
+
+def test_default_cpu_path_imports_no_kernels(tmp_path):
+    """kernels=None on the CPU: the forward never reaches kernels.dispatch (triton is not even imported)."""
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from engine_helpers import tiny_model, random_ids
+m = tiny_model()
+with torch.inference_mode():
+    m.forward(random_ids(m.cfg, 8))
+assert m._kp is None
+print(sorted(k for k in sys.modules if k == 'triton' or k.startswith('kernels')))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_decide_rules(tmp_path):
+    from engine import kernel_path as K
+    from engine.weights import TensorWeights
+
+    class Ckpt:  # stands for CheckpointWeights: what matters is a reader of stored bytes
+        reader = object()
+
+    mem = TensorWeights({})
+    # training: in-memory (nn.Parameter) weights keep the reference path on CUDA too
+    assert K.decide(None, mem, "cuda") is False
+    assert K.decide(None, Ckpt(), "cpu") is False
+    assert K.decide(None, Ckpt(), "cuda") is K.triton_importable()
+    assert K.decide(None, Ckpt(), "cuda", parallel=object()) is False
+    assert K.decide(False, Ckpt(), "cuda") is False
+    assert K.decide(True, Ckpt(), "cpu") is True
+    with pytest.raises(K.KernelPathError, match="in-memory"):
+        K.decide(True, mem, "cuda")
+    with pytest.raises(K.KernelPathError, match="one process"):
+        K.decide(True, Ckpt(), "cuda", parallel=object())
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(sys.argv[1])))
