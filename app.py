@@ -329,10 +329,11 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
 
     if probe is not None:
         c1, c2 = st.columns(2)
-        c1.download_button("Download layer JSON", lv.layer_json(run, r.layer), f"layer{r.layer}.json",
+        # built on click only: a long prompt's probes are megabytes
+        c1.download_button("Download layer JSON", lambda: lv.layer_json(run, r.layer), f"layer{r.layer}.json",
                            "application/json", on_click="ignore")
-        c2.download_button("Download layer CSV", lv.layer_csv(run, r.layer), f"layer{r.layer}.csv", "text/csv",
-                           on_click="ignore")
+        c2.download_button("Download layer CSV", lambda: lv.layer_csv(run, r.layer), f"layer{r.layer}.csv",
+                           "text/csv", on_click="ignore")
 
 
 ANCHORS = {"topk": "topk", "mhc": "mhc", "routing": "routing"}

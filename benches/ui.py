@@ -1,5 +1,12 @@
-"""How long the explorer's pure builders take (the work behind one page render), on the release config
-and a synthetic 1,000-token run. Run: `python benches/ui.py` (prints ms per builder, best of 5)."""
+"""How long the explorer takes, against its budget (a layer click should show its views in under 1 s
+once the prompt has run).
+
+    python benches/ui.py            # the pure builders behind one render (release config, synthetic run)
+    python benches/ui.py --browser  # also, in Debian's chromium: time to first paint on a fresh start, the
+                                    # first run of a ~1,000-token prompt, and click-to-view after it
+
+Each row prints its time and its share of the 1 s click budget measured against in the same run.
+"""
 
 from __future__ import annotations
 
@@ -52,9 +59,53 @@ def main() -> None:
         "mHC token figure + to_json": lambda: lv.mhc_token_figure(probe, T - 1).to_json(),
         f"layer CSV ({T} tokens)": lambda: lv.layer_csv(run, 24),
     }
-    width = max(map(len, cases))
-    for name, fn in cases.items():
-        print(f"{name:<{width}}  {best_ms(fn):8.1f} ms")
+    rows = [(name, best_ms(fn)) for name, fn in cases.items()]
+    if "--browser" in sys.argv:
+        rows += browser_timings()
+    width = max(len(name) for name, _ in rows)
+    print(f"{'what':<{width}}  {'ms':>8}  {'of 1 s click budget':>19}")
+    for name, ms in rows:
+        print(f"{name:<{width}}  {ms:8.1f}  {ms / CLICK_BUDGET_MS:18.0%}")
+
+
+CLICK_BUDGET_MS = 1000.0
+
+
+def browser_timings() -> list[tuple[str, float]]:
+    """First paint, first run of a long prompt, and click-to-view, in a real browser."""
+    sys.path.insert(0, str(REPO / "tests" / "browser"))
+    from harness import CHROMIUM, CHROMIUM_ARGS, streamlit_server
+    from playwright.sync_api import sync_playwright
+
+    prompt = (REPO / "assets" / "prompts" / "04_long_incident_review.txt").read_text()
+    rows = []
+    with streamlit_server({"EXPLORER_SOURCE": "shipped"}, "bench_ui.log") as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1680, "height": 1300})
+        start = time.perf_counter()
+        page.goto(url + "/?layer=2&tab=full_m2")
+        page.wait_for_selector(".st-key-plan_chart .js-plotly-plot .scatterlayer .point", timeout=300_000)
+        rows.append(("browser: first paint of the plan (fresh start)", 1000 * (time.perf_counter() - start)))
+        page.locator(".st-key-prompt_text textarea").fill(prompt)
+        page.keyboard.press("Control+Enter")
+        start = time.perf_counter()
+        views_drawn(page, 2)
+        rows.append(("browser: first run of the long prompt (all layers)", 1000 * (time.perf_counter() - start)))
+        for layer in (24, 9):
+            trace = page.locator(".st-key-plan_chart .js-plotly-plot .scatterlayer .trace").last
+            start = time.perf_counter()
+            trace.locator(".point").nth(layer).click(force=True)
+            views_drawn(page, layer)
+            rows.append((f"browser: click-to-view, layer {layer}", 1000 * (time.perf_counter() - start)))
+        browser.close()
+    return rows
+
+
+def views_drawn(page, layer: int) -> None:
+    page.wait_for_selector(f"h2:has-text('Layer {layer} · ')", timeout=300_000)
+    for key in ("topk_map", "mhc_token", "routing_map"):
+        page.wait_for_selector(f".st-key-{key} .js-plotly-plot", timeout=300_000)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=300_000)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,10 @@ class LayerResult:
             return None if t is None else t.tolist()
 
         pool = None
-        if self.candidate_pool is not None:
-            pool = [row.nonzero().flatten().tolist() for row in self.candidate_pool]
+        if self.candidate_pool is not None:  # bool [T, N] -> per query, the entry indices in its pool
+            entries = self.candidate_pool.nonzero()[:, 1].tolist()
+            ends = self.candidate_pool.sum(-1).cumsum(0).tolist()
+            pool = [entries[a:b] for a, b in zip([0] + ends[:-1], ends)]
         return {
             "layer": self.layer, "role": self.role, "label": self.label,
             "compress_ratio": self.compress_ratio, "kv_source": self.kv_source,
@@ -84,7 +86,8 @@ def _finite(t: torch.Tensor | None):
     """-inf scores (padding) become None in JSON."""
     if t is None:
         return None
-    return [[None if not torch.isfinite(v) else float(v) for v in row] for row in t]
+    values, finite = t.tolist(), torch.isfinite(t).tolist()
+    return [[v if ok else None for v, ok in zip(row, oks)] for row, oks in zip(values, finite)]
 
 
 @dataclass
