@@ -337,6 +337,51 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
 
 
 ANCHORS = {"topk": "topk", "mhc": "mhc", "routing": "routing"}
+PARITY_ROWS = 16   # tokens per kernel call compared under the CPU interpreter
+
+
+def kernel_parity_panel(source: str, path: str, text: str, plan) -> None:
+    """'Kernel parity': each Triton kernel against its PyTorch reference on the selected layer's real
+    inputs (engine/kernel_path.py layer_parity), on a button press; the table shows the differences."""
+    r = plan[view().layer]
+    with st.expander("Kernel parity"):
+        folder = Path(path)
+        if source == pr.SOURCE_CONFIG or remote.engine_url() or r.is_dspark or not text.strip() \
+                or not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+            st.caption("Needs a prompt, a local checkpoint folder (not a remote engine) and a model layer "
+                       "(DSpark stages are not run).")
+            return
+        import sys
+        from engine import kernel_path as kpath
+        from engine.api import EngineError
+        try:
+            engine = cached_engine(str(folder))
+            n_tokens = len(engine.encode(text))
+        except Exception as err:   # EngineError messages are written for users
+            st.caption(f"No check: {err}")
+            return
+        interp = kpath.interpreter_active() or "kernels.sparse_attn" not in sys.modules
+        mode, why = lv.parity_mode(engine.device.type == "cuda", interp,
+                                   kpath.interpreter_cost(engine, n_tokens, PARITY_ROWS), kpath.INTERPRETER_LIMIT,
+                                   PARITY_ROWS)
+        st.caption(why)
+        if mode == "none":
+            return
+        key = (engine.identity, text, r.layer)
+        if st.button(f"Check the kernels on layer {r.layer}", key="parity_run"):
+            try:
+                if mode == "interpreter":
+                    kpath.enable_interpreter()
+                with st.spinner(f"Running the prompt and comparing layer {r.layer}'s kernels…"):
+                    rows = kpath.layer_parity(engine, text, r.layer, max_rows=None if mode == "cuda" else PARITY_ROWS)
+                st.session_state["parity_result"] = (key, rows)
+            except (kpath.KernelPathError, EngineError) as err:
+                st.warning(f"The check could not run: {err}")
+        got = st.session_state.get("parity_result")
+        if got is not None and got[0] == key:
+            rows = got[1]
+            st.markdown(lv.parity_summary(rows))
+            st.dataframe(lv.parity_table(rows), hide_index=True, column_order=lv.PARITY_COLUMNS)
 
 
 def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None, str | None]:
@@ -841,6 +886,10 @@ def main() -> None:
         live_views(cfg, plan, run, why)
     except Exception as err:
         fail("Cannot draw the layer views", err)
+    try:
+        kernel_parity_panel(source, path, text, plan)
+    except Exception as err:
+        fail("Cannot run the kernel parity check", err)
     st.divider()
     try:
         compare_section(cfg, plan, run, source, path)

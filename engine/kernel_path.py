@@ -552,8 +552,8 @@ def main(argv=None) -> int:
 
 
 def _prompt_ids(engine, n: int) -> list[int]:
-    text = Path(__file__).read_text()  # any long text; the tokenizer covers it
-    ids = engine.encode(text) if engine.tokenizer is not None else list(range(5, 5 + n))
+    text = Path(__file__).read_text()[: 8 * n]  # any long text; the tokenizer covers it
+    ids = engine.tokenizer.encode(text, add_bos=True) if engine.tokenizer is not None else list(range(5, 5 + n))
     while len(ids) < n:
         ids = ids + ids[1:]
     return ids[:n]

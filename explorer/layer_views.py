@@ -419,3 +419,60 @@ def layer_csv(run: dict, layer: int) -> str:
                     col("attn", "pre"), col("attn", "post"), col("ffn", "pre"), col("ffn", "post"),
                     " ".join(f"{v:.6g}" for v in norms[t]) if norms else ""])
     return buf.getvalue()
+
+
+# -- kernel parity (engine/kernel_path.py layer_parity rows) ----------------------------------------
+
+PARITY_COLUMNS = ("kernel", "case", "max abs diff", "max rel diff", "rel L2", "bound (rel L2)", "verdict")
+
+
+def parity_table(rows: list[dict]) -> list[dict]:
+    """`layer_parity` rows -> display rows. Verdict against the METHOD page's bounds (the row's `bound`);
+    the indexer top-k row counts query rows whose picks differ (max abs) and their share (max rel)."""
+    out = []
+    for r in rows:
+        for key in ("kernel", "case", "max_abs", "max_rel", "rel_l2", "ok"):
+            if key not in r:
+                raise ProbeError(f"a parity row has no '{key}'")
+        bound = r.get("bound")
+        if r["kernel"] == "indexer_topk":
+            bound_text = "same picks (ties aside)"
+        elif r["kernel"] == "quantize_fp4":
+            bound_text = "bit-exact"
+        else:
+            bound_text = "-" if bound is None else f"{bound:.0e}"
+        out.append({"kernel": r["kernel"], "case": r["case"], "max abs diff": _sci(r["max_abs"]),
+                    "max rel diff": _sci(r["max_rel"]), "rel L2": _sci(r["rel_l2"]), "bound (rel L2)": bound_text,
+                    "verdict": "within bound" if r["ok"] else "OVER bound"})
+    return out
+
+
+def _sci(v) -> str:
+    v = float(v)
+    if v != v or v in (float("inf"), float("-inf")):
+        return str(v)
+    return "0" if v == 0 else f"{v:.2e}"
+
+
+def parity_summary(rows: list[dict]) -> str:
+    bad = [r for r in rows if not r["ok"]]
+    if not rows:
+        return "The run recorded no kernel inputs for this layer."
+    if not bad:
+        return f"All {len(rows)} kernel checks are within their bounds."
+    return f"{len(bad)} of {len(rows)} kernel checks are OVER their bounds: " + \
+        ", ".join(sorted({f"{r['kernel']} ({r['case']})" for r in bad}))
+
+
+def parity_mode(on_cuda: bool, interpreter_possible: bool, cost: float, limit: float, rows: int) -> tuple[str, str]:
+    """How the app can run the check: ("cuda" | "interpreter" | "none", the sentence to show)."""
+    if on_cuda:
+        return "cuda", "Runs the layer's real inputs through each Triton kernel and its PyTorch reference on the GPU."
+    if not interpreter_possible:
+        return "none", ("The Triton path needs CUDA: this engine runs on the CPU, and the Triton interpreter can no "
+                        "longer be enabled in this process (triton was imported without it).")
+    if cost > limit:
+        return "none", (f"The Triton path needs CUDA: this engine runs on the CPU, and this layer's check is too "
+                        f"large for the Triton interpreter (about {cost:.1e} multiply-adds; the limit is {limit:.0e}).")
+    return "interpreter", (f"No CUDA here: the Triton kernels run under the CPU interpreter, on the last {rows} "
+                           "tokens of each kernel call (the layer's real inputs from the prompt).")

@@ -224,5 +224,25 @@ def test_decide_rules(tmp_path):
         K.decide(True, Ckpt(), "cuda", parallel=object())
 
 
+def test_parity_view_rows_and_modes(worker):
+    from explorer import layer_views as lv
+
+    rows = worker["parity"]["7"]
+    table = lv.parity_table(rows)
+    assert [list(r) for r in table] == [list(lv.PARITY_COLUMNS)] * len(rows)
+    assert all(r["verdict"] == "within bound" for r in table)
+    assert "All" in lv.parity_summary(rows)
+    bad = [dict(rows[0], ok=False, rel_l2=float("inf"))]
+    assert lv.parity_table(bad)[0]["verdict"] == "OVER bound" and lv.parity_table(bad)[0]["rel L2"] == "inf"
+    assert "OVER" in lv.parity_summary(bad)
+    with pytest.raises(lv.ProbeError):
+        lv.parity_table([{"kernel": "mhc"}])
+    assert lv.parity_mode(True, False, 1e12, 2e9, 16)[0] == "cuda"
+    mode, why = lv.parity_mode(False, True, 1e12, 2e9, 16)
+    assert mode == "none" and "needs CUDA" in why
+    assert lv.parity_mode(False, False, 1.0, 2e9, 16)[0] == "none"
+    assert lv.parity_mode(False, True, 1e6, 2e9, 16)[0] == "interpreter"
+
+
 if __name__ == "__main__":
     print(json.dumps(_worker(sys.argv[1])))
