@@ -126,11 +126,13 @@ class Engine:
     """A loaded model plus its tokenizer; `run` is serialized with a lock (one run at a time)."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, source: str = "", identity: str = "",
-                 act_quant: bool = True, parallel=None):
+                 act_quant: bool = True, parallel=None, device: str | torch.device = "cpu",
+                 kernels: bool | None = None):
         self.cfg, self.tokenizer, self.source, self.identity = cfg, tokenizer, source, identity
         self.parallel = parallel  # engine/parallel.py when this is one rank of several processes
-        self.device = torch.device("cpu") if parallel is None else parallel.device
-        self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel)
+        self.device = torch.device(device) if parallel is None else parallel.device
+        # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/kernel_path.py)
+        self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel, kernels=kernels)
         self.plan = role_plan(cfg)
         self.lock = threading.Lock()
 
@@ -245,11 +247,13 @@ def checkpoint_identity(path: Path) -> str:
 
 
 def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: bool = True,
-         parallel=None) -> Engine:
+         parallel=None, device: str = "cpu", kernels: bool | None = None) -> Engine:
     """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
-    parallel (engine/parallel.py): this process is one rank; it reads only its shard of the weights."""
+    parallel (engine/parallel.py): this process is one rank; it reads only its shard of the weights.
+    device: where one process computes (weights are dequantized once and kept there);
+    kernels: the Triton path (None: on CUDA; see engine/kernel_path.py)."""
     from .checkpoint import CheckpointError, CheckpointReader
-    from .weights import CheckpointWeights
+    from .weights import CheckpointWeights, DeviceWeights
 
     path = Path(path) if path is not None else DEFAULT_CHECKPOINT
     if not path.exists():
@@ -272,8 +276,10 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
             weights = ShardedWeights(weights, parallel, cfg, cache_bytes)
         except ParallelError as err:
             raise EngineError(str(err)) from None
+    elif torch.device(device).type != "cpu":
+        weights = DeviceWeights(weights, device)
     return Engine(cfg, weights, tokenizer, source=str(path), identity=checkpoint_identity(path),
-                  act_quant=act_quant, parallel=parallel)
+                  act_quant=act_quant, parallel=parallel, device=device, kernels=kernels)
 
 
 def save_result(result: RunResult, path: str | Path) -> None:

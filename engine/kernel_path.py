@@ -1,6 +1,6 @@
 """The engine's kernel path: the model's hot spots run on `kernels.dispatch` over the stored bytes.
 
-Which path (`Model.kernels`, also `load(..., kernels=)` here):
+Which path (`Model.kernels`, also `engine.api.load(..., kernels=)`):
 - None (auto): the kernels when the device is CUDA, triton imports, the weights come from a
   checkpoint (the kernels read its raw E4M3 / packed FP4 bytes and scales) and the model runs in one
   process; the PyTorch reference path otherwise. Training (TensorWeights of nn.Parameters) therefore
@@ -300,46 +300,6 @@ def _reference_fp4(x, block):
     return quant.quantize_fp4(x, block, "e8m0")
 
 
-# -- weights on a device ----------------------------------------------------------------------------
-
-class DeviceWeights:
-    """A checkpoint's weights served on one device: dequantized once and kept there (the raw
-    bytes the kernels read go through `reader`)."""
-
-    def __init__(self, inner, device):
-        self.inner, self.device = inner, torch.device(device)
-        self.reader = inner.reader
-        self._cache: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str) -> torch.Tensor:
-        hit = self._cache.get(name)
-        if hit is None:
-            hit = self._cache[name] = self.inner.get(name).to(self.device)
-        return hit
-
-    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        return self.inner.rows(name, index.cpu()).to(self.device)
-
-    def has(self, name: str) -> bool:
-        return self.inner.has(name)
-
-    def stored_dtype(self, name: str) -> str:
-        return self.inner.stored_dtype(name)
-
-
-def load(path=None, device: str = "cpu", kernels: bool | None = None, **kwargs):
-    """engine.api.load on `device` (weights served there by DeviceWeights) with the kernel flag set."""
-    from .api import load as api_load
-    engine = api_load(path, **kwargs)
-    device = torch.device(device)
-    if device.type != "cpu":
-        engine.model.weights = DeviceWeights(engine.model.weights, device)
-        engine.device = device
-    engine.model.kernels = kernels
-    engine.model.reset()
-    return engine
-
-
 # -- parity ---------------------------------------------------------------------------------------
 
 # which positional arguments of each kernel have a leading token / query dimension
@@ -517,6 +477,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if torch.device(a.device).type == "cpu":
         enable_interpreter()
+    from .api import load
     engine = load(a.checkpoint, device=a.device, kernels=None)
     ids = _prompt_ids(engine, a.tokens)
     lines = [f"# Engine kernel path vs reference, {_device_name(a.device)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

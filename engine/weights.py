@@ -77,6 +77,31 @@ class TensorCache:
         return value
 
 
+class DeviceWeights:
+    """A checkpoint's weights served on one device: dequantized once and kept there (the raw
+    bytes the kernels read go through `reader`)."""
+
+    def __init__(self, inner, device):
+        self.inner, self.device = inner, torch.device(device)
+        self.reader = inner.reader
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        hit = self._cache.get(name)
+        if hit is None:
+            hit = self._cache[name] = self.inner.get(name).to(self.device)
+        return hit
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        return self.inner.rows(name, index.cpu()).to(self.device)
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def stored_dtype(self, name: str) -> str:
+        return self.inner.stored_dtype(name)
+
+
 class CheckpointWeights:
     """Lazy, dequantizing view of a release-layout checkpoint (an engine/checkpoint.py reader)."""
 
