@@ -86,15 +86,15 @@ def test_no_dead_experts_on_heldout(slice_run, engine):
         experts = collect[layer]["routing"]["experts"]
         load_ = torch.bincount(experts.flatten(), minlength=cfg.n_routed_experts).double()
         share = load_ / load_.mean()
-        # the brief asks 0.2x the uniform share; on this 1024-token slice layer 28 measured 0.16x
-        # (the training EMA over 4096-token batches ended at >= 0.75x), so the test asserts 0.1x
-        assert share.min() >= 0.1, (layer, share.min().item())
+        # the brief's bar: 0.2x the uniform share; on this 1024-token slice the second trained model
+        # measured 0.25x at its lowest (layer 26); other slices dip lower (0.12x at tokens 20,000+)
+        assert share.min() >= 0.2, (layer, share.min().item())
 
 
 def test_indexer_is_not_recency(slice_run, engine):
     """Per index source, the mean overlap of the selected entries with the most recent k visible ones,
     over queries that see more than 2k entries. A recency rule gives 1.0; a uniformly random pick gives
-    k/visible (0.15-0.23 on this slice). The trained indexer measured 0.07-0.21: we assert < 0.5."""
+    k/visible (0.15-0.23 on this slice). The trained indexer measured 0.02-0.20: we assert < 0.5."""
     _, _, collect = slice_run
     cfg, k = engine.cfg, engine.cfg.index_topk
     for role in engine.plan[: cfg.n_layers]:
