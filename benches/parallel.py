@@ -38,18 +38,10 @@ PEAK = {"hbm_Bps": 4.8e12, "fp8_flops": 1979e12, "bf16_flops": 989e12, "fp32_flo
 
 
 def smoke_config():
-    """A tiny config with every role (SWA, Full m=2 and m=1, Reuse, Reindex, Engram)."""
-    from engine.config import ModelConfig
-    return ModelConfig(
-        vocab_size=300, dim=64, n_layers=8, n_mtp_layers=1, n_heads=4, q_lora_rank=32, head_dim=64,
-        rope_head_dim=16, o_groups=2, o_lora_rank=32, window_size=8,
-        compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 0), kv_source_layers=(2, 5), index_source_layers=(2, 5, 7),
-        index_n_heads=2, index_head_dim=32, index_topk=8, candidate_source_layer=5, candidate_topk_blocks=2,
-        candidate_block_size=4, moe_inter_dim=32, n_routed_experts=8, n_activated_experts=6,
-        engram_layer_ids=(1,), engram_num_embeddings=(2000,), engram_max_ngram_size=3, engram_n_heads=2,
-        engram_head_dim=32, engram_vocab_size=300, engram_compressed_vocab_size=300,
-        dspark_target_layer_ids=(7,), dspark_n_routed_experts=4, dspark_n_activated_experts=2,
-        vision_n_layers=0, image_token_id=3, dspark_noise_token_id=4, max_seq_len=4096, original_seq_len=256)
+    """A tiny config with every role (SWA, Full m=2 and m=1, Reuse, Reindex, Engram): the tests' own."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from engine_helpers import tiny_config
+    return tiny_config()
 
 
 class ModuloTokenizer:

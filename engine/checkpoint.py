@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import quant
+from .weights import init_weight
 from .config import HF_TO_INFERENCE, ModelConfig, load_config
 from .layout import WEIGHT_BLOCK, Shard, TensorSpec, shard_plan, spec_from_header, tensor_specs
 
@@ -452,19 +453,6 @@ def write_skeleton(cfg: ModelConfig, out_dir: str | Path, n_shards: int | None =
     return out
 
 
-def _init_value(spec: TensorSpec, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Random init at sensible scales: norms and gate scales 1, biases and sinks 0, linears N(0, 1/in)."""
-    name = spec.name
-    if name.endswith(".bias") or name.endswith("attn_sink") or name.endswith("_base") or ".gate.bias" in name:
-        return torch.zeros(shape)
-    if ("norm" in name and len(shape) == 1) or name.endswith("_scale") or name.endswith(("q_weight", "k_weight")):
-        return torch.ones(shape)
-    if spec.kind in ("embed", "engram.embed") or spec.kind.startswith("embed.") or "markov_head.embed" in name:
-        return torch.randn(shape, generator=gen)
-    fan_in = shape[-1] if len(shape) > 1 else 1
-    return torch.randn(shape, generator=gen) * fan_in ** -0.5
-
-
 def _encode(spec: TensorSpec, scale: TensorSpec | None, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logical float values -> (stored weight, stored scale) per the layout's dtype."""
     if spec.dtype == "I8":
@@ -539,7 +527,7 @@ def _produce(spec: TensorSpec, shard_specs: list[TensorSpec], i: int, known: dic
                                   f"the layout needs {list(spec.logical_shape)}")
         value = given.float()
     else:
-        value = _init_value(spec, spec.logical_shape, gen)
+        value = init_weight(spec.name, tuple(spec.logical_shape), gen)
     data, scale_data = _encode(spec, scale, value)
     if scale is not None:
         pending[scale_name] = scale_data

@@ -136,11 +136,11 @@ class CheckpointWeights:
 
 
 def init_weight(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """A sensible random float value for a checkpoint tensor of this name (norm gains near 1,
-    biases 0, sinks and mHC bases O(1), mHC projections small, linears ~ N(0, 1/fan_in))."""
+    """A sensible random float value for a checkpoint tensor of this name (norm gains 1, biases 0,
+    sinks and mHC bases O(1), mHC projections small, linears ~ N(0, 1/fan_in))."""
     leaf = name.rsplit(".", 2)
     if "norm" in name and name.endswith(".weight") and len(shape) == 1:
-        return 1 + 0.02 * torch.randn(shape, generator=generator)
+        return torch.ones(shape)
     if name.endswith((".bias", ".bias_vl")):
         return torch.zeros(shape)
     if name.endswith("_scale") and "hc_" in name:
