@@ -1,10 +1,12 @@
 """Prompt through all 40 layers on the CPU, with every probe and without: time and peak memory.
 
-    python benches/engine_cpu.py [--checkpoint DIR] [--sizes 512 2048 8192] [--threads 2]
+    python benches/engine_cpu.py [--checkpoint DIR] [--sizes 512 2048 8192]
 
 Uses the shipped small model (assets/model); without it, a random-weight checkpoint of
 assets/configs/small.json is written to build/bench-small first. Each size runs in a fresh process
-so its peak RSS is its own. Goal (PERFORMANCE.md): 2,048 tokens under 2 s on 2 cores.
+so its peak RSS is its own. Goal (PERFORMANCE.md): 2,048 tokens under 2 s on 2 cores. The engine
+computes on one torch thread (engine.api.one_thread): on a quiet 2-core machine two threads would be
+~1.8x faster, but with anything else running OpenMP's busy-waiting barriers made them up to 15x slower.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _child(checkpoint: str, n: int, probes: bool, threads: int) -> dict:
+def _child(checkpoint: str, n: int, probes: bool) -> dict:
     import torch
 
     from engine import api
-    torch.set_num_threads(threads)
     engine = api.load(checkpoint)
     ids = torch.randint(5, engine.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     kinds = ("topk", "mhc", "routing", "norms", "timing") if probes else ()
@@ -40,9 +41,9 @@ def _child(checkpoint: str, n: int, probes: bool, threads: int) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _measure(checkpoint: str, n: int, probes: bool, threads: int) -> dict:
+def _measure(checkpoint: str, n: int, probes: bool) -> dict:
     code = (f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); from benches.engine_cpu import _child; "
-            f"print(json.dumps(_child({checkpoint!r}, {n}, {probes}, {threads})))")
+            f"print(json.dumps(_child({checkpoint!r}, {n}, {probes})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -68,15 +69,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint")
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     checkpoint = _checkpoint(args.checkpoint)
-    print(f"checkpoint: {checkpoint}, threads: {args.threads}")
+    print(f"checkpoint: {checkpoint}")
     print(f"{'tokens':>7} {'probes s':>9} {'no-probe s':>10} {'ratio':>6} {'tok/s':>7} {'JSON s':>7} "
           f"{'JSON MB':>8} {'peak MB':>8} {'goal':>12}")
     for n in args.sizes:
-        with_p = _measure(checkpoint, n, True, args.threads)
-        without = _measure(checkpoint, n, False, args.threads)
+        with_p = _measure(checkpoint, n, True)
+        without = _measure(checkpoint, n, False)
         goal = "<2 s: " + ("met" if with_p["seconds"] < 2 else "missed") if n == 2048 else ""
         print(f"{n:>7} {with_p['seconds']:>9.2f} {without['seconds']:>10.2f} "
               f"{with_p['seconds'] / without['seconds']:>6.2f} {n / with_p['seconds']:>7.0f} "
