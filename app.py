@@ -412,6 +412,9 @@ def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None
     if r.is_dspark:
         return None, "DSpark stages are counted, not run, by this engine."
     layers = tuple(sorted({r.layer} | ({r.index_source} if r.index_source is not None else set())))
+    refusal = cpu_refusal(source, path)
+    if refusal:
+        return None, refusal
     try:
         engine = cached_engine(str(folder))
         st.session_state["run_origin"] = {"identity": engine.identity, "source": engine.source, "stored": False}
@@ -419,6 +422,13 @@ def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None
     except Exception as err:   # the engine's messages are written for users (EngineError)
         print(traceback.format_exc())
         return None, f"The run failed: {err}"
+
+
+def cpu_refusal(source: str, path: str) -> str | None:
+    """Why this model is not run in this process (too big for a CPU), or None."""
+    if remote.engine_url():
+        return None
+    return lv.cpu_run_refusal(cached_tally(source, path).active_decode_params, on_cpu=True)
 
 
 @st.cache_resource(show_spinner="Running the prompt through all layers…", max_entries=8)
@@ -619,6 +629,10 @@ def replay(session, source: str, path: str) -> None:
         st.info("This session stored no probes, so there is nothing to replay against.")
         return
     span = sv.image_span(session.spans)
+    refusal = cpu_refusal(source, path)
+    if refusal:
+        st.info(refusal)
+        return
     try:
         engine = cached_engine(str(folder))
         with st.spinner("Replaying the stored prompt…"):
@@ -778,6 +792,8 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         clicked = st.button("Run prompt B", key="cmp_run")
         if clicked and not text_b.strip():
             st.warning("Type prompt B first.")
+        elif clicked and cpu_refusal(source, path):
+            st.info(cpu_refusal(source, path))
         elif clicked:
             try:
                 engine = cached_engine(str(folder))

@@ -70,6 +70,19 @@ def global_branch_note(r: LayerRole, cfg: ModelConfig) -> str | None:
 
 # -- probe access -------------------------------------------------------------------------------
 
+CPU_ACTIVE_LIMIT = 2e9  # active parameters per token above which a CPU run of a prompt takes too long
+
+
+def cpu_run_refusal(active_params_per_token: float, on_cpu: bool) -> str | None:
+    """Why a live run is not started here, or None. The release model (16 B active per token) takes
+    hours per prompt on a CPU: it belongs on GPUs behind `python -m engine serve`."""
+    if not on_cpu or active_params_per_token <= CPU_ACTIVE_LIMIT:
+        return None
+    return (f"This checkpoint activates {active_params_per_token / 1e9:.1f} B parameters per token: a run on this "
+            "CPU would take hours. Serve it on GPUs (`torchrun ... -m engine serve --checkpoint DIR`) and attach "
+            "the app with EXPLORER_ENGINE_URL; the plan, diagram and tallies here work from its headers.")
+
+
 def layer_probe(run: dict | None, layer: int) -> dict | None:
     """The probes of one layer, or None when the run did not record it."""
     if not run:

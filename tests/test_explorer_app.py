@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from _fixtures_checkpoint import release_skeleton  # noqa: F401  (fixture)
+
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 
 
@@ -111,3 +113,23 @@ def test_saved_run_renders_live_views(tmp_path, monkeypatch):
     assert not at.exception and not at.error
     at = run({"layer": "25"})      # Reuse: shows layer 24's selection
     assert not at.error and any("layer 24 chose" in c.value for c in at.caption)
+
+
+def test_release_skeleton_tallies_from_headers_and_refuses_a_cpu_run(release_skeleton, monkeypatch):
+    """Pointed at the 510 GB layout: plan, diagram and tallies come from its headers; a live run is
+    refused with the reason (hours on a CPU), not started."""
+    monkeypatch.setenv("EXPLORER_SOURCE", "path")
+    monkeypatch.setenv("EXPLORER_CHECKPOINT", str(release_skeleton))
+    monkeypatch.delenv("EXPLORER_ENGINE_URL", raising=False)
+    at = run({"layer": "24", "tab": "reindex"})
+    text = markdown(at) + "\n".join(c.value for c in at.caption)
+    assert "checkpoint headers" in text
+    assert any("16.1 B parameters per token" in i.value and "EXPLORER_ENGINE_URL" in i.value
+               for i in list(at.info) + list(at.warning) + list(at.error)), [i.value for i in at.info]
+
+
+def test_cpu_run_refusal_threshold():
+    from explorer.layer_views import cpu_run_refusal
+    assert cpu_run_refusal(20.6e6, on_cpu=True) is None          # the shipped small model
+    assert cpu_run_refusal(16.13e9, on_cpu=False) is None         # on GPUs
+    assert "16.1 B" in cpu_run_refusal(16.13e9, on_cpu=True)
