@@ -42,6 +42,14 @@ TAB_BY_TITLE = {title: tab for tab, title in TAB_TITLES.items()}
 PLOT_CONFIG = {"displayModeBar": False, "scrollZoom": False}
 
 
+def guarded(what: str, section, *args) -> None:
+    """Draw one section; a failure becomes a message there, and the rest of the page still draws."""
+    try:
+        section(*args)
+    except Exception as err:
+        fail(what, err)
+
+
 def fail(what: str, err: Exception) -> None:
     """A user-facing error: one clear line, the traceback only in the server log."""
     print(traceback.format_exc())
@@ -874,52 +882,25 @@ def main() -> None:
 
     left, mid, right = st.columns([1.1, 2.45, 1.3], gap="medium")
     with left:
-        try:
-            plan_column(cfg, plan, tally)
-        except Exception as err:
-            fail("Cannot draw the plan", err)
+        guarded("Cannot draw the plan", plan_column, cfg, plan, tally)
     with mid:
-        try:
-            diagram_column(cfg, plan, tally)
-        except Exception as err:
-            fail("Cannot draw the diagram", err)
+        guarded("Cannot draw the diagram", diagram_column, cfg, plan, tally)
     with right:
-        try:
-            tally_column(tally)
-        except Exception as err:
-            fail("Cannot draw the tally", err)
+        guarded("Cannot draw the tally", tally_column, tally)
 
     run, why = live_run(source, path, text, span, plan)
     st.session_state["_analysis"] = dict(view=view(), role=plan[view().layer], source=source, path=path, text=text,
                                          span=span, run=run, origin=st.session_state.get("run_origin"))
     with panel:
-        try:
-            session_panel(source, path)
-        except Exception as err:
-            fail("Cannot show the session", err)
+        guarded("Cannot show the session", session_panel, source, path)
     st.divider()
-    try:
-        live_views(cfg, plan, run, why)
-    except Exception as err:
-        fail("Cannot draw the layer views", err)
-    try:
-        kernel_parity_panel(source, path, text, plan)
-    except Exception as err:
-        fail("Cannot run the kernel parity check", err)
+    guarded("Cannot draw the layer views", live_views, cfg, plan, run, why)
+    guarded("Cannot run the kernel parity check", kernel_parity_panel, source, path, text, plan)
     st.divider()
-    try:
-        compare_section(cfg, plan, run, source, path)
-    except Exception as err:
-        fail("Cannot draw the comparison", err)
+    guarded("Cannot draw the comparison", compare_section, cfg, plan, run, source, path)
     st.divider()
-    try:
-        kv_panel(cfg, run)
-    except Exception as err:
-        fail("Cannot draw the KV panel", err)
-    try:
-        sessions_sidebar()
-    except Exception as err:
-        fail("Cannot show the sessions", err)
+    guarded("Cannot draw the KV panel", kv_panel, cfg, run)
+    guarded("Cannot show the sessions", sessions_sidebar)
     scroll_if_asked()
     st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
                                   if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
