@@ -492,11 +492,11 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, tensors: Mapping[str
         with open(out / shard.filename, "wb") as f:
             f.write(_header_bytes(shard.specs))
             pending: dict[str, torch.Tensor] = {}
-            for i, spec in enumerate(shard.specs):
+            for spec in shard.specs:
                 if spec.name in pending:            # a scale produced with its weight
                     data = pending.pop(spec.name)
                 else:
-                    data = _produce(spec, shard.specs, i, known, tensors, gen, pending)
+                    data = _produce(spec, known, tensors, gen, pending)
                 if tuple(data.shape) != spec.shape or data.dtype != TORCH_DTYPES[spec.dtype]:
                     raise CheckpointError(f"write_checkpoint: tensor '{spec.name}' is {data.dtype} "
                                           f"{list(data.shape)}, the layout needs {spec.dtype} {list(spec.shape)}")
@@ -505,8 +505,8 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, tensors: Mapping[str
     return out
 
 
-def _produce(spec: TensorSpec, shard_specs: list[TensorSpec], i: int, known: dict[str, TensorSpec],
-             tensors: dict[str, torch.Tensor], gen: torch.Generator, pending: dict[str, torch.Tensor]) -> torch.Tensor:
+def _produce(spec: TensorSpec, known: dict[str, TensorSpec], tensors: dict[str, torch.Tensor],
+             gen: torch.Generator, pending: dict[str, torch.Tensor]) -> torch.Tensor:
     """The stored bytes of `spec` (and, for a quantized weight, its scale into `pending`)."""
     scale_name = spec.name[: -len(".weight")] + ".scale" if spec.name.endswith(".weight") else None
     scale = known.get(scale_name) if scale_name else None
