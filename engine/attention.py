@@ -41,7 +41,6 @@ class WindowCache:
     q: torch.Tensor | None = None        # float8_e4m3fn [n, D]
     scale: torch.Tensor | None = None    # float8_e8m0fnu [n, D/32]
     values: torch.Tensor | None = None   # float32 mirror [n, D]
-    positions: torch.Tensor | None = None  # [n]
 
     def nbytes(self) -> int:
         if self.q is None:
@@ -180,7 +179,6 @@ class Attention:
         kv = ste(kv, quant.dequantize_fp8(q8, s8, 32))
         win = self.window
         keys = kv if win.values is None else torch.cat([win.values, kv])
-        key_pos = positions if win.positions is None else torch.cat([win.positions, positions])
         # keep only what a later query can still see
         keep = slice(-cfg.window_size, None)
         all_q = q8 if win.q is None else torch.cat([win.q, q8])
@@ -188,8 +186,8 @@ class Attention:
         # kernel path: the FP8 bytes of every key this chunk's queries see, for sparse attention
         self.window_bytes = (all_q, all_s) if keep_bytes else None
         win.q, win.scale = all_q[keep], all_s[keep]
-        win.values, win.positions = keys[keep].detach(), key_pos[keep]
-        return keys, key_pos
+        win.values = keys[keep].detach()
+        return keys
 
     def _compress(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """Pool new complete groups of `ratio` tokens into entries and publish them."""
@@ -321,7 +319,7 @@ class Attention:
 
         kp = shared.kernels if shared.kernels is not None and shared.kernels.active(self.role.layer) \
             and self.parallel is None else None
-        keys, key_pos = self._window_kv(x, positions, keep_bytes=kp is not None)
+        keys = self._window_kv(x, positions, keep_bytes=kp is not None)
         idx = None
         if self.ratio > 0:
             if self.role.role == FULL:
