@@ -42,8 +42,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                    get, linear, owned: tuple[int, int] | None = None) -> torch.Tensor:
-    """sum_e w_e Expert_e(x) over each token's chosen experts, as three batched GEMMs over the
-    experts in use (tokens padded per expert). Only the chosen experts' weights are fetched.
+    """sum_e w_e Expert_e(x) over each token's chosen experts. The (token, expert) slots are sorted
+    by expert, so each expert multiplies one contiguous run of rows: no padding, no wasted rows.
+    Only the chosen experts' weights are fetched.
     owned (expert parallel): only the slots whose expert is in [start, stop) count."""
     T, k = experts.shape
     slot_experts, slot_weights = experts.flatten(), weights.flatten()   # [T*k]
@@ -53,28 +54,21 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
         slot_experts, slot_weights, slot_token = slot_experts[mine], slot_weights[mine], slot_token[mine]
         if slot_experts.numel() == 0:
             return torch.zeros(T, cfg.dim, device=x.device)
-    used, slot_expert = torch.unique(slot_experts, return_inverse=True)  # [U], [slots]
-    counts = torch.bincount(slot_expert, minlength=used.numel())
-    order = torch.argsort(slot_expert, stable=True)
-    rank = torch.arange(order.numel(), device=x.device) - torch.repeat_interleave(
-        torch.cumsum(counts, 0) - counts, counts)  # position of each sorted slot inside its expert
-    token = slot_token[order]
-    width = int(counts.max())
-    padded_tokens = torch.zeros(used.numel(), width, dtype=torch.long, device=x.device)
-    padded_tokens[slot_expert[order], rank] = token
-    names = [f"{prefix}experts.{e}." for e in used.tolist()]
-    w1 = torch.stack([get(n + "w1.weight") for n in names])  # [U, inter, dim]
-    w3 = torch.stack([get(n + "w3.weight") for n in names])
-    w2 = torch.stack([get(n + "w2.weight") for n in names])  # [U, dim, inter]
+    order = torch.argsort(slot_experts, stable=True)
+    token, slot_weights = slot_token[order], slot_weights[order]
+    used, counts = torch.unique_consecutive(slot_experts[order], return_counts=True)
+    runs = list(zip(used.tolist(), torch.cumsum(counts, 0).tolist(), counts.tolist()))
     xq = linear(x, None)  # the activation as the FP4 GEMM sees it (E4M3 per 32), once for all experts
-    xe = xq[padded_tokens]  # [U, width, dim]
-    h = swiglu(xe @ w1.transpose(1, 2), xe @ w3.transpose(1, 2), cfg.swiglu_limit)
-    gate_w = torch.zeros(used.numel(), width, device=x.device)
-    gate_w[slot_expert[order], rank] = slot_weights[order]
-    h = linear(h * gate_w.unsqueeze(-1), None)
-    out = h @ w2.transpose(1, 2)  # [U, width, dim]; padded rows carry weight 0
-    y = torch.zeros(T, cfg.dim, device=x.device)
-    y.index_add_(0, padded_tokens.flatten(), out.flatten(0, 1))
+    xs = xq.index_select(0, token)  # [slots, dim], grouped by expert
+    inter = cfg.moe_inter_dim
+    gate_up = torch.cat([xs[stop - n:stop] @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
+                                                         get(f"{prefix}experts.{e}.w3.weight")]).t()
+                         for e, stop, n in runs])
+    h = swiglu(gate_up[:, :inter], gate_up[:, inter:], cfg.swiglu_limit)
+    h = linear(h * slot_weights.unsqueeze(-1), None)
+    out = torch.cat([h[stop - n:stop] @ get(f"{prefix}experts.{e}.w2.weight").t() for e, stop, n in runs])
+    y = torch.zeros(T, cfg.dim, device=x.device, dtype=out.dtype)
+    y.index_add_(0, token, out)
     return y
 
 

@@ -46,8 +46,39 @@ def e8m0_from_float(scale: torch.Tensor) -> torch.Tensor:
 
 # -- FP4 E2M1 codes -----------------------------------------------------------------------------
 
+def round_mantissa(x: torch.Tensor, mantissa_bits: int, min_exponent_bits) -> torch.Tensor:
+    """Round float32 x to `mantissa_bits` mantissa bits, to nearest even, with steps never finer
+    than those at the exponent `min_exponent_bits` (float32 exponent field << 23; a scalar or a
+    tensor broadcasting against x): how a small float format with subnormals rounds. Adding and
+    subtracting 1.5 * 2^23 * step makes the float unit do the rounding; valid for |x| < 2^100."""
+    bits = x.view(torch.int32) & 0x7F800000
+    bits = bits.clamp_min(min_exponent_bits) if isinstance(min_exponent_bits, int) \
+        else torch.maximum(bits, min_exponent_bits)
+    bits += (23 - mantissa_bits) << 23
+    bits |= 1 << 22
+    magic = bits.view(torch.float32)
+    out = x + magic
+    out -= magic
+    return out
+
+
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Values already in [-6, 6] -> 4-bit codes (uint8, bit 3 = sign), round to nearest even."""
+    v = v.float().contiguous()
+    return _e2m1_codes_of_rounded(round_mantissa(v, 1, 127 << 23), v)
+
+
+def _e2m1_codes_of_rounded(rounded: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """E2M1 is 1 mantissa bit with subnormal steps of 0.5: a rounded magnitude r >= 1 has code
+    2 * (exponent + 1) + mantissa bit, read off its float32 bits; r in {0, 0.5} has code 2r."""
+    r = rounded.abs()
+    code = (r.view(torch.int32) >> 22) - 252
+    code = torch.where(r < 1, (r * 2).to(torch.int32), torch.where(r <= FP4_MAX, code, 0))  # NaN -> 0
+    return code.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_codes_by_table(v: torch.Tensor) -> torch.Tensor:
+    """`e2m1_codes` by comparison with the midpoints of the value table (the independent check)."""
     mag = v.float().abs().unsqueeze(-1)
     mids, tie_up = _E2M1_MIDS.to(v.device), _E2M1_TIE_UP.to(v.device)
     code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
@@ -110,6 +141,13 @@ def quantize_fp4(x: torch.Tensor, block: int, scale_kind: str = "e8m0") -> tuple
 
     scale_kind "e8m0": power-of-two scales rounded up (weights, index keys and queries).
     scale_kind "e4m3": scale = amax/6 rounded to E4M3 (the global KV entries)."""
+    packed, scale, _ = quantize_fp4_with_values(x, block, scale_kind)
+    return packed, scale
+
+
+def quantize_fp4_with_values(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
+    """`quantize_fp4` plus what loading the bytes gives back (float32 [..., K]), computed from
+    the rounded values instead of the bytes: equal to dequantize_fp4 of them for every non-NaN x."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"last dimension {k} is not a multiple of the FP4 group {block}")
@@ -123,8 +161,10 @@ def quantize_fp4(x: torch.Tensor, block: int, scale_kind: str = "e8m0") -> tuple
         scale_f = scale.float()
     else:
         raise ValueError(f"unknown FP4 scale kind {scale_kind!r}")
-    v = (groups / scale_f.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
-    return pack_fp4(e2m1_codes(v).flatten(-2)), scale
+    v = (groups / scale_f.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX).contiguous()
+    rounded = round_mantissa(v, 1, 127 << 23)
+    packed = pack_fp4(_e2m1_codes_of_rounded(rounded, v).flatten(-2))
+    return packed, scale, (rounded * scale_f.unsqueeze(-1)).flatten(-2)
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
@@ -135,8 +175,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int) -> tor
 
 def fp4_roundtrip(x: torch.Tensor, block: int, scale_kind: str = "e8m0") -> torch.Tensor:
     """What an FP4 store-and-load does to x (float32 result)."""
-    packed, scale = quantize_fp4(x, block, scale_kind)
-    return dequantize_fp4(packed, scale, block)
+    return quantize_fp4_with_values(x, block, scale_kind)[2]
 
 
 # -- FP8 groups along the last axis (activations, the sliding window) --------------------------
@@ -155,6 +194,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = 32) -> tor
 
 
 def fp8_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """What an FP8 (E4M3, E8M0 per `block`) store-and-load does to x (float32 result)."""
-    q, s = quantize_fp8(x, block)
-    return dequantize_fp8(q, s, block)
+    """What an FP8 (E4M3, E8M0 per `block`) store-and-load does to x (float32 result), without
+    the byte round trip: bit-identical to dequantize_fp8(*quantize_fp8(x)) (tested), ~3x faster."""
+    groups = x.float().unflatten(-1, (-1, block))
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    if not bool((amax < 2.0**100).all()):  # inf / NaN / beyond round_mantissa's range
+        q, s = quantize_fp8(x, block)
+        return dequantize_fp8(q, s, block)
+    # E4M3 keeps 3 mantissa bits; below 2^-6 times the scale its steps stay 2^-9 (subnormals)
+    floor = pow2_scale_up(amax, FP8_MAX).view(torch.int32) - (6 << 23)
+    return round_mantissa(groups.contiguous(), 3, floor).flatten(-2)

@@ -237,6 +237,29 @@ def test_fp4_and_fp8_against_value_tables():
     assert s.float().item() == 2.0
 
 
+def test_fast_rounding_is_bit_identical_to_the_byte_round_trip():
+    g = torch.Generator().manual_seed(11)
+    # every exponent an activation can have, exact E4M3 ties (odd multiples of half a step),
+    # E4M3 subnormals (and their ties), zeros, and groups whose amax sits at the clamp 1e-4
+    spread = torch.randn(4096, 32, generator=g) * torch.exp2(torch.randint(-40, 40, (4096, 1), generator=g).float())
+    steps = torch.exp2(torch.randint(-9, 9, (512, 32), generator=g).float() - 3)
+    ties = (torch.randint(1, 16, (512, 32), generator=g) * 2 + 1).float() * steps / 2
+    ties[:, 0] = 448.0  # pins the scale at 1 so the ties land on the E4M3 grid
+    tiny = torch.randint(-64, 64, (256, 32), generator=g).float() * 2.0**-11 * 1e-4 * 4
+    x = torch.cat([spread, ties * torch.where(torch.rand(512, 32, generator=g) < 0.5, -1.0, 1.0), tiny,
+                   torch.zeros(8, 32)])
+    slow = quant.dequantize_fp8(*quant.quantize_fp8(x, 32), 32)
+    assert torch.equal(quant.fp8_roundtrip(x, 32), slow)
+    # out of the fast path's range: the byte round trip itself answers (inf, NaN, 2^120)
+    odd = torch.tensor([[2.0**120] + [1.0] * 31, [float("inf")] + [1.0] * 31, [float("nan")] + [1.0] * 31])
+    torch.testing.assert_close(quant.fp8_roundtrip(odd, 32), quant.dequantize_fp8(*quant.quantize_fp8(odd, 32), 32),
+                               rtol=0, atol=0, equal_nan=True)
+    # E2M1: every multiple of 1/64 in [-6, 6] (all ties included), random values, NaN -> code 0
+    grid = torch.cat([torch.arange(-384, 385).float() / 64, (torch.rand(10000, generator=g) - 0.5) * 12,
+                      torch.tensor([float("nan")])])
+    assert torch.equal(quant.e2m1_codes(grid), quant.e2m1_codes_by_table(grid))
+
+
 def test_rope_is_interleaved_pairs_on_the_tail():
     cfg = tiny_config()
     freqs = layer_freqs(cfg, 0)
