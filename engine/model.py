@@ -92,11 +92,12 @@ class Model:
         return {"global": glob, "window": window, "pending": pending, "total": glob + window + pending}
 
     # -- forward --------------------------------------------------------------------------------
-    def _engram(self, layer: int, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    def _engram(self, layer: int, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor,
+                history: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         from . import engram
         cfg = self.cfg
         index = cfg.engram_layer_ids.index(layer)
-        history = engram.mark_dead(self.compressed_history, self.dead_history)
+        history = engram.mark_dead(*history)
         # hashing is integer work on the CPU; only the gathered rows go to the model's device
         rows = engram.ngram_rows(self.engram_layout, index, self._compressed(ids.cpu()), dead.cpu(), history)
         p = f"layers.{layer}.engram."
@@ -121,10 +122,31 @@ class Model:
                 probes: ProbeRequest | None = None, collect: dict | None = None) -> torch.Tensor:
         """Run a chunk of token ids [T] at the next positions; returns logits [T, vocab] (fp32).
         `collect` receives per-layer probe dicts for the layers and kinds in `probes`."""
+        T = ids.shape[0]
+        dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool, device=ids.device)
+        logits = self.run_chunk(ids, self.pos, image_mask, (self.compressed_history, self.dead_history),
+                                probes, collect)
+        self.remember(ids, dead)
+        return logits
+
+    def remember(self, ids: torch.Tensor, dead: torch.Tensor) -> None:
+        """Advance past a chunk that has run: its positions and (for Engram) its n-gram history."""
+        if self.engram_layout is not None and self.tokenizer is not None:
+            self.compressed_history = torch.cat([self.compressed_history, self._compressed(ids.cpu())])
+            self.dead_history = torch.cat([self.dead_history, dead.cpu()])
+        self.pos += ids.shape[0]
+
+    def run_chunk(self, ids: torch.Tensor, start: int, image_mask: torch.Tensor | None,
+                  history: tuple[torch.Tensor, torch.Tensor], probes: ProbeRequest | None = None,
+                  collect: dict | None = None, gate=None) -> torch.Tensor:
+        """Token ids [T] at positions start.., after the tokens in `history` (compressed ids, dead
+        flags); reads and extends the layers' caches but not `pos` or the history (`remember`).
+        gate (engine/pipeline.py): waits before each layer and signals after it, so chunks that run
+        at once on several threads meet every layer's caches in position order."""
         cfg = self.cfg
         T = ids.shape[0]
         dev = ids.device
-        positions = torch.arange(self.pos, self.pos + T, device=dev)
+        positions = torch.arange(start, start + T, device=dev)
         image_mask = image_mask if image_mask is not None and bool(image_mask.any()) else None
         dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool, device=dev)
         embed = self.get("embed.weight")
@@ -136,20 +158,20 @@ class Model:
         shared = Shared(kernels=self._kp)
         for role in self.plan:
             L = role.layer
+            if gate is not None:
+                gate.wait(L)
             want = probes is not None and probes.wants(L)
             started = time.perf_counter()
             if role.engram:
-                x = self._engram(L, x, ids, dead)
+                x = self._engram(L, x, ids, dead, history)
             probe: dict | None = {} if want else None
             x, pre = self._block(L, x, pre, positions, shared, image_mask, probe)
+            if gate is not None:
+                gate.done(L)
             if want:
                 probe["time_s"] = time.perf_counter() - started
                 probe["residual_norms"] = x.detach().norm(dim=-1)
                 collect[L] = probe
-        if self.engram_layout is not None and self.tokenizer is not None:
-            self.compressed_history = torch.cat([self.compressed_history, self._compressed(ids.cpu())])
-            self.dead_history = torch.cat([self.dead_history, dead.cpu()])
-        self.pos += T
         y = rms_norm(mhc.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
         logits = y @ self.get("head.weight").float().t()
         return logits if self.parallel is None else self.parallel.gather_last(logits)  # vocab-split head
