@@ -6,6 +6,7 @@ Used by the CLI and the explorer; neither touches model internals.
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, ModelConfig, load_config
+from . import pipeline
 from .model import PROBE_KINDS, Model, ProbeRequest
 from .roles import role_plan
 
@@ -127,8 +129,13 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, source: str = "", identity: str = "",
                  act_quant: bool = True, parallel=None, device: str | torch.device = "cpu",
-                 kernels: bool | None = None):
+                 kernels: bool | None = None, threads: int | None = None):
         self.cfg, self.tokenizer, self.source, self.identity = cfg, tokenizer, source, identity
+        # CPU threads for a prefill: 2 runs the prompt as two chunks in a wavefront (engine/pipeline.py);
+        # every op itself stays on one torch thread (see one_thread)
+        self.threads = threads if threads is not None else min(2, os.cpu_count() or 1)
+        if self.threads not in (1, 2):
+            raise EngineError(f"threads must be 1 or 2, got {self.threads}")
         self.parallel = parallel  # engine/parallel.py when this is one rank of several processes
         self.device = torch.device(device) if parallel is None else parallel.device
         # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/kernel_path.py)
@@ -190,8 +197,11 @@ class Engine:
         with self.lock, one_thread(), torch.inference_mode():
             started = time.perf_counter()
             self.model.reset()
-            logits = self.model.forward(torch.tensor(ids, device=self.device), image_mask=mask, probes=request,
-                                        collect=collect)
+            prompt_ids = torch.tensor(ids, device=self.device)
+            if self.threads > 1 and pipeline.usable(self.model, prompt_ids):
+                logits = pipeline.prefill(self.model, prompt_ids, mask, request, collect)
+            else:
+                logits = self.model.forward(prompt_ids, image_mask=mask, probes=request, collect=collect)
             cache = self.model.cache_bytes()
             generated = []
             for _ in range(generate):
@@ -247,11 +257,12 @@ def checkpoint_identity(path: Path) -> str:
 
 
 def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: bool = True,
-         parallel=None, device: str = "cpu", kernels: bool | None = None) -> Engine:
+         parallel=None, device: str = "cpu", kernels: bool | None = None, threads: int | None = None) -> Engine:
     """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
     parallel (engine/parallel.py): this process is one rank; it reads only its shard of the weights.
     device: where one process computes (weights are dequantized once and kept there);
-    kernels: the Triton path (None: on CUDA; see engine/kernel_path.py)."""
+    kernels: the Triton path (None: on CUDA; see engine/kernel_path.py);
+    threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them)."""
     from .checkpoint import CheckpointError, CheckpointReader
     from .weights import CheckpointWeights, DeviceWeights
 
@@ -279,7 +290,7 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     elif torch.device(device).type != "cpu":
         weights = DeviceWeights(weights, device)
     return Engine(cfg, weights, tokenizer, source=str(path), identity=checkpoint_identity(path),
-                  act_quant=act_quant, parallel=parallel, device=device, kernels=kernels)
+                  act_quant=act_quant, parallel=parallel, device=device, kernels=kernels, threads=threads)
 
 
 def save_result(result: RunResult, path: str | Path) -> None:

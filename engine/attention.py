@@ -10,7 +10,7 @@ kept beside it for compute; `nbytes` counts only the stored formats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,12 @@ class SourceCache:
                 setattr(self, name, [torch.cat(chunks)])
         return self.kv_packed[0], self.kv_scale[0], self.ik_packed[0], self.ik_scale[0]
 
+    def snapshot(self) -> "SourceCache":
+        """The entries as they are now, unaffected by later appends (a later chunk may append
+        while this chunk's upper layers still read them: engine/pipeline.py)."""
+        return replace(self, kv_packed=list(self.kv_packed), kv_scale=list(self.kv_scale),
+                       ik_packed=list(self.ik_packed), ik_scale=list(self.ik_scale))
+
     def append(self, kv: torch.Tensor, ik: torch.Tensor) -> None:
         """Store new entries: kv [n, D] (rotated), ik [n, Di] (rotated index keys)."""
         kv_p, kv_s, kv_loaded = quant.quantize_fp4_with_values(kv, 16, "e4m3")
@@ -150,7 +156,8 @@ def topk_in_position_order(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, 
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
     """Level one of the two-level top-k: per query keep the `n_blocks` blocks (of `block` entries)
     with the best max score, always keeping the block of its newest visible entry.
-    scores: [T, N] with invisible entries at -inf; visible: [T] entry counts. Returns bool [T, N]."""
+    scores: [T, N] with invisible entries at -inf; visible: [T] entry counts. Returns bool [T, N],
+    True on the visible entries of the kept blocks."""
     n = scores.shape[-1]
     padded = F.pad(scores, (0, -n % block), value=NEG_INF)
     block_scores = padded.unflatten(-1, (-1, block)).amax(-1)  # [T, nb]
@@ -159,7 +166,8 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_block
     block_scores = block_scores.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None], float("inf"))
     top_values, top_indices = stable_topk(block_scores, min(n_blocks, nb))
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top_indices, top_values > NEG_INF)
-    return keep.repeat_interleave(block, dim=-1)[:, :n]
+    # a kept block's entries past the query's newest visible one are not in its pool
+    return keep.repeat_interleave(block, dim=-1)[:, :n] & (torch.arange(n, device=scores.device) < visible[:, None])
 
 
 class Attention:
@@ -330,7 +338,7 @@ class Attention:
         if self.ratio > 0:
             if self.role.role == FULL:
                 self._compress(x, positions)
-                shared.source = self.source
+                shared.source = self.source.snapshot()
             src = shared.source
             if self.role.role in (FULL, REINDEX):
                 if src.n_entries == 0:

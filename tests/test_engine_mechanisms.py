@@ -174,6 +174,7 @@ def test_candidate_pool_blocks_and_restriction():
         expected = torch.zeros(N, dtype=torch.bool)
         for b in chosen:
             expected[b * block:(b + 1) * block] = True
+        expected[visible[t]:] = False  # only the visible entries of a kept block
         assert torch.equal(keep[t], expected), t
     # a Reindex layer scores -inf outside the pool: its top-k lies inside the pool
     cfg = tiny_config(index_topk=8)
