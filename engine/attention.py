@@ -140,8 +140,23 @@ def topk_in_position_order(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     """The k best finite entries of each row, listed in position order, -1 padded at the end.
     Ties at the k-th value go to the lower positions, so a prompt run whole and token by token
     selects the same entries. scores: [T, N] -> (indices [T, k], their scores [T, k])."""
+    values, indices = scores.topk(k, dim=-1)
+    kth = values[:, -1:]
+    # a row with k finite picks and no unpicked entry tied with the k-th is settled by sorting its
+    # picks; the others (FP4 scores often tie, e.g. at 0) take the tie-aware path
+    settled = (kth[:, 0] > NEG_INF) & ((scores == kth).sum(-1) == (values == kth).sum(-1))
+    idx, order = indices.sort(dim=-1)
+    picked = values.gather(-1, order)
+    if not bool(settled.all()):
+        rows = (~settled).nonzero().squeeze(1)
+        idx[rows], picked[rows] = _topk_with_ties(scores[rows], kth[rows], k)
+    return idx, picked
+
+
+def _topk_with_ties(scores: torch.Tensor, kth: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_in_position_order` for rows given their k-th best value: everything above it, then
+    the lowest-positioned entries equal to it (never -inf ones)."""
     n = scores.shape[-1]
-    kth = scores.topk(k, dim=-1).values[:, -1:]
     above = scores > kth
     ties = (scores == kth) & (kth > NEG_INF)
     need = k - above.sum(-1, keepdim=True)
@@ -303,22 +318,22 @@ class Attention:
         """Softmax over each query's window (its last W latents) and its selected global entries,
         with exp(sink) added to each head's denominator.
         q: [B, H, D]; windows: [B, D, W] (a strided view, oldest first) -> ([B, H, D], probs on global)."""
-        cfg = self.cfg
-        w = cfg.window_size
-        scale = cfg.head_dim ** -0.5
-        slot_pos = positions[:, None] - (w - 1) + torch.arange(w, device=q.device)[None, :]
-        logits = (torch.einsum("thd,tdw->thw", q, windows) * scale).masked_fill((slot_pos < 0)[:, None, :], NEG_INF)
+        w = self.cfg.window_size
+        q = q * self.cfg.head_dim ** -0.5
+        parts = [torch.bmm(q, windows)]  # [B, H, W]
+        if int(positions[0]) < w - 1:  # the first queries' windows reach before position 0
+            slot_pos = positions[:, None] - (w - 1) + torch.arange(w, device=q.device)[None, :]
+            parts[0].masked_fill_((slot_pos < 0)[:, None, :], NEG_INF)
         gathered = None
         if global_kv is not None:
             gathered = global_kv.index_select(0, idx.clamp_min(0).flatten()).view(*idx.shape, -1)  # [B, k, D]
-            s_glob = torch.bmm(q, gathered.transpose(1, 2)) * scale
-            logits = torch.cat([logits, s_glob.masked_fill((idx < 0)[:, None, :], NEG_INF)], dim=-1)
-        sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
-        probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]  # sink: denominator only
-        o = torch.einsum("thw,tdw->thd", probs[..., :w], windows)
+            parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_((idx < 0)[:, None, :], NEG_INF))
+        parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1))
+        probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)[..., :-1]  # sink: denominator only
+        o = torch.bmm(probs[..., :w], windows.transpose(1, 2))
         if gathered is None:
             return o, None
-        return o + torch.bmm(probs[..., w:], gathered), probs[..., w:]
+        return torch.baddbmm(o, probs[..., w:], gathered), probs[..., w:]
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None):

@@ -8,6 +8,7 @@ positions can be marked (they route with `bias_vl` and take no part in Engram n-
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ class Model:
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.parallel = parallel  # engine/parallel.py (several processes); None in one process
         self.act_quant = act_quant
+        self._rounding_memo = threading.local()
         # kernel path (engine/kernel_path.py): None = auto (CUDA + checkpoint weights), True, False;
         # kernel_path: an installed KernelPath (parity captures, tests) that overrides the flag
         self.kernels, self.kernel_path = kernels, None
@@ -62,7 +64,7 @@ class Model:
         quantized to E4M3 with an E8M0 scale per 32, as the release's kernels do.
         base None: only that activation rounding (for the routed experts' batched GEMMs)."""
         if base is None:
-            return quant.fp8_roundtrip(x, 32) if self.act_quant and self.quantized_experts else x.float()
+            return self._rounded(x) if self.act_quant and self.quantized_experts else x.float()
         if self._kp is not None:  # kernel path: FP8 block-scaled GEMM on the stored bytes
             y = self._kp.linear(x, base)
             if y is not None:
@@ -70,8 +72,21 @@ class Model:
         name = base + ".weight"
         w = self.weights.get(name)
         if self.act_quant and self.weights.stored_dtype(name) in ("F8_E4M3", "I8"):
-            x = quant.fp8_roundtrip(x, 32)
+            x = self._rounded(x)
         return x.float() @ w.t()
+
+    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x as an FP8 GEMM's input sees it. Attention and the MoE feed one activation to two or
+        three GEMMs, so the last two inputs are remembered (per thread: engine/pipeline.py); the memo
+        holds them, so an identical object is the same tensor (the engine never writes into one)."""
+        memo = self._rounding_memo.__dict__.setdefault("items", [])
+        for seen, rounded in memo:
+            if seen is x:
+                return rounded
+        rounded = quant.fp8_roundtrip(x, 32)
+        memo.insert(0, (x, rounded))
+        del memo[2:]
+        return rounded
 
     # -- state ----------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -157,6 +157,25 @@ def test_indexer_scores_topk_and_visibility():
             assert abs(s - scores[j]) < 1e-3 * max(1.0, abs(scores[j]))
 
 
+def test_topk_in_position_order_with_ties_and_short_rows():
+    from engine.attention import topk_in_position_order
+    g = torch.Generator().manual_seed(9)
+    T, N, k = 200, 50, 8
+    # few distinct values (FP4 scores tie often), some rows with fewer than k finite entries
+    scores = torch.randint(-3, 4, (T, N), generator=g).float() / 2
+    scores[torch.rand(T, N, generator=g) < 0.2] = float("-inf")
+    scores[:20, 5:] = float("-inf")
+    scores[20:40] = torch.randn(20, N, generator=g)  # rows without ties take the sorted-picks path
+    idx, picked = topk_in_position_order(scores, k)
+    for t in range(T):
+        row = scores[t].tolist()
+        finite = [j for j in range(N) if row[j] > float("-inf")]
+        best = sorted(finite, key=lambda j: (-row[j], j))[:k]  # ties to the lower position
+        expected = sorted(best) + [-1] * (k - len(best))
+        assert idx[t].tolist() == expected, t
+        assert picked[t].tolist() == [row[j] for j in sorted(best)] + [float("-inf")] * (k - len(best))
+
+
 def test_candidate_pool_blocks_and_restriction():
     g = torch.Generator().manual_seed(5)
     T, N, block = 6, 21, 4
