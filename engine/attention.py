@@ -267,9 +267,11 @@ class Attention:
         block = query_block(x.device)
         for a in range(0, x.shape[0], block):
             b = slice(a, a + block)
-            scores = torch.zeros(q[b].shape[0], n, device=x.device)
+            scores = None
             for h in range(local_hi):  # one head at a time: [block, N], never [block, heads, N]
-                scores = scores + head_w[b, h:h + 1] * (q[b, h] @ keys.t()).relu()
+                per_head = torch.mm(q[b, h], keys.t()).relu_()
+                w = head_w[b, h:h + 1]
+                scores = per_head * w if scores is None else torch.addcmul(scores, per_head, w)
             if self.parallel is not None:  # partial sums over each rank's heads, before any top-k
                 scores = self.parallel.all_reduce(scores)
             scores = scores.masked_fill(entry[None, :] >= visible[b, None], NEG_INF)

@@ -57,18 +57,19 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     order = torch.argsort(slot_experts, stable=True)
     token, slot_weights = slot_token[order], slot_weights[order]
     used, counts = torch.unique_consecutive(slot_experts[order], return_counts=True)
-    runs = list(zip(used.tolist(), torch.cumsum(counts, 0).tolist(), counts.tolist()))
+    runs = [(e, stop - n, stop) for e, stop, n in zip(used.tolist(), torch.cumsum(counts, 0).tolist(),
+                                                      counts.tolist())]
     xq = linear(x, None)  # the activation as the FP4 GEMM sees it (E4M3 per 32), once for all experts
-    xs = xq.index_select(0, token)  # [slots, dim], grouped by expert
     inter = cfg.moe_inter_dim
-    gate_up = torch.cat([xs[stop - n:stop] @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
-                                                         get(f"{prefix}experts.{e}.w3.weight")]).t()
-                         for e, stop, n in runs])
+    # per expert: its rows gathered and multiplied while they are still in cache
+    gate_up = torch.cat([xq.index_select(0, token[a:b]) @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
+                                                                       get(f"{prefix}experts.{e}.w3.weight")]).t()
+                         for e, a, b in runs])
     h = swiglu(gate_up[:, :inter], gate_up[:, inter:], cfg.swiglu_limit)
     h = linear(h * slot_weights.unsqueeze(-1), None)
-    out = torch.cat([h[stop - n:stop] @ get(f"{prefix}experts.{e}.w2.weight").t() for e, stop, n in runs])
-    y = torch.zeros(T, cfg.dim, device=x.device, dtype=out.dtype)
-    y.index_add_(0, token, out)
+    y = torch.zeros(T, cfg.dim, device=x.device, dtype=h.dtype)
+    for e, a, b in runs:
+        y.index_add_(0, token[a:b], h[a:b] @ get(f"{prefix}experts.{e}.w2.weight").t())
     return y
 
 
