@@ -156,8 +156,9 @@ class Model:
                   collect: dict | None = None, gate=None) -> torch.Tensor:
         """Token ids [T] at positions start.., after the tokens in `history` (compressed ids, dead
         flags); reads and extends the layers' caches but not `pos` or the history (`remember`).
-        gate (engine/pipeline.py): waits before each layer and signals after it, so chunks that run
-        at once on several threads meet every layer's caches in position order."""
+        gate (engine/pipeline.py): waits before each layer and signals once its attention (the
+        only part that reads or writes caches) is done, so chunks that run at once on several
+        threads meet every layer's caches in position order."""
         cfg = self.cfg
         T = ids.shape[0]
         dev = ids.device
@@ -180,9 +181,8 @@ class Model:
             if role.engram:
                 x = self._engram(L, x, ids, dead, history)
             probe: dict | None = {} if want else None
-            x, pre = self._block(L, x, pre, positions, shared, image_mask, probe)
-            if gate is not None:
-                gate.done(L)
+            x, pre = self._block(L, x, pre, positions, shared, image_mask, probe,
+                                 after_attention=None if gate is None else lambda L=L: gate.done(L))
             if want:
                 probe["time_s"] = time.perf_counter() - started
                 probe["residual_norms"] = x.detach().norm(dim=-1)
@@ -191,7 +191,7 @@ class Model:
         logits = y @ self.get("head.weight").float().t()
         return logits if self.parallel is None else self.parallel.gather_last(logits)  # vocab-split head
 
-    def _block(self, L, x, pre, positions, shared, image_mask, probe):
+    def _block(self, L, x, pre, positions, shared, image_mask, probe, after_attention=None):
         cfg = self.cfg
         p = f"layers.{L}."
         hc_args = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
@@ -208,6 +208,8 @@ class Model:
         attn_probe = {} if probe is not None else None
         y = self.attn[L].forward(rms_norm(attn_in, self.get(p + "attn_norm.weight"), cfg.norm_eps),
                                  positions, shared, attn_probe)
+        if after_attention is not None:
+            after_attention()
         fused = None if kp is None else kp.mhc(L, "FFN mixes + attention update", x, self.get(p + "hc_ffn_fn"),
                                                self.get(p + "hc_ffn_scale"), self.get(p + "hc_ffn_base"), a_pre,
                                                (y, a_post, a_comb), cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
