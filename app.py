@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -43,11 +44,15 @@ PLOT_CONFIG = {"displayModeBar": False, "scrollZoom": False}
 
 
 def guarded(what: str, section, *args) -> None:
-    """Draw one section; a failure becomes a message there, and the rest of the page still draws."""
+    """Draw one section; a failure becomes a message there, and the rest of the page still draws.
+    EXPLORER_TIMING=1 logs each section's server time (benches/ui.py reads it)."""
+    started = time.perf_counter()
     try:
         section(*args)
     except Exception as err:
         fail(what, err)
+    if os.environ.get("EXPLORER_TIMING"):
+        print(f"[timing] {section.__name__} {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
 
 
 def fail(what: str, err: Exception) -> None:
@@ -836,6 +841,7 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
 
 
 def main() -> None:
+    started = time.perf_counter()
     first_load = "view" not in st.session_state
     url_session = st.query_params.get("session")
     if first_load and url_session:
@@ -888,7 +894,10 @@ def main() -> None:
     with right:
         guarded("Cannot draw the tally", tally_column, tally)
 
+    run_started = time.perf_counter()
     run, why = live_run(source, path, text, span, plan)
+    if os.environ.get("EXPLORER_TIMING"):
+        print(f"[timing] live_run {1000 * (time.perf_counter() - run_started):.1f} ms", flush=True)
     st.session_state["_analysis"] = dict(view=view(), role=plan[view().layer], source=source, path=path, text=text,
                                          span=span, run=run, origin=st.session_state.get("run_origin"))
     with panel:
@@ -904,6 +913,8 @@ def main() -> None:
     scroll_if_asked()
     st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
                                   if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
+    if os.environ.get("EXPLORER_TIMING"):
+        print(f"[timing] script {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
 
 
 main()

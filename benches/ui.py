@@ -79,7 +79,9 @@ def browser_timings() -> list[tuple[str, float]]:
 
     prompt = (REPO / "assets" / "prompts" / "04_long_incident_review.txt").read_text()
     rows = []
-    with streamlit_server({"EXPLORER_SOURCE": "shipped"}, "bench_ui.log") as url, sync_playwright() as p:
+    log = REPO / "test-artifacts" / "bench_ui.log"
+    with streamlit_server({"EXPLORER_SOURCE": "shipped", "EXPLORER_TIMING": "1"}, "bench_ui.log") as url, \
+            sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1680, "height": 1300})
         start = time.perf_counter()
@@ -93,14 +95,26 @@ def browser_timings() -> list[tuple[str, float]]:
         page.wait_for_selector("[data-testid='stStatusWidget']", timeout=60_000)
         views_drawn(page, 2)
         rows.append(("browser: first run of the long prompt (all layers)", 1000 * (time.perf_counter() - start)))
-        for layer in (24, 9):
+        for layer in (24, 9, 20, 31):
             trace = page.locator(".st-key-plan_chart .js-plotly-plot .scatterlayer .trace").last
+            seen = len(log.read_text().splitlines())
             start = time.perf_counter()
             trace.locator(".point").nth(layer).click(force=True)
             views_drawn(page, layer)
             rows.append((f"browser: click-to-view, layer {layer}", 1000 * (time.perf_counter() - start)))
+            rows += server_timings(log.read_text().splitlines()[seen:], layer)
         browser.close()
     return rows
+
+
+def server_timings(lines: list[str], layer: int) -> list[tuple[str, float]]:
+    """The app's own per-section times for one rerun (EXPLORER_TIMING lines in the server log)."""
+    out = []
+    for line in lines:
+        if line.startswith("[timing] "):
+            name, ms, _ = line[len("[timing] "):].rsplit(" ", 2)
+            out.append((f"  server, layer {layer}: {name}", float(ms)))
+    return out
 
 
 def views_drawn(page, layer: int) -> None:

@@ -20,6 +20,7 @@ import html
 import io
 import json
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import plotly.graph_objects as go
@@ -31,7 +32,7 @@ from engine.roles import LayerRole
 from .style import GRID, INK, MHC_COLOUR, MUTED, ROLE_COLOURS, base_layout
 
 COPY_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000")
-MAX_MAP_CELLS = 320          # the top-k map is binned down to at most this many cells per axis
+MAX_MAP_CELLS = 160          # the top-k map is binned down to at most this many cells per axis (~2-4 px each)
 
 
 class ProbeError(ValueError):
@@ -119,6 +120,8 @@ class TopkModel:
     selected: list[list[int]]          # per query: selected entry ids (no padding)
     pool: list[list[int]] | None       # per query: candidate pool entry ids
     window: int
+    pairs: tuple[np.ndarray, np.ndarray] = None       # every (query, selected entry), flat
+    pool_pairs: tuple[np.ndarray, np.ndarray] | None = None  # every (query, pool entry), flat
 
 
 def topk_model(run: dict, probe: dict) -> TopkModel | None:
@@ -128,11 +131,23 @@ def topk_model(run: dict, probe: dict) -> TopkModel | None:
     if not topk:
         return None
     m = int(probe.get("compress_ratio") or 1)
-    selected = [[int(j) for j in row if j is not None and int(j) >= 0] for row in topk]
+    try:
+        picks = np.asarray(topk, dtype=np.int64).reshape(T, -1)
+    except (TypeError, ValueError):  # ragged rows or nulls (hand-made runs): clean them first
+        rows = [[int(j) for j in row if j is not None and int(j) >= 0] for row in topk]
+        width = max(map(len, rows), default=0)
+        picks = np.array([row + [-1] * (width - len(row)) for row in rows], dtype=np.int64).reshape(T, width)
+    keep = picks >= 0
+    pairs = (np.nonzero(keep)[0], picks[keep])
+    selected = [row[row >= 0].tolist() for row in picks]
     pool_rows = probe.get("candidate_pool")
-    pool = [[int(j) for j in row] for row in pool_rows] if pool_rows else None
-    n = max([max(r) for r in selected if r] + [max(r) for r in (pool or []) if r] + [T // m - 1, 0]) + 1
-    return TopkModel(T, m, n, selected, pool, int(probe.get("window_size") or 0))
+    pool, pool_pairs = None, None
+    if pool_rows:
+        lengths = np.fromiter(map(len, pool_rows), dtype=np.int64, count=len(pool_rows))
+        flat = np.fromiter(chain.from_iterable(pool_rows), dtype=np.int64, count=int(lengths.sum()))
+        pool, pool_pairs = pool_rows, (np.repeat(np.arange(len(pool_rows)), lengths), flat)
+    top = max(int(pairs[1].max(initial=-1)), int(pool_pairs[1].max(initial=-1)) if pool_pairs else -1, T // m - 1, 0)
+    return TopkModel(T, m, top + 1, selected, pool, int(probe.get("window_size") or 0), pairs, pool_pairs)
 
 
 def entry_tokens(entry: int, ratio: int, T: int) -> range:
@@ -142,15 +157,9 @@ def entry_tokens(entry: int, ratio: int, T: int) -> range:
 
 def selection_counts(model: TopkModel) -> list[int]:
     """Per prompt token: how many queries selected the entry that token belongs to."""
-    per_entry = [0] * model.n_entries
-    for row in model.selected:
-        for j in row:
-            per_entry[j] += 1
-    counts = [0] * model.T
-    for j, c in enumerate(per_entry):
-        for t in entry_tokens(j, model.ratio, model.T):
-            counts[t] = c
-    return counts
+    per_entry = np.bincount(model.pairs[1], minlength=model.n_entries)
+    entry_of = np.arange(model.T) // model.ratio
+    return np.where(entry_of < model.n_entries, per_entry[np.minimum(entry_of, model.n_entries - 1)], 0).tolist()
 
 
 def selected_positions(model: TopkModel, query: int) -> set[int]:
@@ -162,41 +171,46 @@ def selected_positions(model: TopkModel, query: int) -> set[int]:
 
 def topk_map(model: TopkModel) -> dict:
     """Binned map: z[qb][eb] = share of (query, entry) cells selected (2 = selected, 1 = in pool only)."""
+    binned = _binned(model)
+    return {**binned, "sel": binned["sel"].tolist(), "pool": binned["pool"].tolist()}
+
+
+def _binned(model: TopkModel) -> dict:
     qb = max(1, -(-model.T // MAX_MAP_CELLS))
     eb = max(1, -(-model.n_entries // MAX_MAP_CELLS))
     nq, ne = -(-model.T // qb), -(-model.n_entries // eb)
-    sel = [[0.0] * ne for _ in range(nq)]
-    pool = [[0.0] * ne for _ in range(nq)]
-    for t, row in enumerate(model.selected):
-        for j in row:
-            sel[t // qb][j // eb] += 1.0 / (qb * eb)
-    if model.pool:
-        for t, row in enumerate(model.pool):
-            for j in row:
-                pool[t // qb][j // eb] += 1.0 / (qb * eb)
-    return {"sel": sel, "pool": pool, "q_bin": qb, "e_bin": eb}
+
+    def share(pairs) -> np.ndarray:
+        if pairs is None:
+            return np.zeros((nq, ne))
+        cells = np.bincount((pairs[0] // qb) * ne + pairs[1] // eb, minlength=nq * ne)
+        return cells.reshape(nq, ne) / (qb * eb)
+
+    return {"sel": share(model.pairs), "pool": share(model.pool_pairs), "q_bin": qb, "e_bin": eb}
 
 
 def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380) -> go.Figure:
     """Query position (y) × global entry (x): selected cells dark, the candidate pool light, the
     sliding window's band outlined (entries the window already covers)."""
-    binned = topk_map(model)
+    binned = _binned(model)
     qb, eb = binned["q_bin"], binned["e_bin"]
-    xs = [i * eb for i in range(len(binned["sel"][0]) if binned["sel"] else 0)]
-    ys = [i * qb for i in range(len(binned["sel"]))]
+    xs = np.arange(binned["sel"].shape[1]) * eb
+    ys = np.arange(binned["sel"].shape[0]) * qb
     fig = go.Figure()
-    if model.pool:
-        fig.add_trace(go.Heatmap(z=np.asarray(binned["pool"], dtype=np.float32), x=xs, y=ys, showscale=False, hoverinfo="skip",
-                                 colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(230,159,0,0.35)"]], zmin=0, zmax=1))
-    fig.add_trace(go.Heatmap(z=np.asarray(binned["sel"], dtype=np.float32), x=xs, y=ys, showscale=False, zmin=0, zmax=1,
+    if model.pool:  # no hover on the pool: one byte per cell is enough
+        pool = np.rint(binned["pool"] * 255).astype(np.uint8)
+        fig.add_trace(go.Heatmap(z=pool, x=xs, y=ys, showscale=False, hoverinfo="skip",
+                                 colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(230,159,0,0.35)"]], zmin=0, zmax=255))
+    fig.add_trace(go.Heatmap(z=binned["sel"].astype(np.float32), x=xs, y=ys, showscale=False, zmin=0, zmax=1,
                              colorscale=[[0, "rgba(0,0,0,0)"], [0.001, "#C6DBEF"], [1, "#08306B"]],
                              hovertemplate="query %{y} · entry %{x}<br>selected share %{z:.2f}<extra></extra>"))
-    if model.window:
-        qs = list(range(model.T))
-        lo = [max(0, (t - model.window + 1) // model.ratio) for t in qs]
-        hi = [t // model.ratio for t in qs]
-        fig.add_trace(go.Scatter(x=lo + [None] + hi, y=qs + [None] + qs, mode="lines", hoverinfo="skip",
-                                 line=dict(color="#D55E00", width=1, dash="dot"), name="window"))
+    if model.window:  # the band's two edges, one line each way (NaN breaks the line between them)
+        qs = np.arange(model.T, dtype=np.float32)
+        lo = np.maximum(0, (qs - model.window + 1) // model.ratio)
+        hi = qs // model.ratio
+        gap = np.array([np.nan], dtype=np.float32)
+        fig.add_trace(go.Scatter(x=np.concatenate([lo, gap, hi]), y=np.concatenate([qs, gap, qs]), mode="lines",
+                                 hoverinfo="skip", line=dict(color="#D55E00", width=1, dash="dot"), name="window"))
     if query is not None and 0 <= query < model.T:
         fig.add_hline(y=query, line=dict(color=INK, width=1))
     fig.update_layout(**base_layout(
@@ -218,20 +232,24 @@ def token_strip_html(tokens: list[str], values: list[float] | None = None, *, hi
     chips = []
     for i, tok in enumerate(tokens[:max_tokens]):
         a = values[i] / top if i < len(values) else 0
-        style = [f"background:rgba(8,48,107,{0.08 + 0.72 * a:.2f})" if a > 0 else "background:#F3F4F6",
-                 f"color:{'white' if a > 0.55 else INK}", "border-radius:3px", "padding:1px 2px", "margin:1px",
-                 "display:inline-block", "font-family:ui-monospace,Menlo,monospace", "font-size:12px",
-                 "white-space:pre"]
-        if i in highlight:
-            style.append("box-shadow:0 0 0 2px #E69F00")
-        if i == focus:
-            style.append("outline:2px solid #1F2430")
-        if image and i < len(image) and image[i]:
-            style.append("border-bottom:2px dashed #CC79A7")
+        # shared looks live in the classes below; a chip carries only what is its own
+        style = f"background:rgba(8,48,107,{0.08 + 0.72 * a:.2f})" + (";color:white" if a > 0.55 else "") \
+            if a > 0 else ""
+        marks = " ".join(name for name, on in (("hl", i in highlight), ("fo", i == focus),
+                                                ("im", bool(image and i < len(image) and image[i]))) if on)
         text = html.escape(tok.replace("\n", "⏎").replace("\t", "⇥")) or "∅"
-        chips.append(f"<span title='#{i} · {values[i] if i < len(values) else 0:g}' style='{';'.join(style)}'>{text}</span>")
+        chips.append(f"<span title='#{i} · {values[i] if i < len(values) else 0:g}'"
+                     f"{f' class={chr(39)}{marks}{chr(39)}' if marks else ''}"
+                     f"{f' style={chr(39)}{style}{chr(39)}' if style else ''}>{text}</span>")
     more = f"<span style='color:{MUTED}'> … {len(tokens) - max_tokens} more</span>" if len(tokens) > max_tokens else ""
-    return f"<div style='line-height:1.9;max-height:260px;overflow-y:auto'>{''.join(chips)}{more}</div>"
+    return f"<div class='strip'>{STRIP_CSS}{''.join(chips)}{more}</div>"
+
+
+STRIP_CSS = (f"<style>.strip{{line-height:1.9;max-height:260px;overflow-y:auto}}"
+             f".strip span{{background:#F3F4F6;color:{INK};border-radius:3px;padding:1px 2px;margin:1px;"
+             "display:inline-block;font-family:ui-monospace,Menlo,monospace;font-size:12px;white-space:pre}"
+             ".strip .hl{box-shadow:0 0 0 2px #E69F00}.strip .fo{outline:2px solid #1F2430}"
+             ".strip .im{border-bottom:2px dashed #CC79A7}</style>")
 
 
 # -- mHC ----------------------------------------------------------------------------------------
@@ -279,30 +297,37 @@ def mhc_lines_figure(probe: dict, tokens: list[str], part: str = "attn", height:
     d = (probe.get("mhc") or {}).get(part) or {}
     fig = go.Figure()
     for key, dash in (("pre", "solid"), ("post", "dot")):
-        rows = d.get(key) or []
-        for c in range(len(rows[0]) if rows else 0):
-            fig.add_trace(go.Scatter(y=[r[c] for r in rows], mode="lines", name=f"{key} c{c}",
+        rows = np.asarray(d.get(key) or [], dtype=np.float32)  # numpy: Plotly ships it as one binary block
+        for c in range(rows.shape[1] if rows.ndim == 2 else 0):
+            fig.add_trace(go.Scatter(y=rows[:, c], mode="lines", name=f"{key} c{c}",
                                      line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], dash=dash, width=1.3),
-                                     customdata=tokens, hovertemplate=f"{key} c{c} · token %{{x}} %{{customdata}}: "
-                                                                      "%{y:.4f}<extra></extra>"))
+                                     **_token_hover(fig, tokens, f"{key} c{c}", ".4f")))
     fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
                                     xaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)), gridcolor=GRID),
-                                    yaxis=dict(gridcolor=GRID), hovermode="closest"))
+                                    yaxis=dict(gridcolor=GRID), hovermode="x unified"))
     return fig
 
 
+def _token_hover(fig: go.Figure, tokens: list[str], name: str, fmt: str) -> dict:
+    """Hover for one line of a per-token chart with unified hover: the first line carries the token
+    texts (once per chart, not once per line)."""
+    if not fig.data:
+        return dict(customdata=tokens, hovertemplate=f"%{{customdata}} · {name}: %{{y:{fmt}}}<extra></extra>")
+    return dict(hovertemplate=f"{name}: %{{y:{fmt}}}<extra></extra>")
+
+
 def residual_norms_figure(probe: dict, tokens: list[str], height: int = 220) -> go.Figure:
-    rows = probe.get("residual_norms") or []
+    rows = np.asarray(probe.get("residual_norms") or [], dtype=np.float32)
     fig = go.Figure()
-    for c in range(len(rows[0]) if rows else 0):
-        fig.add_trace(go.Scatter(y=[r[c] for r in rows], mode="lines", name=f"copy {c}", customdata=tokens,
+    for c in range(rows.shape[1] if rows.ndim == 2 else 0):
+        fig.add_trace(go.Scatter(y=rows[:, c], mode="lines", name=f"copy {c}",
                                  line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], width=1.3),
-                                 hovertemplate=f"copy {c} · token %{{x}} %{{customdata}}: %{{y:.3g}}<extra></extra>"))
+                                 **_token_hover(fig, tokens, f"copy {c}", ".3g")))
     fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
                                     xaxis=dict(gridcolor=GRID), yaxis=dict(gridcolor=GRID, title="‖X[c]‖"),
-                                    hovermode="closest"))
+                                    hovermode="x unified"))
     return fig
 
 
@@ -350,9 +375,22 @@ def routing_model(run: dict, probe: dict, n_experts: int) -> RoutingModel | None
 
 def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -> go.Figure:
     z = np.asarray(model.matrix(), dtype=np.float32)   # numpy: Plotly ships it as one binary block
-    # token text on the y axis ticks would crowd; the hover names the position (tokens are in the table)
-    fig = go.Figure(go.Heatmap(z=z, colorscale="Blues", zmin=0, showscale=False,
-                               hovertemplate="token %{y} · expert %{x}: weight %{z:.3f}<extra></extra>"))
+    # a long prompt's rows are averaged in bins (the chart has ~300 px for them; every token's experts
+    # are in the table below); token text on the y axis ticks would crowd, the hover names positions
+    per = max(1, -(-model.T // MAX_MAP_CELLS))
+    if per > 1:
+        padded = np.zeros((-(-model.T // per) * per, z.shape[1]), dtype=np.float32)
+        padded[:model.T] = z
+        counts = np.minimum(per, model.T - np.arange(0, model.T, per))[:, None]
+        z = padded.reshape(-1, per, z.shape[1]).sum(1) / counts
+        starts = np.arange(0, model.T, per)
+        fig = go.Figure(go.Heatmap(z=z, y=starts, customdata=np.minimum(starts + per, model.T) - 1,
+                                   colorscale="Blues", zmin=0, showscale=False,
+                                   hovertemplate="tokens %{y}-%{customdata} · expert %{x}: mean weight %{z:.3f}"
+                                                 "<extra></extra>"))
+    else:
+        fig = go.Figure(go.Heatmap(z=z, colorscale="Blues", zmin=0, showscale=False,
+                                   hovertemplate="token %{y} · expert %{x}: weight %{z:.3f}<extra></extra>"))
     fig.update_layout(**base_layout(height=height, margin=dict(l=8, r=8, t=8, b=8),
                                     xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),
                                     yaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)),

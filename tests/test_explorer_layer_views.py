@@ -6,6 +6,7 @@ import csv
 import io
 import json
 
+import numpy as np
 import pytest
 
 from engine.config import release_config
@@ -120,3 +121,23 @@ def test_malformed_probes_raise_clear_errors():
     with pytest.raises(lv.ProbeError, match="no 'layers'"):
         lv.layer_probe({"tokens": []}, 1)
     assert lv.layer_probe(None, 1) is None
+
+
+def test_long_prompt_views_ship_compact_figures():
+    # a 1,000-token prompt: routing rows averaged into at most MAX_MAP_CELLS bins (means checked by
+    # hand), per-token lines carry the token texts once, numbers travel as binary blocks
+    T = 1000
+    run = synthetic_run(T, {24: synthetic_layer(T, k=8, n_experts=32, seed=1)})
+    probe = lv.layer_probe(run, 24)
+    model = lv.routing_model(run, probe, 32)
+    heat = lv.routing_heatmap(model, run["tokens"]).data[0]
+    z, full = np.asarray(heat.z), np.asarray(model.matrix())
+    per = -(-T // lv.MAX_MAP_CELLS)
+    assert z.shape == (-(-T // per), 32) and list(heat.y[:2]) == [0, per]
+    assert np.allclose(z[1], full[per:2 * per].mean(0)) and np.allclose(z[-1], full[(len(z) - 1) * per:].mean(0))
+    lines = lv.mhc_lines_figure(probe, run["tokens"])
+    assert list(lines.data[0].customdata) == run["tokens"] and all(t.customdata is None for t in lines.data[1:])
+    assert np.allclose(np.asarray(lines.data[0].y), [row[0] for row in probe["mhc"]["attn"]["pre"]], atol=1e-6)
+    for fig in (lines, lv.residual_norms_figure(probe, run["tokens"]), lv.routing_heatmap(model, run["tokens"]),
+                lv.topk_figure(lv.topk_model(run, probe), query=T - 1)):
+        assert '"bdata"' in fig.to_json()
