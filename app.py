@@ -484,6 +484,13 @@ def cached_store():
 def flash(kind: str, text: str) -> None:
     """A message for the top of the page on the next draw (callbacks run before the page)."""
     st.session_state.setdefault("session_msgs", []).append((kind, text))
+    redraw_page()
+
+
+def redraw_page() -> None:
+    """After a session action from inside the `analysis` fragment: draw the whole page next (the
+    sidebar's session list, the messages), not only the fragment."""
+    st.session_state["_full_rerun"] = True
 
 
 def show_session(session) -> None:
@@ -496,6 +503,7 @@ def show_session(session) -> None:
     if note:
         flash("info", note)
     st.session_state["_restore_view"] = True
+    redraw_page()
     for key in ("replay", "_confirm_delete"):
         st.session_state.pop(key, None)
 
@@ -514,6 +522,7 @@ def open_session(session_id: str) -> None:
 
 
 def close_session() -> None:
+    redraw_page()
     st.session_state.pop("open_session", None)
     st.session_state.pop("replay", None)
     set_view(sv.with_session(view(), None))
@@ -840,8 +849,50 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         st.caption("No position differs.")
 
 
+@st.fragment
+def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
+    """Everything that follows the selected layer: plan, diagram, tally, session panel, live views,
+    parity, comparison. A click on the plan reruns only this (not the sidebar, KV panel or session
+    list), so the new layer's views arrive sooner."""
+    started = time.perf_counter()
+    if st.session_state.pop("_full_rerun", False):
+        st.rerun()   # a session action from in here: the sidebar's list and the messages change too
+    show_flashes()
+    panel = st.container()
+    left, mid, right = st.columns([1.1, 2.45, 1.3], gap="medium")
+    with left:
+        guarded("Cannot draw the plan", plan_column, cfg, plan, tally)
+    with mid:
+        guarded("Cannot draw the diagram", diagram_column, cfg, plan, tally)
+    with right:
+        guarded("Cannot draw the tally", tally_column, tally)
+
+    run_started = time.perf_counter()
+    run, why = live_run(source, path, text, span, plan)
+    if os.environ.get("EXPLORER_TIMING"):
+        print(f"[timing] live_run {1000 * (time.perf_counter() - run_started):.1f} ms", flush=True)
+    st.session_state["_analysis"] = dict(view=view(), role=plan[view().layer], source=source, path=path, text=text,
+                                         span=span, run=run, origin=st.session_state.get("run_origin"))
+    with panel:
+        guarded("Cannot show the session", session_panel, source, path)
+    st.divider()
+    guarded("Cannot draw the layer views", live_views, cfg, plan, run, why)
+    guarded("Cannot run the kernel parity check", kernel_parity_panel, source, path, text, plan)
+    st.divider()
+    guarded("Cannot draw the comparison", compare_section, cfg, plan, run, source, path)
+    scroll_if_asked()
+    st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
+                                  if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
+    if os.environ.get("EXPLORER_TIMING"):
+        print(f"[timing] analysis {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
+        print(f"[timing] script-ended-at {time.time():.3f} s", flush=True)
+
+
 def main() -> None:
     started = time.perf_counter()
+    st.session_state.pop("_full_rerun", None)
+    if os.environ.get("EXPLORER_TIMING"):
+        print(f"[timing] script-started-at {time.time():.3f} s", flush=True)
     first_load = "view" not in st.session_state
     url_session = st.query_params.get("session")
     if first_load and url_session:
@@ -883,36 +934,10 @@ def main() -> None:
                 f"{fmt_params(tally.total_params)} parameters · {fmt_params(tally.active_decode_params)} active per "
                 f"generated token · {kv_view.kv_bytes_per_token(cfg):g} B of global KV per token · "
                 f"{'config' if tally.source == 'config' else 'checkpoint headers'}</span>", unsafe_allow_html=True)
-    show_flashes()
-    panel = st.container()
-
-    left, mid, right = st.columns([1.1, 2.45, 1.3], gap="medium")
-    with left:
-        guarded("Cannot draw the plan", plan_column, cfg, plan, tally)
-    with mid:
-        guarded("Cannot draw the diagram", diagram_column, cfg, plan, tally)
-    with right:
-        guarded("Cannot draw the tally", tally_column, tally)
-
-    run_started = time.perf_counter()
-    run, why = live_run(source, path, text, span, plan)
-    if os.environ.get("EXPLORER_TIMING"):
-        print(f"[timing] live_run {1000 * (time.perf_counter() - run_started):.1f} ms", flush=True)
-    st.session_state["_analysis"] = dict(view=view(), role=plan[view().layer], source=source, path=path, text=text,
-                                         span=span, run=run, origin=st.session_state.get("run_origin"))
-    with panel:
-        guarded("Cannot show the session", session_panel, source, path)
+    analysis(cfg, plan, tally, source, path, text, span)
     st.divider()
-    guarded("Cannot draw the layer views", live_views, cfg, plan, run, why)
-    guarded("Cannot run the kernel parity check", kernel_parity_panel, source, path, text, plan)
-    st.divider()
-    guarded("Cannot draw the comparison", compare_section, cfg, plan, run, source, path)
-    st.divider()
-    guarded("Cannot draw the KV panel", kv_panel, cfg, run)
+    guarded("Cannot draw the KV panel", kv_panel, cfg, st.session_state.get("_analysis", {}).get("run"))
     guarded("Cannot show the sessions", sessions_sidebar)
-    scroll_if_asked()
-    st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
-                                  if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
     if os.environ.get("EXPLORER_TIMING"):
         print(f"[timing] script {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from . import attention, quant
 from .config import ModelConfig, load_config
 from .layout import tensor_specs
 from .model import Model, ProbeRequest
-from .roles import FULL, REINDEX, role_plan
+from .roles import FULL, REINDEX
 from .weights import TensorWeights
 
 REPO = Path(__file__).resolve().parent.parent
