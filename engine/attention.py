@@ -267,19 +267,24 @@ class Attention:
         block = query_block(x.device)
         for a in range(0, x.shape[0], block):
             b = slice(a, a + block)
+            # entries past the block's last query are invisible to all of it: score the visible
+            # prefix only (about half the work over a prompt); training's loss wants whole rows
+            width = n if keep_scores or self.parallel is not None else max(1, min(n, int(visible[b].max())))
             scores = None
             for h in range(local_hi):  # one head at a time: [block, N], never [block, heads, N]
-                per_head = torch.mm(q[b, h], keys.t()).relu_()
+                per_head = torch.mm(q[b, h], keys[:width].t()).relu_()
                 w = head_w[b, h:h + 1]
                 scores = per_head * w if scores is None else torch.addcmul(scores, per_head, w)
             if self.parallel is not None:  # partial sums over each rank's heads, before any top-k
                 scores = self.parallel.all_reduce(scores)
-            scores = scores.masked_fill(entry[None, :] >= visible[b, None], NEG_INF)
+            scores = scores.masked_fill(entry[None, :width] >= visible[b, None], NEG_INF)
             if self.role.candidate_source:
-                shared.candidates[b] = select_candidate_blocks(scores.detach(), visible[b], cfg.candidate_topk_blocks,
-                                                               cfg.candidate_block_size)
+                shared.candidates[b, :width] = select_candidate_blocks(
+                    scores.detach(), visible[b], cfg.candidate_topk_blocks, cfg.candidate_block_size)
             elif self.role.in_candidate_pool:
-                scores = scores.masked_fill(~shared.candidates[b], NEG_INF)
+                scores = scores.masked_fill(~shared.candidates[b, :width], NEG_INF)
+            if width < k:  # early queries: fewer entries than picks, the rest is -1 padding
+                scores = F.pad(scores, (0, k - width), value=NEG_INF)
             block_idx, block_picked = topk_in_position_order(scores.detach(), k)
             idx.append(block_idx)
             picked.append(block_picked)
