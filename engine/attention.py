@@ -324,17 +324,19 @@ class Attention:
     def _attend(self, q, positions, windows, sink, idx, global_kv):
         """Softmax over each query's window (its last W latents) and its selected global entries,
         with exp(sink) added to each head's denominator.
-        q: [B, H, D]; windows: [B, D, W] (a strided view, oldest first) -> ([B, H, D], probs on global)."""
+        q: [B, H, D] already scaled by 1/sqrt(D); windows: [B, D, W] (a strided view, oldest first);
+        idx: (entry ids [B, k] with -1 read as 0, bool [B, k] where they were -1), or None without a
+        global branch -> ([B, H, D], probs on global)."""
         w = self.cfg.window_size
-        q = q * self.cfg.head_dim ** -0.5
-        parts = [torch.bmm(q, windows)]  # [B, H, W]
+        parts = [torch.bmm(q, windows)]  # [B, H, W]; q comes scaled by 1/sqrt(head_dim)
         if int(positions[0]) < w - 1:  # the first queries' windows reach before position 0
             slot_pos = positions[:, None] - (w - 1) + torch.arange(w, device=q.device)[None, :]
             parts[0].masked_fill_((slot_pos < 0)[:, None, :], NEG_INF)
         gathered = None
         if global_kv is not None:
-            gathered = global_kv.index_select(0, idx.clamp_min(0).flatten()).view(*idx.shape, -1)  # [B, k, D]
-            parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_((idx < 0)[:, None, :], NEG_INF))
+            rows, padding = idx  # entry ids with -1 read as 0, and where they were -1
+            gathered = global_kv.index_select(0, rows.flatten()).view(*rows.shape, -1)  # [B, k, D]
+            parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_(padding[:, None, :], NEG_INF))
         parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1))
         probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)[..., :-1]  # sink: denominator only
         o = torch.bmm(probs[..., :w], windows.transpose(1, 2))
@@ -389,10 +391,12 @@ class Attention:
             windows = padded.unfold(0, w, 1)[start:start + x.shape[0]]
             outs, global_probs = [], []
             block = query_block(x.device)
+            scaled = q * cfg.head_dim ** -0.5
+            rows, padding = (idx.clamp_min(0), idx < 0) if global_kv is not None else (None, None)
             for a in range(0, x.shape[0], block):
                 b = slice(a, a + block)
-                o, p_glob = self._attend(q[b], positions[b], windows[b], sink,
-                                         None if global_kv is None else idx[b], global_kv)
+                o, p_glob = self._attend(scaled[b], positions[b], windows[b], sink,
+                                         None if global_kv is None else (rows[b], padding[b]), global_kv)
                 outs.append(o)
                 global_probs.append(p_glob)
             o = torch.cat(outs)

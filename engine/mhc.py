@@ -17,10 +17,16 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     comb = torch.softmax(logits, dim=-1) + eps
     # the rounds run on [n, n, T]: each sum over n then adds whole rows of T values (~3x faster)
     comb = comb.permute(1, 2, 0).contiguous()
-    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+    if comb.requires_grad:  # training: out of place, for autograd
         comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+    else:  # the same arithmetic in place: no [n, n, T] allocation per step
+        comb.div_(comb.sum(dim=0, keepdim=True).add_(eps))
+        for _ in range(iters - 1):
+            comb.div_(comb.sum(dim=1, keepdim=True).add_(eps))
+            comb.div_(comb.sum(dim=0, keepdim=True).add_(eps))
     return comb.permute(2, 0, 1).contiguous()
 
 

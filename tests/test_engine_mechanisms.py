@@ -309,8 +309,8 @@ def test_sparse_attention_with_window_sinks_and_padding_matches_float64_loop():
     sink = torch.randn(H, generator=g)
     global_kv = torch.randn(N, D, generator=g)
     idx = torch.tensor([[0, 3, -1, -1], [1, 2, 5, -1], [-1, -1, -1, -1], [0, 4, 7, 11], [2, 6, 9, -1]])
-    out, _ = attn._attend(q, positions, windows, sink, idx, global_kv)
     scale = D ** -0.5
+    out, _ = attn._attend(q * scale, positions, windows, sink, (idx.clamp_min(0), idx < 0), global_kv)
     for t in range(B):
         p = positions[t].item()
         entries = [keys[j].double() for j in range(max(0, p - W + 1), p + 1)]
