@@ -54,5 +54,6 @@ def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New stream X'[j] = post[j] * y + sum_i comb[i, j] * X[i]. y: [T, dim]; residual: [T, hc, dim]."""
-    # baddbmm, not bmm + add: it gives the same bits for 1 token as for many (prefill == decode)
-    return torch.baddbmm(post.unsqueeze(-1) * y.unsqueeze(1), comb.transpose(1, 2), residual)
+    # baddbmm, not bmm + add: it gives the same bits for 1 token as for many (prefill == decode);
+    # in place on the post * y product, which saves copying it
+    return (post.unsqueeze(-1) * y.unsqueeze(1)).baddbmm_(comb.transpose(1, 2), residual)
