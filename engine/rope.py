@@ -49,8 +49,10 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
     cos, sin = torch.cos(angles), torch.sin(angles)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
     cos, sin = cos.view(shape), sin.view(shape)
-    head, tail = x[..., :-rd], x[..., -rd:]
-    pairs = tail.unflatten(-1, (-1, 2))
+    pairs = x[..., -rd:].unflatten(-1, (-1, 2))
     re, im = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2)
-    return torch.cat([head, rotated], dim=-1)
+    out = x.clone()  # the untouched head, then each pair written in place of its old value
+    out_pairs = out[..., -rd:].unflatten(-1, (-1, 2))
+    out_pairs[..., 0] = re * cos - im * sin
+    out_pairs[..., 1] = re * sin + im * cos
+    return out
