@@ -40,7 +40,7 @@ st.html("""<style>
   .muted {color: #6B7280; font-size: .85rem;}
 </style>""")
 TAB_BY_TITLE = {title: tab for tab, title in TAB_TITLES.items()}
-PLOT_CONFIG = {"displayModeBar": False, "scrollZoom": False}
+PLOT_CONFIG = {"displayModeBar": False, "scrollZoom": False}  # charts are drawn with theme=None (see style.base_layout)
 
 
 def guarded(what: str, section, *args) -> None:
@@ -189,7 +189,7 @@ def plan_column(cfg, plan, tally) -> None:
     st.html(legend_html(plan))
     fig = plan_figure(cfg, plan, layer_params=layer_params(tally), selected=view().layer)
     st.plotly_chart(fig, key="plan_chart", on_select=lambda: on_plan_select(plan), selection_mode="points",
-                    config=PLOT_CONFIG, width="stretch")
+                    config=PLOT_CONFIG, theme=None, width="stretch")
 
 
 def diagram_column(cfg, plan, tally) -> None:
@@ -214,7 +214,7 @@ def diagram_column(cfg, plan, tally) -> None:
                        "to their live view.")
             fig = diagram_figure(cfg, tab_id, stats, role=r, highlight=highlight)
             st.plotly_chart(fig, key=f"diagram_{tab_id}", on_select=lambda k=f"diagram_{tab_id}": on_diagram_select(k),
-                            selection_mode="points", config=PLOT_CONFIG, width="stretch")
+                            selection_mode="points", config=PLOT_CONFIG, theme=None, width="stretch")
             picked = st.session_state.get("picked_box")
             if picked and picked in stats:
                 s = stats[picked]
@@ -232,7 +232,7 @@ def tally_column(tally) -> None:
     st.metric(POSITION_TITLES[v.position], fmt_params(position_total(tally, v.position)),
               help=f"{position_total(tally, v.position):,} parameters")
     st.plotly_chart(tally_figure(lines, v.position, highlight=st.session_state.get("highlight_line")),
-                    key="tally_chart", on_select=on_tally_select, selection_mode="points", config=PLOT_CONFIG,
+                    key="tally_chart", on_select=on_tally_select, selection_mode="points", config=PLOT_CONFIG, theme=None,
                     width="stretch")
     st.caption(f"{headline(tally, v.position)} = the sum of the rows. {source_note(tally)} "
                "Click a row to outline its boxes in the diagram.")
@@ -256,7 +256,7 @@ def kv_panel(cfg, run: dict | None) -> None:
         c2.metric("Windows", fmt_bytes(at["windows"]))
         c3.metric("Total cache", fmt_bytes(at["total"]))
         measured = kv_view.measured_vs_formula(cfg, run)
-        st.plotly_chart(kv_view.kv_figure(cfg, n, measured=measured), key="kv_chart", config=PLOT_CONFIG,
+        st.plotly_chart(kv_view.kv_figure(cfg, n, measured=measured), key="kv_chart", config=PLOT_CONFIG, theme=None,
                         width="stretch")
         if measured:
             st.caption(f"After the run ({measured['context_len']:,} tokens): the engine held "
@@ -294,7 +294,7 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                 st.caption("The run recorded no top-k for this layer.")
             else:
                 q = st.slider("Query token", 0, model.T - 1, model.T - 1, key="query_pos")
-                st.plotly_chart(lv.topk_figure(model, query=q), key="topk_map", config=PLOT_CONFIG)
+                st.plotly_chart(lv.topk_figure(model, query=q), key="topk_map", config=PLOT_CONFIG, theme=None)
                 st.caption("Token strip: shade = how often each token's entry was selected; ringed = the entries "
                            f"query {q} ({tokens[q]!r}) selected.")
                 st.html(lv.token_strip_html(tokens, lv.selection_counts(model), focus=q,
@@ -306,10 +306,10 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
     if probe is not None and probe.get("mhc"):
         try:
             t = st.slider("Token", 0, len(tokens) - 1, len(tokens) - 1, key="mhc_pos")
-            st.plotly_chart(lv.mhc_token_figure(probe, t), key="mhc_token", config=PLOT_CONFIG)
+            st.plotly_chart(lv.mhc_token_figure(probe, t), key="mhc_token", config=PLOT_CONFIG, theme=None)
             a, b = st.columns(2)
-            a.plotly_chart(lv.mhc_lines_figure(probe, tokens, "attn"), key="mhc_attn", config=PLOT_CONFIG)
-            b.plotly_chart(lv.residual_norms_figure(probe, tokens), key="mhc_norms", config=PLOT_CONFIG)
+            a.plotly_chart(lv.mhc_lines_figure(probe, tokens, "attn"), key="mhc_attn", config=PLOT_CONFIG, theme=None)
+            b.plotly_chart(lv.residual_norms_figure(probe, tokens), key="mhc_norms", config=PLOT_CONFIG, theme=None)
         except lv.ProbeError as err:
             fail("Cannot draw the mHC view", err)
     elif probe is not None:
@@ -334,8 +334,8 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                            f"{split['text_tokens']} text tokens (bias) use {split['text_experts']} experts; "
                            f"{split['image_tokens']} image tokens (bias_vl) use {split['image_experts']}.")
                 a, b = st.columns([1.3, 1])
-                a.plotly_chart(lv.routing_heatmap(model, tokens), key="routing_map", config=PLOT_CONFIG)
-                b.plotly_chart(lv.expert_load_figure(model), key="routing_load", config=PLOT_CONFIG)
+                a.plotly_chart(lv.routing_heatmap(model, tokens), key="routing_map", config=PLOT_CONFIG, theme=None)
+                b.plotly_chart(lv.expert_load_figure(model), key="routing_load", config=PLOT_CONFIG, theme=None)
                 st.dataframe(lv.token_routes(model, tokens), hide_index=True, height=240)
         except lv.ProbeError as err:
             fail("Cannot draw the routing view", err)
@@ -839,9 +839,9 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         st.markdown(f"- {sv.md_escape(line)}")
     a, b = st.columns(2)
     if cmp.has_selections:
-        a.plotly_chart(sv.comparison_figure(cmp, "selections"), key="cmp_selections", config=PLOT_CONFIG)
+        a.plotly_chart(sv.comparison_figure(cmp, "selections"), key="cmp_selections", config=PLOT_CONFIG, theme=None)
     if cmp.has_routing:
-        b.plotly_chart(sv.comparison_figure(cmp, "routing"), key="cmp_routing", config=PLOT_CONFIG)
+        b.plotly_chart(sv.comparison_figure(cmp, "routing"), key="cmp_routing", config=PLOT_CONFIG, theme=None)
     rows = sv.comparison_rows(cmp, only_differences=True)
     if rows:
         st.dataframe(rows, hide_index=True, height=min(320, 38 + 35 * len(rows)))

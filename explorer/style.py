@@ -51,6 +51,7 @@ def fmt_tokens(n: int) -> str:
 def base_layout(**overrides) -> dict:
     """Layout keys every figure shares; callers override per figure."""
     layout = dict(
+        template="plotly_white",  # the app draws charts with theme=None: its own look, ~0.1 s less per click
         font=FONT,
         paper_bgcolor=PAPER,
         plot_bgcolor=PAPER,
