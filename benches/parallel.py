@@ -214,6 +214,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def first_layers(cfg, n: int):
+    """The config of the first n layers (the quick check): the per-layer lists cut to them, no
+    DSpark stages, no candidate pool unless its source layer is among them."""
+    keep = [i for i, layer in enumerate(cfg.engram_layer_ids) if layer < n]
+    return cfg.replace(
+        n_layers=n, n_mtp_layers=0, compress_ratios=cfg.compress_ratios[:n],
+        kv_source_layers=tuple(L for L in cfg.kv_source_layers if L < n),
+        index_source_layers=tuple(L for L in cfg.index_source_layers if L < n),
+        candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
+        engram_layer_ids=tuple(cfg.engram_layer_ids[i] for i in keep),
+        engram_num_embeddings=tuple(cfg.engram_num_embeddings[i] for i in keep),
+        dspark_target_layer_ids=tuple(L for L in cfg.dspark_target_layer_ids if L < n))
+
+
 def rank_main(args) -> dict | None:
     from engine.api import Engine
     from engine.config import release_config
@@ -229,7 +243,7 @@ def rank_main(args) -> dict | None:
     cfg = smoke_config() if args.smoke else release_config()
     n_layers = args.layers or cfg.n_layers
     if n_layers < cfg.n_layers:
-        cfg = cfg.replace(n_layers=n_layers)
+        cfg = first_layers(cfg, n_layers)
     weights = GeneratedWeights(cfg, parallel, cache_bytes=args.cache_gb << 30)
     engine = Engine(cfg, weights, ModuloTokenizer(cfg), source="random release-format weights",
                     identity=f"random-{'smoke' if args.smoke else 'release'}", parallel=parallel)
@@ -287,8 +301,11 @@ def rank_main(args) -> dict | None:
 
 
 def _click_to_view(engine, parallel, ids, cfg, EngineService, make_server) -> list[dict]:
-    from explorer import layer_views as lv
     from explorer.remote import RemoteEngine
+    try:
+        from explorer import layer_views as lv
+    except ImportError:  # a GPU box without the app's packages: time the service's answer alone
+        lv = None
 
     service = EngineService(engine, parallel)
     server = make_server(service, "127.0.0.1", 0)
@@ -305,12 +322,13 @@ def _click_to_view(engine, parallel, ids, cfg, EngineService, make_server) -> li
             started = time.perf_counter()
             run = client.run(ids, layers=asked).to_json()
             answered = time.perf_counter() - started
-            probe = lv.layer_probe(run, layer)
-            model = lv.topk_model(run, probe)
-            lv.topk_figure(model)
-            lv.routing_heatmap(lv.routing_model(run, probe, cfg.n_routed_experts), run["tokens"])
+            if lv is not None:
+                probe = lv.layer_probe(run, layer)
+                model = lv.topk_model(run, probe)
+                lv.topk_figure(model)
+                lv.routing_heatmap(lv.routing_model(run, probe, cfg.n_routed_experts), run["tokens"])
             out.append({"layer": layer, "layers_run": asked, "answer_s": round(answered, 3),
-                        "view_s": round(time.perf_counter() - started, 3),
+                        "view_s": round(time.perf_counter() - started, 3) if lv is not None else None,
                         "engine_run_s": run["time_s"], "json_mb": round(len(json.dumps(run)) / 1e6, 2)})
     finally:
         server.shutdown()
@@ -342,7 +360,8 @@ def _emit(report: dict, args) -> None:
               + f", generated in {m['generate_s']:.1f} s")
     for c in report["click_to_view"]:
         print(f"click-to-view layer {c['layer']} (runs {c['layers_run']}): answer {c['answer_s']:.2f} s, "
-              f"view {c['view_s']:.2f} s, JSON {c['json_mb']} MB")
+              + (f"view {c['view_s']:.2f} s, " if c['view_s'] is not None else "view not built (no plotly), ")
+              + f"JSON {c['json_mb']} MB")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -62,9 +62,10 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     xq = linear(x, None)  # the activation as the FP4 GEMM sees it (E4M3 per 32), once for all experts
     inter = cfg.moe_inter_dim
     # per expert: its rows gathered and multiplied while they are still in cache
-    w13 = torch.cat([torch.stack([get(f"{prefix}experts.{e}.w1.weight") for e, _, _ in runs]),
-                     torch.stack([get(f"{prefix}experts.{e}.w3.weight") for e, _, _ in runs])], dim=1)  # [U, 2I, dim]
-    gate_up = torch.cat([xq.index_select(0, token[a:b]) @ w13[u].t() for u, (_, a, b) in enumerate(runs)])
+    # one expert's weights at a time: stacking every used expert's would be ~17 GB per GPU at release size
+    gate_up = torch.cat([xq.index_select(0, token[a:b]) @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
+                                                                       get(f"{prefix}experts.{e}.w3.weight")]).t()
+                         for e, a, b in runs])
     h = swiglu(gate_up[:, :inter], gate_up[:, inter:], cfg.swiglu_limit)
     h = linear(h * slot_weights.unsqueeze(-1), None)
     y = torch.zeros(T, cfg.dim, device=x.device, dtype=h.dtype)
