@@ -51,8 +51,17 @@ def guarded(what: str, section, *args) -> None:
         section(*args)
     except Exception as err:
         fail(what, err)
-    if os.environ.get("EXPLORER_TIMING"):
-        print(f"[timing] {section.__name__} {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
+    log_time(section.__name__, started)
+
+
+def log_time(what: str, started: float | None = None) -> None:
+    """EXPLORER_TIMING=1: a section's server time since `started` (ms), or a wall-clock mark (s)."""
+    if not os.environ.get("EXPLORER_TIMING"):
+        return
+    if started is None:
+        print(f"[timing] {what} {time.time():.3f} s", flush=True)
+    else:
+        print(f"[timing] {what} {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
 
 
 def fail(what: str, err: Exception) -> None:
@@ -869,8 +878,7 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
 
     run_started = time.perf_counter()
     run, why = live_run(source, path, text, span, plan)
-    if os.environ.get("EXPLORER_TIMING"):
-        print(f"[timing] live_run {1000 * (time.perf_counter() - run_started):.1f} ms", flush=True)
+    log_time("live_run", run_started)
     st.session_state["_analysis"] = dict(view=view(), role=plan[view().layer], source=source, path=path, text=text,
                                          span=span, run=run, origin=st.session_state.get("run_origin"))
     with panel:
@@ -883,16 +891,14 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
     scroll_if_asked()
     st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
                                   if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
-    if os.environ.get("EXPLORER_TIMING"):
-        print(f"[timing] analysis {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
-        print(f"[timing] script-ended-at {time.time():.3f} s", flush=True)
+    log_time("analysis", started)
+    log_time("script-ended-at")
 
 
 def main() -> None:
     started = time.perf_counter()
     st.session_state.pop("_full_rerun", None)
-    if os.environ.get("EXPLORER_TIMING"):
-        print(f"[timing] script-started-at {time.time():.3f} s", flush=True)
+    log_time("script-started-at")
     first_load = "view" not in st.session_state
     url_session = st.query_params.get("session")
     if first_load and url_session:
@@ -938,8 +944,7 @@ def main() -> None:
     st.divider()
     guarded("Cannot draw the KV panel", kv_panel, cfg, st.session_state.get("_analysis", {}).get("run"))
     guarded("Cannot show the sessions", sessions_sidebar)
-    if os.environ.get("EXPLORER_TIMING"):
-        print(f"[timing] script {1000 * (time.perf_counter() - started):.1f} ms", flush=True)
+    log_time("script", started)
 
 
 main()

@@ -146,10 +146,15 @@ class Model:
 
     def remember(self, ids: torch.Tensor, dead: torch.Tensor) -> None:
         """Advance past a chunk that has run: its positions and (for Engram) its n-gram history."""
-        if self.engram_layout is not None and self.tokenizer is not None:
-            self.compressed_history = torch.cat([self.compressed_history, self._compressed(ids.cpu())])
-            self.dead_history = torch.cat([self.dead_history, dead.cpu()])
+        self.compressed_history, self.dead_history = self.history_after(ids, dead)
         self.pos += ids.shape[0]
+
+    def history_after(self, ids: torch.Tensor, dead: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Engram's n-gram history (compressed ids, dead flags) once these tokens follow what ran."""
+        if self.engram_layout is None or self.tokenizer is None:
+            return self.compressed_history, self.dead_history
+        return (torch.cat([self.compressed_history, self._compressed(ids.cpu())]),
+                torch.cat([self.dead_history, dead.cpu()]))
 
     def run_chunk(self, ids: torch.Tensor, start: int, image_mask: torch.Tensor | None,
                   history: tuple[torch.Tensor, torch.Tensor], probes: ProbeRequest | None = None,

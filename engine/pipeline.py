@@ -61,10 +61,7 @@ def prefill(model, ids: torch.Tensor, image_mask: torch.Tensor | None, probes=No
     cut = max(1, min(T - 1, round(T * FIRST_SHARE)))
     dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool)
     history = (model.compressed_history, model.dead_history)
-    if model.engram_layout is not None and model.tokenizer is not None:
-        second_history = (torch.cat([history[0], model._compressed(ids[:cut])]), torch.cat([history[1], dead[:cut]]))
-    else:
-        second_history = history
+    second_history = model.history_after(ids[:cut], dead[:cut])
     abort = threading.Event()
     first_gate = LayerGate(model.cfg.n_layers, None, abort)
     second_gate = LayerGate(model.cfg.n_layers, first_gate, abort)
