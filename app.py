@@ -864,6 +864,7 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
     parity, comparison. A click on the plan reruns only this (not the sidebar, KV panel or session
     list), so the new layer's views arrive sooner."""
     started = time.perf_counter()
+    log_time("script-started-at")   # a click on the plan reruns this fragment, not the whole script
     if st.session_state.pop("_full_rerun", False):
         st.rerun()   # a session action from in here: the sidebar's list and the messages change too
     show_flashes()
@@ -898,7 +899,6 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
 def main() -> None:
     started = time.perf_counter()
     st.session_state.pop("_full_rerun", None)
-    log_time("script-started-at")
     first_load = "view" not in st.session_state
     url_session = st.query_params.get("session")
     if first_load and url_session:
