@@ -316,9 +316,9 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
         try:
             t = st.slider("Token", 0, len(tokens) - 1, len(tokens) - 1, key="mhc_pos")
             st.plotly_chart(lv.mhc_token_figure(probe, t), key="mhc_token", config=PLOT_CONFIG, theme=None)
-            a, b = st.columns(2)
-            a.plotly_chart(lv.mhc_lines_figure(probe, tokens, "attn"), key="mhc_attn", config=PLOT_CONFIG, theme=None)
-            b.plotly_chart(lv.residual_norms_figure(probe, tokens), key="mhc_norms", config=PLOT_CONFIG, theme=None)
+            st.plotly_chart(lv.side_by_side(lv.mhc_lines_figure(probe, tokens, "attn"),
+                                            lv.residual_norms_figure(probe, tokens), share=0.5),
+                            key="mhc_lines", config=PLOT_CONFIG, theme=None)
         except lv.ProbeError as err:
             fail("Cannot draw the mHC view", err)
     elif probe is not None:
@@ -342,9 +342,8 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                 st.caption(f"Top-{n_active} of {n_routed} routed experts per token plus the always-on shared expert. "
                            f"{split['text_tokens']} text tokens (bias) use {split['text_experts']} experts; "
                            f"{split['image_tokens']} image tokens (bias_vl) use {split['image_experts']}.")
-                a, b = st.columns([1.3, 1])
-                a.plotly_chart(lv.routing_heatmap(model, tokens), key="routing_map", config=PLOT_CONFIG, theme=None)
-                b.plotly_chart(lv.expert_load_figure(model), key="routing_load", config=PLOT_CONFIG, theme=None)
+                st.plotly_chart(lv.side_by_side(lv.routing_heatmap(model, tokens), lv.expert_load_figure(model)),
+                                key="routing_map", config=PLOT_CONFIG, theme=None)
                 st.dataframe(lv.token_routes(model, tokens), hide_index=True, height=240)
         except lv.ProbeError as err:
             fail("Cannot draw the routing view", err)

@@ -141,3 +141,19 @@ def test_long_prompt_views_ship_compact_figures():
     for fig in (lines, lv.residual_norms_figure(probe, run["tokens"]), lv.routing_heatmap(model, run["tokens"]),
                 lv.topk_figure(lv.topk_model(run, probe), query=T - 1)):
         assert '"bdata"' in fig.to_json()
+
+
+def test_side_by_side_keeps_both_panels():
+    run = tiny_run()
+    probe = lv.layer_probe(run, 8)
+    model = lv.routing_model(run, probe, 8)
+    left, right = lv.routing_heatmap(model, run["tokens"]), lv.expert_load_figure(model)
+    both = lv.side_by_side(left, right, share=0.6)
+    assert len(both.data) == len(left.data) + len(right.data)
+    assert [t.xaxis for t in both.data[len(left.data):]] == ["x2"] * len(right.data)
+    assert [t.yaxis for t in both.data[len(left.data):]] == ["y2"] * len(right.data)
+    assert both.layout.xaxis.domain[1] < both.layout.xaxis2.domain[0]   # no overlap
+    assert both.layout.yaxis.autorange == "reversed"                    # the heatmap's tokens run down
+    assert both.layout.xaxis2.title.text == right.layout.xaxis.title.text
+    assert both.layout.showlegend and both.layout.height == max(left.layout.height, right.layout.height)
+    assert list(both.data[-1].y) == list(right.data[-1].y)
