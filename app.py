@@ -2,7 +2,7 @@
 explorer/, the model in engine/.
 
 Environment: EXPLORER_SOURCE=config|shipped|path picks the default model source (also `?source=`),
-EXPLORER_CHECKPOINT the default checkpoint folder.
+EXPLORER_CHECKPOINT the default checkpoint folder, EXPLORER_TIMING=1 logs each section's server time.
 """
 
 from __future__ import annotations
