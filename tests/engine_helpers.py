@@ -67,6 +67,14 @@ def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, act_quant: bool = 
     return Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), act_quant=act_quant)
 
 
+def write_tiny_checkpoint(out, seed: int, n_shards: int, **changes):
+    """A release-layout checkpoint of `tiny_config(**changes)` with random weights, written to out."""
+    from engine.checkpoint import write_checkpoint
+    cfg = tiny_config(**changes)
+    write_checkpoint(cfg, out, tensors=random_weights(cfg, seed), n_shards=n_shards)
+    return out
+
+
 def random_ids(cfg: ModelConfig, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(5, cfg.vocab_size, (n,), generator=g)

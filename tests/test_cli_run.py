@@ -8,17 +8,12 @@ import sys
 
 import pytest
 
-from engine.checkpoint import write_checkpoint
-from engine.weights import random_weights
-from tests.engine_helpers import tiny_config
+from tests.engine_helpers import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = tiny_config(engram_layer_ids=(), engram_num_embeddings=())
-    out = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(cfg, out, tensors=random_weights(cfg, 0), n_shards=2)
-    return out
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), 0, 2, engram_layer_ids=(), engram_num_embeddings=())
 
 
 def _cli(*args):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointReader, write_checkpoint
+from engine.checkpoint import CheckpointReader
 from engine.parallel import Parallel, ParallelError, ShardedWeights, check_splittable, split_of
-from engine.weights import CheckpointWeights, TensorWeights, random_weights
-from tests.engine_helpers import tiny_config
+from engine.weights import CheckpointWeights, TensorWeights
+from tests.engine_helpers import tiny_config, write_tiny_checkpoint
 from tests.parallel_workers import reference
 
 IDS = [0] + [int(v) for v in np.random.default_rng(3).integers(5, 300, 63)]
@@ -21,10 +21,7 @@ IDS = [0] + [int(v) for v in np.random.default_rng(3).integers(5, 300, 63)]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = tiny_config()
-    out = tmp_path_factory.mktemp("tiny_parallel")
-    write_checkpoint(cfg, out, tensors=random_weights(cfg, 1), n_shards=3)
-    return out
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_parallel"), 1, 3)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,12 @@ import pytest
 import torch
 
 from engine.api import EngineError, load
-from engine.checkpoint import write_checkpoint
 from engine.roles import role_plan
 from engine.serve import EngineService, FairQueue, QueueFull, host_warning, make_server
-from engine.weights import random_weights
 from explorer import layer_views as lv
 from explorer import remote
 from explorer.remote import EngineBusy, EngineUnreachable, RemoteEngine
-from tests.engine_helpers import tiny_config
+from tests.engine_helpers import tiny_config, write_tiny_checkpoint
 
 IDS = [0] + list(range(20, 80))
 
@@ -40,10 +38,8 @@ def no_time(x):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = tiny_config(engram_layer_ids=(), engram_num_embeddings=())
-    out = tmp_path_factory.mktemp("tiny_serve")
-    write_checkpoint(cfg, out, tensors=random_weights(cfg, 2), n_shards=2)
-    return out
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_serve"), 2, 2, engram_layer_ids=(),
+                                 engram_num_embeddings=())
 
 
 @pytest.fixture(scope="module")
