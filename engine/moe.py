@@ -61,8 +61,8 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
                                                       counts.tolist())]
     xq = linear(x, None)  # the activation as the FP4 GEMM sees it (E4M3 per 32), once for all experts
     inter = cfg.moe_inter_dim
-    # per expert: its rows gathered and multiplied while they are still in cache
-    # one expert's weights at a time: stacking every used expert's would be ~17 GB per GPU at release size
+    # one expert at a time: its rows are gathered and multiplied while still in cache, and only its
+    # weights are held (stacking every used expert's would take ~17 GB per GPU at release size)
     gate_up = torch.cat([xq.index_select(0, token[a:b]) @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
                                                                        get(f"{prefix}experts.{e}.w3.weight")]).t()
                          for e, a, b in runs])

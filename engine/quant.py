@@ -62,10 +62,15 @@ def round_mantissa(x: torch.Tensor, mantissa_bits: int, min_exponent_bits) -> to
     return out
 
 
+def round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Contiguous float32 values in [-6, 6] rounded to E2M1 (1 mantissa bit, steps of 0.5 below 1)."""
+    return round_mantissa(v, 1, 127 << 23)
+
+
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Values already in [-6, 6] -> 4-bit codes (uint8, bit 3 = sign), round to nearest even."""
     v = v.float().contiguous()
-    return _e2m1_codes_of_rounded(round_mantissa(v, 1, 127 << 23), v)
+    return _e2m1_codes_of_rounded(round_e2m1(v), v)
 
 
 def _e2m1_codes_of_rounded(rounded: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -162,7 +167,7 @@ def quantize_fp4_with_values(x: torch.Tensor, block: int, scale_kind: str = "e8m
     else:
         raise ValueError(f"unknown FP4 scale kind {scale_kind!r}")
     v = (groups / scale_f.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX).contiguous()
-    rounded = round_mantissa(v, 1, 127 << 23)
+    rounded = round_e2m1(v)
     packed = pack_fp4(_e2m1_codes_of_rounded(rounded, v).flatten(-2))
     return packed, scale, (rounded * scale_f.unsqueeze(-1)).flatten(-2)
 
