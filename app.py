@@ -23,6 +23,7 @@ from explorer import kv_view, layer_views as lv, prompt as pr, remote, session_v
 from explorer.session_compare import CompareError, compare_layer, replay_report
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
+from explorer.plotly_component import plotly_chart, png_config
 from explorer.state import (POSITION_TITLES, POSITIONS, ViewState, boxes_from_selection, picked_customdata,
                             select_layer, state_from_query)
 from explorer.sessions import (SessionConflict, SessionError, SessionNotFound, SessionStore,
@@ -40,7 +41,15 @@ st.html("""<style>
   .muted {color: #6B7280; font-size: .85rem;}
 </style>""")
 TAB_BY_TITLE = {title: tab for tab, title in TAB_TITLES.items()}
-PLOT_CONFIG = {"displayModeBar": False, "scrollZoom": False}  # charts are drawn with theme=None (see style.base_layout)
+PLOT_CONFIG = {"displayModeBar": False, "scrollZoom": False}
+STATIC_DIR = Path(__file__).resolve().parent / "static"   # plotly.js is served from here (no CDN)
+
+
+def chart(fig, key: str, *, tag: str = "", png: str | None = None, on_click=None) -> None:
+    """One Plotly chart, kept mounted across reruns and updated in place (explorer/plotly_component);
+    `png` names the file its mode-bar button downloads."""
+    config = png_config(png, PLOT_CONFIG) if png else PLOT_CONFIG
+    plotly_chart(fig, key=key, static_dir=STATIC_DIR, tag=tag, config=config, on_click=on_click)
 
 
 def guarded(what: str, section, *args) -> None:
@@ -160,8 +169,8 @@ def set_view(new: ViewState) -> None:
     st.session_state["view"] = new
 
 
-def on_plan_select(plan) -> None:
-    new = select_layer(view(), st.session_state.get("plan_chart"), plan)
+def on_plan_click(points: list, plan) -> None:
+    new = select_layer(view(), points, plan)
     if new != view():
         set_view(new)
         st.session_state["diagram_tab"] = TAB_TITLES[new.tab]
@@ -178,14 +187,14 @@ def on_position_change() -> None:
     set_view(replace(view(), position=st.session_state["tally_pos"]))
 
 
-def on_tally_select() -> None:
-    picked = picked_customdata(st.session_state.get("tally_chart"))
-    st.session_state["highlight"] = boxes_from_selection(st.session_state.get("tally_chart"))
+def on_tally_click(points: list) -> None:
+    picked = picked_customdata(points)
+    st.session_state["highlight"] = boxes_from_selection(points)
     st.session_state["highlight_line"] = picked[-1][1] if picked and len(picked[-1]) > 1 else None
 
 
-def on_diagram_select(key: str) -> None:
-    picked = picked_customdata(st.session_state.get(key))
+def on_diagram_click(points: list) -> None:
+    picked = picked_customdata(points)
     if picked:
         st.session_state["picked_box"] = picked[-1][0]
         st.session_state["scroll_to"] = picked[-1][1] or None
@@ -197,8 +206,7 @@ def plan_column(cfg, plan, tally) -> None:
     st.markdown("### Layer plan")
     st.html(legend_html(plan))
     fig = plan_figure(cfg, plan, layer_params=layer_params(tally), selected=view().layer)
-    st.plotly_chart(fig, key="plan_chart", on_select=lambda: on_plan_select(plan), selection_mode="points",
-                    config=PLOT_CONFIG, theme=None, width="stretch")
+    chart(fig, "plan_chart", tag=f"layer {view().layer}", on_click=lambda points: on_plan_click(points, plan))
 
 
 def diagram_column(cfg, plan, tally) -> None:
@@ -222,8 +230,8 @@ def diagram_column(cfg, plan, tally) -> None:
                        "tally; hover for shapes, bytes and FLOPs per token; click the indexer, mHC or MoE boxes to jump "
                        "to their live view.")
             fig = diagram_figure(cfg, tab_id, stats, role=r, highlight=highlight)
-            st.plotly_chart(fig, key=f"diagram_{tab_id}", on_select=lambda k=f"diagram_{tab_id}": on_diagram_select(k),
-                            selection_mode="points", config=PLOT_CONFIG, theme=None, width="stretch")
+            chart(fig, f"diagram_{tab_id}", tag=f"layer {rep}", png=f"diagram_{tab_id}_layer{rep}",
+                  on_click=on_diagram_click)
             picked = st.session_state.get("picked_box")
             if picked and picked in stats:
                 s = stats[picked]
@@ -240,9 +248,8 @@ def tally_column(tally) -> None:
     lines = margin_lines(tally, v.position)
     st.metric(POSITION_TITLES[v.position], fmt_params(position_total(tally, v.position)),
               help=f"{position_total(tally, v.position):,} parameters")
-    st.plotly_chart(tally_figure(lines, v.position, highlight=st.session_state.get("highlight_line")),
-                    key="tally_chart", on_select=on_tally_select, selection_mode="points", config=PLOT_CONFIG, theme=None,
-                    width="stretch")
+    chart(tally_figure(lines, v.position, highlight=st.session_state.get("highlight_line")), "tally_chart",
+          tag=v.position, png=f"tally_{v.position}", on_click=on_tally_click)
     st.caption(f"{headline(tally, v.position)} = the sum of the rows. {source_note(tally)} "
                "Click a row to outline its boxes in the diagram.")
     if st.session_state.get("highlight"):
@@ -265,8 +272,7 @@ def kv_panel(cfg, run: dict | None) -> None:
         c2.metric("Windows", fmt_bytes(at["windows"]))
         c3.metric("Total cache", fmt_bytes(at["total"]))
         measured = kv_view.measured_vs_formula(cfg, run)
-        st.plotly_chart(kv_view.kv_figure(cfg, n, measured=measured), key="kv_chart", config=PLOT_CONFIG, theme=None,
-                        width="stretch")
+        chart(kv_view.kv_figure(cfg, n, measured=measured), "kv_chart", tag=str(n), png=f"kv_cache_{n}_tokens")
         if measured:
             st.caption(f"After the run ({measured['context_len']:,} tokens): the engine held "
                        f"{measured['total']:,} B; the formula gives {measured['formula_total']:,} B.")
@@ -303,7 +309,7 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                 st.caption("The run recorded no top-k for this layer.")
             else:
                 q = st.slider("Query token", 0, model.T - 1, model.T - 1, key="query_pos")
-                st.plotly_chart(lv.topk_figure(model, query=q), key="topk_map", config=PLOT_CONFIG, theme=None)
+                chart(lv.topk_figure(model, query=q), "topk_map", tag=f"layer {r.layer}", png=f"layer{r.layer}_topk")
                 st.caption("Token strip: shade = how often each token's entry was selected; ringed = the entries "
                            f"query {q} ({tokens[q]!r}) selected.")
                 st.html(lv.token_strip_html(tokens, lv.selection_counts(model), focus=q,
@@ -315,10 +321,9 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
     if probe is not None and probe.get("mhc"):
         try:
             t = st.slider("Token", 0, len(tokens) - 1, len(tokens) - 1, key="mhc_pos")
-            st.plotly_chart(lv.mhc_token_figure(probe, t), key="mhc_token", config=PLOT_CONFIG, theme=None)
-            st.plotly_chart(lv.side_by_side(lv.mhc_lines_figure(probe, tokens, "attn"),
-                                            lv.residual_norms_figure(probe, tokens), share=0.5),
-                            key="mhc_lines", config=PLOT_CONFIG, theme=None)
+            chart(lv.mhc_token_figure(probe, t), "mhc_token", tag=f"layer {r.layer}", png=f"layer{r.layer}_mhc_token{t}")
+            chart(lv.side_by_side(lv.mhc_lines_figure(probe, tokens, "attn"), lv.residual_norms_figure(probe, tokens),
+                                  share=0.5), "mhc_lines", tag=f"layer {r.layer}", png=f"layer{r.layer}_mhc_lines")
         except lv.ProbeError as err:
             fail("Cannot draw the mHC view", err)
     elif probe is not None:
@@ -342,8 +347,8 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                 st.caption(f"Top-{n_active} of {n_routed} routed experts per token plus the always-on shared expert. "
                            f"{split['text_tokens']} text tokens (bias) use {split['text_experts']} experts; "
                            f"{split['image_tokens']} image tokens (bias_vl) use {split['image_experts']}.")
-                st.plotly_chart(lv.side_by_side(lv.routing_heatmap(model, tokens), lv.expert_load_figure(model)),
-                                key="routing_map", config=PLOT_CONFIG, theme=None)
+                chart(lv.side_by_side(lv.routing_heatmap(model, tokens), lv.expert_load_figure(model)), "routing_map",
+                      tag=f"layer {r.layer}", png=f"layer{r.layer}_routing")
                 st.dataframe(lv.token_routes(model, tokens), hide_index=True, height=240)
         except lv.ProbeError as err:
             fail("Cannot draw the routing view", err)
@@ -847,9 +852,11 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         st.markdown(f"- {sv.md_escape(line)}")
     a, b = st.columns(2)
     if cmp.has_selections:
-        a.plotly_chart(sv.comparison_figure(cmp, "selections"), key="cmp_selections", config=PLOT_CONFIG, theme=None)
+        with a:
+            chart(sv.comparison_figure(cmp, "selections"), "cmp_selections", png="comparison_selections")
     if cmp.has_routing:
-        b.plotly_chart(sv.comparison_figure(cmp, "routing"), key="cmp_routing", config=PLOT_CONFIG, theme=None)
+        with b:
+            chart(sv.comparison_figure(cmp, "routing"), "cmp_routing", png="comparison_routing")
     rows = sv.comparison_rows(cmp, only_differences=True)
     if rows:
         st.dataframe(rows, hide_index=True, height=min(320, 38 + 35 * len(rows)))

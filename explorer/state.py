@@ -84,8 +84,9 @@ def parse_layer(raw: Any, plan: list[LayerRole]) -> int | None:
     return layer if 0 <= layer < len(plan) else None
 
 
-def _points(selection: Any) -> list:
-    """`event.selection.points` from Streamlit's PlotlyState, a dict, or already a list of points."""
+def picked_points(selection: Any) -> list:
+    """`event.selection.points` from Streamlit's PlotlyState, a dict, or already a list of points (a
+    click on the explorer's own chart component)."""
     if selection is None:
         return []
     if isinstance(selection, list):
@@ -100,7 +101,7 @@ def _points(selection: Any) -> list:
 def picked_customdata(selection: Any) -> list[list]:
     """The customdata of every picked point that carries one, in click order."""
     out = []
-    for point in _points(selection):
+    for point in picked_points(selection):
         data = point.get("customdata") if isinstance(point, Mapping) else getattr(point, "customdata", None)
         if data is None:
             continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
+
 # Okabe-Ito, chosen so the five roles stay apart under the common colour-vision deficiencies.
 ROLE_COLOURS = {
     "swa": "#A6A6A6",       # grey: window only
@@ -48,10 +50,22 @@ def fmt_tokens(n: int) -> str:
     return f"{n:,}"
 
 
+# The parts of Plotly's "plotly_white" look these charts use, validated once here: naming the whole
+# template costs ~10 ms per figure (a click builds ~8), a plain dict ~20 ms, and both ship ~8 kB per chart.
+_AXIS = dict(gridcolor="#EBF0F8", linecolor="#EBF0F8", zerolinecolor="#EBF0F8", zerolinewidth=2, ticks="",
+             automargin=True, title=dict(standoff=15))
+LOOK = go.layout.Template(
+    layout=dict(xaxis=_AXIS, yaxis=_AXIS, hovermode="closest", hoverlabel=dict(align="left"),
+                coloraxis=dict(colorbar=dict(outlinewidth=0, ticks=""))),
+    data=dict(bar=[dict(marker=dict(line=dict(color="white", width=0.5)))],
+              heatmap=[dict(colorbar=dict(outlinewidth=0, ticks=""))]),
+)
+
+
 def base_layout(**overrides) -> dict:
     """Layout keys every figure shares; callers override per figure."""
     layout = dict(
-        template="plotly_white",  # the app draws charts with theme=None: its own look, ~0.1 s less per click
+        template=LOOK,  # the app draws charts with theme=None (its own look: ~0.1 s less per click)
         font=FONT,
         paper_bgcolor=PAPER,
         plot_bgcolor=PAPER,

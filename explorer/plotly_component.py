@@ -1,0 +1,156 @@
+"""Plotly charts that stay mounted across reruns and are updated in place.
+
+`st.plotly_chart` gives a chart a new element id whenever its figure changes, so the browser throws
+the old chart away and draws the new one from scratch (`Plotly.newPlot`, 30-100 ms per chart on a
+small machine; a layer click changes about seven). This component keeps one chart per key and hands
+each new figure to `Plotly.react`, which updates the chart it already has. plotly.js is the copy
+that ships inside the installed plotly package, served from the app's own static folder: nothing
+is fetched from a CDN. Where static serving is off, charts fall back to `st.plotly_chart`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import plotly
+import plotly.io as pio
+from plotly.offline import get_plotlyjs_version
+
+COMPONENT_NAME = "explorer.plotly_chart"
+
+# The component's browser side: one <div> per key, Plotly.react on every new figure, clicks sent
+# back as a one-rerun trigger ("click": the picked points, like st.plotly_chart's selection points).
+COMPONENT_JS = r"""
+function loadPlotly(src) {
+  if (window.Plotly && window.Plotly.react) return Promise.resolve(window.Plotly);
+  if (!window.__explorerPlotly) {
+    window.__explorerPlotly = new Promise((resolve, reject) => {
+      const script = document.createElement("script");
+      script.src = src;
+      script.onload = () => resolve(window.Plotly);
+      script.onerror = () => {
+        window.__explorerPlotly = null;
+        reject(new Error("plotly.js did not load from " + src));
+      };
+      document.head.appendChild(script);
+    });
+  }
+  return window.__explorerPlotly;
+}
+
+function pointOf(p) {
+  return {customdata: p.customdata, curve_number: p.curveNumber, point_index: p.pointIndex, x: p.x, y: p.y};
+}
+
+export default function ({ data, parentElement, setTriggerValue }) {
+  let gd = parentElement.querySelector(":scope > .explorer-chart");
+  if (!gd) {
+    gd = document.createElement("div");
+    gd.className = "explorer-chart";
+    gd.style.width = "100%";
+    parentElement.appendChild(gd);
+  }
+  gd._explorerSend = (points) => setTriggerValue("click", points);
+  const text = typeof data === "string" ? data : new TextDecoder().decode(data);
+  if (text === gd._explorerText) return;
+  gd._explorerText = text;
+  const msg = JSON.parse(text);
+  const base = window.location.pathname.replace(/[^/]*$/, "");
+  loadPlotly(base + msg.src)
+    .then((Plotly) => {
+      if (gd._explorerText !== text) return null;   // a newer figure came in while plotly.js loaded
+      return Plotly.react(gd, msg.figure.data, msg.figure.layout || {}, msg.config).then(() => {
+        gd.dataset.tag = msg.tag;
+        if (!gd._explorerClicks) {
+          gd._explorerClicks = true;
+          gd.on("plotly_click", (ev) => gd._explorerSend(ev.points.map(pointOf)));
+        }
+      });
+    })
+    .catch((err) => {
+      gd.dataset.error = String(err && err.message || err);
+      gd.textContent = "This chart could not be drawn: " + gd.dataset.error;
+    });
+}
+"""
+
+
+def plotly_js_source() -> Path:
+    """plotly.js as shipped inside the installed plotly package (the version plotly.py writes for)."""
+    return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+
+def plotly_js_name() -> str:
+    return f"plotly-{get_plotlyjs_version()}.min.js"
+
+
+def publish_plotly_js(static_dir: Path) -> str:
+    """Put the installed plotly.js into the app's static folder (once per version) and return its path
+    under the app's URL. Written to a temporary name and renamed, so concurrent apps never serve half
+    a file."""
+    source = plotly_js_source()
+    target = Path(static_dir) / plotly_js_name()
+    if not target.exists() or target.stat().st_size != source.stat().st_size:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".plotly-", suffix=".tmp")
+        with os.fdopen(fd, "wb") as out:
+            out.write(source.read_bytes())
+        os.replace(tmp, target)
+    return f"app/static/{target.name}"
+
+
+def chart_payload(fig, *, src: str, tag: str = "", config: dict | None = None) -> bytes:
+    """What one chart sends to the browser: the script's path, a tag the page exposes as the chart's
+    `data-tag` once drawn (tests and benchmarks wait on it), Plotly's config, and the figure JSON."""
+    head = json.dumps({"src": src, "tag": tag, "config": config or {}})
+    return (head[:-1] + ',"figure":' + pio.to_json(fig, validate=False) + "}").encode()
+
+
+def png_config(filename: str, base: dict | None = None) -> dict:
+    """Plotly config with one mode-bar button: download the chart as a PNG (drawn by plotly.js in the
+    browser, at twice the on-screen resolution)."""
+    return {**(base or {}), "displayModeBar": "hover", "displaylogo": False, "modeBarButtons": [["toImage"]],
+            "toImageButtonOptions": {"format": "png", "filename": filename, "scale": 2}}
+
+
+@functools.cache
+def _component():
+    import streamlit as st
+    return st.components.v2.component(COMPONENT_NAME, js=COMPONENT_JS, isolate_styles=False)
+
+
+def plotly_chart(fig, *, key: str, static_dir: Path, tag: str = "", config: dict | None = None,
+                 on_click: Callable[[list], None] | None = None) -> None:
+    """Draw `fig` under `key`, updating the chart already there. `on_click(points)` runs before the
+    rerun a click causes; points carry `customdata` like st.plotly_chart's selection points."""
+    import streamlit as st
+
+    if not st.get_option("server.enableStaticServing"):
+        _native_chart(fig, key=key, config=config, on_click=on_click)
+        return
+    src = publish_plotly_js(static_dir)
+
+    def clicked() -> None:
+        value = st.session_state.get(key)
+        points = value.get("click") if hasattr(value, "get") else None
+        if points and on_click is not None:
+            on_click(list(points))
+
+    _component()(data=chart_payload(fig, src=src, tag=tag, config=config), key=key, on_click_change=clicked)
+
+
+def _native_chart(fig, *, key: str, config: dict | None, on_click: Callable[[list], None] | None) -> None:
+    import streamlit as st
+
+    from .state import picked_points
+
+    if on_click is None:
+        st.plotly_chart(fig, key=key, config=config or {}, theme=None, width="stretch")
+        return
+    st.plotly_chart(fig, key=key, config=config or {}, theme=None, width="stretch", selection_mode="points",
+                    on_select=lambda: on_click(picked_points(st.session_state.get(key))))
