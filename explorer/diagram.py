@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import plotly.graph_objects as go
 
 from engine.config import ModelConfig
 from engine.roles import TABS, LayerRole
 
+from .figure import Figure
 from .style import ENGRAM_COLOUR, HIGHLIGHT, INK, MHC_COLOUR, MUTED, ROLE_COLOURS, base_layout, fmt_bytes, fmt_params
 
 # Live-view anchors a box can scroll to.
@@ -241,15 +241,14 @@ def _box_hover(box: Box, stat: BoxStat | None) -> str:
 
 def diagram_figure(cfg: ModelConfig, tab: str, stats: dict[str, BoxStat] | None = None, *,
                    role: LayerRole | None = None, highlight: set[str] | frozenset = frozenset(),
-                   height: int = 760) -> go.Figure:
+                   height: int = 760) -> Figure:
     """Draw one tab. `stats` maps box id -> BoxStat (from the tally); `highlight` outlines boxes
     (picked in the tally margin)."""
     stats = stats or {}
     boxes = diagram_boxes(cfg, tab, role)
     accent = ROLE_COLOURS[tab]
     by_id = {b.id: b for b in boxes}
-    fig = go.Figure()
-    # shapes and annotations are collected as dicts and set once: add_shape per box is ~10x slower
+    fig = Figure()
     shapes: list[dict] = []
     notes: list[dict] = []
     y_min = min(b.y0 for b in boxes) - 1.5
@@ -305,15 +304,14 @@ def diagram_figure(cfg: ModelConfig, tab: str, stats: dict[str, BoxStat] | None 
             ys.append(box.cy)
             data.append([box.id, box.anchor or ""])
             hover.append(_box_hover(box, stat))
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", customdata=data, hovertext=hover, hoverinfo="text",
-                             marker=dict(symbol="square", size=22, color="rgba(255,255,255,0.01)"),
-                             selected=dict(marker=dict(opacity=1)), unselected=dict(marker=dict(opacity=1)),
-                             name="boxes"))
+    fig.add_trace(dict(type="scatter", x=xs, y=ys, mode="markers", customdata=data, hovertext=hover,
+                       hoverinfo="text", marker=dict(symbol="square", size=22, color="rgba(255,255,255,0.01)"),
+                       name="boxes"))
     fig.update_layout(**base_layout(
         shapes=shapes, annotations=notes,
         height=height, margin=dict(l=4, r=4, t=4, b=4),
         xaxis=dict(range=[0, 97], visible=False, fixedrange=True),
         yaxis=dict(range=[y_min, 84.2], visible=False, fixedrange=True),
-        clickmode="event+select", hovermode="closest",
+        clickmode="event", hovermode="closest",
     ))
     return fig

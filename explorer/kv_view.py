@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import plotly.graph_objects as go
 
 from engine.config import ModelConfig
 from engine.tally import cache_breakdown_at, kv_breakdown, kv_bytes_per_token, window_bytes_per_layer
 
+from .figure import Figure
 from .style import GRID, INK, MUTED, ROLE_COLOURS, base_layout, fmt_bytes, fmt_tokens
 
 CONTEXT_CHOICES = (1_000, 4_000, 8_000, 16_000, 32_000, 64_000, 128_000, 256_000, 512_000, 1_000_000)
@@ -75,30 +75,30 @@ def context_series(cfg: ModelConfig, points: int = 60, max_len: int = 1_000_000)
     return {"context_len": lengths, **{k: [r[k] for r in rows] for k in ("global_kv", "index_keys", "windows", "total")}}
 
 
-def kv_figure(cfg: ModelConfig, context_len: int, *, measured: dict | None = None, height: int = 320) -> go.Figure:
+def kv_figure(cfg: ModelConfig, context_len: int, *, measured: dict | None = None, height: int = 320) -> Figure:
     """Cache bytes against context length, log-log: the global KV and index keys grow linearly, the
     windows stop growing at the window size. The picked length is marked; `measured` is the engine's
     own count after a run ({'context_len', 'total', ...}), drawn as a diamond beside the formula."""
     series = context_series(cfg)
     x = series["context_len"]
-    fig = go.Figure()
+    fig = Figure()
     for key, name, colour, width in (("total", "total", INK, 2.4),
                                      ("global_kv", "global KV entries (FP4)", ROLE_COLOURS["full_m2"], 1.6),
                                      ("index_keys", "index keys (FP4)", INDEX_COLOUR, 1.6),
                                      ("windows", "sliding windows (FP8)", WINDOW_COLOUR, 1.6)):
-        fig.add_trace(go.Scatter(x=x, y=[max(v, 1) for v in series[key]], mode="lines", name=name,
-                                 line=dict(width=width, color=colour),
-                                 hovertemplate=f"{name}: %{{y:,.0f}} B at %{{x:,}} tokens<extra></extra>"))
+        fig.add_trace(dict(type="scatter", x=x, y=[max(v, 1) for v in series[key]], mode="lines", name=name,
+                           line=dict(width=width, color=colour),
+                           hovertemplate=f"{name}: %{{y:,.0f}} B at %{{x:,}} tokens<extra></extra>"))
     at = cache_breakdown_at(cfg, context_len)
     fig.add_vline(x=context_len, line=dict(color=MUTED, width=1, dash="dot"))
-    fig.add_trace(go.Scatter(x=[context_len], y=[at["total"]], mode="markers+text", name="picked",
-                             marker=dict(size=9, color=INK), text=[f"{fmt_bytes(at['total'])} at {fmt_tokens(context_len)}"],
-                             textposition="middle left" if context_len > 50_000 else "middle right",
-                             hovertemplate="total %{y:,.0f} B at %{x:,} tokens<extra></extra>", showlegend=False))
+    fig.add_trace(dict(type="scatter", x=[context_len], y=[at["total"]], mode="markers+text", name="picked",
+                       marker=dict(size=9, color=INK), text=[f"{fmt_bytes(at['total'])} at {fmt_tokens(context_len)}"],
+                       textposition="middle left" if context_len > 50_000 else "middle right",
+                       hovertemplate="total %{y:,.0f} B at %{x:,} tokens<extra></extra>", showlegend=False))
     if measured:
-        fig.add_trace(go.Scatter(x=[measured["context_len"]], y=[measured["total"]], mode="markers",
-                                 name="engine held (last run)", marker=dict(size=12, color="#D55E00", symbol="diamond"),
-                                 hovertemplate="engine held %{y:,.0f} B after %{x:,} tokens<extra></extra>"))
+        fig.add_trace(dict(type="scatter", x=[measured["context_len"]], y=[measured["total"]], mode="markers",
+                           name="engine held (last run)", marker=dict(size=12, color="#D55E00", symbol="diamond"),
+                           hovertemplate="engine held %{y:,.0f} B after %{x:,} tokens<extra></extra>"))
     fig.update_layout(**base_layout(
         height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
         legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0, font=dict(size=11)),

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
-import plotly.graph_objects as go
 
 from engine.config import ModelConfig
 from engine.roles import LayerRole
 
+from .figure import Figure
 from .style import GRID, INK, MHC_COLOUR, MUTED, ROLE_COLOURS, base_layout
 
 COPY_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000")
@@ -188,28 +188,29 @@ def _binned(model: TopkModel) -> dict:
     return {"sel": share(model.pairs), "pool": share(model.pool_pairs), "q_bin": qb, "e_bin": eb}
 
 
-def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380) -> go.Figure:
+def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380) -> Figure:
     """Query position (y) × global entry (x): selected cells dark, the candidate pool light, the
     sliding window's band outlined (entries the window already covers)."""
     binned = _binned(model)
     qb, eb = binned["q_bin"], binned["e_bin"]
     xs = np.arange(binned["sel"].shape[1]) * eb
     ys = np.arange(binned["sel"].shape[0]) * qb
-    fig = go.Figure()
+    fig = Figure()
     if model.pool:  # no hover on the pool: one byte per cell is enough
         pool = np.rint(binned["pool"] * 255).astype(np.uint8)
-        fig.add_trace(go.Heatmap(z=pool, x=xs, y=ys, showscale=False, hoverinfo="skip",
-                                 colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(230,159,0,0.35)"]], zmin=0, zmax=255))
-    fig.add_trace(go.Heatmap(z=binned["sel"].astype(np.float32), x=xs, y=ys, showscale=False, zmin=0, zmax=1,
-                             colorscale=[[0, "rgba(0,0,0,0)"], [0.001, "#C6DBEF"], [1, "#08306B"]],
-                             hovertemplate="query %{y} · entry %{x}<br>selected share %{z:.2f}<extra></extra>"))
+        fig.add_trace(dict(type="heatmap", z=pool, x=xs, y=ys, showscale=False, hoverinfo="skip",
+                           colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(230,159,0,0.35)"]], zmin=0, zmax=255))
+    fig.add_trace(dict(type="heatmap", z=binned["sel"].astype(np.float32), x=xs, y=ys, showscale=False, zmin=0,
+                       zmax=1, colorscale=[[0, "rgba(0,0,0,0)"], [0.001, "#C6DBEF"], [1, "#08306B"]],
+                       hovertemplate="query %{y} · entry %{x}<br>selected share %{z:.2f}<extra></extra>"))
     if model.window:  # the band's two edges, one line each way (NaN breaks the line between them)
         qs = np.arange(model.T, dtype=np.float32)
         lo = np.maximum(0, (qs - model.window + 1) // model.ratio)
         hi = qs // model.ratio
         gap = np.array([np.nan], dtype=np.float32)
-        fig.add_trace(go.Scatter(x=np.concatenate([lo, gap, hi]), y=np.concatenate([qs, gap, qs]), mode="lines",
-                                 hoverinfo="skip", line=dict(color="#D55E00", width=1, dash="dot"), name="window"))
+        fig.add_trace(dict(type="scatter", x=np.concatenate([lo, gap, hi]), y=np.concatenate([qs, gap, qs]),
+                           mode="lines", hoverinfo="skip", line=dict(color="#D55E00", width=1, dash="dot"),
+                           name="window"))
     if query is not None and 0 <= query < model.T:
         fig.add_hline(y=query, line=dict(color=INK, width=1))
     fig.update_layout(**base_layout(
@@ -263,7 +264,7 @@ def mhc_token(probe: dict, t: int) -> dict:
     return out
 
 
-def mhc_token_figure(probe: dict, t: int, height: int = 300) -> go.Figure:
+def mhc_token_figure(probe: dict, t: int, height: int = 300) -> Figure:
     """Pre and post bars of both sub-layers, and the two comb mixes, for one token. Panels are laid
     out on plain axis domains (make_subplots costs ~25 ms per draw here); mix values are in the hover."""
     coeff = mhc_token(probe, t)
@@ -272,7 +273,7 @@ def mhc_token_figure(probe: dict, t: int, height: int = 300) -> go.Figure:
     gap = 0.07
     width = (1 - gap * (n - 1)) / n
     titles = ["pre (collapse)", "post (write back)"] + [f"comb {p} (i → j)" for p in parts]
-    fig = go.Figure()
+    fig = Figure()
     layout = {}
     for i in range(n):
         suffix = "" if i == 0 else str(i + 1)
@@ -283,16 +284,16 @@ def mhc_token_figure(probe: dict, t: int, height: int = 300) -> go.Figure:
     for col, key in ((0, "pre"), (1, "post")):
         for k, part in enumerate(parts):
             vals = coeff[part][key]
-            fig.add_trace(go.Bar(x=[f"c{i}" for i in range(len(vals))], y=vals, name=part,
-                                 xaxis=f"x{col + 1 if col else ''}", yaxis=f"y{col + 1 if col else ''}",
-                                 marker_color=(MHC_COLOUR, "#9CA3AF")[k], showlegend=col == 0,
-                                 hovertemplate=f"{part} {key} copy %{{x}}: %{{y:.4f}}<extra></extra>"))
+            fig.add_trace(dict(type="bar", x=[f"c{i}" for i in range(len(vals))], y=vals, name=part,
+                               xaxis=f"x{col + 1 if col else ''}", yaxis=f"y{col + 1 if col else ''}",
+                               marker=dict(color=(MHC_COLOUR, "#9CA3AF")[k]), showlegend=col == 0,
+                               hovertemplate=f"{part} {key} copy %{{x}}: %{{y:.4f}}<extra></extra>"))
     for k, part in enumerate(parts):
         comb = coeff[part].get("comb")
         if comb:
-            fig.add_trace(go.Heatmap(z=comb, colorscale="Purples", zmin=0, zmax=1, showscale=False,
-                                     xaxis=f"x{3 + k}", yaxis=f"y{3 + k}",
-                                     hovertemplate="from copy %{y} to copy %{x}: %{z:.4f}<extra></extra>"))
+            fig.add_trace(dict(type="heatmap", z=comb, colorscale="Purples", zmin=0, zmax=1, showscale=False,
+                               xaxis=f"x{3 + k}", yaxis=f"y{3 + k}",
+                               hovertemplate="from copy %{y} to copy %{x}: %{z:.4f}<extra></extra>"))
     annotations = [dict(text=title, x=i * (width + gap) + width / 2, y=1.0, xref="paper", yref="paper",
                         xanchor="center", yanchor="bottom", showarrow=False, font=dict(size=11, color=MUTED))
                    for i, title in enumerate(titles)]
@@ -302,16 +303,16 @@ def mhc_token_figure(probe: dict, t: int, height: int = 300) -> go.Figure:
     return fig
 
 
-def mhc_lines_figure(probe: dict, tokens: list[str], part: str = "attn", height: int = 260) -> go.Figure:
+def mhc_lines_figure(probe: dict, tokens: list[str], part: str = "attn", height: int = 260) -> Figure:
     """Across tokens: pre and post per residual copy (solid pre, dotted post)."""
     d = (probe.get("mhc") or {}).get(part) or {}
-    fig = go.Figure()
+    fig = Figure()
     for key, dash in (("pre", "solid"), ("post", "dot")):
-        rows = np.asarray(d.get(key) or [], dtype=np.float32)  # numpy: Plotly ships it as one binary block
+        rows = np.asarray(d.get(key) or [], dtype=np.float32)  # numpy: shipped as one binary block
         for c in range(rows.shape[1] if rows.ndim == 2 else 0):
-            fig.add_trace(go.Scatter(y=rows[:, c], mode="lines", name=f"{key} c{c}",
-                                     line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], dash=dash, width=1.3),
-                                     **_token_hover(fig, tokens, f"{key} c{c}", ".4f")))
+            fig.add_trace(dict(type="scatter", y=rows[:, c], mode="lines", name=f"{key} c{c}",
+                               line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], dash=dash, width=1.3),
+                               **_token_hover(fig, tokens, f"{key} c{c}", ".4f")))
     fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
                                     xaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)), gridcolor=GRID),
@@ -319,7 +320,7 @@ def mhc_lines_figure(probe: dict, tokens: list[str], part: str = "attn", height:
     return fig
 
 
-def _token_hover(fig: go.Figure, tokens: list[str], name: str, fmt: str) -> dict:
+def _token_hover(fig: Figure, tokens: list[str], name: str, fmt: str) -> dict:
     """Hover for one line of a per-token chart with unified hover: the first line carries the token
     texts (once per chart, not once per line)."""
     if not fig.data:
@@ -327,38 +328,34 @@ def _token_hover(fig: go.Figure, tokens: list[str], name: str, fmt: str) -> dict
     return dict(hovertemplate=f"{name}: %{{y:{fmt}}}<extra></extra>")
 
 
-def residual_norms_figure(probe: dict, tokens: list[str], height: int = 220) -> go.Figure:
+def residual_norms_figure(probe: dict, tokens: list[str], height: int = 220) -> Figure:
     rows = np.asarray(probe.get("residual_norms") or [], dtype=np.float32)
-    fig = go.Figure()
+    fig = Figure()
     for c in range(rows.shape[1] if rows.ndim == 2 else 0):
-        fig.add_trace(go.Scatter(y=rows[:, c], mode="lines", name=f"copy {c}",
-                                 line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], width=1.3),
-                                 **_token_hover(fig, tokens, f"copy {c}", ".3g")))
+        fig.add_trace(dict(type="scatter", y=rows[:, c], mode="lines", name=f"copy {c}",
+                           line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], width=1.3),
+                           **_token_hover(fig, tokens, f"copy {c}", ".3g")))
     fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
-                                    xaxis=dict(gridcolor=GRID), yaxis=dict(gridcolor=GRID, title="‖X[c]‖"),
+                                    xaxis=dict(gridcolor=GRID), yaxis=dict(gridcolor=GRID, title=dict(text="‖X[c]‖")),
                                     hovermode="x unified"))
     return fig
 
 
-def side_by_side(left: go.Figure, right: go.Figure, share: float = 0.55, gap: float = 0.07) -> go.Figure:
+def side_by_side(left: Figure, right: Figure, share: float = 0.55, gap: float = 0.07) -> Figure:
     """Two single-panel figures as one chart, left and right (one Plotly draw instead of two: in the
     browser each chart costs ~30-100 ms to draw after every click). Axes, traces and hover are kept;
     the layout is the left figure's (margins, hovermode), the taller height, either one's legend."""
-    fig = go.Figure(layout=left.layout)
-    fig.update_layout(xaxis=dict(domain=[0, share - gap / 2]), yaxis=dict(anchor="x"))
-    right_axes = right.layout.to_plotly_json()
-    fig.update_layout(xaxis2=dict(right_axes.get("xaxis", {}), domain=[share + gap / 2, 1], anchor="y2"),
-                      yaxis2=dict(right_axes.get("yaxis", {}), anchor="x2"),
-                      height=max(left.layout.height or 0, right.layout.height or 0) or None,
-                      showlegend=bool(left.layout.showlegend or right.layout.showlegend))
-    if right.layout.showlegend and not left.layout.showlegend:
-        fig.update_layout(legend=right.layout.legend)
-    for trace in left.data:
-        fig.add_trace(trace)
-    for trace in right.data:
-        fig.add_trace(trace.update(xaxis="x2", yaxis="y2"))
-    return fig
+    lay, right_lay = left.layout, right.layout
+    layout = dict(lay, xaxis=dict(lay.get("xaxis") or {}, domain=[0, share - gap / 2]),
+                  yaxis=dict(lay.get("yaxis") or {}, anchor="x"),
+                  xaxis2=dict(right_lay.get("xaxis") or {}, domain=[share + gap / 2, 1], anchor="y2"),
+                  yaxis2=dict(right_lay.get("yaxis") or {}, anchor="x2"),
+                  height=max(lay.height or 0, right_lay.height or 0) or None,
+                  showlegend=bool(lay.showlegend or right_lay.showlegend))
+    if right_lay.showlegend and not lay.showlegend:
+        layout["legend"] = right_lay.get("legend")
+    return Figure(list(left.data) + [dict(t, xaxis="x2", yaxis="y2") for t in right.data], layout)
 
 
 # -- routing ------------------------------------------------------------------------------------
@@ -380,12 +377,13 @@ class RoutingModel:
                     out[e] += 1
         return out
 
-    def matrix(self) -> list[list[float]]:
-        """[T, E] routing weights (0 where an expert is not chosen)."""
-        z = [[0.0] * self.n_experts for _ in range(self.T)]
-        for t, (es, ws) in enumerate(zip(self.experts, self.weights)):
-            for e, w in zip(es, ws):
-                z[t][e] = w
+    def matrix(self) -> np.ndarray:
+        """[T, E] float32 routing weights (0 where an expert is not chosen)."""
+        z = np.zeros((self.T, self.n_experts), dtype=np.float32)
+        cells = [(t, e, w) for t, (es, ws) in enumerate(zip(self.experts, self.weights)) for e, w in zip(es, ws)]
+        if cells:
+            rows, experts, weights = zip(*cells)
+            z[list(rows), list(experts)] = weights
         return z
 
 
@@ -403,8 +401,8 @@ def routing_model(run: dict, probe: dict, n_experts: int) -> RoutingModel | None
                         [[float(w) for w in row] for row in weights], image_mask(run, probe))
 
 
-def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -> go.Figure:
-    z = np.asarray(model.matrix(), dtype=np.float32)   # numpy: Plotly ships it as one binary block
+def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -> Figure:
+    z = model.matrix()   # numpy: shipped as one binary block
     # a long prompt's rows are averaged in bins (the chart has ~300 px for them; every token's experts
     # are in the table below); token text on the y axis ticks would crowd, the hover names positions
     per = max(1, -(-model.T // MAX_MAP_CELLS))
@@ -414,13 +412,13 @@ def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -
         counts = np.minimum(per, model.T - np.arange(0, model.T, per))[:, None]
         z = padded.reshape(-1, per, z.shape[1]).sum(1) / counts
         starts = np.arange(0, model.T, per)
-        fig = go.Figure(go.Heatmap(z=z, y=starts, customdata=np.minimum(starts + per, model.T) - 1,
-                                   colorscale="Blues", zmin=0, showscale=False,
-                                   hovertemplate="tokens %{y}-%{customdata} · expert %{x}: mean weight %{z:.3f}"
-                                                 "<extra></extra>"))
+        fig = Figure([dict(type="heatmap", z=z, y=starts, customdata=np.minimum(starts + per, model.T) - 1,
+                           colorscale="Blues", zmin=0, showscale=False,
+                           hovertemplate="tokens %{y}-%{customdata} · expert %{x}: mean weight %{z:.3f}"
+                                         "<extra></extra>")])
     else:
-        fig = go.Figure(go.Heatmap(z=z, colorscale="Blues", zmin=0, showscale=False,
-                                   hovertemplate="token %{y} · expert %{x}: weight %{z:.3f}<extra></extra>"))
+        fig = Figure([dict(type="heatmap", z=z, colorscale="Blues", zmin=0, showscale=False,
+                           hovertemplate="token %{y} · expert %{x}: weight %{z:.3f}<extra></extra>")])
     fig.update_layout(**base_layout(height=height, margin=dict(l=8, r=8, t=8, b=8),
                                     xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),
                                     yaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)),
@@ -428,14 +426,15 @@ def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -
     return fig
 
 
-def expert_load_figure(model: RoutingModel, height: int = 220) -> go.Figure:
+def expert_load_figure(model: RoutingModel, height: int = 220) -> Figure:
     """Tokens per expert, text and image stacked (they balance with separate biases)."""
-    fig = go.Figure()
-    fig.add_trace(go.Bar(y=model.load(image=False), name="text tokens (bias)", marker_color=ROLE_COLOURS["full_m2"],
-                         hovertemplate="expert %{x}: %{y} text tokens<extra></extra>"))
+    fig = Figure()
+    fig.add_trace(dict(type="bar", y=model.load(image=False), name="text tokens (bias)",
+                       marker=dict(color=ROLE_COLOURS["full_m2"]),
+                       hovertemplate="expert %{x}: %{y} text tokens<extra></extra>"))
     if any(model.image):
-        fig.add_trace(go.Bar(y=model.load(image=True), name="image tokens (bias_vl)", marker_color="#CC79A7",
-                             hovertemplate="expert %{x}: %{y} image tokens<extra></extra>"))
+        fig.add_trace(dict(type="bar", y=model.load(image=True), name="image tokens (bias_vl)",
+                           marker=dict(color="#CC79A7"), hovertemplate="expert %{x}: %{y} image tokens<extra></extra>"))
     fig.update_layout(**base_layout(height=height, barmode="stack", showlegend=True, bargap=0.05,
                                     margin=dict(l=8, r=8, t=8, b=8),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),

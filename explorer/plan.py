@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
-import plotly.graph_objects as go
 
 from engine.config import ModelConfig
 from engine.roles import TAB_TITLES, TABS, LayerRole, cache_graph, decoder_start, role_plan
 
+from .figure import Figure
 from .style import DSPARK_COLOUR, ENGRAM_COLOUR, INK, MUTED, ROLE_COLOURS, base_layout, fmt_params
 
 BLOCK_TRACE = "layers"      # name of the one clickable trace (its points carry customdata [layer, role])
@@ -99,13 +99,13 @@ def _hover(r: LayerRole, cfg: ModelConfig, params: int | None) -> str:
 
 def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
                 layer_params: dict[int, int] | None = None, selected: int | None = None,
-                height: int = 860) -> go.Figure:
-    """The clickable plan. Trace order is fixed: arcs, bands' markers, selection ring, then the blocks
+                height: int = 860) -> Figure:
+    """The clickable plan. Trace order is fixed: arcs, Engram markers, then the blocks
     (named BLOCK_TRACE, last), so the blocks are on top and the browser test can find layer L as
     point L of the last scatter trace."""
     plan = plan or role_plan(cfg)
     layer_params = layer_params or {}
-    fig = go.Figure()
+    fig = Figure()
     n, split = cfg.n_layers, decoder_start(cfg)
     top = y_of(len(plan) - 1, cfg) if len(plan) > n else n - 1
 
@@ -116,7 +116,7 @@ def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
     for name, y0, y1, fill in bands:
         if y1 <= y0:
             continue
-        fig.add_shape(type="rect", x0=-4.4, x1=4.4, y0=y0, y1=y1, fillcolor=fill, line_width=0, layer="below")
+        fig.add_shape(type="rect", x0=-4.4, x1=4.4, y0=y0, y1=y1, fillcolor=fill, line=dict(width=0), layer="below")
         label = f"{name} · {int(y0 + 0.5)}–{int(y1 - 0.5)}" if name != "DSpark" else "DSpark"
         fig.add_annotation(x=-4.3, y=(y0 + y1) / 2, text=label, showarrow=False, textangle=-90,
                            font=dict(size=11, color=MUTED), xanchor="left")
@@ -137,36 +137,38 @@ def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
             gx.extend(xs)
             gy.extend(ys)
         for colour, (xs, ys) in groups.items():
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
-                                     line=dict(color=colour, width=width, dash=dash), opacity=0.75,
-                                     name=f"arcs:{side_name}"))
+            fig.add_trace(dict(type="scatter", x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
+                               line=dict(color=colour, width=width, dash=dash), opacity=0.75,
+                               name=f"arcs:{side_name}"))
 
     # Engram taps: a green diamond between layer L-1 and L
     engram = [r for r in plan if r.engram]
     if engram:
-        fig.add_trace(go.Scatter(
-            x=[BLOCK_X - 0.62] * len(engram), y=[r.layer - 0.5 for r in engram], mode="markers+text",
+        fig.add_trace(dict(
+            type="scatter", x=[BLOCK_X - 0.62] * len(engram), y=[r.layer - 0.5 for r in engram], mode="markers+text",
             marker=dict(symbol="diamond", size=11, color=ENGRAM_COLOUR, line=dict(color="white", width=1)),
             text=["Engram"] * len(engram), textposition="middle left",
             textfont=dict(size=10, color=ENGRAM_COLOUR), hoverinfo="text",
             hovertext=[f"Engram lookup added to the stream before layer {r.layer}" for r in engram],
             name="engram"))
 
-    # selection ring sits under the blocks so a click always lands on a block
+    # The selection ring is a layout shape under the blocks (a click always lands on a block), so a new
+    # selection changes only the layout and the browser redraws it without redrawing the traces.
     if selected is not None and selected in by_layer:
-        fig.add_trace(go.Scatter(x=[BLOCK_X], y=[y_of(selected, cfg)], mode="markers", hoverinfo="skip",
-                                 marker=dict(symbol="square", size=27, color=INK), name="ring"))
+        fig.add_shape(type="rect", name="ring", layer="below", xsizemode="pixel", ysizemode="pixel",
+                      xanchor=BLOCK_X, yanchor=y_of(selected, cfg), x0=-13.5, x1=13.5, y0=-13.5, y1=13.5,
+                      fillcolor=INK, line=dict(width=0))
 
     ys = [y_of(r.layer, cfg) for r in plan]
-    fig.add_trace(go.Scatter(
-        x=[BLOCK_X] * len(plan), y=ys, mode="markers+text",
+    fig.add_trace(dict(
+        type="scatter", x=[BLOCK_X] * len(plan), y=ys, mode="markers+text",
         marker=dict(symbol="square", size=19, color=[ROLE_COLOURS[r.tab] for r in plan],
                     line=dict(color=[DSPARK_COLOUR if r.is_dspark else "white" for r in plan], width=1.5)),
         text=[str(r.layer - n) if r.is_dspark else str(r.layer) for r in plan],
         textposition="middle center", textfont=dict(size=9, color="white"),
         customdata=[[r.layer, r.role] for r in plan],
         hovertext=[_hover(r, cfg, layer_params.get(r.layer)) for r in plan], hoverinfo="text",
-        name=BLOCK_TRACE, selected=dict(marker=dict(opacity=1)), unselected=dict(marker=dict(opacity=1)),
+        name=BLOCK_TRACE,
     ))
 
     # role names of the interesting layers, far right
@@ -180,7 +182,7 @@ def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
         height=height, margin=dict(l=4, r=4, t=4, b=4),
         xaxis=dict(range=[-4.45, 4.45], visible=False, fixedrange=True),
         yaxis=dict(range=[-1, top + 1], visible=False, fixedrange=True),
-        clickmode="event+select", hovermode="closest",
+        clickmode="event", hovermode="closest",
     ))
     return fig
 

@@ -11,6 +11,7 @@ is fetched from a CDN. Where static serving is off, charts fall back to `st.plot
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import plotly
-import plotly.io as pio
+from plotly.io.json import to_json_plotly
 from plotly.offline import get_plotlyjs_version
 
 COMPONENT_NAME = "explorer.plotly_chart"
@@ -106,9 +107,15 @@ def publish_plotly_js(static_dir: Path) -> str:
 
 def chart_payload(fig, *, src: str, tag: str = "", config: dict | None = None) -> bytes:
     """What one chart sends to the browser: the script's path, a tag the page exposes as the chart's
-    `data-tag` once drawn (tests and benchmarks wait on it), Plotly's config, and the figure JSON."""
+    `data-tag` once drawn (tests and benchmarks wait on it), Plotly's config, and the figure JSON.
+
+    `layout.datarevision` is a digest of the traces: when only the layout changed (a selection ring,
+    a highlight), Plotly.react then redraws the layout and leaves the traces alone."""
+    spec = fig.to_plotly_json() if hasattr(fig, "to_plotly_json") else dict(fig)
+    data = to_json_plotly(spec.get("data", []))
+    layout = dict(spec.get("layout", {}), datarevision=hashlib.blake2b(data.encode(), digest_size=8).hexdigest())
     head = json.dumps({"src": src, "tag": tag, "config": config or {}})
-    return (head[:-1] + ',"figure":' + pio.to_json(fig, validate=False) + "}").encode()
+    return (head[:-1] + ',"figure":{"data":' + data + ',"layout":' + to_json_plotly(layout) + "}}").encode()
 
 
 def png_config(filename: str, base: dict | None = None) -> dict:
@@ -116,6 +123,12 @@ def png_config(filename: str, base: dict | None = None) -> dict:
     browser, at twice the on-screen resolution)."""
     return {**(base or {}), "displayModeBar": "hover", "displaylogo": False, "modeBarButtons": [["toImage"]],
             "toImageButtonOptions": {"format": "png", "filename": filename, "scale": 2}}
+
+
+def static_serving() -> bool:
+    """Whether the server serves ./static (.streamlit/config.toml turns it on)."""
+    import streamlit as st
+    return bool(st.get_option("server.enableStaticServing"))
 
 
 @functools.cache
@@ -130,7 +143,7 @@ def plotly_chart(fig, *, key: str, static_dir: Path, tag: str = "", config: dict
     rerun a click causes; points carry `customdata` like st.plotly_chart's selection points."""
     import streamlit as st
 
-    if not st.get_option("server.enableStaticServing"):
+    if not static_serving():
         _native_chart(fig, key=key, config=config, on_click=on_click)
         return
     src = publish_plotly_js(static_dir)
@@ -149,8 +162,9 @@ def _native_chart(fig, *, key: str, config: dict | None, on_click: Callable[[lis
 
     from .state import picked_points
 
+    figure = fig.validated() if hasattr(fig, "validated") else fig
     if on_click is None:
-        st.plotly_chart(fig, key=key, config=config or {}, theme=None, width="stretch")
+        st.plotly_chart(figure, key=key, config=config or {}, theme=None, width="stretch")
         return
-    st.plotly_chart(fig, key=key, config=config or {}, theme=None, width="stretch", selection_mode="points",
+    st.plotly_chart(figure, key=key, config=config or {}, theme=None, width="stretch", selection_mode="points",
                     on_select=lambda: on_click(picked_points(st.session_state.get(key))))

@@ -14,10 +14,10 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlencode
 
-import plotly.graph_objects as go
 
 from engine.roles import TABS, LayerRole
 
+from .figure import Figure
 from .kv_view import CONTEXT_CHOICES
 from .session_compare import LayerComparison, ReplayReport
 from .sessions import Session, SessionData, SessionSummary, new_session_id, session_to_export
@@ -306,7 +306,7 @@ def _points(cmp: LayerComparison, kind: str) -> dict[str, tuple[list[int], list[
 
 
 def comparison_figure(cmp: LayerComparison, kind: str, *, label_a: str = "A", label_b: str = "B",
-                      height: int = 320) -> go.Figure:
+                      height: int = 320) -> Figure:
     """Query position × chosen id (KV entry for selections, expert for routing): grey where both runs
     chose it, blue only in A, orange only in B. Display only (no clicks)."""
     if kind not in ("selections", "routing"):
@@ -314,23 +314,23 @@ def comparison_figure(cmp: LayerComparison, kind: str, *, label_a: str = "A", la
     pts = _points(cmp, kind)
     what = "KV entry" if kind == "selections" else "expert"
     dense = sum(len(xs) for xs, _ in pts.values()) > 3000
-    fig = go.Figure()
+    fig = Figure()
     for name, colour, symbol, title in (("both", COLOUR_BOTH, "square", "both"),
                                         ("a", COLOUR_A, "circle", f"only {label_a}"),
                                         ("b", COLOUR_B, "x", f"only {label_b}")):
         xs, ys = pts[name]
-        fig.add_trace(go.Scatter(
-            x=xs, y=ys, mode="markers", name=f"{title} ({len(xs)})",
+        fig.add_trace(dict(
+            type="scatter", x=xs, y=ys, mode="markers", name=f"{title} ({len(xs)})",
             marker=dict(color=colour, symbol=symbol, size=(3 if dense else 6) + (name != "both"),
                         line=dict(width=0) if name != "b" else dict(width=1.5, color=colour)),
             hovertemplate=f"position %{{x}} · {what} %{{y}} · {title}<extra></extra>"))
-    fig.update_layout(**base_layout(height=height))
     title = "Top-k selections" if kind == "selections" else "Routed experts"
-    fig.update_layout(title=dict(text=f"{title}: {label_a} vs {label_b}", x=0, y=0.98, font=dict(size=13)),
-                      legend=dict(orientation="h", y=1.0, x=0, yanchor="bottom"), showlegend=True,
-                      margin=dict(l=50, r=10, t=56, b=40))
-    fig.update_xaxes(title_text="query position", gridcolor=GRID, zeroline=False)
-    fig.update_yaxes(title_text=what, gridcolor=GRID, zeroline=False, color=MUTED)
+    fig.update_layout(**base_layout(
+        height=height, title=dict(text=f"{title}: {label_a} vs {label_b}", x=0, y=0.98, font=dict(size=13)),
+        legend=dict(orientation="h", y=1.0, x=0, yanchor="bottom"), showlegend=True,
+        margin=dict(l=50, r=10, t=56, b=40),
+        xaxis=dict(title=dict(text="query position"), gridcolor=GRID, zeroline=False),
+        yaxis=dict(title=dict(text=what), gridcolor=GRID, zeroline=False, color=MUTED)))
     return fig
 
 

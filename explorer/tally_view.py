@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-import plotly.graph_objects as go
 
 from engine.tally import Tally, TallyRow
 
 from .diagram import BoxStat
+from .figure import Figure
 from .state import POSITION_TITLES, POSITIONS
 from .style import GRID, HIGHLIGHT, INK, MUTED, ROLE_COLOURS, base_layout, fmt_params
 
@@ -206,7 +206,7 @@ def representative_layer(tab: str, plan, selected: int | None) -> int | None:
 
 
 def tally_figure(lines: list[MarginLine], position: str, *, highlight: str | None = None,
-                 accent: str = ROLE_COLOURS["full_m2"]) -> go.Figure:
+                 accent: str = ROLE_COLOURS["full_m2"]) -> Figure:
     """Horizontal bars, one per line, largest at the top. Each row has a full-width pale stripe behind
     it so a click anywhere on the row picks it (customdata = ["box|box", line id])."""
     total = float(sum(float(l.value) for l in lines)) or 1.0
@@ -214,23 +214,21 @@ def tally_figure(lines: list[MarginLine], position: str, *, highlight: str | Non
     data = [["|".join(l.boxes), l.id] for l in lines]
     hover = [f"<b>{l.title}</b><br>{fmt_params(l.value)} parameters ({float(l.value) / total:.2%})<br>{l.note}"
              + ("<br><i>click: highlight these boxes</i>" if l.boxes else "") for l in lines]
-    fig = go.Figure()
-    fig.add_trace(go.Bar(y=titles, x=[total] * len(lines), orientation="h", customdata=data, hovertext=hover,
-                         hoverinfo="text", marker=dict(color=GRID, opacity=0.35, line_width=0), name="rows",
-                         selected=dict(marker=dict(opacity=0.35)), unselected=dict(marker=dict(opacity=0.35))))
+    fig = Figure()
+    fig.add_trace(dict(type="bar", y=titles, x=[total] * len(lines), orientation="h", customdata=data,
+                       hovertext=hover, hoverinfo="text", marker=dict(color=GRID, opacity=0.35, line=dict(width=0)),
+                       name="rows"))
     colours = [HIGHLIGHT if l.id == highlight else (accent if l.boxes else MUTED) for l in lines]
-    fig.add_trace(go.Bar(y=titles, x=[float(l.value) for l in lines], orientation="h", customdata=data,
-                         hovertext=hover, hoverinfo="text", marker=dict(color=colours, line_width=0),
-                         text=[f"{fmt_params(l.value)} · {float(l.value) / total:.1%}" for l in lines],
-                         textposition="outside", cliponaxis=False, textfont=dict(size=11, color=INK),
-                         name="values", selected=dict(marker=dict(opacity=1)),
-                         unselected=dict(marker=dict(opacity=1))))
+    fig.add_trace(dict(type="bar", y=titles, x=[float(l.value) for l in lines], orientation="h", customdata=data,
+                       hovertext=hover, hoverinfo="text", marker=dict(color=colours, line=dict(width=0)),
+                       text=[f"{fmt_params(l.value)} · {float(l.value) / total:.1%}" for l in lines],
+                       textposition="outside", cliponaxis=False, textfont=dict(size=11, color=INK), name="values"))
     fig.update_layout(**base_layout(
         height=36 + 24 * len(lines), barmode="overlay", bargap=0.28,
         margin=dict(l=4, r=4, t=4, b=4),
         xaxis=dict(range=[0, total * 1.32], visible=False, fixedrange=True),
         yaxis=dict(autorange="reversed", fixedrange=True, tickfont=dict(size=11), automargin=True),
-        clickmode="event+select", hovermode="closest",
+        clickmode="event", hovermode="closest",
     ))
     return fig
 

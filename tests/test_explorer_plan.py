@@ -93,8 +93,9 @@ def test_selection_ring_and_legend():
     cfg = release_config()
     plan = role_plan(cfg)
     fig = plan_figure(cfg, plan, selected=24)
-    ring = [t for t in fig.data if t.name == "ring"]
-    assert len(ring) == 1 and list(ring[0].y) == [24.0]
+    ring = [s for s in fig.layout.shapes if s.name == "ring"]
+    assert len(ring) == 1 and ring[0].yanchor == 24.0 and ring[0].xanchor == fig.data[-1].x[24]
+    assert fig.data == plan_figure(cfg, plan, selected=3).data    # a new selection changes the layout only
     counts = {e["tab"]: e["count"] for e in plan_legend(plan)}
     assert counts == {"swa": 2, "full_m2": 3, "full_m1": 1, "reindex": 4, "reuse": 30}
 
