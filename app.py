@@ -23,7 +23,7 @@ from explorer import kv_view, layer_views as lv, prompt as pr, remote, session_v
 from explorer.session_compare import CompareError, compare_layer, replay_report
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
-from explorer.plotly_component import plotly_chart, png_config
+from explorer.components import html_block, plotly_chart, png_config
 from explorer.state import (POSITION_TITLES, POSITIONS, ViewState, boxes_from_selection, picked_customdata,
                             select_layer, state_from_query)
 from explorer.sessions import (SessionConflict, SessionError, SessionNotFound, SessionStore,
@@ -46,7 +46,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"   # plotly.js is served 
 
 
 def chart(fig, key: str, *, tag: str = "", png: str | None = None, on_click=None) -> None:
-    """One Plotly chart, kept mounted across reruns and updated in place (explorer/plotly_component);
+    """One Plotly chart, kept mounted across reruns and updated in place (explorer/components);
     `png` names the file its mode-bar button downloads."""
     config = png_config(png, PLOT_CONFIG) if png else PLOT_CONFIG
     plotly_chart(fig, key=key, static_dir=STATIC_DIR, tag=tag, config=config, on_click=on_click)
@@ -312,8 +312,9 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                 chart(lv.topk_figure(model, query=q), "topk_map", tag=f"layer {r.layer}", png=f"layer{r.layer}_topk")
                 st.caption("Token strip: shade = how often each token's entry was selected; ringed = the entries "
                            f"query {q} ({tokens[q]!r}) selected.")
-                st.html(lv.token_strip_html(tokens, lv.selection_counts(model), focus=q,
-                                            highlight=lv.selected_positions(model, q), image=lv.image_mask(run, probe)))
+                html_block(lv.token_strip_html(tokens, lv.selection_counts(model), focus=q,
+                                               highlight=lv.selected_positions(model, q), image=lv.image_mask(run, probe)),
+                           key="token_strip", tag=f"layer {r.layer}")
         except lv.ProbeError as err:
             fail("Cannot draw the top-k view", err)
 

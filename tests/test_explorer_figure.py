@@ -1,4 +1,4 @@
-"""Figures as plain data (explorer/figure.py) and the chart component's payload (explorer/plotly_component.py).
+"""Figures as plain data (explorer/figure.py) and the chart component (explorer/components.py).
 
 The builders skip plotly's per-property validation at run time; here every builder's output is checked
 against plotly's schema instead, on the release config and on a synthetic 1,000-token run."""
@@ -20,7 +20,7 @@ from explorer.diagram import diagram_figure
 from explorer.figure import Figure, Props, merge
 from explorer.kv_view import kv_figure
 from explorer.plan import plan_figure
-from explorer.plotly_component import chart_payload, plotly_js_name, plotly_js_source, publish_plotly_js
+from explorer.components import chart_payload, plotly_js_name, plotly_js_source, publish_plotly_js
 from explorer.session_compare import compare_layer
 from explorer.state import POSITIONS
 from explorer.tally_view import box_stats, layer_params, margin_lines, representative_layer, tally_figure
@@ -155,7 +155,7 @@ def _chart_script(static: bool, static_dir: str):
 
     import streamlit as st
 
-    from explorer import plotly_component as pc
+    from explorer import components as pc
     from explorer.figure import Figure
 
     pc.static_serving = lambda: static
@@ -168,8 +168,8 @@ def _chart_script(static: bool, static_dir: str):
 def test_chart_in_an_app(static, tmp_path, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
-    from explorer import plotly_component
-    monkeypatch.setattr(plotly_component, "static_serving", plotly_component.static_serving)  # restored after
+    from explorer import components
+    monkeypatch.setattr(components, "static_serving", components.static_serving)  # restored after
     at = AppTest.from_function(_chart_script, kwargs=dict(static=static, static_dir=str(tmp_path))).run()
     assert not at.exception
     if static:      # the component: one keyed element, plotly.js published for it
