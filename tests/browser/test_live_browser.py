@@ -25,9 +25,10 @@ def _plan_point(page, layer: int):
 
 
 def _views_drawn(page, layer: int) -> None:
+    """The layer's heading, and its three charts and token strip drawn (each says its layer in data-tag)."""
     page.wait_for_selector(f"h2:has-text('Layer {layer} · ')", timeout=RUN_TIMEOUT)
-    for key in ("topk_map", "mhc_token", "routing_map"):
-        page.wait_for_selector(f".st-key-{key} .js-plotly-plot", timeout=RUN_TIMEOUT)
+    for key in ("topk_map", "mhc_token", "routing_map", "token_strip"):
+        page.wait_for_selector(f".st-key-{key} [data-tag='layer {layer}']", timeout=RUN_TIMEOUT)
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=RUN_TIMEOUT)
 
 
@@ -39,6 +40,7 @@ def test_click_runs_the_shipped_model_and_draws_the_views(server, browser):
     page.wait_for_selector(".st-key-plan_chart .js-plotly-plot .scatterlayer .point", timeout=RUN_TIMEOUT)
     _views_drawn(page, 20)
     assert page.locator("text=KV from layer 20 · top-k from layer 20").count()
+    page.evaluate("() => { document.querySelector('.st-key-topk_map .js-plotly-plot').__kept = true; }")
     _plan_point(page, 24).click(force=True)
     started = time.perf_counter()
     _views_drawn(page, 24)
@@ -47,6 +49,17 @@ def test_click_runs_the_shipped_model_and_draws_the_views(server, browser):
     # the top-k map of a Reindex layer shows layer 20's candidate pool
     traces = page.evaluate("() => document.querySelector('.st-key-topk_map .js-plotly-plot').data.length")
     assert traces >= 2
+    # the chart was updated in place, not drawn anew in a new element
+    assert page.evaluate("() => document.querySelector('.st-key-topk_map .js-plotly-plot').__kept === true")
+    # the token strip: one chip per prompt token, the chosen query's picks ringed
+    chips = page.locator(".st-key-token_strip .strip > span[title]")
+    assert chips.count() > 10 and page.locator(".st-key-token_strip .strip .hl").count() > 0
+    # a chart's mode bar downloads it as a PNG, drawn in the browser
+    page.locator(".st-key-topk_map .js-plotly-plot").hover()
+    with page.expect_download() as download:
+        page.locator(".st-key-topk_map .modebar-btn[data-title='Download plot as a PNG']").click()
+    png = download.value.path().read_bytes()
+    assert download.value.suggested_filename == "layer24_topk.png" and png[:8] == b"\x89PNG\r\n\x1a\n"
     page.wait_for_timeout(800)
     page.screenshot(path=str(ARTIFACTS / "live_layer24.png"), full_page=False)
     page.set_viewport_size({"width": 1680, "height": 3600})

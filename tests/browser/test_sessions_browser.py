@@ -55,7 +55,7 @@ def _wait_views(page, layer: int) -> None:
     """The layer page with all three live sections drawn."""
     page.wait_for_selector(f"h2:has-text('Layer {layer} · ')", timeout=RUN_TIMEOUT)
     for key in ("topk_map", "mhc_token", "routing_map"):
-        page.wait_for_selector(f".st-key-{key} .js-plotly-plot", timeout=RUN_TIMEOUT)
+        page.wait_for_selector(f".st-key-{key} [data-tag='layer {layer}']", timeout=RUN_TIMEOUT)
     _idle(page)
 
 
