@@ -100,7 +100,7 @@ def kv_figure(cfg: ModelConfig, context_len: int, *, measured: dict | None = Non
                            name="engine held (last run)", marker=dict(size=12, color="#D55E00", symbol="diamond"),
                            hovertemplate="engine held %{y:,.0f} B after %{x:,} tokens<extra></extra>"))
     fig.update_layout(**base_layout(
-        height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
+        height=height, showlegend=True, margin=dict(l=62, r=8, t=8, b=44),
         legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0, font=dict(size=11)),
         xaxis=dict(type="log", title=dict(text="context length (tokens)", font=dict(size=11, color=MUTED)),
                    gridcolor=GRID, tickfont=dict(size=10)),

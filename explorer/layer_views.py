@@ -28,7 +28,7 @@ from engine.config import ModelConfig
 from engine.roles import LayerRole
 
 from .figure import Figure
-from .style import GRID, INK, MHC_COLOUR, MUTED, ROLE_COLOURS, base_layout
+from .style import BLUES, GRID, INK, MHC_COLOUR, MUTED, PURPLES, ROLE_COLOURS, base_layout
 
 COPY_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000")
 MAX_MAP_CELLS = 160          # the top-k map is binned down to at most this many cells per axis (~2-4 px each)
@@ -214,7 +214,7 @@ def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380
     if query is not None and 0 <= query < model.T:
         fig.add_hline(y=query, line=dict(color=INK, width=1))
     fig.update_layout(**base_layout(
-        height=height, margin=dict(l=8, r=8, t=8, b=8),
+        height=height, margin=dict(l=62, r=8, t=8, b=44),
         xaxis=dict(title=dict(text=f"global entry (1 per {model.ratio} token{'s' if model.ratio > 1 else ''})",
                               font=dict(size=11, color=MUTED)), gridcolor=GRID, range=[-0.5, model.n_entries]),
         yaxis=dict(title=dict(text="query position", font=dict(size=11, color=MUTED)), gridcolor=GRID,
@@ -291,14 +291,14 @@ def mhc_token_figure(probe: dict, t: int, height: int = 300) -> Figure:
     for k, part in enumerate(parts):
         comb = coeff[part].get("comb")
         if comb:
-            fig.add_trace(dict(type="heatmap", z=comb, colorscale="Purples", zmin=0, zmax=1, showscale=False,
+            fig.add_trace(dict(type="heatmap", z=comb, colorscale=PURPLES, zmin=0, zmax=1, showscale=False,
                                xaxis=f"x{3 + k}", yaxis=f"y{3 + k}",
                                hovertemplate="from copy %{y} to copy %{x}: %{z:.4f}<extra></extra>"))
     annotations = [dict(text=title, x=i * (width + gap) + width / 2, y=1.0, xref="paper", yref="paper",
                         xanchor="center", yanchor="bottom", showarrow=False, font=dict(size=11, color=MUTED))
                    for i, title in enumerate(titles)]
     fig.update_layout(**base_layout(height=height, showlegend=True, barmode="group", annotations=annotations,
-                                    margin=dict(l=8, r=8, t=28, b=8),
+                                    margin=dict(l=44, r=8, t=28, b=30),
                                     legend=dict(orientation="h", y=-0.12, font=dict(size=11)), **layout))
     return fig
 
@@ -313,7 +313,7 @@ def mhc_lines_figure(probe: dict, tokens: list[str], part: str = "attn", height:
             fig.add_trace(dict(type="scatter", y=rows[:, c], mode="lines", name=f"{key} c{c}",
                                line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], dash=dash, width=1.3),
                                **_token_hover(fig, tokens, f"{key} c{c}", ".4f")))
-    fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
+    fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=52, r=8, t=8, b=44),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
                                     xaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)), gridcolor=GRID),
                                     yaxis=dict(gridcolor=GRID), hovermode="x unified"))
@@ -335,7 +335,7 @@ def residual_norms_figure(probe: dict, tokens: list[str], height: int = 220) -> 
         fig.add_trace(dict(type="scatter", y=rows[:, c], mode="lines", name=f"copy {c}",
                            line=dict(color=COPY_COLOURS[c % len(COPY_COLOURS)], width=1.3),
                            **_token_hover(fig, tokens, f"copy {c}", ".3g")))
-    fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=8, r=8, t=8, b=8),
+    fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=52, r=8, t=8, b=44),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
                                     xaxis=dict(gridcolor=GRID), yaxis=dict(gridcolor=GRID, title=dict(text="‖X[c]‖")),
                                     hovermode="x unified"))
@@ -413,13 +413,13 @@ def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -
         z = padded.reshape(-1, per, z.shape[1]).sum(1) / counts
         starts = np.arange(0, model.T, per)
         fig = Figure([dict(type="heatmap", z=z, y=starts, customdata=np.minimum(starts + per, model.T) - 1,
-                           colorscale="Blues", zmin=0, showscale=False,
+                           colorscale=BLUES, zmin=0, showscale=False,
                            hovertemplate="tokens %{y}-%{customdata} · expert %{x}: mean weight %{z:.3f}"
                                          "<extra></extra>")])
     else:
-        fig = Figure([dict(type="heatmap", z=z, colorscale="Blues", zmin=0, showscale=False,
+        fig = Figure([dict(type="heatmap", z=z, colorscale=BLUES, zmin=0, showscale=False,
                            hovertemplate="token %{y} · expert %{x}: weight %{z:.3f}<extra></extra>")])
-    fig.update_layout(**base_layout(height=height, margin=dict(l=8, r=8, t=8, b=8),
+    fig.update_layout(**base_layout(height=height, margin=dict(l=62, r=8, t=8, b=44),
                                     xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),
                                     yaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)),
                                                autorange="reversed")))
@@ -436,7 +436,7 @@ def expert_load_figure(model: RoutingModel, height: int = 220) -> Figure:
         fig.add_trace(dict(type="bar", y=model.load(image=True), name="image tokens (bias_vl)",
                            marker=dict(color="#CC79A7"), hovertemplate="expert %{x}: %{y} image tokens<extra></extra>"))
     fig.update_layout(**base_layout(height=height, barmode="stack", showlegend=True, bargap=0.05,
-                                    margin=dict(l=8, r=8, t=8, b=8),
+                                    margin=dict(l=52, r=8, t=8, b=44),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
                                     xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),
                                     yaxis=dict(gridcolor=GRID)))
