@@ -464,7 +464,10 @@ def prompt_run(identity: str, folder: str, text: str, spans: tuple):
     return cached_engine(folder).run(text, image_spans=list(spans))
 
 
+@st.cache_resource(show_spinner=False, max_entries=16)
 def run_cached(identity: str, folder: str, text: str, layers: tuple, spans: tuple) -> dict:
+    """The prompt's run as JSON with these layers' probes (read-only, shared): going back to a layer
+    costs a lookup."""
     return prompt_run(identity, folder, text, spans).to_json(layers=list(layers))
 
 

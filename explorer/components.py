@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -147,6 +148,21 @@ def png_config(filename: str, base: dict | None = None) -> dict:
             "toImageButtonOptions": {"format": "png", "filename": filename, "scale": 2}}
 
 
+def _published(static_dir: Path) -> str | None:
+    """plotly.js's path under the app's URL, or None where it cannot be written (a read-only install):
+    the charts are then Streamlit's own."""
+    try:
+        return publish_plotly_js(static_dir)
+    except OSError as err:
+        _warn_once(f"plotly.js could not be put in {static_dir} ({err}); charts fall back to st.plotly_chart")
+        return None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    print(f"[explorer] {message}", file=sys.stderr)
+
+
 def static_serving() -> bool:
     """Whether the server serves ./static (.streamlit/config.toml turns it on)."""
     import streamlit as st
@@ -177,10 +193,10 @@ def plotly_chart(fig, *, key: str, static_dir: Path, tag: str = "", config: dict
     rerun a click causes; points carry `customdata` like st.plotly_chart's selection points."""
     import streamlit as st
 
-    if not static_serving():
+    src = _published(static_dir) if static_serving() else None
+    if src is None:
         _native_chart(fig, key=key, config=config, on_click=on_click)
         return
-    src = publish_plotly_js(static_dir)
 
     def clicked() -> None:
         value = st.session_state.get(key)

@@ -184,17 +184,21 @@ def _chart_script(static: bool, static_dir: str):
                     on_click=lambda points: st.session_state.update(clicked=points))
 
 
-@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("static", [True, False, "unwritable"])
 def test_chart_in_an_app(static, tmp_path, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
     from explorer import components
     monkeypatch.setattr(components, "static_serving", components.static_serving)  # restored after
-    at = AppTest.from_function(_chart_script, kwargs=dict(static=static, static_dir=str(tmp_path))).run()
+    static_dir = tmp_path
+    if static == "unwritable":    # a read-only install: the static folder cannot be made
+        (tmp_path / "file").write_text("")
+        static_dir = tmp_path / "file" / "static"
+    at = AppTest.from_function(_chart_script, kwargs=dict(static=bool(static), static_dir=str(static_dir))).run()
     assert not at.exception
-    if static:      # the component: one keyed element, plotly.js published for it
+    if static is True:      # the component: one keyed element, plotly.js published for it
         assert [e.key for e in at.get("bidi_component")] == ["chart"]
         assert (tmp_path / plotly_js_name()).exists()
-    else:           # static serving off: Streamlit's own chart, same figure
+    else:                   # static serving off or nowhere to put plotly.js: Streamlit's own chart, same figure
         spec = json.loads(at.get("plotly_chart")[0].proto.spec)
         assert spec["data"][0]["y"] == [2, 3] and not (tmp_path / plotly_js_name()).exists()
