@@ -267,21 +267,22 @@ def diagram_figure(cfg: ModelConfig, tab: str, stats: dict[str, BoxStat] | None 
         notes.append(dict(x=96.2, y=y1, text=name, showarrow=False, xanchor="right", yanchor="bottom",
                           font=dict(size=10, color=colour)))
 
+    # Arrows and box labels are two traces, not ~55 annotations: the browser draws a trace of
+    # segments or texts in a few ms, and an annotation each in ~2 ms (the diagram redraws per click).
+    arrow_x: list = []
+    arrow_y: list = []
     for a, b in _arrows(boxes):
         src, dst = by_id[a], by_id[b]
         lo, hi = max(src.x0, dst.x0), min(src.x1, dst.x1)
         if abs(src.y0 - dst.y0) < 1:    # same row: a short horizontal arrow
             left = src.x1 < dst.x0
-            notes.append(dict(x=dst.x0 if left else dst.x1, y=dst.cy, ax=src.x1 if left else src.x0, ay=src.cy,
-                              xref="x", yref="y", axref="x", ayref="y", showarrow=True, arrowhead=2,
-                              arrowsize=0.8, arrowwidth=1, arrowcolor="#B8BEC8", text=""))
-            continue
-        if hi - lo > 2:     # overlapping columns: a straight vertical arrow
-            x_from = x_to = (lo + hi) / 2
+            start, end = (src.x1 if left else src.x0, src.cy), (dst.x0 if left else dst.x1, dst.cy)
+        elif hi - lo > 2:     # overlapping columns: a straight vertical arrow
+            start, end = ((lo + hi) / 2, src.y1), ((lo + hi) / 2, dst.y0)
         else:
-            x_from, x_to = src.cx, min(max(src.cx, dst.x0 + 3), dst.x1 - 3)
-        notes.append(dict(x=x_to, y=dst.y0, ax=x_from, ay=src.y1, xref="x", yref="y", axref="x", ayref="y",
-                          showarrow=True, arrowhead=2, arrowsize=0.8, arrowwidth=1, arrowcolor="#B8BEC8", text=""))
+            start, end = (src.cx, src.y1), (min(max(src.cx, dst.x0 + 3), dst.x1 - 3), dst.y0)
+        arrow_x += [start[0], end[0], None]
+        arrow_y += [start[1], end[1], None]
 
     for box in boxes:
         colour = MHC_COLOUR if box.kind == "mhc" else ENGRAM_COLOUR if box.id == "engram" else accent
@@ -290,9 +291,17 @@ def diagram_figure(cfg: ModelConfig, tab: str, stats: dict[str, BoxStat] | None 
                            fillcolor=HIGHLIGHT if hot else _FILL.get(box.kind, "#FFFFFF"),
                            line=dict(color=INK if hot else colour, width=2.4 if hot else (1.4 if box.kind == "weight" else 1),
                                      dash="dash" if box.kind == "borrowed" else "solid")))
-        stat = stats.get(box.id) or (stats.get(box.id[:-5]) if box.id.endswith("_post") else None)
-        notes.append(dict(x=box.cx, y=box.cy, text=_box_text(box, stat), showarrow=False,
-                          font=dict(size=11, color=MUTED if box.kind == "borrowed" else INK)))
+
+    # arrow shafts with a head on each segment's end (marker "arrow" turned along the segment)
+    fig.add_trace(dict(type="scatter", x=arrow_x, y=arrow_y, mode="lines+markers", hoverinfo="skip",
+                       line=dict(color="#B8BEC8", width=1), name="arrows",
+                       marker=dict(symbol="arrow", angleref="previous", color="#B8BEC8",
+                                   size=[0, 8, 0] * (len(arrow_x) // 3))))
+    label_stats = [stats.get(b.id) or (stats.get(b.id[:-5]) if b.id.endswith("_post") else None) for b in boxes]
+    fig.add_trace(dict(type="scatter", mode="text", hoverinfo="skip", name="labels",
+                       x=[b.cx for b in boxes], y=[b.cy for b in boxes],
+                       text=[_box_text(b, stat) for b, stat in zip(boxes, label_stats)],
+                       textfont=dict(size=11, color=[MUTED if b.kind == "borrowed" else INK for b in boxes])))
 
     # hover and click targets: a row of faint squares across each box
     xs, ys, data, hover = [], [], [], []

@@ -100,7 +100,7 @@ def _hover(r: LayerRole, cfg: ModelConfig, params: int | None) -> str:
 def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
                 layer_params: dict[int, int] | None = None, selected: int | None = None,
                 height: int = 860) -> Figure:
-    """The clickable plan. Trace order is fixed: arcs, Engram markers, then the blocks
+    """The clickable plan. Trace order is fixed: arcs, Engram markers, role names, then the blocks
     (named BLOCK_TRACE, last), so the blocks are on top and the browser test can find layer L as
     point L of the last scatter trace."""
     plan = plan or role_plan(cfg)
@@ -159,6 +159,14 @@ def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
                       xanchor=BLOCK_X, yanchor=y_of(selected, cfg), x0=-13.5, x1=13.5, y0=-13.5, y1=13.5,
                       fillcolor=INK, line=dict(width=0))
 
+    # role names of the interesting layers, far right (one text trace: cheaper to draw than annotations)
+    named = [r for r in plan if r.role in ("full", "reindex") or r.is_dspark and r.layer == n]
+    fig.add_trace(dict(
+        type="scatter", mode="text", hoverinfo="skip", name="names", x=[4.3] * len(named),
+        y=[y_of(r.layer, cfg) for r in named], textposition="middle left",
+        text=["DSpark stages" if r.is_dspark else f"{r.layer} {r.label}" for r in named],
+        textfont=dict(size=10, color=[DSPARK_COLOUR if r.is_dspark else ROLE_COLOURS[r.tab] for r in named])))
+
     ys = [y_of(r.layer, cfg) for r in plan]
     fig.add_trace(dict(
         type="scatter", x=[BLOCK_X] * len(plan), y=ys, mode="markers+text",
@@ -171,12 +179,6 @@ def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
         name=BLOCK_TRACE,
     ))
 
-    # role names of the interesting layers, far right
-    for r in plan:
-        if r.role in ("full", "reindex") or r.is_dspark and r.layer == n:
-            text = "DSpark stages" if r.is_dspark else f"{r.layer} {r.label}"
-            fig.add_annotation(x=4.3, y=y_of(r.layer, cfg), text=text, showarrow=False, xanchor="right",
-                               font=dict(size=10, color=DSPARK_COLOUR if r.is_dspark else ROLE_COLOURS[r.tab]))
 
     fig.update_layout(**base_layout(
         height=height, margin=dict(l=4, r=4, t=4, b=4),

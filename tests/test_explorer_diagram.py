@@ -7,7 +7,7 @@ import pytest
 from engine.config import release_config
 from engine.roles import TABS, role_plan
 from engine.tally import tally_from_config
-from explorer.diagram import ANCHOR_MHC, ANCHOR_ROUTING, ANCHOR_TOPK, diagram_boxes, diagram_figure
+from explorer.diagram import ANCHOR_MHC, ANCHOR_ROUTING, ANCHOR_TOPK, _arrows, diagram_boxes, diagram_figure
 from explorer.style import fmt_params
 from explorer.tally_view import box_stats, representative_layer
 
@@ -48,11 +48,18 @@ def test_every_weight_box_shows_its_tally(tab):
     layer = representative_layer(tab, PLAN, None)
     stats = box_stats(TALLY, layer)
     fig = diagram_figure(CFG, tab, stats, role=PLAN[layer])
-    texts = " ".join(a.text for a in fig.layout.annotations if a.text)
-    assert "no tally" not in texts
-    for box in diagram_boxes(CFG, tab, PLAN[layer]):
+    labels = next(t for t in fig.data if t.name == "labels")
+    assert "no tally" not in " ".join(labels.text)
+    boxes = diagram_boxes(CFG, tab, PLAN[layer])
+    for box, x, y, text in zip(boxes, labels.x, labels.y, labels.text, strict=True):
+        assert (x, y) == (box.cx, box.cy) and box.label in text       # each label sits on its box
         if box.kind == "weight":
-            assert f"({fmt_params(stats[box.id].params)} {stats[box.id].dtype})" in texts, box.id
+            assert f"({fmt_params(stats[box.id].params)} {stats[box.id].dtype})" in text, box.id
+    # one arrow per edge: a segment (start, end, gap) with a head on its end only
+    arrows = next(t for t in fig.data if t.name == "arrows")
+    assert len(arrows.x) == 3 * len(_arrows(boxes)) and arrows.x[2::3] == [None] * len(_arrows(boxes))
+    assert arrows.marker["size"][1::3] == [8] * len(_arrows(boxes)) and not any(arrows.marker["size"][0::3])
+    assert fig.data[-1].name == "boxes"       # the click targets stay on top
 
 
 def test_click_targets_and_highlight():

@@ -96,6 +96,9 @@ def test_selection_ring_and_legend():
     ring = [s for s in fig.layout.shapes if s.name == "ring"]
     assert len(ring) == 1 and ring[0].yanchor == 24.0 and ring[0].xanchor == fig.data[-1].x[24]
     assert fig.data == plan_figure(cfg, plan, selected=3).data    # a new selection changes the layout only
+    names = next(t for t in fig.data if t.name == "names")
+    assert dict(zip(names.y, names.text))[24.0] == "24 Reindex" and "20 Full m=1" in names.text
+    assert len(names.text) == sum(r.role in ("full", "reindex") for r in plan[:cfg.n_layers]) + 1   # + DSpark
     counts = {e["tab"]: e["count"] for e in plan_legend(plan)}
     assert counts == {"swa": 2, "full_m2": 3, "full_m1": 1, "reindex": 4, "reuse": 30}
 
