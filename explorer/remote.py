@@ -18,12 +18,13 @@ import urllib.error
 import urllib.request
 import uuid
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.api import EngineError, LayerResult
 from engine.config import ConfigError, ModelConfig, config_from_dict
 from engine.roles import role_plan
+
+if TYPE_CHECKING:
+    from engine.api import LayerResult
 
 ENV_URL = "EXPLORER_ENGINE_URL"
 DEFAULT_TIMEOUT = 3600.0   # a long prompt on a big model, behind other users' runs
@@ -70,6 +71,9 @@ class RemoteRun:
 
 def layer_from_json(d: dict) -> LayerResult:
     """A LayerResult (tensors) from its JSON form."""
+    import torch   # here, not at import: the page draws without torch until a run needs it
+
+    from engine.api import LayerResult
     def tensor(v, dtype=None):
         return None if v is None else torch.tensor(v, dtype=dtype)
 
@@ -163,6 +167,7 @@ class RemoteEngine:
             return RemoteEngineError(f"the engine service at {self.url} answered HTTP {err.code} ({err.reason}); "
                                      "is that URL an engine service?")
         if kind == "EngineError":
+            from engine.api import EngineError
             return EngineError(message)
         if kind == "QueueFull":
             return EngineBusy(f"the engine service is busy: {message}")
