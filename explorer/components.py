@@ -93,6 +93,14 @@ export default function ({ data, parentElement, setTriggerValue }) {
         if (!gd._explorerClicks) {
           gd._explorerClicks = true;
           gd.on("plotly_click", (ev) => gd._explorerSend(ev.points.map(pointOf)));
+          // follow the column's width (window, sidebar, layout changes), as st.plotly_chart does
+          let width = gd.clientWidth;
+          new ResizeObserver(() => {
+            if (gd.clientWidth && gd.clientWidth !== width) {
+              width = gd.clientWidth;
+              Plotly.Plots.resize(gd);
+            }
+          }).observe(gd);
         }
       });
     })

@@ -62,6 +62,11 @@ def test_click_runs_the_shipped_model_and_draws_the_views(server, browser):
     assert download.value.suggested_filename == "layer24_topk.png" and png[:8] == b"\x89PNG\r\n\x1a\n"
     page.wait_for_timeout(800)
     page.screenshot(path=str(ARTIFACTS / "live_layer24.png"), full_page=False)
+    # charts follow their column's width
+    width = page.evaluate("() => document.querySelector('.st-key-routing_map .js-plotly-plot')._fullLayout.width")
+    page.set_viewport_size({"width": 1280, "height": 1300})
+    page.wait_for_function(f"() => document.querySelector('.st-key-routing_map .js-plotly-plot')._fullLayout.width < {width}",
+                           timeout=10_000)
     page.set_viewport_size({"width": 1680, "height": 3600})
     page.wait_for_timeout(1200)
     page.screenshot(path=str(ARTIFACTS / "live_layer24_full.png"))
