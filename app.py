@@ -21,9 +21,9 @@ from engine.roles import TAB_TITLES, TABS, role_plan
 from engine.tally import cache_breakdown_at, tally_from_config
 from explorer import kv_view, layer_views as lv, prompt as pr, remote, session_view as sv
 from explorer.session_compare import CompareError, compare_layer, replay_report
+from explorer.components import html_block, plotly_chart, png_config
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
-from explorer.components import html_block, plotly_chart, png_config
 from explorer.state import (POSITION_TITLES, POSITIONS, ViewState, boxes_from_selection, picked_customdata,
                             select_layer, state_from_query)
 from explorer.sessions import (SessionConflict, SessionError, SessionNotFound, SessionStore,

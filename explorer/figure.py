@@ -52,11 +52,7 @@ class Figure:
 
     def __init__(self, data: list[dict] | None = None, layout: dict | None = None):
         self.data: list[Props] = [Props(t) for t in data or []]
-        self._layout: dict = dict(layout or {})
-
-    @property
-    def layout(self) -> Props:
-        return Props(self._layout)
+        self.layout: Props = Props(layout or {})
 
     def add_trace(self, trace: dict) -> Figure:
         if "type" not in trace:
@@ -65,15 +61,15 @@ class Figure:
         return self
 
     def update_layout(self, **layout) -> Figure:
-        merge(self._layout, layout)
+        merge(self.layout, layout)
         return self
 
     def add_shape(self, **shape) -> Figure:
-        self._layout.setdefault("shapes", []).append(shape)
+        self.layout.setdefault("shapes", []).append(shape)
         return self
 
     def add_annotation(self, **annotation) -> Figure:
-        self._layout.setdefault("annotations", []).append(annotation)
+        self.layout.setdefault("annotations", []).append(annotation)
         return self
 
     def add_hline(self, y: float, line: dict | None = None) -> Figure:
@@ -86,7 +82,7 @@ class Figure:
 
     def to_plotly_json(self) -> dict:
         """The figure as plotly.js reads it; numeric numpy arrays become typed-array blocks."""
-        return {"data": [_encode(t) for t in self.data], "layout": _encode(self._layout)}
+        return {"data": [_encode(t) for t in self.data], "layout": _encode(self.layout)}
 
     def to_json(self) -> str:
         from plotly.io.json import to_json_plotly
