@@ -50,21 +50,23 @@ export default function ({ data, parentElement }) {
 # The component's browser side: one <div> per key, Plotly.react on every new figure, clicks sent
 # back as a one-rerun trigger ("click": the picked points, like st.plotly_chart's selection points).
 COMPONENT_JS = r"""
+// Our own plotly.js (the version plotly.py wrote the figures for), loaded once per page, whatever
+// else may have set window.Plotly.
 function loadPlotly(src) {
-  if (window.Plotly && window.Plotly.react) return Promise.resolve(window.Plotly);
-  if (!window.__explorerPlotly) {
-    window.__explorerPlotly = new Promise((resolve, reject) => {
+  const loads = window.__explorerPlotly || (window.__explorerPlotly = {});
+  if (!loads[src]) {
+    loads[src] = new Promise((resolve, reject) => {
       const script = document.createElement("script");
       script.src = src;
       script.onload = () => resolve(window.Plotly);
       script.onerror = () => {
-        window.__explorerPlotly = null;
+        delete loads[src];
         reject(new Error("plotly.js did not load from " + src));
       };
       document.head.appendChild(script);
     });
   }
-  return window.__explorerPlotly;
+  return loads[src];
 }
 
 function pointOf(p) {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from plotly.offline import get_plotlyjs_version
 
 from harness import ARTIFACTS, streamlit_server
 
@@ -36,6 +37,8 @@ def test_click_runs_the_shipped_model_and_draws_the_views(server, browser):
     page = browser.new_page(viewport={"width": 1680, "height": 1300})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
     page.goto(server + "/?layer=20&tab=full_m1")
     page.wait_for_selector(".st-key-plan_chart .js-plotly-plot .scatterlayer .point", timeout=RUN_TIMEOUT)
     _views_drawn(page, 20)
@@ -72,5 +75,10 @@ def test_click_runs_the_shipped_model_and_draws_the_views(server, browser):
     page.screenshot(path=str(ARTIFACTS / "live_layer24_full.png"))
     assert not page.locator("[data-testid=stException]").count(), "the page shows a traceback"
     assert not errors, errors
+    # offline: every request went to the app itself; plotly.js is the installed package's copy
+    outside = [u for u in requests if not u.startswith((server, "data:", "blob:"))]
+    assert not outside, outside
+    assert page.evaluate("() => window.Plotly.version") == get_plotlyjs_version()
+    assert any(u.endswith(f"/app/static/plotly-{get_plotlyjs_version()}.min.js") for u in requests)
     print(f"click-to-view after the prompt has run: {click_to_view:.2f} s")
     page.close()
