@@ -353,8 +353,8 @@ def side_by_side(left: Figure, right: Figure, share: float = 0.55, gap: float = 
                   yaxis2=dict(right_lay.get("yaxis") or {}, anchor="x2"),
                   height=max(lay.height or 0, right_lay.height or 0) or None,
                   showlegend=bool(lay.showlegend or right_lay.showlegend))
-    if right_lay.showlegend and not lay.showlegend:
-        layout["legend"] = right_lay.get("legend")
+    if right_lay.showlegend and not lay.showlegend:   # the right panel's legend stays over the right panel
+        layout["legend"] = dict(right_lay.get("legend") or {}, x=share + gap / 2, xanchor="left")
     return Figure(list(left.data) + [dict(t, xaxis="x2", yaxis="y2") for t in right.data], layout)
 
 

@@ -130,6 +130,7 @@ def test_side_by_side_keeps_both_panels():
     assert [t.type for t in fig.data] == ["scatter", "bar"] and fig.data[1].xaxis == "x2"
     assert fig.data[0].xaxis is None and right.data[0].xaxis is None       # the inputs are left alone
     assert fig.layout.height == 260 and fig.layout.showlegend and fig.layout.legend.orientation == "h"
+    assert fig.layout.legend.x == 0.55 and fig.layout.legend.xanchor == "left"     # over the right panel
     assert fig.layout.xaxis.domain == [0, 0.45] and fig.layout.xaxis2.domain == [0.55, 1]
     assert fig.layout.xaxis2.title.text == "expert" and fig.layout.yaxis.title.text == "a"
     fig.validated()
