@@ -6,8 +6,13 @@ Endpoints (JSON in, JSON out; errors are `{"error": message, "kind": ...}` with 
 - `GET  /health`         liveness and the queue: running, waiting per client
 - `POST /tokenize`       `{"prompt": text | [ids]}` -> `{"ids", "tokens"}`
 - `POST /token_strings`  `{"ids": [...]}` -> `{"tokens"}`
-- `POST /run`            `{"prompt" | "ids", "layers", "probes", "image_spans", "generate"}` ->
-                         `{"result": RunResult.to_json(), "queue": {"position", "wait_s", "run_s"}}`
+- `POST /run`            `{"prompt" | "ids", "layers", "probes", "image_spans", "generate", "keep"}` ->
+                         `{"result": RunResult.to_json(), "queue": {"position", "wait_s", "run_s"}}`;
+                         with `"keep": true` the result holds no layer probes but a `run_id`, and the
+                         service keeps the run (the last KEPT_RUNS of them) for
+- `POST /probes`         `{"run_id", "layers": [...]}` -> `{"layers": {layer: LayerResult.to_json()}}`:
+                         a click asks for one layer's probes (at release size one layer of a 4,096-token
+                         prompt is ~100 MB of JSON, all 40 layers would be GBs); 404 `RunGone` when evicted
 
 Runs go one at a time through a `FairQueue`: clients (header `X-Client-Id`, else the peer address)
 take turns, each client's own requests in order, and a client may have at most `per_client` waiting,
@@ -22,13 +27,15 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
+import uuid
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .api import ENGINE_VERSION, EngineError
 
 MAX_BODY = 64 << 20
+KEPT_RUNS = 4        # runs whose probes the service keeps for /probes (a release-size run holds ~2 GB)
 HEARTBEAT_S = 30.0   # an idle rank 0 pings the others so their waiting broadcast never times out
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -147,7 +154,7 @@ class FairQueue:
 
 # -- running a request -----------------------------------------------------------------------------
 
-RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate"}
+RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate", "keep"}
 
 
 def run_args(body: dict) -> dict:
@@ -183,12 +190,14 @@ def run_args(body: dict) -> dict:
     if not isinstance(generate, int) or generate < 0:
         raise EngineError("'generate' must be a non-negative integer")
     args["generate"] = generate
+    if not isinstance(body.get("keep", False), bool):
+        raise EngineError("'keep' must be true or false")
     return args
 
 
-def execute(engine, request: dict) -> dict:
-    """Run one request on this process's engine (every rank does the same): the run's JSON."""
-    return engine.run(**request).to_json()
+def execute(engine, request: dict):
+    """Run one request on this process's engine (every rank does the same): the RunResult."""
+    return engine.run(**request)
 
 
 def follow(engine, parallel) -> None:
@@ -214,6 +223,8 @@ class EngineService:
     def __init__(self, engine, parallel=None, per_client: int = 4, max_waiting: int = 256):
         self.engine, self.parallel = engine, parallel
         self.queue = FairQueue(per_client, max_waiting)
+        self.kept: OrderedDict[str, object] = OrderedDict()   # run_id -> RunResult, oldest first
+        self._kept_lock = threading.Lock()
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
 
@@ -250,7 +261,8 @@ class EngineService:
                 self.engine.check_layers(args.get("layers"))
                 if self.parallel is not None:
                     self.parallel.broadcast({"op": "run", "args": args})
-                ticket.result = execute(self.engine, args)
+                result = execute(self.engine, args)
+                ticket.result = self._keep(result) if ticket.request.get("keep") else result.to_json()
             except EngineError as err:
                 ticket.error = err
             except Exception as err:  # a fault of the engine, not of the request: log it, report one line
@@ -260,6 +272,27 @@ class EngineService:
                 self.queue.done(ticket)
         if self.parallel is not None:
             self.parallel.broadcast({"op": "stop"})
+
+    def _keep(self, result) -> dict:
+        """Keep the run for /probes; its JSON without the layer probes, with the run's id and layers."""
+        run_id = uuid.uuid4().hex
+        with self._kept_lock:
+            self.kept[run_id] = result
+            while len(self.kept) > KEPT_RUNS:
+                self.kept.popitem(last=False)
+        return {**result.to_json(layers=[]), "run_id": run_id, "probed_layers": sorted(result.layers)}
+
+    def probes(self, body: dict) -> dict:
+        """A kept run's probes of some layers (KeyError: the run is gone; EngineError: a bad request)."""
+        layers = body.get("layers")
+        if not (isinstance(layers, list) and all(isinstance(v, int) for v in layers)):
+            raise EngineError("'layers' must be a list of layer numbers")
+        with self._kept_lock:
+            result = self.kept[str(body.get("run_id"))]
+        missing = sorted(set(layers) - set(result.layers))
+        if missing:
+            raise EngineError(f"the run has no probes of layers {missing}; it probed {sorted(result.layers)}")
+        return {"layers": result.to_json(layers=layers)["layers"]}
 
     def run(self, client: str, body: dict, timeout: float | None = None) -> Ticket:
         ticket = self.queue.submit(client, body)
@@ -333,8 +366,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, {"tokens": engine.token_strings(ids)})
             elif path == "/run":
                 self._run(body)
+            elif path == "/probes":
+                try:
+                    self._send(200, self.service.probes(body))
+                except KeyError:
+                    self._error(404, "RunGone", f"the service no longer keeps that run (it keeps the last {KEPT_RUNS})")
             else:
-                self._error(404, "NotFound", f"no endpoint POST {path} (try /run, /tokenize, /token_strings)")
+                self._error(404, "NotFound", f"no endpoint POST {path} (try /run, /probes, /tokenize, /token_strings)")
         except EngineError as err:
             self._error(400, "EngineError", str(err))
 

@@ -43,13 +43,24 @@ class EngineBusy(RemoteEngineError):
     """The service refused to queue another run for this client."""
 
 
+class RunGone(RemoteEngineError):
+    """The service no longer keeps the run whose probes were asked for."""
+
+
 class RemoteRun:
     """One run's result from the service: `to_json()` is exactly the engine's `RunResult.to_json()`;
-    `layers` maps layer -> LayerResult (tensors), as on the in-process result."""
+    `layers` maps layer -> LayerResult (tensors), as on the in-process result.
 
-    def __init__(self, data: dict, queue: dict | None = None):
+    A run the service keeps (`run_id`) arrives without its layers' probes: each layer is fetched the
+    first time it is asked for, so a click moves one layer's probes, not the whole model's. If the
+    service has dropped the run meanwhile, the prompt is run again (the engine is deterministic)."""
+
+    def __init__(self, data: dict, queue: dict | None = None, engine: RemoteEngine | None = None,
+                 request: dict | None = None):
         self._data = data
         self.queue = queue or {}   # position when queued, wait_s, run_s
+        self._engine, self._request = engine, request
+        self._probed = [int(v) for v in data.get("probed_layers", [])] if data.get("run_id") else None
         for key in ("tokens", "token_ids", "image_mask", "cache_bytes", "kv_bytes_formula", "time_s",
                     "generated_ids", "generated_text"):
             setattr(self, key, data.get(key))
@@ -57,7 +68,8 @@ class RemoteRun:
 
     def to_json(self, layers=None) -> dict:
         """A private copy, as a fresh to_json() would be; `layers` keeps only those layers' probes."""
-        data = json.loads(json.dumps(self._data))
+        self._fetch(self._probed if layers is None else layers)
+        data = json.loads(json.dumps({k: v for k, v in self._data.items() if k not in ("run_id", "probed_layers")}))
         if layers is not None:
             data["layers"] = {k: v for k, v in data["layers"].items() if int(k) in set(layers)}
         return data
@@ -65,8 +77,24 @@ class RemoteRun:
     @property
     def layers(self) -> dict[int, LayerResult]:
         if self._layers is None:
+            self._fetch(self._probed)
             self._layers = {int(k): layer_from_json(v) for k, v in self._data["layers"].items()}
         return self._layers
+
+    def _fetch(self, layers) -> None:
+        """Bring the probes of these layers from the service, where it keeps them."""
+        if self._probed is None or layers is None:
+            return
+        missing = [L for L in layers if L in self._probed and str(L) not in self._data["layers"]]
+        if not missing:
+            return
+        try:
+            got = self._engine.probes(self._data["run_id"], missing)
+        except RunGone:
+            again = self._engine.run(**self._request)
+            self._data["run_id"] = again._data["run_id"]
+            got = self._engine.probes(self._data["run_id"], missing)
+        self._data["layers"].update(got)
 
 
 def layer_from_json(d: dict) -> LayerResult:
@@ -126,7 +154,12 @@ class RemoteEngine:
     def token_strings(self, ids: list[int]) -> list[str]:
         return self._call("POST", "/token_strings", {"ids": [int(i) for i in ids]}, INFO_TIMEOUT * 6)["tokens"]
 
-    def run(self, prompt: str | list[int], layers=None, probes=None, image_spans=(), generate: int = 0) -> RemoteRun:
+    def run(self, prompt: str | list[int], layers=None, probes=None, image_spans=(), generate: int = 0,
+            keep: bool | None = None) -> RemoteRun:
+        """Run on the service. A run of every layer (`layers=None`) is kept there by default and its
+        probes come layer by layer as they are asked for (`keep=False`: all at once)."""
+        request = dict(prompt=prompt, layers=layers, probes=probes, image_spans=image_spans, generate=generate,
+                       keep=layers is None if keep is None else keep)
         body: dict = {"prompt": prompt} if isinstance(prompt, str) else {"ids": [int(i) for i in prompt]}
         if layers is not None:
             body["layers"] = [int(v) for v in layers]
@@ -134,8 +167,15 @@ class RemoteEngine:
             body["probes"] = list(probes)
         body["image_spans"] = [[int(a), int(b)] for a, b in image_spans]
         body["generate"] = int(generate)
+        body["keep"] = request["keep"]
         reply = self._call("POST", "/run", body, self.timeout, during="the run")
-        return RemoteRun(reply["result"], reply.get("queue"))
+        return RemoteRun(reply["result"], reply.get("queue"), engine=self, request=request)
+
+    def probes(self, run_id: str, layers: list[int]) -> dict:
+        """Some layers' probes of a kept run: {"layer": LayerResult.to_json()} (RunGone when dropped)."""
+        reply = self._call("POST", "/probes", {"run_id": run_id, "layers": [int(v) for v in layers]},
+                           self.timeout, during="fetching the layer's probes")
+        return reply["layers"]
 
     def health(self) -> dict:
         return self._call("GET", "/health", timeout=INFO_TIMEOUT)
@@ -171,6 +211,8 @@ class RemoteEngine:
             return EngineError(message)
         if kind == "QueueFull":
             return EngineBusy(f"the engine service is busy: {message}")
+        if kind == "RunGone":
+            return RunGone(message)
         return RemoteEngineError(f"the engine service at {self.url} failed: {message}")
 
     def _unreachable(self, reason, during: str | None) -> EngineUnreachable:

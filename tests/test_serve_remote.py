@@ -18,6 +18,7 @@ import torch
 
 from engine.api import EngineError, load
 from engine.roles import role_plan
+from engine import serve
 from engine.serve import EngineService, FairQueue, QueueFull, host_warning, make_server
 from explorer import layer_views as lv
 from explorer import remote
@@ -134,6 +135,41 @@ def test_client_gives_the_in_process_views(served, engine):
         client.run([0, 99999])
 
 
+def test_a_run_of_every_layer_stays_on_the_service_and_comes_layer_by_layer(engine, monkeypatch):
+    monkeypatch.setattr(serve, "KEPT_RUNS", 2)
+    s = Served(engine)
+    try:
+        client = RemoteEngine(s.url)
+        asked: list[list[int]] = []
+        fetch = client.probes
+        monkeypatch.setattr(client, "probes", lambda run_id, layers: asked.append(list(layers)) or fetch(run_id, layers))
+        remote_run, local_run = client.run(IDS), engine.run(IDS)      # every layer, as the app asks
+        assert remote_run._data["layers"] == {} and len(s.service.kept) == 1   # nothing moved yet
+        # a click: one layer (and the one it borrows from) comes over, equal to the in-process probes
+        assert no_time(remote_run.to_json(layers=[7, 5])) == no_time(local_run.to_json(layers=[7, 5]))
+        assert no_time(remote_run.to_json(layers=[5])) == no_time(local_run.to_json(layers=[5]))
+        assert asked == [[7, 5]]                                   # layer 5 was not fetched twice
+        # the service drops the oldest runs; a click on a new layer then runs the prompt again
+        client.run(IDS[:20], layers=None)
+        client.run(IDS[:30], layers=None)
+        assert len(s.service.kept) == 2 and remote_run._data["run_id"] not in s.service.kept
+        assert no_time(remote_run.to_json(layers=[3])) == no_time(local_run.to_json(layers=[3]))
+        assert remote_run._data["run_id"] in s.service.kept
+        assert torch.equal(remote_run.layers[6].topk, local_run.layers[6].topk)     # .layers fetches the rest
+        assert no_time(remote_run.to_json()) == no_time(local_run.to_json())
+        # /probes: bad requests and a dropped run are clear answers
+        status, reply = post(s.url, "/probes", {"run_id": "nope", "layers": [3]})
+        assert status == 404 and reply["kind"] == "RunGone" and "last 2" in reply["error"]
+        status, reply = post(s.url, "/probes", {"run_id": remote_run._data["run_id"], "layers": "3"})
+        assert status == 400 and "list of layer numbers" in reply["error"]
+        status, reply = post(s.url, "/probes", {"run_id": remote_run._data["run_id"], "layers": [3, 99]})
+        assert status == 400 and "no probes of layers [99]" in reply["error"]
+        status, reply = post(s.url, "/run", {"ids": IDS, "keep": "yes"})
+        assert status == 400 and "'keep' must be true or false" in reply["error"]
+    finally:
+        s.close()
+
+
 def test_unreachable_service_is_a_clear_message(monkeypatch):
     with pytest.raises(EngineUnreachable, match=r"cannot reach the engine service at http://127.0.0.1:9 "
                                                  r"\(connection refused\)"):
@@ -209,7 +245,7 @@ class GatedEngine:
     def run(self, prompt, **_):
         self.order.append(f"{prompt[0]}")
         assert self.gate.acquire(timeout=30)
-        return type("R", (), {"to_json": lambda self: {"tag": prompt[0]}})()
+        return type("R", (), {"to_json": lambda self, layers=None: {"tag": prompt[0]}, "layers": {}})()
 
 
 def test_one_client_with_many_runs_does_not_starve_another():
