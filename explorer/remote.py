@@ -67,11 +67,13 @@ class RemoteRun:
         self._layers: dict[int, LayerResult] | None = None
 
     def to_json(self, layers=None) -> dict:
-        """A private copy, as a fresh to_json() would be; `layers` keeps only those layers' probes."""
+        """The run's JSON, as RunResult.to_json(); `layers` keeps only those layers' probes. The probes
+        are shared with this object, not copied (a release-size layer is ~100 MB): read, don't change."""
         self._fetch(self._probed if layers is None else layers)
-        data = json.loads(json.dumps({k: v for k, v in self._data.items() if k not in ("run_id", "probed_layers")}))
-        if layers is not None:
-            data["layers"] = {k: v for k, v in data["layers"].items() if int(k) in set(layers)}
+        data = {k: v for k, v in self._data.items() if k not in ("run_id", "probed_layers")}
+        if layers is not None and "layers" in data:
+            keep = {str(int(v)) for v in layers}
+            data["layers"] = {k: v for k, v in data["layers"].items() if k in keep}
         return data
 
     @property
