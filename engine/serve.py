@@ -10,7 +10,8 @@ Endpoints (JSON in, JSON out; errors are `{"error": message, "kind": ...}` with 
                          `{"result": RunResult.to_json(), "queue": {"position", "wait_s", "run_s"}}`;
                          with `"keep": true` the result holds no layer probes but a `run_id`, and the
                          service keeps the run (the last KEPT_RUNS of them) for
-- `POST /probes`         `{"run_id", "layers": [...]}` -> `{"layers": {layer: LayerResult.to_json()}}`:
+- `POST /probes`         `{"run_id", "layers": [...], "packed"}` -> `{"layers": {layer: LayerResult.to_json()}}`
+                         (`"packed": true`: `LayerResult.to_wire()`, tensors as binary blocks):
                          a click asks for one layer's probes (at release size one layer of a 4,096-token
                          prompt is ~100 MB of JSON, all 40 layers would be GBs); 404 `RunGone` when evicted
 
@@ -292,6 +293,8 @@ class EngineService:
         missing = sorted(set(layers) - set(result.layers))
         if missing:
             raise EngineError(f"the run has no probes of layers {missing}; it probed {sorted(result.layers)}")
+        if body.get("packed"):
+            return {"layers": {str(L): result.layers[L].to_wire() for L in layers}}
         return {"layers": result.to_json(layers=layers)["layers"]}
 
     def run(self, client: str, body: dict, timeout: float | None = None) -> Ticket:

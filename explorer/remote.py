@@ -174,10 +174,14 @@ class RemoteEngine:
         return RemoteRun(reply["result"], reply.get("queue"), engine=self, request=request)
 
     def probes(self, run_id: str, layers: list[int]) -> dict:
-        """Some layers' probes of a kept run: {"layer": LayerResult.to_json()} (RunGone when dropped)."""
-        reply = self._call("POST", "/probes", {"run_id": run_id, "layers": [int(v) for v in layers]},
+        """Some layers' probes of a kept run: {"layer": LayerResult.to_json()} (RunGone when dropped).
+        They travel packed (tensors as binary blocks) and are turned into JSON here, by the engine's own
+        LayerResult.to_json, so they equal what the engine in this process would give."""
+        from engine.api import LayerResult
+
+        reply = self._call("POST", "/probes", {"run_id": run_id, "layers": [int(v) for v in layers], "packed": True},
                            self.timeout, during="fetching the layer's probes")
-        return reply["layers"]
+        return {k: LayerResult.from_wire(v).to_json() for k, v in reply["layers"].items()}
 
     def health(self) -> dict:
         return self._call("GET", "/health", timeout=INFO_TIMEOUT)

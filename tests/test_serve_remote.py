@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import torch
 
-from engine.api import EngineError, load
+from engine.api import EngineError, LayerResult, load, pack_tensor, unpack_tensor
 from engine.roles import role_plan
 from engine import serve
 from engine.serve import EngineService, FairQueue, QueueFull, host_warning, make_server
@@ -157,6 +157,9 @@ def test_a_run_of_every_layer_stays_on_the_service_and_comes_layer_by_layer(engi
         assert remote_run._data["run_id"] in s.service.kept
         assert torch.equal(remote_run.layers[6].topk, local_run.layers[6].topk)     # .layers fetches the rest
         assert no_time(remote_run.to_json()) == no_time(local_run.to_json())
+        # /probes without "packed" answers plain JSON, the same probes
+        status, reply = post(s.url, "/probes", {"run_id": remote_run._data["run_id"], "layers": [4]})
+        assert status == 200 and no_time(reply["layers"]) == no_time(local_run.to_json(layers=[4])["layers"])
         # /probes: bad requests and a dropped run are clear answers
         status, reply = post(s.url, "/probes", {"run_id": "nope", "layers": [3]})
         assert status == 404 and reply["kind"] == "RunGone" and "last 2" in reply["error"]
@@ -168,6 +171,27 @@ def test_a_run_of_every_layer_stays_on_the_service_and_comes_layer_by_layer(engi
         assert status == 400 and "'keep' must be true or false" in reply["error"]
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.randn(5, 3), torch.tensor([[3, -1], [2**40, 0]]), torch.tensor([[3, -1], [7, 0]]), torch.rand(33, 7) > 0.5,
+    torch.randn(4, 2).bfloat16(), torch.zeros(0, 4, dtype=torch.long), torch.tensor([float("-inf"), float("nan"), 2.5]),
+])
+def test_packed_tensors_come_back_equal(tensor):
+    packed = json.loads(json.dumps(pack_tensor(tensor)))     # through JSON, as on the wire
+    back = unpack_tensor(packed)
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back.isnan(), tensor.isnan()) if tensor.is_floating_point() else True
+    assert torch.equal(torch.nan_to_num(back.float(), nan=7.0), torch.nan_to_num(tensor.float(), nan=7.0))
+
+
+def test_a_layer_on_the_wire_is_the_same_layer(engine):
+    run = engine.run(IDS)
+    for layer, result in run.layers.items():
+        wire = json.loads(json.dumps(result.to_wire()))
+        assert no_time(LayerResult.from_wire(wire).to_json()) == no_time(result.to_json()), layer
+    packed = len(json.dumps(run.layers[7].to_wire()))
+    assert packed < len(json.dumps(run.layers[7].to_json()))
 
 
 def test_unreachable_service_is_a_clear_message(monkeypatch):
