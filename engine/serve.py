@@ -45,6 +45,10 @@ class QueueFull(Exception):
     """This client already has as many runs waiting as the service allows."""
 
 
+class RunGone(Exception):
+    """The run asked for is no longer kept (the service keeps the last KEPT_RUNS)."""
+
+
 # -- the queue ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -284,12 +288,14 @@ class EngineService:
         return {**result.to_json(layers=[]), "run_id": run_id, "probed_layers": sorted(result.layers)}
 
     def probes(self, body: dict) -> dict:
-        """A kept run's probes of some layers (KeyError: the run is gone; EngineError: a bad request)."""
+        """A kept run's probes of some layers (RunGone: no longer kept; EngineError: a bad request)."""
         layers = body.get("layers")
         if not (isinstance(layers, list) and all(isinstance(v, int) for v in layers)):
             raise EngineError("'layers' must be a list of layer numbers")
         with self._kept_lock:
-            result = self.kept[str(body.get("run_id"))]
+            result = self.kept.get(str(body.get("run_id")))
+        if result is None:
+            raise RunGone(f"the service no longer keeps that run (it keeps the last {KEPT_RUNS})")
         missing = sorted(set(layers) - set(result.layers))
         if missing:
             raise EngineError(f"the run has no probes of layers {missing}; it probed {sorted(result.layers)}")
@@ -372,8 +378,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/probes":
                 try:
                     self._send(200, self.service.probes(body))
-                except KeyError:
-                    self._error(404, "RunGone", f"the service no longer keeps that run (it keeps the last {KEPT_RUNS})")
+                except RunGone as err:
+                    self._error(404, "RunGone", str(err))
             else:
                 self._error(404, "NotFound", f"no endpoint POST {path} (try /run, /probes, /tokenize, /token_strings)")
         except EngineError as err:
