@@ -185,6 +185,21 @@ def test_packed_tensors_come_back_equal(tensor):
     assert torch.equal(torch.nan_to_num(back.float(), nan=7.0), torch.nan_to_num(tensor.float(), nan=7.0))
 
 
+@pytest.mark.parametrize("tensor", [
+    torch.randn(6, 5), torch.randint(-9, 9, (4, 3)), torch.randn(3, 2).bfloat16(), torch.randn(2, 2, dtype=torch.float64),
+    torch.rand(3, 4) > 0.5, torch.zeros(0, 2),
+])
+def test_probe_json_is_torchs_own_tolist(tensor):
+    from engine.api import _finite, _plain
+    assert json.dumps(_plain(tensor)) == json.dumps(tensor.tolist())
+    if tensor.is_floating_point() and tensor.numel():
+        padded = tensor.float().clone()
+        padded[0, -1], padded[-1, 0] = float("-inf"), float("nan")
+        want = padded.tolist()
+        want[0][-1] = want[-1][0] = None
+        assert _finite(padded) == want
+
+
 def test_a_layer_on_the_wire_is_the_same_layer(engine):
     run = engine.run(IDS)
     for layer, result in run.layers.items():
