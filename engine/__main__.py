@@ -79,7 +79,7 @@ def _tally_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_tally(args: argparse.Namespace) -> int:
-    from .checkpoint import checkpoint_config
+    from .inventory import checkpoint_config
     from .tally import cache_breakdown_at, tally_from_checkpoint, tally_from_config
 
     if args.context is not None and args.context < 0:
@@ -142,7 +142,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import check_against_config, checkpoint_config, read_inventory
+    from .inventory import check_against_config, checkpoint_config, read_inventory
 
     inv = read_inventory(args.dir)
     cfg = load_config(args.config) if args.config else checkpoint_config(args.dir)

@@ -261,7 +261,7 @@ def tally_from_config(cfg: ModelConfig) -> Tally:
 
 def tally_from_checkpoint(directory: str | Path) -> Tally:
     """The tally of a checkpoint folder from its shard headers and config.json (no tensor data read)."""
-    from .checkpoint import checkpoint_config, read_inventory
+    from .inventory import checkpoint_config, read_inventory
     inventory = read_inventory(directory)
     cfg = checkpoint_config(directory)
     enabled = gc.isenabled()
