@@ -553,7 +553,8 @@ def current_data(name: str, author: str, notes: str):
         name=name, author=author, notes=notes, view=a["view"], role=a["role"], source_kind=a["source"],
         model_source=origin.get("source") or a["path"], model_identity=origin.get("identity", ""),
         engine_version=origin.get("engine_version", ""), prompt=a["text"], span=a["span"],
-        settings={k: st.session_state.get(k) for k in sv.SETTING_KEYS}, run=a["run"])
+        settings={k: st.session_state.get(k) for k in sv.SETTING_KEYS}, run=a["run"],
+        prompt_b=st.session_state.get("cmp_prompt") if st.session_state.get("cmp_mode") == "prompt" else None)
 
 
 def on_save() -> None:

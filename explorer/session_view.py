@@ -70,9 +70,11 @@ def image_span(marks: Iterable[Mapping[str, Any]]) -> tuple[int, int] | None:
 def build_session_data(*, name: str, author: str, notes: str, view: ViewState, role: LayerRole,
                        source_kind: str, model_source: str, model_identity: str, engine_version: str,
                        prompt: str, span: tuple[int, int] | None, settings: Mapping[str, Any] | None = None,
-                       run: Mapping[str, Any] | None = None) -> SessionData:
+                       run: Mapping[str, Any] | None = None, prompt_b: str | None = None) -> SessionData:
     """What "Save" stores: model, prompt and marks, the view (layer, tab, position, widget settings)
-    and the run's probes of the layers looked at. Validation is the store's job."""
+    and the run's probes of the layers looked at; `prompt_b`, the side by side's other prompt, as the
+    second prompt (its run is not stored: opening the session offers it to run again). Validation is
+    the store's job."""
     view_settings: dict[str, Any] = {"position": view.position, "source": source_kind}
     for key in SETTING_KEYS:
         value = (settings or {}).get(key)
@@ -82,7 +84,7 @@ def build_session_data(*, name: str, author: str, notes: str, view: ViewState, r
         name=name.strip(), author=author.strip(), notes=notes,
         model_source=model_source, model_identity=model_identity or "",
         engine_version=engine_version or str((run or {}).get("engine_version") or ""),
-        prompts=[prompt], spans=span_marks(span), layer=view.layer, tab=view.tab, view=view_settings,
+        prompts=[prompt] + ([prompt_b] if prompt_b and prompt_b.strip() else []), spans=span_marks(span), layer=view.layer, tab=view.tab, view=view_settings,
         probes=trim_run(run, looked_at_layers(role)),
     )
 
@@ -124,6 +126,8 @@ def view_from_session(session: SessionData, plan: list[LayerRole],
 def widget_state(session: SessionData) -> dict[str, Any]:
     """Sidebar and view widget values (st.session_state keys) that reproduce the session."""
     out: dict[str, Any] = {"prompt_text": session.prompts[0] if session.prompts else ""}
+    if len(session.prompts) > 1:      # the side by side was against another prompt: set it up again
+        out.update(cmp_mode="prompt", cmp_prompt=session.prompts[1])
     span = image_span(session.spans)
     out["image_on"] = span is not None
     out["image_span"] = f"{span[0]}-{span[1]}" if span else ""

@@ -92,6 +92,19 @@ def test_saved_session_restores_view_widgets_and_probes(plan, store):
     assert sv.stored_run(None, plan[25], "the prompt", (2, 5)) is None
 
 
+def test_side_by_side_prompt_b_is_saved_and_set_up_again(plan, store):
+    saved = store.save(session_data(plan, prompt_b="prompt B text"))
+    loaded = store.load(saved.id)
+    assert loaded.prompts == ["the prompt", "prompt B text"]
+    widgets = sv.widget_state(loaded)
+    assert widgets["prompt_text"] == "the prompt"
+    assert widgets["cmp_mode"] == "prompt" and widgets["cmp_prompt"] == "prompt B text"
+    # the stored probes are still prompt A's; a blank prompt B is not saved
+    assert sv.stored_run(loaded, plan[25], "the prompt", (2, 5)) is not None
+    assert session_data(plan, prompt_b="   ").prompts == ["the prompt"]
+    assert "cmp_prompt" not in sv.widget_state(session_data(plan))
+
+
 def test_view_from_session_out_of_range_values(plan):
     data = session_data(plan)
     data.layer, data.tab, data.view = 77, "nonsense", {"position": "sideways", "query_pos": 10_000,
@@ -303,6 +316,19 @@ def test_app_save_then_open_by_link(app_env, monkeypatch):
     assert any(m.value == "**Session:** Reuse at 25" for m in at2.markdown)
     assert any(m.value == "look \\*here\\*" for m in at2.markdown)    # notes escaped, shown literally
     assert not at2.error and query_value(at2, "session") == sid
+
+
+def test_app_saves_prompt_b_of_the_side_by_side(app_env, monkeypatch):
+    at = start({"layer": "25"})
+    at.radio(key="cmp_mode").set_value("prompt").run()
+    at.text_area(key="cmp_prompt").input("what prompt B says").run()
+    check(at)
+    sid = save_via_sidebar(at)
+    with SessionStore.from_env() as s:
+        assert s.load(sid).prompts[1] == "what prompt B says"
+    at2 = start({"session": sid})
+    assert at2.radio(key="cmp_mode").value == "prompt"
+    assert at2.text_area(key="cmp_prompt").value == "what prompt B says"
 
 
 def test_app_unknown_session_keeps_the_default_view(app_env):
