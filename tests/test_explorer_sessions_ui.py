@@ -19,6 +19,7 @@ from explorer.session_compare import compare_layer, replay_report
 from explorer.sessions import EXPORT_FORMAT, SessionData, SessionNotFound, SessionStore, SessionSummary, parse_export
 from explorer.state import ViewState
 from explorer_synth import synthetic_layer, synthetic_run
+from pg_fixture import pg_server_url, pg_url  # noqa: F401  (fixtures)
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 RELEASE = Path(__file__).resolve().parents[1] / "assets" / "configs" / "v41-flash.json"
@@ -329,6 +330,22 @@ def test_app_saves_prompt_b_of_the_side_by_side(app_env, monkeypatch):
     at2 = start({"session": sid})
     assert at2.radio(key="cmp_mode").value == "prompt"
     assert at2.text_area(key="cmp_prompt").value == "what prompt B says"
+
+
+def test_app_sessions_on_postgresql(app_env, pg_url, monkeypatch):  # noqa: F811
+    """The same flow with the team's database: EXPLORER_DB_URL names a PostgreSQL server."""
+    monkeypatch.setenv("EXPLORER_DB_URL", pg_url)
+    at = start({"layer": "25"})
+    sid = save_via_sidebar(at, name="On the team database")
+    with SessionStore(pg_url) as s:
+        assert s.dialect == "postgresql" and s.load(sid).name == "On the team database"
+    if app_env["db"].exists():        # nothing went to the SQLite file
+        with SessionStore.from_env({"EXPLORER_DB_PATH": str(app_env["db"])}) as local:
+            assert local.count() == 0
+    monkeypatch.delenv("EXPLORER_RUN_JSON")
+    at2 = start({"session": sid})
+    assert headings(at2) == ["## Layer 25 · Reuse"] and query_value(at2, "session") == sid
+    assert any(m.value == "**Session:** On the team database" for m in at2.markdown)
 
 
 def test_app_unknown_session_keeps_the_default_view(app_env):
