@@ -69,6 +69,19 @@ function loadPlotly(src) {
   return loads[src];
 }
 
+// When only the layout changed (same traces by their digest, same config), the changed layout keys go
+// to Plotly.relayout: moving the plan's selection ring costs ~2 ms instead of ~35 for a full update.
+function layoutChanges(prev, msg) {
+  const a = prev.figure.layout || {}, b = msg.figure.layout || {};
+  if (a.datarevision === undefined || a.datarevision !== b.datarevision) return null;
+  if (JSON.stringify(prev.config) !== JSON.stringify(msg.config)) return null;
+  const changes = {};
+  for (const key of new Set([...Object.keys(a), ...Object.keys(b)])) {
+    if (JSON.stringify(a[key]) !== JSON.stringify(b[key])) changes[key] = key in b ? b[key] : null;
+  }
+  return changes;
+}
+
 function pointOf(p) {
   return {customdata: p.customdata, curve_number: p.curveNumber, point_index: p.pointIndex, x: p.x, y: p.y};
 }
@@ -86,11 +99,15 @@ export default function ({ data, parentElement, setTriggerValue }) {
   if (text === gd._explorerText) return;
   gd._explorerText = text;
   const msg = JSON.parse(text);
+  const prev = gd._explorerMsg;
+  gd._explorerMsg = msg;
   const base = window.location.pathname.replace(/[^/]*$/, "");
   loadPlotly(base + msg.src)
     .then((Plotly) => {
       if (gd._explorerText !== text) return null;   // a newer figure came in while plotly.js loaded
-      return Plotly.react(gd, msg.figure.data, msg.figure.layout || {}, msg.config).then(() => {
+      const changes = prev && gd.data ? layoutChanges(prev, msg) : null;
+      const drawn = changes ? Plotly.relayout(gd, changes) : Plotly.react(gd, msg.figure.data, msg.figure.layout || {}, msg.config);
+      return drawn.then(() => {
         gd.dataset.tag = msg.tag;
         if (!gd._explorerClicks) {
           gd._explorerClicks = true;

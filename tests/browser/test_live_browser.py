@@ -52,6 +52,9 @@ def test_click_runs_the_shipped_model_and_draws_the_views(server, browser):
     # the top-k map of a Reindex layer shows layer 20's candidate pool
     traces = page.evaluate("() => document.querySelector('.st-key-topk_map .js-plotly-plot').data.length")
     assert traces >= 2
+    # the plan's ring moved to the clicked block (a layout-only update: Plotly.relayout of the shapes)
+    assert page.evaluate("""() => document.querySelector('.st-key-plan_chart .js-plotly-plot')._fullLayout.shapes
+        .find(s => s.name === 'ring').yanchor""") == 24
     # the chart was updated in place, not drawn anew in a new element
     assert page.evaluate("() => document.querySelector('.st-key-topk_map .js-plotly-plot').__kept === true")
     # the token strip: one chip per prompt token, the chosen query's picks ringed
