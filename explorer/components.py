@@ -99,14 +99,15 @@ export default function ({ data, parentElement, setTriggerValue }) {
   if (text === gd._explorerText) return;
   gd._explorerText = text;
   const msg = JSON.parse(text);
-  const prev = gd._explorerMsg;
-  gd._explorerMsg = msg;
   const base = window.location.pathname.replace(/[^/]*$/, "");
   loadPlotly(base + msg.src)
     .then((Plotly) => {
-      if (gd._explorerText !== text) return null;   // a newer figure came in while plotly.js loaded
-      const changes = prev && gd.data ? layoutChanges(prev, msg) : null;
+      if (gd._explorerText !== text) return null;   // a newer figure came in meanwhile: it draws instead
+      // compared with what the chart shows (a figure skipped above was never drawn)
+      const shown = gd._explorerShown;
+      const changes = shown && gd.data ? layoutChanges(shown, msg) : null;
       const drawn = changes ? Plotly.relayout(gd, changes) : Plotly.react(gd, msg.figure.data, msg.figure.layout || {}, msg.config);
+      gd._explorerShown = msg;     // Plotly has taken the figure in by now; the promise is its redraw
       return drawn.then(() => {
         gd.dataset.tag = msg.tag;
         if (!gd._explorerClicks) {
@@ -124,6 +125,8 @@ export default function ({ data, parentElement, setTriggerValue }) {
       });
     })
     .catch((err) => {
+      gd._explorerShown = null;      // the next figure is drawn afresh
+      try { if (window.Plotly) window.Plotly.purge(gd); } catch (ignored) { /* nothing drawn to purge */ }
       gd.dataset.error = String(err && err.message || err);
       gd.textContent = "This chart could not be drawn: " + gd.dataset.error;
     });

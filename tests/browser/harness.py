@@ -40,8 +40,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(env: dict[str, str], log_name: str):
-    """Serve app.py with these environment overrides; yields the base URL."""
+def streamlit_server(env: dict[str, str], log_name: str, script: Path | None = None):
+    """Serve app.py (or `script`, from its own folder) with these environment overrides; yields the base URL."""
     require_browser()
     port = _free_port()
     full_env = {k: v for k, v in os.environ.items() if k not in ("EXPLORER_DB_URL", "EXPLORER_RUN_JSON")}
@@ -50,10 +50,11 @@ def streamlit_server(env: dict[str, str], log_name: str):
     log_path = ARTIFACTS / log_name
     with open(log_path, "w") as log:
         # no file watcher: a "source changed" banner (someone editing the tree) would hang the waits
-        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+        script = Path(script or REPO / "app.py")
+        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", script.name, "--server.headless", "true",
                                  "--server.port", str(port), "--browser.gatherUsageStats", "false",
                                  "--server.fileWatcherType", "none"],
-                                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+                                cwd=script.parent, env=full_env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + 60
