@@ -103,17 +103,15 @@ class LayerResult:
 def pack_tensor(t: torch.Tensor) -> dict:
     """A CPU tensor as JSON: its dtype, shape and raw bytes in base64, stored in the narrowest exact form
     (bool one bit per value; int64 as int32 when every value fits)."""
+    dtype = str(t.dtype).removeprefix("torch.")
     if t.dtype == torch.bool:
         raw, store = np.packbits(t.contiguous().numpy(), axis=None).tobytes(), "bits"
     else:
         if t.dtype == torch.int64 and (t.numel() == 0 or -2**31 <= int(t.min()) and int(t.max()) < 2**31):
-            a = t.to(torch.int32).contiguous().numpy()
-        elif t.dtype in (torch.bfloat16, torch.float16):
-            a = t.float().contiguous().numpy()      # exact: every bf16/fp16 value is a float32
-        else:
-            a = t.contiguous().numpy()
+            t = t.to(torch.int32)
+        a = _as_numpy(t.contiguous())
         raw, store = a.astype(a.dtype.newbyteorder("<")).tobytes(), a.dtype.newbyteorder("<").str
-    return {"tensor": str(t.dtype).removeprefix("torch."), "store": store, "shape": list(t.shape),
+    return {"tensor": dtype, "store": store, "shape": list(t.shape),
             "b64": base64.b64encode(raw).decode()}
 
 
@@ -157,14 +155,14 @@ def gc_paused():
             gc.enable()
 
 
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array; bf16/fp16 (no numpy dtype) as float32, which holds them exactly."""
+    return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+
+
 def _plain(t: torch.Tensor | None):
-    """A CPU tensor as nested Python lists, the same values as `t.tolist()` (numpy's tolist is ~3x
-    faster; bf16/fp16 go through float32, which holds them exactly)."""
-    if t is None:
-        return None
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.float()
-    return t.numpy().tolist()
+    """A CPU tensor as nested Python lists, the same values as `t.tolist()` (numpy's tolist is ~3x faster)."""
+    return None if t is None else _as_numpy(t).tolist()
 
 
 def _finite(t: torch.Tensor | None):

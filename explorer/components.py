@@ -162,8 +162,8 @@ def chart_payload(fig, *, src: str, tag: str = "", config: dict | None = None) -
     """What one chart sends to the browser: the script's path, a tag the page exposes as the chart's
     `data-tag` once drawn (tests and benchmarks wait on it), Plotly's config, and the figure JSON.
 
-    `layout.datarevision` is a digest of the traces: when only the layout changed (a selection ring,
-    a highlight), Plotly.react then redraws the layout and leaves the traces alone."""
+    `layout.datarevision` is a digest of the traces: when it and the config are unchanged (a selection
+    ring, a highlight), the browser sends only the changed layout keys to Plotly.relayout."""
     spec = fig.to_plotly_json() if hasattr(fig, "to_plotly_json") else dict(fig)
     data = to_json_plotly(spec.get("data", []))
     layout = dict(spec.get("layout", {}), datarevision=hashlib.blake2b(data.encode(), digest_size=8).hexdigest())
