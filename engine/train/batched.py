@@ -1,0 +1,451 @@
+"""The V4.1-Flash forward for training: B sequences at once, static shapes, no host syncs.
+
+Same function as the engine's `Model.forward` on a fresh run (tests/test_train_batched.py checks
+logits, picks and routing against it), written for throughput instead of probes and caches:
+
+- every op runs on [B, T, ...] at once (the engine runs one sequence, query block by query block);
+- routed experts are computed densely (all E experts for every token, weighted by the routing
+  weights, 0 for experts not chosen): the same sum, with static shapes and no per-expert launches;
+- the sliding window is attended chunk by chunk (chunks of W queries against their own and the
+  previous chunk's keys), so no [T, W, D] window copy is made;
+- the global branch gathers the selected entries ([B, T, k, D]); in the dense warm-up it attends
+  every visible entry through a mask instead;
+- the caches' number formats (FP8 window, FP4 global KV and index keys, FP4 indexer queries) are
+  applied with straight-through gradients, as the engine's `ste` does.
+
+The indexer follows the V3.2 recipe: its inputs are detached, so it learns only from its KL to the
+attention of the layers that use its picks (plus a small margin term that keeps selected entries'
+scores off the ReLU floor), and never pushes the backbone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .. import mhc, quant
+from ..attention import rms_norm, topk_in_position_order
+from ..config import ModelConfig
+from ..engram import EngramLayout, engram_forward
+from ..layout import tensor_specs
+from ..moe import route, swiglu
+from ..roles import FULL, REINDEX, REUSE, LayerRole, role_plan
+from ..rope import layer_freqs, rotate
+
+NEG_INF = float("-inf")
+
+
+# -- number formats without host syncs (training never meets inf/NaN on purpose) ------------------
+
+def fp8_values(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """What an FP8 E4M3 (E8M0 per `block`) store-and-load gives, float32, same shape as x."""
+    groups = x.float().unflatten(-1, (-1, block))
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    floor = quant.pow2_scale_up(amax, quant.FP8_MAX).view(torch.int32) - (6 << 23)
+    return quant.round_mantissa(groups.contiguous(), 3, floor).flatten(-2)
+
+
+def fp4_values(x: torch.Tensor, block: int, scale_kind: str) -> torch.Tensor:
+    """What an FP4 E2M1 store-and-load gives (scales E8M0 or E4M3 per `block`), float32."""
+    groups = x.float().unflatten(-1, (-1, block))
+    amax = groups.abs().amax(dim=-1)
+    if scale_kind == "e8m0":
+        scale = quant.pow2_scale_up(amax.clamp_min(quant.FP4_MAX * 2.0**-126), quant.FP4_MAX)
+    else:
+        scale = quant.to_e4m3(amax.clamp_min(quant.FP4_MAX * 2.0**-9) / quant.FP4_MAX).float()
+    v = (groups / scale.unsqueeze(-1)).clamp(-quant.FP4_MAX, quant.FP4_MAX).contiguous()
+    return (quant.round_e2m1(v) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def ste(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """Forward the rounded value, backward the identity."""
+    return x + (rounded - x).detach()
+
+
+def rotate_bt(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`rope.rotate` for [B, T, ...] tensors (rotate wants positions on the leading axis)."""
+    return rotate(x.transpose(0, 1), positions, freqs, inverse).transpose(0, 1)
+
+
+# -- Engram rows ------------------------------------------------------------------------------------
+
+def engram_rows_batched(layout: EngramLayout, index: int, compressed: torch.Tensor) -> torch.Tensor:
+    """`engram.ngram_rows` for B sequences that each start at position 0 and hold no dead positions.
+    compressed: [B, T] long -> rows [B, T, (N-1) * heads] long, computed on compressed's device."""
+    B, T = compressed.shape
+    mult = layout.multipliers[index]
+    rolling, columns = None, []
+    for shift in range(layout.max_ngram_size):
+        source = F.pad(compressed, (shift, 0), value=layout.pad_id)[:, :T]  # slots before 0 read pad
+        product = source * mult[shift]
+        rolling = product if rolling is None else torch.bitwise_xor(rolling, product)
+        if shift == 0:
+            continue
+        primes = torch.tensor(layout.primes[index][shift - 1], dtype=torch.long, device=compressed.device)
+        columns.append(rolling.unsqueeze(-1) % primes)
+    offsets = torch.tensor(layout.offsets[index], dtype=torch.long, device=compressed.device)
+    return torch.cat(columns, dim=-1) + offsets
+
+
+# -- the forward ------------------------------------------------------------------------------------
+
+@dataclass
+class StepOptions:
+    dense: bool = False          # the warm-up: every global layer attends every visible entry
+    fake_quant: bool = False     # FP8 dense linears, FP4 experts, FP8 Engram rows (straight-through)
+    margin: float = 0.0          # weight of the indexer's keep-off-the-floor term
+    analysis: bool = False       # also measure selection recall and zero-score picks (no grad)
+    position_ties: bool = False  # ties at the k-th score go to the lower position, as in the engine
+
+
+@dataclass
+class StepOut:
+    loss_ce: torch.Tensor
+    loss_kl: torch.Tensor
+    loss_margin: torch.Tensor
+    loads: torch.Tensor                                  # [n_layers, E] tokens routed to each expert
+    zero_picks: dict = field(default_factory=dict)       # index layer -> share of valid picks scoring 0
+    recall: dict = field(default_factory=dict)           # index layer -> mean attention mass captured
+    logits: torch.Tensor | None = None
+    residual_norms: list = field(default_factory=list)   # analysis: per layer [B, T, hc]
+    picks: dict = field(default_factory=dict)            # analysis: index layer -> (idx, scores) [B, T, k]
+
+
+class BatchedForward:
+    """Runs the model over [B, T] token ids, weights from `get(name)` (float tensors, grads allowed).
+    Routed experts come stacked: get('layers.L.ffn.experts.w1') -> [E, inter, dim]."""
+
+    def __init__(self, cfg: ModelConfig, get, layout: EngramLayout | None, compressed_lookup: torch.Tensor | None,
+                 bf16: bool = False):
+        self.cfg, self.get, self.bf16 = cfg, get, bf16
+        # dense linears stored FP8 (wo_a too, though the reference multiplies it in bf16)
+        self.fp8_names = frozenset(s.name for s in tensor_specs(cfg) if s.dtype == "F8_E4M3"
+                                   and len(s.logical_shape) == 2 and s.kind != "engram.embed")
+        self.plan: list[LayerRole] = role_plan(cfg)[: cfg.n_layers]
+        self.layout, self.lookup = layout, compressed_lookup
+        self.freqs = {r: layer_freqs(cfg, r) for r in set(cfg.compress_ratios[: cfg.n_layers])}
+        users: dict[int, list[int]] = {}
+        for role in self.plan:
+            if role.index_source is not None:
+                users.setdefault(role.index_source, []).append(role.layer)
+        self.index_users = users  # index source -> the layers that attend its picks
+
+    def w(self, name: str, opts: StepOptions) -> torch.Tensor:
+        """A dense linear's weight as the forward sees it (FP8 fake quant in the last phase)."""
+        p = self.get(name)
+        if opts.fake_quant and name in self.fp8_names:
+            q, s = quant.quantize_fp8_weight(p.detach(), 32)
+            return ste(p, quant.dequantize_fp8_weight(q, s, 32))
+        return p
+
+    def matmuls(self, device: torch.device):
+        """bf16 matrix products where asked (attention, MoE, head); the mHC stream, its mixes, the
+        router and the losses stay in fp32 as in the reference."""
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def __call__(self, ids: torch.Tensor, opts: StepOptions) -> StepOut:
+        cfg = self.cfg
+        B, T = ids.shape
+        dev = ids.device
+        hc, dim = cfg.hc_mult, cfg.dim
+        positions = torch.arange(T, device=dev)
+        x = self.get("embed.weight")[ids].float()                      # [B, T, dim]
+        X = x.unsqueeze(2).expand(B, T, hc, dim).reshape(B * T, hc, dim)
+        pre = torch.zeros(B * T, hc, device=dev)
+        pre[:, 0] = 1.0
+        compressed = self.lookup[ids] if self.layout is not None else None
+        shared: dict = {}
+        kl_terms, margin_terms, loads = [], [], []
+        out = StepOut(torch.zeros((), device=dev), torch.zeros((), device=dev), torch.zeros((), device=dev),
+                      torch.zeros(0))
+        hc_args = (hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        for role in self.plan:
+            L = role.layer
+            p = f"layers.{L}."
+            if role.engram:
+                X = self._engram(L, X, compressed, opts)
+            a_pre, a_post, a_comb = mhc.hc_mixes(X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
+                                                 self.get(p + "hc_attn_base"), *hc_args)
+            attn_in = rms_norm(mhc.collapse(X, pre), self.get(p + "attn_norm.weight"), cfg.norm_eps)
+            with self.matmuls(dev):
+                y = self._attention(role, attn_in.view(B, T, dim), positions, shared, opts, out).float()
+            X1 = mhc.expand(y.reshape(B * T, dim), X, a_post, a_comb)
+            f_pre, f_post, f_comb = mhc.hc_mixes(X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+                                                 self.get(p + "hc_ffn_base"), *hc_args)
+            ffn_in = rms_norm(mhc.collapse(X1, a_pre), self.get(p + "ffn_norm.weight"), cfg.norm_eps)
+            y, load = self._moe(L, ffn_in, opts)
+            y = y.float()
+            loads.append(load)
+            X = mhc.expand(y, X1, f_post, f_comb)
+            pre = f_pre
+            if opts.analysis:
+                out.residual_norms.append(X.detach().norm(dim=-1).view(B, T, hc))
+            # the indexer's loss, once every layer using this source's picks has attended
+            for src, users in self.index_users.items():
+                if users[-1] == L and src in shared.get("index", {}):
+                    kl, margin = self._indexer_losses(src, users, shared, opts, out)
+                    kl_terms.append(kl)
+                    margin_terms.append(margin)
+        h = rms_norm(mhc.collapse(X, pre), self.get("norm.weight"), cfg.norm_eps)
+        with self.matmuls(dev):
+            logits = h.view(B, T, dim) @ self.get("head.weight").t()
+        out.loss_ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+        if kl_terms:
+            out.loss_kl = torch.stack(kl_terms).mean()
+            out.loss_margin = torch.stack(margin_terms).mean()
+        out.loads = torch.stack(loads)
+        if opts.analysis:
+            out.logits = logits.detach()
+        return out
+
+    # -- Engram -------------------------------------------------------------------------------------
+    def _engram(self, L: int, X: torch.Tensor, compressed: torch.Tensor, opts: StepOptions) -> torch.Tensor:
+        cfg = self.cfg
+        index = self.layout.index_of(L)
+        rows = engram_rows_batched(self.layout, index, compressed).flatten(0, 1)  # [BT, R]
+        p = f"layers.{L}.engram."
+        table = self.get(p + "embed.weight")[rows]                                  # [BT, R, hd]
+        if opts.fake_quant:
+            table = ste(table, fp8_values(table.detach(), 32))
+        return engram_forward(X, table, self.w(p + "wkv.weight", opts), self.get(p + "q_weight"),
+                              self.get(p + "k_weight"), cfg.norm_eps)
+
+    # -- attention ----------------------------------------------------------------------------------
+    def _attention(self, role: LayerRole, x: torch.Tensor, positions: torch.Tensor, shared: dict,
+                   opts: StepOptions, out: StepOut) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, Dh = cfg.n_heads, cfg.head_dim
+        p = f"layers.{role.layer}.attn."
+        freqs = self.freqs[role.compress_ratio]
+        qr = rms_norm(x @ self.w(p + "wq_a.weight", opts).t(), self.get(p + "q_norm.weight"), cfg.norm_eps)
+        q = rotate_bt((qr @ self.w(p + "wq_b.weight", opts).t()).view(B, T, H, Dh), positions, freqs)
+        kv = rms_norm(x @ self.w(p + "wkv.weight", opts).t(), self.get(p + "kv_norm.weight"), cfg.norm_eps)
+        kv = rotate_bt(kv, positions, freqs)
+        kv = ste(kv, fp8_values(kv.detach(), 32))                                  # [B, T, D] window form
+
+        glob = None  # (entries [B, N, D], picks [B, T, k] or None for dense, valid [B, T, k or N])
+        if role.compress_ratio > 0:
+            if role.role == FULL:
+                shared["source"] = self._compress(role, x, freqs, opts)
+            if role.role in (FULL, REINDEX):
+                shared.setdefault("index", {})[role.layer] = self._index(role, x, qr, positions, shared, opts)
+                if opts.analysis and shared["index"][role.layer]["idx"] is not None:
+                    pick = shared["index"][role.layer]
+                    out.picks[role.layer] = (pick["idx"], pick["scores"])
+            src_kv = shared["source"][0]
+            pick = shared["index"][role.index_source]
+            glob = (src_kv, pick["idx"], pick["valid"])
+        o, probs_global = self._attend(q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float(), role)
+        if probs_global is not None:
+            shared.setdefault("mass", {})[role.layer] = probs_global.detach().sum(2)  # [B, T, k or N]
+        if opts.analysis and role.role in (FULL, REINDEX) and glob is not None and glob[1] is not None:
+            with torch.no_grad():
+                out.recall[role.layer] = self._recall(q * Dh ** -0.5, kv, shared, role, positions)
+        o = rotate_bt(o, positions, freqs, inverse=True)
+        G = cfg.o_groups
+        wo_a = self.w(p + "wo_a.weight", opts).view(G, cfg.o_lora_rank, -1)
+        o = torch.einsum("btgd,grd->btgr", o.reshape(B, T, G, -1), wo_a)
+        return o.flatten(2) @ self.w(p + "wo_b.weight", opts).t()
+
+    def _compress(self, role: LayerRole, x: torch.Tensor, freqs: torch.Tensor, opts: StepOptions):
+        """A Full layer's entries: (rotated FP4 KV [B, N, D], rotated FP4 index keys [B, N, Di])."""
+        cfg, m = self.cfg, role.compress_ratio
+        B, T, _ = x.shape
+        p = f"layers.{role.layer}.attn."
+        kv = x @ self.get(p + "compressor.wkv.weight").t()                          # [B, T, D]
+        if m > 1:
+            score = x @ self.get(p + "compressor.wgate.weight").t()
+            n = T // m
+            kv = kv[:, : n * m].unflatten(1, (n, m))
+            weights = torch.softmax(score[:, : n * m].unflatten(1, (n, m)).float(), dim=2)
+            kv = (kv * weights).sum(dim=2)
+        latent = rms_norm(kv, self.get(p + "compressor.norm.weight"), cfg.norm_eps)  # [B, N, D]
+        first = torch.arange(latent.shape[1], device=x.device) * m
+        # the index keys learn only from the indexer's loss: their input is detached (V3.2)
+        ik = rms_norm(latent.detach() @ self.get(p + "indexer.wk.weight").t(),
+                      self.get(p + "indexer.k_norm.weight"), cfg.norm_eps)
+        kv_entries = rotate_bt(latent, first, freqs)
+        ik_entries = rotate_bt(ik, first, freqs)
+        return (ste(kv_entries, fp4_values(kv_entries.detach(), 16, "e4m3")),
+                ste(ik_entries, fp4_values(ik_entries.detach(), 32, "e8m0")))
+
+    def _index(self, role: LayerRole, x, qr, positions, shared: dict, opts: StepOptions) -> dict:
+        """Scores of every visible entry (no grad) and the picks; the inputs the losses need."""
+        cfg, m = self.cfg, role.compress_ratio
+        B, T, _ = x.shape
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        p = f"layers.{role.layer}.attn.indexer."
+        freqs = self.freqs[m]
+        qi = rotate_bt((qr.detach() @ self.w(p + "wq_b.weight", opts).t()).view(B, T, hi, di), positions, freqs)
+        qi = ste(qi, fp4_values(qi.detach(), 32, "e8m0"))
+        head_w = (x.detach() @ self.get(p + "weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5)  # [B, T, hi]
+        keys = shared["source"][1]                                                   # [B, N, Di]
+        N = keys.shape[1]
+        visible = (positions + 1).div(m, rounding_mode="floor")                     # [T]
+        seen = torch.arange(N, device=x.device)[None, :] < visible[:, None]          # [T, N]
+        with torch.no_grad():
+            scores = torch.einsum("bthd,bnd->btnh", qi, keys).relu_()
+            scores = torch.einsum("btnh,bth->btn", scores, head_w)
+            scores = scores.masked_fill(~seen, NEG_INF)
+            if role.candidate_source:
+                shared["pool"] = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+            if role.in_candidate_pool:
+                scores = scores.masked_fill(~shared["pool"], NEG_INF)
+        k = min(cfg.index_topk, N)
+        if opts.dense or k >= N:
+            # every visible entry (in the pool where there is one) is a pick: attend them through a mask
+            allowed = scores > NEG_INF
+            return {"idx": None, "valid": allowed, "scores": scores, "qi": qi, "w": head_w, "keys": keys}
+        if opts.position_ties:
+            idx, top = topk_in_position_order(scores.flatten(0, 1), k)
+            idx, top = idx.view(B, T, k), top.view(B, T, k)
+            idx = idx.clamp_min(0)  # -1 slots are masked by `valid` (their score is -inf)
+        else:
+            top, idx = scores.topk(k, dim=-1)                                       # [B, T, k]
+        return {"idx": idx, "valid": top > NEG_INF, "scores": top, "qi": qi, "w": head_w, "keys": keys,
+                "all_scores": scores}
+
+    def _attend(self, q, kv, glob, sink, role: LayerRole):
+        """Softmax over each query's window and its global entries, exp(sink) in the denominator.
+        q: [B, T, H, D] (scaled); kv: [B, T, D]; returns (o [B, T, H, D], probs on global or None)."""
+        cfg = self.cfg
+        B, T, H, D = q.shape
+        W = cfg.window_size
+        nC = T // W
+        qc = q.view(B, nC, W, H, D)
+        keys = kv.view(B, nC, W, D)
+        prev = F.pad(keys, (0, 0, 0, 0, 1, 0))[:, :nC]                               # the chunk before
+        kk = torch.cat([prev, keys], dim=2)                                          # [B, nC, 2W, D]
+        s_win = torch.einsum("bnchd,bnkd->bnchk", qc, kk)                            # [B, nC, W, H, 2W]
+        i = torch.arange(W, device=q.device)[:, None]
+        j = torch.arange(2 * W, device=q.device)[None, :]
+        band = (j > i) & (j <= i + W)                                                # keys t-W+1 .. t
+        first = band & (j >= W)                                                      # no keys before 0
+        mask = torch.cat([first[None], band[None].expand(nC - 1, -1, -1)])          # [nC, W, 2W]
+        s_win = s_win.masked_fill(~mask[None, :, :, None, :], NEG_INF).flatten(1, 2)  # [B, T, H, 2W]
+        parts = [s_win]
+        gathered = None
+        if glob is not None:
+            entries, idx, valid = glob
+            if idx is None:      # dense warm-up: every allowed entry, through the mask
+                s_glob = torch.einsum("bthd,bnd->bthn", q, entries)
+            else:
+                gathered = entries[torch.arange(B, device=q.device)[:, None, None], idx]  # [B, T, k, D]
+                s_glob = torch.einsum("bthd,btkd->bthk", q, gathered)
+            parts.append(s_glob.masked_fill(~valid[:, :, None, :], NEG_INF))
+        parts.append(sink.view(1, 1, H, 1).expand(B, T, H, 1))
+        logits = torch.cat(parts, dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1)
+        p_win = probs[..., : 2 * W].view(B, nC, W, H, 2 * W)
+        o = torch.einsum("bnchk,bnkd->bnchd", p_win.to(kk.dtype), kk).reshape(B, T, H, D)
+        p_glob = None
+        if glob is not None:
+            p_glob = probs[..., 2 * W: -1]
+            src = entries if glob[1] is None else gathered
+            eq = "bthn,bnd->bthd" if glob[1] is None else "bthk,btkd->bthd"
+            o = o + torch.einsum(eq, p_glob.to(src.dtype), src)
+        return o, p_glob
+
+    def _indexer_losses(self, src: int, users: list[int], shared: dict, opts: StepOptions, out: StepOut):
+        """KL(attention mass on the picks || softmax of the index scores) over rows that picked
+        anything, and the margin term; also the zero-score share (and recall in analysis mode)."""
+        pick = shared["index"][src]
+        mass = sum(shared["mass"][u] for u in users if u in shared["mass"])          # [B, T, k or N]
+        valid = pick["valid"]
+        qi, w, keys = pick["qi"], pick["w"], pick["keys"]
+        if pick["idx"] is None:
+            sel_keys = keys.unsqueeze(1)                                             # [B, 1, N, Di]
+            dots = torch.einsum("bthd,bnd->btnh", qi, keys)
+        else:
+            B, T, k = pick["idx"].shape
+            sel_keys = keys[torch.arange(B, device=keys.device)[:, None, None], pick["idx"]]  # [B, T, k, Di]
+            dots = torch.einsum("bthd,btkd->btkh", qi, sel_keys)
+        score = torch.einsum("btkh,bth->btk", dots.relu(), w)
+        mass = mass.float().masked_fill(~valid, 0.0)
+        row_sum = mass.sum(-1, keepdim=True)
+        rows = (row_sum.squeeze(-1) > 0).float()
+        target = mass / row_sum.clamp_min(1e-30)
+        logp = F.log_softmax(score.float().masked_fill(~valid, NEG_INF), dim=-1)
+        kl = (target * (target.clamp_min(1e-30).log() - logp.clamp_min(-1e30))).masked_fill(~valid, 0.0).sum(-1)
+        kl = (kl * rows).sum() / rows.sum().clamp_min(1.0)
+        # a pick whose every head is at or under the ReLU floor scores exactly 0 (a tie decided by
+        # position, not by the indexer): push the best head's dot product above a small margin
+        best = dots.float().amax(-1)                                                 # [B, T, k]
+        margin = (F.relu(0.1 - best) * valid).sum() / valid.sum().clamp_min(1)
+        with torch.no_grad():
+            picked_zero = ((score == 0) & valid).sum() / valid.sum().clamp_min(1)
+            out.zero_picks[src] = picked_zero
+        return kl, margin
+
+    def _recall(self, q, kv, shared: dict, role: LayerRole, positions: torch.Tensor) -> dict:
+        """Selection recall of an index layer: the share of the global attention mass (summed over
+        heads) that this layer's picks would capture if it attended to every visible entry, and the
+        same for a "most recent k entries" rule. Means over queries that see more than k entries."""
+        cfg = self.cfg
+        entries = shared["source"][0]
+        N = entries.shape[1]
+        visible = (positions + 1).div(role.compress_ratio, rounding_mode="floor")
+        seen = torch.arange(N, device=q.device)[None, :] < visible[:, None]         # [T, N]
+        dense = torch.ones_like(seen)[None].expand(q.shape[0], -1, -1)
+        o_unused, probs = self._attend(q, kv, (entries, None, dense & seen[None]), self.get(
+            f"layers.{role.layer}.attn.attn_sink").float(), role)
+        mass = probs.float().sum(2)                                                 # [B, T, N]
+        total = mass.sum(-1)
+        pick = shared["index"][role.layer]
+        on_picks = mass.gather(-1, pick["idx"]).masked_fill(~pick["valid"], 0.0).sum(-1)
+        k = pick["idx"].shape[-1]
+        recent = seen & (torch.arange(N, device=q.device)[None, :] >= (visible - k)[:, None])
+        on_recent = (mass * recent[None]).sum(-1)
+        rows = (visible > k)[None].expand_as(total) & (total > 0)
+        share = lambda part: (part / total.clamp_min(1e-30))[rows].mean() if bool(rows.any()) else torch.tensor(float("nan"))
+        return {"recall": share(on_picks), "recent_k": share(on_recent), "queries": int(rows.sum())}
+
+    # -- MoE ------------------------------------------------------------------------------------------
+    def _moe(self, L: int, x: torch.Tensor, opts: StepOptions):
+        """x [BT, dim] -> (y [BT, dim], load [E]). Every expert runs on every token; tokens that
+        did not choose an expert weight it 0, so the sum equals the sparse one."""
+        cfg = self.cfg
+        p = f"layers.{L}.ffn."
+        n_routed, n_active = cfg.experts_of(L)
+        _, experts, weights = route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), None, None,
+                                    n_active, cfg.route_scale, cfg.score_func)
+        with self.matmuls(x.device):
+            y = self._experts(p, x, experts, weights, n_routed, opts)
+        load = torch.zeros(n_routed, device=x.device).index_add_(0, experts.flatten(),
+                                                                 torch.ones(experts.numel(), device=x.device))
+        return y, load
+
+    def _experts(self, p: str, x, experts, weights, n_routed: int, opts: StepOptions) -> torch.Tensor:
+        cfg = self.cfg
+        dense_w = torch.zeros(x.shape[0], n_routed, device=x.device, dtype=weights.dtype).scatter(1, experts, weights)
+        w1, w2, w3 = (self.expert(p + "experts." + part, opts) for part in ("w1", "w2", "w3"))
+        g = torch.einsum("nd,eid->nei", x, w1)
+        u = torch.einsum("nd,eid->nei", x, w3)
+        h = swiglu(g, u, cfg.swiglu_limit) * dense_w.unsqueeze(-1).to(g.dtype)
+        y = torch.einsum("nei,edi->nd", h, w2)
+        s = p + "shared_experts."
+        y = y + swiglu(x @ self.w(s + "w1.weight", opts).t(), x @ self.w(s + "w3.weight", opts).t(),
+                       cfg.swiglu_limit) @ self.w(s + "w2.weight", opts).t()
+        return y
+
+    def expert(self, name: str, opts: StepOptions) -> torch.Tensor:
+        p = self.get(name)
+        return ste(p, fp4_values(p.detach(), 32, "e8m0")) if opts.fake_quant else p
+
+
+def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+    """Layer 20's pool for [B, T, N] scores: the `n_blocks` blocks of `block` entries with the best
+    max score, the block of the newest visible entry always kept (engine: select_candidate_blocks)."""
+    B, T, N = scores.shape
+    padded = F.pad(scores, (0, -N % block), value=NEG_INF)
+    block_scores = padded.unflatten(-1, (-1, block)).amax(-1)                      # [B, T, nb]
+    nb = block_scores.shape[-1]
+    newest = (visible - 1).div(block, rounding_mode="floor")                        # [T]
+    block_scores = block_scores.masked_fill((torch.arange(nb, device=scores.device)[None, :] == newest[:, None])[None],
+                                            float("inf"))
+    top, top_idx = block_scores.topk(min(n_blocks, nb), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top_idx, top > NEG_INF)
+    return keep.repeat_interleave(block, dim=-1)[..., :N] & (torch.arange(N, device=scores.device) < visible[:, None])[None]
