@@ -239,6 +239,11 @@ class Attention:
         ik = rms_norm(latent @ self.w("attn.indexer.wk.weight").t(), self.w("attn.indexer.k_norm.weight"), cfg.norm_eps)
         src.append(rotate(latent, first, self.freqs), rotate(ik, first, self.freqs))
 
+    def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,
+        without attending: a CED prefill's prompt rows before the decoder's replay (engine/ced.py)."""
+        self._compress(x, positions)
+
     def _index(self, x, qr, positions, src: SourceCache, shared: Shared):
         """Indexer scores over the source's entries and the top-k per query (position order),
         one block of queries at a time."""
@@ -329,7 +334,9 @@ class Attention:
         global branch -> ([B, H, D], probs on global)."""
         w = self.cfg.window_size
         parts = [torch.bmm(q, windows)]  # [B, H, W]; q comes scaled by 1/sqrt(head_dim)
-        if int(positions[0]) < w - 1:  # the first queries' windows reach before position 0
+        # positions here count the window's keys (a query's row among the cached + new keys): slots
+        # before the first key are empty, whether before position 0 or before a CED replay's start
+        if int(positions[0]) < w - 1:  # the first queries' windows reach before the first key
             slot_pos = positions[:, None] - (w - 1) + torch.arange(w, device=q.device)[None, :]
             parts[0].masked_fill_((slot_pos < 0)[:, None, :], NEG_INF)
         gathered = None
@@ -393,9 +400,10 @@ class Attention:
             block = query_block(x.device)
             scaled = q * cfg.head_dim ** -0.5
             rows, padding = (idx.clamp_min(0), idx < 0) if global_kv is not None else (None, None)
+            key_rows = torch.arange(n_cached, n_cached + x.shape[0], device=x.device)  # empty slots as by position, and before a replay's first key
             for a in range(0, x.shape[0], block):
                 b = slice(a, a + block)
-                o, p_glob = self._attend(scaled[b], positions[b], windows[b], sink,
+                o, p_glob = self._attend(scaled[b], key_rows[b], windows[b], sink,
                                          None if global_kv is None else (rows[b], padding[b]), global_kv)
                 outs.append(o)
                 global_probs.append(p_glob)

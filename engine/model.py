@@ -18,7 +18,7 @@ from . import kernel_path, mhc, quant
 from .attention import Attention, LayerWeights, Shared, rms_norm
 from .config import ModelConfig
 from .moe import moe_forward
-from .roles import role_plan
+from .roles import decoder_start, role_plan
 
 PROBE_KINDS = ("topk", "mhc", "routing", "norms", "timing")
 
@@ -134,13 +134,15 @@ class Model:
         return self.compressed_vocab[ids]
 
     def forward(self, ids: torch.Tensor, image_mask: torch.Tensor | None = None,
-                probes: ProbeRequest | None = None, collect: dict | None = None) -> torch.Tensor:
+                probes: ProbeRequest | None = None, collect: dict | None = None,
+                decoder_from: int | None = None) -> torch.Tensor:
         """Run a chunk of token ids [T] at the next positions; returns logits [T, vocab] (fp32).
-        `collect` receives per-layer probe dicts for the layers and kinds in `probes`."""
+        `collect` receives per-layer probe dicts for the layers and kinds in `probes`.
+        decoder_from (a CED prefill): the decoder runs only from this position on (see run_chunk)."""
         T = ids.shape[0]
         dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool, device=ids.device)
         logits = self.run_chunk(ids, self.pos, image_mask, (self.compressed_history, self.dead_history),
-                                probes, collect)
+                                probes, collect, decoder_from=decoder_from)
         self.remember(ids, dead)
         return logits
 
@@ -158,12 +160,15 @@ class Model:
 
     def run_chunk(self, ids: torch.Tensor, start: int, image_mask: torch.Tensor | None,
                   history: tuple[torch.Tensor, torch.Tensor], probes: ProbeRequest | None = None,
-                  collect: dict | None = None, gate=None) -> torch.Tensor:
+                  collect: dict | None = None, gate=None, decoder_from: int | None = None) -> torch.Tensor:
         """Token ids [T] at positions start.., after the tokens in `history` (compressed ids, dead
         flags); reads and extends the layers' caches but not `pos` or the history (`remember`).
         gate (engine/pipeline.py): waits before each layer and signals once its attention (the
         only part that reads or writes caches) is done, so chunks that run at once on several
-        threads meet every layer's caches in position order."""
+        threads meet every layer's caches in position order.
+        decoder_from (a CED prefill, engine/ced.py): positions before it run only the encoder and the
+        decoder's first layer's compressor (its global KV and index keys); the decoder's blocks run
+        from there on, and the logits are those rows' [max(0, T - skipped), vocab]."""
         cfg = self.cfg
         T = ids.shape[0]
         dev = ids.device
@@ -177,12 +182,21 @@ class Model:
         pre[:, 0] = 1.0  # the first collapse reads copy 0
         self._kp = kernel_path.for_forward(self, dev)
         shared = Shared(kernels=self._kp)
+        skip = 0 if decoder_from is None else min(T, max(0, decoder_from - start))
+        split = decoder_start(cfg) if skip else None
         for role in self.plan:
             L = role.layer
             if gate is not None:
                 gate.wait(L)
             want = probes is not None and probes.wants(L)
             started = time.perf_counter()
+            if L == split:
+                x, pre, positions, ids, dead, image_mask, history = self._enter_decoder(
+                    L, skip, x, pre, positions, ids, dead, image_mask, history)
+            if x.shape[0] == 0:  # a CED chunk wholly before the replay: no decoder rows
+                if gate is not None:
+                    gate.done(L)
+                continue
             if role.engram:
                 x = self._engram(L, x, ids, dead, history)
             probe: dict | None = {} if want else None
@@ -195,6 +209,19 @@ class Model:
         y = rms_norm(mhc.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
         logits = y @ self.get("head.weight").float().t()
         return logits if self.parallel is None else self.parallel.gather_last(logits)  # vocab-split head
+
+    def _enter_decoder(self, L, skip, x, pre, positions, ids, dead, image_mask, history):
+        """CED prefill at the decoder's first layer L: its compressor publishes global KV and index
+        keys for the first `skip` rows from the encoder's output (what the decoder's global branch
+        reads), and only the rows after them go on; the decoder's windows fill from those rows."""
+        attn_in = rms_norm(mhc.collapse(x[:skip], pre[:skip]), self.get(f"layers.{L}.attn_norm.weight"),
+                           self.cfg.norm_eps)
+        self.attn[L].publish(attn_in, positions[:skip])
+        if self.engram_layout is not None and self.tokenizer is not None:  # n-grams of the skipped tokens
+            history = (torch.cat([history[0], self._compressed(ids[:skip].cpu())]),
+                       torch.cat([history[1], dead[:skip].cpu()]))
+        image_mask = None if image_mask is None else image_mask[skip:]
+        return x[skip:], pre[skip:], positions[skip:], ids[skip:], dead[skip:], image_mask, history
 
     def _block(self, L, x, pre, positions, shared, image_mask, probe, after_attention=None):
         cfg = self.cfg
