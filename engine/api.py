@@ -64,6 +64,11 @@ class LayerResult:
     routing: dict = field(default_factory=dict)  # experts [T,k], weights [T,k], scores [T,E]
     residual_norms: torch.Tensor | None = None  # [T, hc]
     time_s: float = 0.0
+    zero_score_picks: torch.Tensor | None = None  # [T] selected entries whose index score is exactly 0
+    # on request (run(detail_layers=...)): engine/selection_probe.py
+    runner_ups: torch.Tensor | None = None        # [T, r] best unselected entries, -1 padded
+    runner_up_scores: torch.Tensor | None = None  # [T, r] their index scores (-inf padding)
+    selection_recall: torch.Tensor | None = None  # [T] attention mass on the picks over all visible entries
 
     def to_json(self) -> dict:
         with gc_paused():
@@ -86,6 +91,11 @@ class LayerResult:
             "routing": {k: (_plain(v) if torch.is_tensor(v) else v) for k, v in self.routing.items()},
             "residual_norms": _plain(self.residual_norms),
             "time_s": self.time_s,
+            **({"zero_score_picks": _plain(self.zero_score_picks)} if self.zero_score_picks is not None else {}),
+            **({"runner_ups": _plain(self.runner_ups), "runner_up_scores": _finite(self.runner_up_scores)}
+               if self.runner_ups is not None else {}),
+            **({"selection_recall": [v if v == v else None for v in _plain(self.selection_recall)]}   # NaN: no entry
+               if self.selection_recall is not None else {}),
         }
 
 
@@ -268,10 +278,15 @@ class Engine:
 
     # -- runs -----------------------------------------------------------------------------------
     def run(self, prompt: str | list[int], layers=None, probes=PROBE_KINDS,
-            image_spans: list[tuple[int, int]] = (), generate: int = 0) -> RunResult:
-        """Prefill the prompt (probes on the asked layers), then greedily generate `generate` tokens."""
+            image_spans: list[tuple[int, int]] = (), generate: int = 0, detail_layers=()) -> RunResult:
+        """Prefill the prompt (probes on the asked layers), then greedily generate `generate` tokens.
+        detail_layers: layers (among those probed, with the topk probe) that also record the indexer's
+        runner-ups and the selection recall (a pass over every visible entry: ask for the clicked one)."""
         ids = self.encode(prompt)
         wanted = self.check_layers(layers)
+        detail = self.check_layers(list(detail_layers)) or set()
+        if detail and (wanted is not None and not detail <= wanted or "topk" not in probes):
+            raise EngineError(f"detail layers {sorted(detail)} need the topk probe on those layers")
         unknown = set(probes) - set(PROBE_KINDS)
         if unknown:
             raise EngineError(f"unknown probe kinds {sorted(unknown)}; known: {list(PROBE_KINDS)}")
@@ -280,7 +295,7 @@ class Engine:
             if not 0 <= start < end <= len(ids):
                 raise EngineError(f"image span {start}..{end} is outside the prompt (0..{len(ids)})")
             mask[start:end] = True
-        request = ProbeRequest(layers=wanted, kinds=set(probes))
+        request = ProbeRequest(layers=wanted, kinds=set(probes), detail=detail)
         collect: dict = {}
         with self.lock, one_thread(), torch.inference_mode():
             started = time.perf_counter()
@@ -314,6 +329,10 @@ class Engine:
         if "topk" in kinds and "topk" in probe:
             out.topk, out.topk_scores = probe["topk"], probe["topk_scores"]
             out.candidate_pool = probe.get("candidate_pool")
+            if out.topk is not None and out.topk_scores is not None:
+                out.zero_score_picks = ((out.topk_scores == 0) & (out.topk >= 0)).sum(-1)
+            out.runner_ups, out.runner_up_scores = probe.get("runner_ups"), probe.get("runner_up_scores")
+            out.selection_recall = probe.get("selection_recall")
         if "mhc" in kinds:
             out.mhc = probe["mhc"]
         if "routing" in kinds:

@@ -19,6 +19,7 @@ from . import quant
 from .config import ModelConfig
 from .roles import FULL, REINDEX, LayerRole
 from .rope import layer_freqs, rotate
+from .selection_probe import runner_ups, selection_recall
 
 NEG_INF = float("-inf")
 
@@ -196,6 +197,8 @@ class Attention:
         self.freqs = layer_freqs(cfg, self.ratio)
         self.window = WindowCache()
         self.source = SourceCache(self.ratio) if role.role == FULL else None
+        self.detail = False  # set per forward (ProbeRequest.detail): runner-ups and recall probes
+        self.runners = None
 
     # -- the pieces -------------------------------------------------------------------------
     def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
@@ -268,7 +271,7 @@ class Attention:
         if self.role.candidate_source:
             shared.candidates = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
         keep_scores = torch.is_grad_enabled()  # the indexer's training loss needs them all
-        all_scores, idx, picked = [], [], []
+        all_scores, idx, picked, runners = [], [], [], []
         block = query_block(x.device)
         for a in range(0, x.shape[0], block):
             b = slice(a, a + block)
@@ -291,11 +294,14 @@ class Attention:
             if width < k:  # early queries: fewer entries than picks, the rest is -1 padding
                 scores = F.pad(scores, (0, k - width), value=NEG_INF)
             block_idx, block_picked = topk_in_position_order(scores.detach(), k)
+            if self.detail:
+                runners.append(runner_ups(scores, block_idx))
             idx.append(block_idx)
             picked.append(block_picked)
             if keep_scores:
                 all_scores.append(scores)
         idx, picked = torch.cat(idx), torch.cat(picked)
+        self.runners = tuple(map(torch.cat, zip(*runners))) if runners else None
         self.index_scores = torch.cat(all_scores) if keep_scores else None
         self.last_topk = idx  # kept for the indexer's training loss
         return idx, picked
@@ -322,6 +328,7 @@ class Attention:
         if got is None:
             return None
         idx, picked, scores = got
+        self.runners = runner_ups(scores, idx) if self.detail else None
         self.index_scores = scores if torch.is_grad_enabled() else None
         self.last_topk = idx
         return idx, picked
@@ -423,4 +430,15 @@ class Attention:
             if self.role.candidate_source or self.role.in_candidate_pool:
                 probe["candidate_pool"] = shared.candidates
             probe["n_entries"] = shared.source.n_entries
+            if self.detail and global_kv is not None:
+                self._detail_probe(probe, q, positions, global_kv, idx)
         return out
+
+    def _detail_probe(self, probe: dict, q, positions, global_kv, idx) -> None:
+        """ProbeRequest.detail: the indexer's best unpicked entries (layers that pick) and the
+        selection recall of this layer's own queries (engine/selection_probe.py)."""
+        if self.role.role in (FULL, REINDEX) and self.runners is not None:
+            probe["runner_ups"], probe["runner_up_scores"] = self.runners
+        visible = (positions + 1).div(self.ratio, rounding_mode="floor")
+        probe["selection_recall"] = selection_recall(q * self.cfg.head_dim ** -0.5, global_kv, visible, idx,
+                                                     self.parallel, self.cfg.n_heads)

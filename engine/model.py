@@ -27,6 +27,7 @@ PROBE_KINDS = ("topk", "mhc", "routing", "norms", "timing")
 class ProbeRequest:
     layers: set[int] | None = None      # None: every layer
     kinds: set[str] = field(default_factory=lambda: set(PROBE_KINDS))
+    detail: set[int] = field(default_factory=set)  # layers that also get runner-ups and selection recall
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -200,6 +201,7 @@ class Model:
             if role.engram:
                 x = self._engram(L, x, ids, dead, history)
             probe: dict | None = {} if want else None
+            self.attn[L].detail = want and L in probes.detail
             x, pre = self._block(L, x, pre, positions, shared, image_mask, probe,
                                  after_attention=None if gate is None else lambda L=L: gate.done(L))
             if want:
