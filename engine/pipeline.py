@@ -55,8 +55,9 @@ def usable(model, ids: torch.Tensor) -> bool:
 
 
 def prefill(model, ids: torch.Tensor, image_mask: torch.Tensor | None, probes=None,
-            collect: dict | None = None) -> torch.Tensor:
-    """`model.forward(ids, ...)` for a prompt, on two threads. Returns logits [T, vocab]."""
+            collect: dict | None = None, decoder_from: int | None = None) -> torch.Tensor:
+    """`model.forward(ids, ...)` for a prompt, on two threads. Returns logits [T, vocab]
+    (decoder_from, a CED prefill: only the rows from that position on, see Model.run_chunk)."""
     T = ids.shape[0]
     cut = max(1, min(T - 1, round(T * FIRST_SHARE)))
     dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool)
@@ -74,7 +75,7 @@ def prefill(model, ids: torch.Tensor, image_mask: torch.Tensor | None, probes=No
         try:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 outputs[1] = model.run_chunk(ids[cut:], model.pos + cut, _part(image_mask, cut, None), second_history,
-                                             probes, collected[1], gate=second_gate)
+                                             probes, collected[1], gate=second_gate, decoder_from=decoder_from)
         except BaseException as err:  # handed to the caller's thread below
             outputs[1] = err
             abort.set()
@@ -83,7 +84,7 @@ def prefill(model, ids: torch.Tensor, image_mask: torch.Tensor | None, probes=No
     worker.start()
     try:
         outputs[0] = model.run_chunk(ids[:cut], model.pos, _part(image_mask, 0, cut), history, probes,
-                                     collected[0], gate=first_gate)
+                                     collected[0], gate=first_gate, decoder_from=decoder_from)
     except BaseException:
         abort.set()
         raise
@@ -93,8 +94,9 @@ def prefill(model, ids: torch.Tensor, image_mask: torch.Tensor | None, probes=No
         raise outputs[1]
     model.remember(ids, dead)
     if collect is not None:
-        for layer in collected[0]:
-            collect[layer] = join_probes(collected[0][layer], collected[1][layer])
+        for layer in sorted(collected[0].keys() | collected[1].keys()):  # a CED chunk may skip decoder layers
+            parts = [c[layer] for c in collected if layer in c]
+            collect[layer] = parts[0] if len(parts) == 1 else join_probes(*parts)
     return torch.cat(outputs)
 
 
