@@ -159,7 +159,7 @@ class FairQueue:
 
 # -- running a request -----------------------------------------------------------------------------
 
-RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate", "keep"}
+RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate", "keep", "detail_layers"}
 
 
 def run_args(body: dict) -> dict:
@@ -186,6 +186,11 @@ def run_args(body: dict) -> dict:
         if not (isinstance(body["probes"], list) and all(isinstance(v, str) for v in body["probes"])):
             raise EngineError("'probes' must be a list of probe kinds")
         args["probes"] = tuple(body["probes"])
+    detail = body.get("detail_layers")
+    if detail is not None:
+        if not (isinstance(detail, list) and all(isinstance(v, int) for v in detail)):
+            raise EngineError("'detail_layers' must be a list of layer numbers")
+        args["detail_layers"] = detail
     spans = body.get("image_spans") or []
     try:
         args["image_spans"] = [(int(a), int(b)) for a, b in spans]

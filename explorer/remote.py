@@ -157,11 +157,11 @@ class RemoteEngine:
         return self._call("POST", "/token_strings", {"ids": [int(i) for i in ids]}, INFO_TIMEOUT * 6)["tokens"]
 
     def run(self, prompt: str | list[int], layers=None, probes=None, image_spans=(), generate: int = 0,
-            keep: bool | None = None) -> RemoteRun:
+            keep: bool | None = None, detail_layers=()) -> RemoteRun:
         """Run on the service. A run of every layer (`layers=None`) is kept there by default and its
         probes come layer by layer as they are asked for (`keep=False`: all at once)."""
         request = dict(prompt=prompt, layers=layers, probes=probes, image_spans=image_spans, generate=generate,
-                       keep=layers is None if keep is None else keep)
+                       keep=layers is None if keep is None else keep, detail_layers=detail_layers)
         body: dict = {"prompt": prompt} if isinstance(prompt, str) else {"ids": [int(i) for i in prompt]}
         if layers is not None:
             body["layers"] = [int(v) for v in layers]
@@ -170,6 +170,8 @@ class RemoteEngine:
         body["image_spans"] = [[int(a), int(b)] for a, b in image_spans]
         body["generate"] = int(generate)
         body["keep"] = request["keep"]
+        if detail_layers:
+            body["detail_layers"] = [int(v) for v in detail_layers]
         reply = self._call("POST", "/run", body, self.timeout, during="the run")
         return RemoteRun(reply["result"], reply.get("queue"), engine=self, request=request)
 

@@ -125,3 +125,19 @@ def test_the_two_thread_wavefront_gives_the_same_detail():
     two = _engine(2).run(ids, layers=[7], detail_layers=[7]).layers[7]
     assert torch.equal(one.runner_ups, two.runner_ups)
     assert torch.allclose(one.selection_recall, two.selection_recall, atol=1e-5, equal_nan=True)
+
+
+def test_the_service_and_its_client_carry_detail_layers(monkeypatch):
+    from engine.serve import run_args
+    from explorer.remote import RemoteEngine
+    args = run_args({"ids": [0, 5], "layers": [7], "detail_layers": [7]})
+    assert args["detail_layers"] == [7]
+    with pytest.raises(EngineError, match="'detail_layers' must be a list"):
+        run_args({"ids": [0, 5], "detail_layers": "7"})
+    sent = {}
+    client = RemoteEngine.__new__(RemoteEngine)
+    client.timeout = 5
+    monkeypatch.setattr(client, "_call", lambda method, path, body, timeout, during="": sent.update(body) or
+                        {"result": {"tokens": [], "layers": {}}}, raising=False)
+    client.run([0, 5], layers=[7], detail_layers=[7])
+    assert sent["detail_layers"] == [7] and sent["layers"] == [7]
