@@ -1,0 +1,150 @@
+"""Train the small V4.1-Flash model and export it in the release layout.
+
+    python -m engine.train train --train build/tokens/train.npy --out DIR [--budget-s 600] [--bf16]
+    python -m engine.train bench --train build/tokens/train.npy --shapes 8x4096,16x4096 [--bf16]
+
+Token files are uint16 .npy streams (documents joined, each starting with <bos>); several may be
+given, comma-separated, and are concatenated. `--heldout name=file.npy` (repeatable) is measured
+at the end of the run (loss, zero-score picks, selection recall per index layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import load_config
+from ..tokenizer import load_tokenizer
+from .loop import Run, sample_batch
+from .params import Trainee
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO / "assets" / "configs" / "small.json"
+TOKENIZER = REPO / "assets" / "tokenizer" / "tokenizer.json"
+
+
+def load_stream(paths: str, device) -> torch.Tensor:
+    """Concatenated uint16 token files as one int32 tensor on `device`."""
+    arrays = [np.load(p, mmap_mode="r") for p in paths.split(",") if p]
+    if not arrays:
+        raise SystemExit("no token files given (--train)")
+    return torch.from_numpy(np.concatenate(arrays).astype(np.int32)).to(device)
+
+
+def build(args, device):
+    cfg = load_config(args.config)
+    if args.tiny:
+        cfg = cfg.replace(dim=64, q_lora_rank=32, head_dim=32, rope_head_dim=16, n_heads=2, o_lora_rank=32,
+                          index_n_heads=2, index_head_dim=32, moe_inter_dim=32, n_routed_experts=8,
+                          n_activated_experts=2, window_size=8, index_topk=8, candidate_topk_blocks=4)
+    tok = load_tokenizer(TOKENIZER)
+    lookup = torch.tensor(tok.compressed_vocab()[0], dtype=torch.long)
+    trainee = Trainee(cfg, device, args.seed)
+    return cfg, Run(cfg, trainee, lookup, args, device)
+
+
+def cmd_train(args) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    cfg, run = build(args, device)
+    stream = load_stream(args.train, device)
+    run.note(event="init", params=sum(p.numel() for p in run.params), train_tokens=int(stream.numel()))
+    run.train(stream)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in args.heldout:
+        name, path = spec.split("=", 1)
+        tokens = torch.from_numpy(np.load(path).astype(np.int32)).to(device)
+        run.log.setdefault("heldout", {})[name] = run.heldout(name, tokens, args.eval_seq, args.eval_windows,
+                                                              fake_quant=args.quant_frac > 0)
+    from ..checkpoint import write_checkpoint
+    model_dir = out / "model"
+    write_checkpoint(cfg, model_dir, tensors=run.trainee.export_tensors(), n_shards=args.n_shards)
+    run.note(event="exported", bytes=sum(f.stat().st_size for f in model_dir.iterdir()))
+    (out / "train_log.json").write_text(json.dumps(run.log, indent=1))
+
+
+def cmd_bench(args) -> None:
+    """Tokens/s of the training step at several (batch x seq) shapes, each phase, same run."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg, run = build(args, device)
+    stream = load_stream(args.train, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape in args.shapes.split(","):
+        batch, seq = (int(v) for v in shape.split("x"))
+        for name, phase in run.phases().items():
+            phase.batch, phase.seq = batch, seq
+            try:
+                for i in range(args.warm + args.steps):
+                    if i == args.warm:
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                        t0 = time.time()
+                    run.step(phase, sample_batch(stream, batch, seq, gen), 1e-4)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = (time.time() - t0) / args.steps
+                mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+                rows.append((shape, name, dt, batch * seq / dt, mem))
+            except torch.OutOfMemoryError:
+                run.opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                rows.append((shape, name, float("nan"), 0.0, float("nan")))
+            print(f"{shape:>10} {name:>6} step {rows[-1][2]:.3f} s  {rows[-1][3]:>9,.0f} tok/s  peak {rows[-1][4]:.1f} GB",
+                  flush=True)
+    print(json.dumps({"bench": [dict(zip(("shape", "phase", "step_s", "tok_s", "peak_gb"), r)) for r in rows]}))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for cmd in ("train", "bench"):
+        p = sub.add_parser(cmd)
+        p.add_argument("--config", default=str(DEFAULT_CONFIG))
+        p.add_argument("--train", required=True, help="comma-separated uint16 .npy token files")
+        p.add_argument("--batch", type=int, default=16)
+        p.add_argument("--seq", type=int, default=4096)
+        p.add_argument("--dense-batch", type=int, default=32)
+        p.add_argument("--dense-seq", type=int, default=1024)
+        p.add_argument("--lr", type=float, default=3e-3)
+        p.add_argument("--kl-weight", type=float, default=1.0)
+        p.add_argument("--margin", type=float, default=0.1, help="weight of the indexer's margin term")
+        p.add_argument("--gamma", type=float, default=0.005, help="routing-bias step of the balancing rule")
+        p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
+        p.add_argument("--compile-mixes", action="store_true", help="torch.compile the mHC mixes (CUDA)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--cpu", action="store_true")
+        p.add_argument("--tiny", action="store_true")
+        p.add_argument("--budget-s", type=float, default=600.0)
+        p.add_argument("--max-steps", type=int, default=0)
+        p.add_argument("--dense-frac", type=float, default=0.15)
+        p.add_argument("--quant-frac", type=float, default=0.2)
+        p.add_argument("--warmup", type=int, default=50)
+        p.add_argument("--log-every", type=int, default=25)
+        p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")
+        if cmd == "train":
+            p.add_argument("--out", required=True)
+            p.add_argument("--heldout", action="append", default=[], help="name=tokens.npy, measured at the end")
+            p.add_argument("--eval-seq", type=int, default=2048)
+            p.add_argument("--eval-windows", type=int, default=8)
+            p.add_argument("--n-shards", type=int, default=4)
+        else:
+            p.add_argument("--shapes", default="8x4096,16x4096")
+            p.add_argument("--warm", type=int, default=2)
+            p.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    (cmd_train if args.cmd == "train" else cmd_bench)(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,179 @@
+"""The training run: phases on a wall-clock budget, logging, held-out checks, export.
+
+Phases (fractions of the budget):
+1. dense warm-up: every global layer attends every visible entry; the indexer learns the whole
+   attention distribution (KL over all visible entries);
+2. sparse: the real top-k and candidate pool; the indexer's KL over its picks;
+3. quantization-aware: FP8 dense linears (E4M3, E8M0 per 32x32), FP4 routed experts, FP8 Engram
+   rows, straight-through; the caches' FP8/FP4 rounding is on in every phase.
+
+One step = B sequences of T tokens drawn at random offsets of the training stream, all on the GPU:
+no host synchronization inside a step (logging syncs every `log_every` steps). Expert balance is
+auxiliary-loss-free: bias_e += gamma * sign(mean load - load_e) per layer after each step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import mhc
+from ..config import ModelConfig
+from ..engram import EngramLayout
+from .batched import BatchedForward, StepOptions
+from .params import Trainee
+
+
+@dataclass
+class Phase:
+    name: str
+    batch: int
+    seq: int
+    opts: StepOptions
+
+
+def sample_batch(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """[batch, seq] windows at random offsets of a 1-D token stream (on its device, no sync)."""
+    offsets = torch.randint(0, stream.numel() - seq, (batch, 1), device=stream.device, generator=gen)
+    return stream[offsets + torch.arange(seq, device=stream.device)].long()
+
+
+class Run:
+    """One training run over a token stream; `log` collects events for train_log.json."""
+
+    def __init__(self, cfg: ModelConfig, trainee: Trainee, lookup: torch.Tensor, args, device: torch.device):
+        self.cfg, self.trainee, self.args, self.device = cfg, trainee, args, device
+        layout = EngramLayout.from_config(cfg) if cfg.engram_layer_ids else None
+        self.fwd = BatchedForward(cfg, trainee.get, layout, lookup.to(device), bf16=args.bf16)
+        self.dense_fwd = BatchedForward(cfg.replace(index_topk=1 << 20, candidate_topk_blocks=1 << 20),
+                                        trainee.get, layout, lookup.to(device), bf16=args.bf16)
+        if args.compile_mixes and device.type == "cuda":
+            mhc_mixes = torch.compile(mhc.hc_mixes, dynamic=False)
+            import engine.train.batched as batched
+            batched.mhc = _MixesOverride(mhc_mixes)
+        decay, rest = trainee.decay_groups()
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                     lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **fused)
+        self.params = list(trainee.params.values())
+        self.log: dict = {"config": cfg.to_dict(), "device": str(device), "events": [], "args": vars(args)}
+        self.started = time.time()
+
+    def note(self, **kv) -> None:
+        kv["t"] = round(time.time() - self.started, 1)
+        self.log["events"].append(kv)
+        print(json.dumps(kv), flush=True)
+
+    def phases(self) -> dict[str, Phase]:
+        a = self.args
+        return {"dense": Phase("dense", a.dense_batch, a.dense_seq, StepOptions(dense=True, margin=a.margin)),
+                "sparse": Phase("sparse", a.batch, a.seq, StepOptions(margin=a.margin)),
+                "quant": Phase("quant", a.batch, a.seq, StepOptions(fake_quant=True, margin=a.margin))}
+
+    def step(self, phase: Phase, ids: torch.Tensor, lr: float):
+        a = self.args
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        fwd = self.dense_fwd if phase.opts.dense else self.fwd
+        out = fwd(ids, phase.opts)
+        loss = out.loss_ce + a.kl_weight * out.loss_kl + a.margin * out.loss_margin
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
+        self.opt.step()
+        with torch.no_grad():
+            for L in range(self.cfg.n_layers):
+                load = out.loads[L]
+                self.trainee.biases[f"layers.{L}.ffn.gate.bias"] += a.gamma * torch.sign(load.mean() - load)
+        return out, gnorm
+
+    def train(self, stream: torch.Tensor) -> None:
+        a = self.args
+        phases = self.phases()
+        gen = torch.Generator(device=stream.device).manual_seed(a.seed + 1)
+        t0 = time.time()
+        step = tokens = 0
+        mark_t, mark_tokens = t0, 0
+        loads_ema = None
+        while True:
+            frac = (time.time() - t0) / a.budget_s
+            if frac >= 1.0 or (a.max_steps and step >= a.max_steps):
+                break
+            name = "dense" if frac < a.dense_frac else ("sparse" if frac < 1 - a.quant_frac else "quant")
+            if a.smoke:
+                name = ("dense", "sparse", "quant")[min(step * 3 // max(a.max_steps, 3), 2)]
+            phase = phases[name]
+            lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+            ids = sample_batch(stream, phase.batch, phase.seq, gen)
+            try:
+                out, gnorm = self.step(phase, ids, lr)
+            except torch.OutOfMemoryError:
+                self.opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                phase.batch = max(1, phase.batch // 2)
+                self.note(event="oom", phase=name, batch=phase.batch)
+                continue
+            loads = out.loads.detach()
+            loads_ema = loads if loads_ema is None else loads_ema * 0.95 + loads * 0.05
+            step += 1
+            tokens += phase.batch * phase.seq
+            if step % a.log_every == 0 or step in (1, 3):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.time()
+                tok_s = (tokens - mark_tokens) / max(now - mark_t, 1e-9)
+                mark_t, mark_tokens = now, tokens
+                ce = float(out.loss_ce)
+                if not math.isfinite(ce):
+                    self.note(event="abort", reason="non-finite loss", step=step)
+                    raise SystemExit(f"training aborted: non-finite loss at step {step}")
+                share = loads_ema / loads_ema.sum(-1, keepdim=True) * self.cfg.n_routed_experts
+                zero = {str(k): round(float(v), 3) for k, v in out.zero_picks.items()}
+                self.note(event="step", step=step, phase=name, batch=phase.batch, seq=phase.seq, lr=round(lr, 6),
+                          ce=round(ce, 4), kl=round(float(out.loss_kl), 4), margin=round(float(out.loss_margin), 4),
+                          gnorm=round(float(gnorm), 3), tokens=tokens, zero_picks=zero,
+                          min_load=round(float(share.min()), 3), max_load=round(float(share.max()), 3),
+                          mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if self.device.type == "cuda" else 0,
+                          tok_s=round(tok_s))
+        train_s = time.time() - t0
+        self.log.update(steps=step, tokens_seen=tokens, train_s=round(train_s, 1))
+        self.note(event="trained", steps=step, tokens=tokens, train_s=round(train_s, 1),
+                  tok_s=round(tokens / max(train_s, 1e-9)))
+
+    @torch.no_grad()
+    def heldout(self, name: str, tokens: torch.Tensor, seq: int, max_windows: int, fake_quant: bool) -> dict:
+        """Loss, zero-score picks and selection recall per index layer on held-out windows."""
+        n = min(max_windows, (tokens.numel() - 1) // seq)
+        if n == 0:
+            return {}
+        ids = tokens[: n * seq].view(n, seq).long()
+        ce, zero, recall, recent = [], {}, {}, {}
+        for b in range(n):
+            out = self.fwd(ids[b: b + 1], StepOptions(fake_quant=fake_quant, analysis=True))
+            ce.append(float(out.loss_ce))
+            for L, v in out.zero_picks.items():
+                zero.setdefault(L, []).append(float(v))
+            for L, r in out.recall.items():
+                recall.setdefault(L, []).append(float(r["recall"]))
+                recent.setdefault(L, []).append(float(r["recent_k"]))
+        mean = lambda d: {str(k): round(float(np.nanmean(v)), 4) for k, v in d.items()}
+        result = {"loss": round(float(np.mean(ce)), 4), "windows": n, "seq": seq, "zero_picks": mean(zero),
+                  "recall": mean(recall), "recent_k_recall": mean(recent)}
+        self.note(event="heldout", name=name, **result)
+        return result
+
+
+class _MixesOverride:
+    """engine.mhc with hc_mixes swapped for a compiled copy (only the trainer's forward sees it)."""
+
+    def __init__(self, compiled):
+        self.hc_mixes = compiled
+
+    def __getattr__(self, name):
+        return getattr(mhc, name)
