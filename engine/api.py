@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from .config import ConfigError, ModelConfig, load_config
-from . import pipeline
+from . import ced, pipeline
 from .model import PROBE_KINDS, Model, ProbeRequest
-from .roles import role_plan
+from .roles import decoder_start, role_plan
 
 ENGINE_VERSION = "0.1.0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +56,7 @@ class LayerResult:
     kv_source: int | None
     index_source: int | None
     window_size: int
+    first_position: int = 0                     # row 0's prompt position (a CED prefill's decoder: T - replay)
     topk: torch.Tensor | None = None            # [T, k] global entry indices, -1 padded
     topk_scores: torch.Tensor | None = None     # [T, k] indexer scores of those entries
     candidate_pool: torch.Tensor | None = None  # [T, N] bool (candidate source and Reindex layers)
@@ -84,7 +85,7 @@ class LayerResult:
             "layer": self.layer, "role": self.role, "label": self.label,
             "compress_ratio": self.compress_ratio, "kv_source": self.kv_source,
             "index_source": self.index_source, "window_size": self.window_size,
-            "n_entries": self.n_entries,
+            "n_entries": self.n_entries, "first_position": self.first_position,
             "topk": _plain(self.topk), "topk_scores": _finite(self.topk_scores),
             "candidate_pool": pool,
             "mhc": {part: {k: _plain(v) for k, v in d.items()} for part, d in self.mhc.items()},
@@ -197,6 +198,10 @@ class RunResult:
     time_s: float
     generated_ids: list[int] = field(default_factory=list)
     generated_text: str = ""
+    prefill: str = "full"                # "full" (the reference's) or "ced" (engine/ced.py)
+    replay: int | None = None            # ced: prompt tokens the decoder ran on
+    prefill_s: float = 0.0               # the prefill's share of time_s
+    generated_layers: dict[int, LayerResult] = field(default_factory=dict)  # run(generated_probes=True)
 
     def to_json(self, layers=None) -> dict:
         """JSON-able dict; `layers` limits the per-layer probes to those layers (all by default)."""
@@ -212,6 +217,9 @@ class RunResult:
             "cache_bytes": self.cache_bytes, "kv_bytes_formula": self.kv_bytes_formula,
             "time_s": self.time_s,
             "generated_ids": self.generated_ids, "generated_text": self.generated_text,
+            "prefill": self.prefill, "replay": self.replay, "prefill_s": self.prefill_s,
+            **({"generated_layers": {str(k): v.to_json() for k, v in sorted(self.generated_layers.items())}}
+               if self.generated_layers else {}),
         }
 
 
@@ -278,11 +286,27 @@ class Engine:
 
     # -- runs -----------------------------------------------------------------------------------
     def run(self, prompt: str | list[int], layers=None, probes=PROBE_KINDS,
-            image_spans: list[tuple[int, int]] = (), generate: int = 0, detail_layers=()) -> RunResult:
+            image_spans: list[tuple[int, int]] = (), generate: int = 0, detail_layers=(),
+            prefill: str = "full", replay: int | None = None, generated_probes: bool = False,
+            continuation: list[int] | None = None) -> RunResult:
         """Prefill the prompt (probes on the asked layers), then greedily generate `generate` tokens.
         detail_layers: layers (among those probed, with the topk probe) that also record the indexer's
-        runner-ups and the selection recall (a pass over every visible entry: ask for the clicked one)."""
+        runner-ups and the selection recall (a pass over every visible entry: ask for the clicked one).
+        prefill: "full" (every layer over the prompt, as the reference) or "ced" (engine/ced.py: the
+        decoder over only the last `replay` prompt tokens, default the window size).
+        generated_probes: also probe the asked layers at the generated tokens (`generated_layers`).
+        continuation: token ids fed after the prompt instead of the greedy picks (teacher-forced;
+        `generated_ids` are still the greedy picks at each step)."""
         ids = self.encode(prompt)
+        try:
+            replay = ced.check(self.cfg, prefill, replay)
+        except ced.PrefillError as err:
+            raise EngineError(str(err)) from None
+        if continuation is not None:
+            continuation = self.encode(list(continuation)) if len(continuation) else []
+            if generate not in (0, len(continuation)):
+                raise EngineError(f"generate={generate} but the continuation has {len(continuation)} tokens")
+            generate = len(continuation)
         wanted = self.check_layers(layers)
         detail = self.check_layers(list(detail_layers)) or set()
         if detail and (wanted is not None and not detail <= wanted or "topk" not in probes):
@@ -301,25 +325,34 @@ class Engine:
             started = time.perf_counter()
             self.model.reset()
             prompt_ids = torch.tensor(ids, device=self.device)
+            start_decoder = ced.decoder_from(len(ids), replay)
             if self.threads > 1 and pipeline.usable(self.model, prompt_ids):
-                logits = pipeline.prefill(self.model, prompt_ids, mask, request, collect)
+                logits = pipeline.prefill(self.model, prompt_ids, mask, request, collect, decoder_from=start_decoder)
             else:
-                logits = self.model.forward(prompt_ids, image_mask=mask, probes=request, collect=collect)
+                logits = self.model.forward(prompt_ids, image_mask=mask, probes=request, collect=collect,
+                                            decoder_from=start_decoder)
+            _sync(self.device)
+            prefill_s = time.perf_counter() - started
             cache = self.model.cache_bytes()
-            generated = []
-            for _ in range(generate):
-                nxt = int(logits[-1].argmax())
-                generated.append(nxt)
-                if self.tokenizer is not None and nxt == self.tokenizer.eos_id:
-                    break
-                logits = self.model.forward(torch.tensor([nxt], device=self.device))
+            eos = self.tokenizer.eos_id if self.tokenizer is not None else None
+            generated, at_generated = ced.decode(
+                self.model, logits, generate, self.device, eos, continuation,
+                ProbeRequest(layers=wanted, kinds=set(probes)) if generated_probes else None)
+            _sync(self.device)
             elapsed = time.perf_counter() - started
         results = {L: self._layer_result(L, _to_cpu(probe), set(probes)) for L, probe in collect.items()}
+        if start_decoder is not None:  # the decoder's probes start at the replay
+            for L, lr in results.items():
+                lr.first_position = start_decoder if L >= decoder_start(self.cfg) else 0
+        at_generated = {L: self._layer_result(L, _to_cpu(probe), set(probes)) for L, probe in at_generated.items()}
+        for lr in at_generated.values():
+            lr.first_position = len(ids)
         return RunResult(
             tokens=self.token_strings(ids), token_ids=ids, image_mask=mask.cpu().tolist(), layers=results,
             cache_bytes=cache, kv_bytes_formula=global_kv_bytes(self.cfg, len(ids)), time_s=elapsed,
             generated_ids=generated,
-            generated_text=self.tokenizer.decode(generated) if self.tokenizer is not None and generated else "")
+            generated_text=self.tokenizer.decode(generated) if self.tokenizer is not None and generated else "",
+            prefill=prefill, replay=replay, prefill_s=prefill_s, generated_layers=at_generated)
 
     def _layer_result(self, layer: int, probe: dict, kinds: set[str]) -> LayerResult:
         role = self.plan[layer]
@@ -342,6 +375,12 @@ class Engine:
         if "timing" in kinds:
             out.time_s = probe["time_s"]
         return out
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a time measured after it is the work's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _to_cpu(probe):
