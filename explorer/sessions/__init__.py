@@ -19,24 +19,27 @@ The UI must still escape user text when showing it.
 
 
 from .model import (
-    EXPORT_FORMAT, EXPORT_VERSION, MAX_AUTHOR, MAX_IMPORT_BYTES, MAX_NAME, MAX_NOTES, MAX_PROMPT_CHARS,
+    DamagedSession, SavedButUnreadable, EXPORT_FORMAT, EXPORT_VERSION, MAX_AUTHOR, MAX_IMPORT_BYTES, MAX_NAME, MAX_NOTES, MAX_PROMPT_CHARS,
     InvalidSessionData, InvalidSessionFile, Session, SessionConflict, SessionData, SessionError, SessionNotFound,
     SessionSummary, StoreUnavailable, compress_probes, decompress_probes, default_sqlite_path, is_valid_session_id,
     model_identity, new_session_id)
 from .schema import MIGRATIONS, SCHEMA_VERSION, schema_version_table, sessions_table
-from .store import SessionStore
+from .store import SessionList, SessionStore
 from .transfer import parse_export, session_to_export
 
 __all__ = [
     "EXPORT_FORMAT",
     "EXPORT_VERSION",
     "SCHEMA_VERSION",
+    "DamagedSession",
     "InvalidSessionData",
     "InvalidSessionFile",
+    "SavedButUnreadable",
     "Session",
     "SessionConflict",
     "SessionData",
     "SessionError",
+    "SessionList",
     "SessionNotFound",
     "SessionStore",
     "SessionSummary",

@@ -54,6 +54,26 @@ class StoreUnavailable(SessionError):
     """The session database cannot be reached or used; nothing was changed."""
 
 
+class SavedButUnreadable(StoreUnavailable):
+    """The change was committed, but reading the session back failed: do not save it again."""
+
+    def __init__(self, session_id: str, what: str, cause: Exception):
+        self.session_id = session_id
+        super().__init__(
+            f"{what} (session id {session_id!r}), but reading it back failed: {cause} "
+            "It is stored: do not save it again (that would make a duplicate); reopen it from the list."
+        )
+
+
+class DamagedSession(SessionError):
+    """A stored row that cannot be read (damaged outside the app)."""
+
+    def __init__(self, session_id: str, reason: str):
+        self.session_id = session_id
+        self.reason = reason
+        super().__init__(f"The stored session {session_id!r} is damaged ({reason}) and cannot be opened.")
+
+
 class InvalidSessionFile(SessionError):
     """An import file that is not a session export (or is damaged, or from a newer app)."""
 
@@ -214,6 +234,7 @@ def _check_text(label: str, value: object, limit: int, *, required: bool = False
         raise InvalidSessionData(f"{label} must be text, got {type(value).__name__}.")
     if "\x00" in value:
         raise InvalidSessionData(f"{label} contains a NUL character.")
+    _check_encodable(label, value)
     if required and not value.strip():
         raise InvalidSessionData(f"{label} must not be empty.")
     if len(value) > limit:
@@ -221,11 +242,26 @@ def _check_text(label: str, value: object, limit: int, *, required: bool = False
     return value
 
 
+def _check_encodable(label: str, text: str) -> None:
+    """Refuse text that UTF-8 cannot hold (a lone UTF-16 surrogate, e.g. from a "\\ud800" escape in
+    an imported file): the database and the probe compression would fail on it later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidSessionData(
+            f"{label} holds an invalid character (a lone surrogate, U+{ord(text[exc.start]):04X}, at "
+            f"position {exc.start})."
+        ) from None
+
+
 def _json_able(label: str, value: object) -> None:
     try:
-        json.dumps(value)
+        text = json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        raise InvalidSessionData(f"{label} is nested too deeply to store.") from None
     except (TypeError, ValueError) as exc:
         raise InvalidSessionData(f"{label} is not JSON data: {exc}.") from None
+    _check_encodable(label, text)
 
 
 def _validate_field(name: str, value: Any) -> Any:

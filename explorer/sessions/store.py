@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import random
 import time
@@ -19,13 +20,14 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
 from . import schema
 from .model import (
-    _EDITABLE, _LAYER_WORD_RE, MAX_NAME, InvalidSessionData, Session, SessionConflict, SessionData, SessionError,
+    DamagedSession, SavedButUnreadable, _EDITABLE, _LAYER_WORD_RE, MAX_NAME, InvalidSessionData, Session, SessionConflict, SessionData, SessionError,
     SessionNotFound, SessionSummary, StoreUnavailable, _iso, _now, _parse_iso, _prompt_search_text, _validate_field,
     _validated, compress_probes, decompress_probes, default_sqlite_path, is_valid_session_id, new_session_id)
 from .schema import schema_version_table, sessions_table
 from .transfer import parse_export, session_to_export
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 _PG_RETRY_SQLSTATES = {"40001", "40P01"}  # serialization failure, deadlock detected
 
@@ -60,6 +62,9 @@ class SessionStore:
         self.url = _normalize_url(url)
         self.dialect = "sqlite" if self.url.drivername.startswith("sqlite") else "postgresql"
         self._max_attempts = 8
+        self._file: Path | None = None          # the SQLite file, and its identity when opened
+        self._file_id: tuple[int, int] | None = None
+        self._settled = False
         if self.dialect == "sqlite":
             database = self.url.database or ""
             if database in ("", ":memory:") or database.startswith("file:"):
@@ -74,16 +79,22 @@ class SessionStore:
                 pool_pre_ping=False,
             )
             _install_sqlite_transactions(self.engine)
+            self._file = Path(database).expanduser()
         else:
+            # synchronous_commit on for our sessions whatever the server's default: with it off, a
+            # server stopped abruptly loses commits it had already acknowledged (saves the user saw).
+            options = " ".join(filter(None, [self.url.query.get("options"), "-c synchronous_commit=on"]))
             self.engine = sa.create_engine(
                 self.url,
-                connect_args={"connect_timeout": max(1, int(connect_timeout))},
+                connect_args={"connect_timeout": max(1, int(connect_timeout)), "options": options},
                 pool_pre_ping=True,
                 pool_size=5,
                 max_overflow=10,
             )
         try:
             self._migrate()
+            if self._file is not None:
+                self._file_id = self._identity()
         except BaseException:
             self.engine.dispose()
             raise
@@ -112,6 +123,43 @@ class SessionStore:
 
     # -- transactions ----------------------------------------------------------------------
 
+    def _identity(self) -> tuple[int, int] | None:
+        """(device, inode) of the SQLite file now; None when the path is gone."""
+        try:
+            st = os.stat(self._file)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self, *, settle: bool = False) -> None:
+        """Refuse to use a SQLite file that was deleted or replaced (e.g. a backup moved over it) since
+        it was opened: open connections would keep using the old, unlinked file and every save would
+        vanish when the app restarts.
+
+        ``settle`` (outside any transaction): the first time, move the old file's write-ahead log into
+        the old file and empty it; left behind, the next open would replay it over the new file."""
+        if self._file_id is None:
+            return
+        now = self._identity()
+        if now == self._file_id:
+            return
+        what = "deleted or moved away" if now is None else "replaced by another file"
+        if settle and not self._settled:
+            self._settled = True
+            try:
+                raw = self.engine.raw_connection()
+                try:
+                    raw.cursor().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                finally:
+                    raw.close()
+                self.engine.dispose()
+            except Exception as exc:  # best effort: the refusal below is what matters
+                _log.warning("could not settle the write-ahead log of %s: %s", self._file, exc)
+        raise StoreUnavailable(
+            f"The session database file {str(self._file)!r} was {what} while the app had it open. "
+            "Nothing was changed. Restart the app to use the file now at that path."
+        )
+
     def _is_transient(self, exc: DBAPIError) -> bool:
         if self.dialect == "sqlite":
             text = str(exc.orig).lower()
@@ -121,12 +169,16 @@ class SessionStore:
     def _transaction(self, work: Callable[[Connection], T], *, write: bool) -> T:
         """Run ``work(conn)`` in one transaction, retrying lock/serialization conflicts."""
         delay = 0.02
+        if self.dialect == "sqlite":
+            self._check_file(settle=True)
         for attempt in range(1, self._max_attempts + 1):
             try:
                 with self.engine.connect() as conn:
                     if self.dialect == "sqlite":
                         conn.execution_options(explorer_sqlite_begin="BEGIN IMMEDIATE" if write else "BEGIN")
                     with conn.begin():
+                        if self.dialect == "sqlite":
+                            self._check_file()  # under the transaction's lock (BEGIN IMMEDIATE for writes)
                         return work(conn)
             except SessionError:
                 raise
@@ -196,29 +248,52 @@ class SessionStore:
 
     @staticmethod
     def _session_from_row(row: Any, *, with_probes: bool = True) -> Session:
-        state = json.loads(row.state_json)
         try:
             probes = decompress_probes(row.probes) if with_probes else None
-        except (zlib.error, ValueError) as exc:
+        except (zlib.error, ValueError, RecursionError) as exc:
             raise StoreUnavailable(f"The stored probe results of session {row.id!r} are damaged ({exc}).") from None
-        return Session(
-            id=row.id,
-            name=row.name,
-            author=row.author,
-            notes=row.notes,
-            model_source=row.model_source,
-            model_identity=row.model_identity,
-            engine_version=row.engine_version,
-            prompts=list(state.get("prompts", [])),
-            spans=list(state.get("spans", [])),
-            layer=row.layer,
-            tab=state.get("tab"),
-            view=dict(state.get("view", {})),
-            probes=probes,
-            created_at=_parse_iso(row.created_at),
-            updated_at=_parse_iso(row.updated_at),
-            revision=row.revision,
-        )
+        try:
+            state = _row_state(row)
+            return Session(
+                id=row.id,
+                name=_text(row.name),
+                author=_text(row.author),
+                notes=_text(row.notes),
+                model_source=_text(row.model_source),
+                model_identity=_text(row.model_identity),
+                engine_version=_text(row.engine_version),
+                prompts=[_text(p) for p in state.get("prompts", [])],
+                spans=list(state.get("spans", [])),
+                layer=_layer(row.layer),
+                tab=state.get("tab"),
+                view=dict(state.get("view", {})),
+                probes=probes,
+                created_at=_parse_iso(row.created_at),
+                updated_at=_parse_iso(row.updated_at),
+                revision=int(row.revision),
+            )
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise DamagedSession(str(row.id), str(exc) or type(exc).__name__) from None
+
+    @staticmethod
+    def _summary_from_row(row: Any) -> SessionSummary:
+        """One listing row; DamagedSession when a value is not what the app wrote."""
+        try:
+            state = _row_state(row)
+            return SessionSummary(
+                id=row.id,
+                name=_text(row.name),
+                author=_text(row.author),
+                layer=_layer(row.layer),
+                prompts=[_text(p) for p in state.get("prompts", [])],
+                model_source=_text(row.model_source),
+                notes_preview=_text(row.notes)[:200],
+                created_at=_parse_iso(row.created_at),
+                updated_at=_parse_iso(row.updated_at),
+                revision=int(row.revision),
+            )
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise DamagedSession(str(row.id), str(exc) or type(exc).__name__) from None
 
     def _fetch(self, conn: Connection, session_id: str, *, include_deleted: bool = False) -> Any:
         if not is_valid_session_id(session_id):
@@ -247,7 +322,15 @@ class SessionStore:
             )
 
         self._transaction(work, write=True)
-        return self.load(session_id)
+        return self._read_back(session_id, "The session was saved")
+
+    def _read_back(self, session_id: str, what: str) -> Session:
+        """The session after a committed change. A failure now must not say "nothing was changed":
+        the change is stored, and a retry of a save would make a duplicate."""
+        try:
+            return self.load(session_id)
+        except SessionError as exc:
+            raise SavedButUnreadable(session_id, what, exc) from None
 
     def load(self, session_id: str) -> Session:
         """The session with that id, probes included. Raises ``SessionNotFound``."""
@@ -261,10 +344,11 @@ class SessionStore:
         layer: int | None = None,
         limit: int = 100,
         offset: int = 0,
-    ) -> list[SessionSummary]:
+    ) -> SessionList:
         """Sessions, newest change first. ``query``: every whitespace-separated word must appear
         (case-insensitive) in the name, author, prompt text or notes; a word ``layer:N`` filters by
-        layer instead (so one search box covers all). ``author``/``layer``: exact filters."""
+        layer instead (so one search box covers all). ``author``/``layer``: exact filters.
+        A row that cannot be read is skipped and reported in the result's ``damaged`` list."""
         t = sessions_table
         stmt = sa.select(
             t.c.id, t.c.name, t.c.author, t.c.layer, t.c.state_json, t.c.model_source, t.c.notes,
@@ -289,27 +373,20 @@ class SessionStore:
             stmt = stmt.where(t.c.layer == int(layer))
         stmt = stmt.order_by(t.c.updated_at.desc(), t.c.id).limit(max(0, int(limit))).offset(max(0, int(offset)))
 
-        def work(conn: Connection) -> list[SessionSummary]:
-            out = []
+        def work(conn: Connection) -> SessionList:
+            out = SessionList()
             for row in conn.execute(stmt):
-                state = json.loads(row.state_json)
-                out.append(
-                    SessionSummary(
-                        id=row.id,
-                        name=row.name,
-                        author=row.author,
-                        layer=row.layer,
-                        prompts=list(state.get("prompts", [])),
-                        model_source=row.model_source,
-                        notes_preview=row.notes[:200],
-                        created_at=_parse_iso(row.created_at),
-                        updated_at=_parse_iso(row.updated_at),
-                        revision=row.revision,
-                    )
-                )
+                try:
+                    out.append(self._summary_from_row(row))
+                except DamagedSession as exc:  # one bad row must not hide every other session
+                    out.damaged.append(exc)
             return out
 
-        return self._transaction(work, write=False)
+        found = self._transaction(work, write=False)
+        if found.damaged:
+            _log.warning("session list skipped %d damaged row(s): %s", len(found.damaged),
+                         "; ".join(str(e) for e in found.damaged))
+        return found
 
     def count(self) -> int:
         """How many sessions are not deleted."""
@@ -357,7 +434,7 @@ class SessionStore:
                 continue
         else:
             raise StoreUnavailable(f"Session {session_id!r} is being changed too often to update; try again.")
-        return self.load(session_id)
+        return self._read_back(session_id, "Your change was saved")
 
     def rename(self, session_id: str, name: str, *, expected_revision: int | None = None) -> Session:
         return self.update(session_id, name=name, expected_revision=expected_revision)
@@ -395,7 +472,7 @@ class SessionStore:
             conn.execute(t.update().where(t.c.id == row.id).values(deleted_at=None, revision=row.revision + 1))
 
         self._transaction(work, write=True)
-        return self.load(session_id)
+        return self._read_back(session_id, "The session was restored")
 
     def purge(self, session_id: str) -> None:
         """Remove a session's row for good (deleted or not)."""
@@ -416,6 +493,41 @@ class SessionStore:
         if author is not None:
             data.author = author
         return self.save(data)
+
+
+class SessionList(list):
+    """``list_sessions``' result: the readable sessions, plus ``damaged`` (a ``DamagedSession`` for
+    each row that was skipped because it cannot be read)."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.damaged: list[DamagedSession] = []
+
+
+def _row_state(row: Any) -> dict[str, Any]:
+    try:
+        state = json.loads(row.state_json)
+    except ValueError:
+        raise ValueError("its state is not valid JSON") from None
+    if not isinstance(state, dict):
+        raise ValueError("its state is not a JSON object")
+    if not isinstance(state.get("prompts", []), list):
+        raise ValueError("its prompts are not a list")
+    return state
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a text column holds {type(value).__name__}")
+    return value
+
+
+def _layer(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"the layer column holds {value!r}")
+    return value
 
 
 def _migrations():
