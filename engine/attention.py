@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
+from .ops.fp32 import Fp32Ops
 from .config import ModelConfig
 from .roles import FULL, REINDEX, LayerRole
 from .rope import layer_freqs, rotate
@@ -190,8 +191,9 @@ class Attention:
     """One layer's attention. `forward` takes the normalized input x [T, dim] at `positions` and
     returns [T, dim]; it reads and updates the layer's caches and the shared hand-down state."""
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, parallel=None):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, parallel=None, ops=None):
         self.cfg, self.role, self.w, self.linear = cfg, role, weights, linear
+        self.ops = ops if ops is not None else Fp32Ops()  # engine/ops: the numerics (`linear` stores by them too)
         self.parallel = parallel  # engine/parallel.py; None in one process
         self.ratio = role.compress_ratio
         self.freqs = layer_freqs(cfg, self.ratio)
@@ -203,8 +205,8 @@ class Attention:
     # -- the pieces -------------------------------------------------------------------------
     def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
         cfg = self.cfg
-        kv = rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
-        kv = rotate(kv, positions, self.freqs)
+        kv = self.ops.rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
+        kv = self.ops.act(rotate(kv, positions, self.freqs))
         # bytes only for what the cache keeps (all of the chunk's on the kernel path)
         q8, s8 = quant.quantize_fp8(kv if keep_bytes else kv[-cfg.window_size:], 32)
         kv = ste(kv, quant.fp8_roundtrip(kv, 32))
@@ -236,11 +238,13 @@ class Attention:
                 return
             kv = kv[:cut].unflatten(0, (n_groups, m))
             weights = torch.softmax(score[:cut].unflatten(0, (n_groups, m)), dim=1)  # per channel over the group
-            kv = (kv * weights).sum(dim=1)
-        latent = rms_norm(kv, self.w("attn.compressor.norm.weight"), cfg.norm_eps)  # [n, D], pre-RoPE
+            kv = (kv * weights).sum(dim=1)  # pooled in fp32 (so in the reference too), then stored
+        ops = self.ops
+        latent = ops.rms_norm(ops.act(kv), self.w("attn.compressor.norm.weight"), cfg.norm_eps)  # [n, D], pre-RoPE
         first = torch.arange(src.n_entries, src.n_entries + latent.shape[0], device=x.device) * m  # group's first position
-        ik = rms_norm(latent @ self.w("attn.indexer.wk.weight").t(), self.w("attn.indexer.k_norm.weight"), cfg.norm_eps)
-        src.append(rotate(latent, first, self.freqs), rotate(ik, first, self.freqs))
+        ik = ops.rms_norm(ops.act(latent @ self.w("attn.indexer.wk.weight").t()), self.w("attn.indexer.k_norm.weight"),
+                          cfg.norm_eps)
+        src.append(ops.act(rotate(latent, first, self.freqs)), ops.act(rotate(ik, first, self.freqs)))
 
     def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,
@@ -254,10 +258,11 @@ class Attention:
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         local_hi = hi if self.parallel is None else self.parallel.local(hi, "index heads")  # this rank's heads
         q = self.linear(qr, "attn.indexer.wq_b").view(-1, local_hi, di)
-        q = rotate(q, positions, self.freqs)
+        q = self.ops.act(rotate(q, positions, self.freqs))
         q_rotated = q
         q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
-        head_w = (x.float() @ self.w("attn.indexer.weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5)
+        act = self.ops.act  # weights_proj is a bf16 GEMM in the reference, and so is its scaled output
+        head_w = act(act(x.float() @ self.w("attn.indexer.weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5))
         kp = shared.kernels
         if kp is not None and kp.active(self.role.layer) and self.parallel is None:
             got = self._index_kernels(kp, q_rotated, head_w, positions, src, shared)
@@ -278,11 +283,7 @@ class Attention:
             # entries past the block's last query are invisible to all of it: score the visible
             # prefix only (about half the work over a prompt); training's loss wants whole rows
             width = n if keep_scores or self.parallel is not None else max(1, min(n, int(visible[b].max())))
-            scores = None
-            for h in range(local_hi):  # one head at a time: [block, N], never [block, heads, N]
-                per_head = torch.mm(q[b, h], keys[:width].t()).relu_()
-                w = head_w[b, h:h + 1]
-                scores = per_head * w if scores is None else torch.addcmul(scores, per_head, w)
+            scores = self.ops.index_scores(q[b], keys[:width], head_w[b])  # [block, width]
             if self.parallel is not None:  # partial sums over each rank's heads, before any top-k
                 scores = self.parallel.all_reduce(scores)
             scores = scores.masked_fill(entry[None, :width] >= visible[b, None], NEG_INF)
@@ -334,29 +335,8 @@ class Attention:
         return idx, picked
 
     def _attend(self, q, positions, windows, sink, idx, global_kv):
-        """Softmax over each query's window (its last W latents) and its selected global entries,
-        with exp(sink) added to each head's denominator.
-        q: [B, H, D] already scaled by 1/sqrt(D); windows: [B, D, W] (a strided view, oldest first);
-        idx: (entry ids [B, k] with -1 read as 0, bool [B, k] where they were -1), or None without a
-        global branch -> ([B, H, D], probs on global)."""
-        w = self.cfg.window_size
-        parts = [torch.bmm(q, windows)]  # [B, H, W]; q comes scaled by 1/sqrt(head_dim)
-        # positions here count the window's keys (a query's row among the cached + new keys): slots
-        # before the first key are empty, whether before position 0 or before a CED replay's start
-        if int(positions[0]) < w - 1:  # the first queries' windows reach before the first key
-            slot_pos = positions[:, None] - (w - 1) + torch.arange(w, device=q.device)[None, :]
-            parts[0].masked_fill_((slot_pos < 0)[:, None, :], NEG_INF)
-        gathered = None
-        if global_kv is not None:
-            rows, padding = idx  # entry ids with -1 read as 0, and where they were -1
-            gathered = global_kv.index_select(0, rows.flatten()).view(*rows.shape, -1)  # [B, k, D]
-            parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_(padding[:, None, :], NEG_INF))
-        parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1))
-        probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)[..., :-1]  # sink: denominator only
-        o = torch.bmm(probs[..., :w], windows.transpose(1, 2))
-        if gathered is None:
-            return o, None
-        return torch.baddbmm(o, probs[..., w:], gathered), probs[..., w:]
+        """`ops.attend` for a q already scaled by 1/sqrt(head_dim) (tests call it so)."""
+        return self.ops.attend(q, positions, windows, sink, idx, global_kv, self.cfg.window_size, 1.0)
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None):
@@ -365,9 +345,9 @@ class Attention:
         groups = cfg.o_groups
         if self.parallel is not None:  # this rank's heads and output groups
             n_heads, groups = self.parallel.local(n_heads, "heads"), self.parallel.local(groups, "groups")
-        qr = rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
+        qr = self.ops.rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
         q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
-        q = rotate(q, positions, self.freqs)
+        q = self.ops.act(rotate(q, positions, self.freqs))
 
         kp = shared.kernels if shared.kernels is not None and shared.kernels.active(self.role.layer) \
             and self.parallel is None else None
@@ -405,21 +385,21 @@ class Attention:
             windows = padded.unfold(0, w, 1)[start:start + x.shape[0]]
             outs, global_probs = [], []
             block = query_block(x.device)
-            scaled = q * cfg.head_dim ** -0.5
             rows, padding = (idx.clamp_min(0), idx < 0) if global_kv is not None else (None, None)
             key_rows = torch.arange(n_cached, n_cached + x.shape[0], device=x.device)  # empty slots as by position, and before a replay's first key
             for a in range(0, x.shape[0], block):
                 b = slice(a, a + block)
-                o, p_glob = self._attend(scaled[b], key_rows[b], windows[b], sink,
-                                         None if global_kv is None else (rows[b], padding[b]), global_kv)
+                o, p_glob = self.ops.attend(q[b], key_rows[b], windows[b], sink,
+                                            None if global_kv is None else (rows[b], padding[b]), global_kv,
+                                            w, cfg.head_dim ** -0.5)
                 outs.append(o)
                 global_probs.append(p_glob)
             o = torch.cat(outs)
             self.global_probs = torch.cat(global_probs) if global_kv is not None else None
-        o = rotate(o, positions, self.freqs, inverse=True)
+        o = self.ops.act(rotate(o, positions, self.freqs, inverse=True))
 
         wo_a = self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o.reshape(-1, groups, n_heads // groups * head_dim), wo_a)
+        o = self.ops.act(torch.einsum("tgd,grd->tgr", o.reshape(-1, groups, n_heads // groups * head_dim), wo_a))
         out = self.linear(o.flatten(1), "attn.wo_b")
         if self.parallel is not None:  # wo_b holds this rank's input columns: a partial sum
             out = self.parallel.all_reduce(out)

@@ -258,13 +258,15 @@ def engram_forward(
     k_weight: torch.Tensor,
     eps: float,
     token_mask: torch.Tensor | None = None,
+    act=None,
 ) -> torch.Tensor:
     """The stream after Engram: x + gate * value per copy, same shape and dtype as x.
 
     x: [T, hc, dim]; rows_embed: [T, n_rows, head_dim] (dequantized table rows, ngram_rows order);
     wkv: [(hc + 1) * dim, n_rows * head_dim] (keys of copies 0..hc-1, then the value);
     q_weight, k_weight: [hc, dim]; token_mask: optional BoolTensor [T], False = leave untouched.
-    Computed in float32 (float64 if x is float64).
+    Computed in float32 (float64 if x is float64). act (engine/ops): how the wkv GEMM's output is
+    stored (bf16 in the reference's numerics); None keeps it as computed.
     """
     if x.dim() != 3:
         raise EngramError(f"x must be [T, hc, dim], got shape {tuple(x.shape)}")
@@ -281,6 +283,8 @@ def engram_forward(
 
     flat = rows_embed.reshape(n_tok, in_features).to(compute)
     kv = flat @ wkv.to(compute).T  # [T, (hc + 1) * dim]
+    if act is not None:
+        kv = act(kv)
     key = kv[:, : hc * dim].reshape(n_tok, hc, dim)
     value = kv[:, hc * dim :]  # [T, dim], shared by every copy
     h = x.to(compute)

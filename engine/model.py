@@ -18,6 +18,7 @@ from . import kernel_path, mhc, quant
 from .attention import Attention, LayerWeights, Shared, rms_norm
 from .config import ModelConfig
 from .moe import moe_forward
+from .ops import ops_for
 from .roles import decoder_start, role_plan
 
 PROBE_KINDS = ("topk", "mhc", "routing", "norms", "timing")
@@ -37,8 +38,12 @@ class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True, parallel=None,
-                 kernels: bool | None = None):
+                 kernels: bool | None = None, numerics: str = "fp32"):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        # engine/ops: "reference" (the official bf16 dtype flow; engine.api's default) or "fp32"
+        # (the default here: training and the float references of the tests run in fp32)
+        self.ops = ops_for(numerics)
+        self.numerics = self.ops.name
         self.parallel = parallel  # engine/parallel.py (several processes); None in one process
         self.act_quant = act_quant
         self._rounding_memo = threading.local()
@@ -69,12 +74,12 @@ class Model:
         if self._kp is not None:  # kernel path: FP8 block-scaled GEMM on the stored bytes
             y = self._kp.linear(x, base)
             if y is not None:
-                return y
+                return self.ops.act(y)
         name = base + ".weight"
         w = self.weights.get(name)
         if self.act_quant and self.weights.stored_dtype(name) in ("F8_E4M3", "I8"):
             x = self._rounded(x)
-        return x.float() @ w.t()
+        return self.ops.act(x.float() @ w.t())  # the GEMM's output dtype (bf16 in the reference)
 
     def _rounded(self, x: torch.Tensor) -> torch.Tensor:
         """x as an FP8 GEMM's input sees it. Attention and the MoE feed one activation to two or
@@ -94,7 +99,8 @@ class Model:
         """Forget every cache: the next forward starts at position 0."""
         self.pos = 0
         self.attn = [Attention(self.cfg, role, LayerWeights(self.get, f"layers.{role.layer}."),
-                               lambda x, n, L=role.layer: self.linear(x, f"layers.{L}.{n}"), self.parallel)
+                               lambda x, n, L=role.layer: self.linear(x, f"layers.{L}.{n}"), self.parallel,
+                               ops=self.ops)
                      for role in self.plan]
         self.compressed_history = torch.zeros(0, dtype=torch.long)
         self.dead_history = torch.zeros(0, dtype=torch.bool)
@@ -120,8 +126,9 @@ class Model:
         table = self.weights.rows(p + "embed.weight", rows).to(x.device)  # [T, n_rows, head_dim]
         if self.act_quant:
             table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
-        return engram.engram_forward(x, table, self.get(p + "wkv.weight"), self.get(p + "q_weight"),
-                                     self.get(p + "k_weight"), cfg.norm_eps, token_mask=~dead)
+        return self.ops.act(engram.engram_forward(x, table, self.get(p + "wkv.weight"), self.get(p + "q_weight"),
+                                                  self.get(p + "k_weight"), cfg.norm_eps, token_mask=~dead,
+                                                  act=self.ops.act))
 
     def _compressed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.compressed_vocab is None:
@@ -178,6 +185,7 @@ class Model:
         dead = image_mask if image_mask is not None else torch.zeros(T, dtype=torch.bool, device=dev)
         embed = self.get("embed.weight")
         h = embed[ids].float() if self.parallel is None else self.parallel.embed(embed, ids)  # vocab-split rows
+        h = self.ops.act(h)
         x = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
         pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0  # the first collapse reads copy 0
@@ -208,7 +216,7 @@ class Model:
                 probe["time_s"] = time.perf_counter() - started
                 probe["residual_norms"] = x.detach().norm(dim=-1)
                 collect[L] = probe
-        y = rms_norm(mhc.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
+        y = self.ops.rms_norm(self.ops.act(mhc.collapse(x, pre)), self.get("norm.weight"), cfg.norm_eps)
         logits = y @ self.get("head.weight").float().t()
         return logits if self.parallel is None else self.parallel.gather_last(logits)  # vocab-split head
 
@@ -216,8 +224,8 @@ class Model:
         """CED prefill at the decoder's first layer L: its compressor publishes global KV and index
         keys for the first `skip` rows from the encoder's output (what the decoder's global branch
         reads), and only the rows after them go on; the decoder's windows fill from those rows."""
-        attn_in = rms_norm(mhc.collapse(x[:skip], pre[:skip]), self.get(f"layers.{L}.attn_norm.weight"),
-                           self.cfg.norm_eps)
+        attn_in = self.ops.rms_norm(self.ops.act(mhc.collapse(x[:skip], pre[:skip])),
+                                    self.get(f"layers.{L}.attn_norm.weight"), self.cfg.norm_eps)
         self.attn[L].publish(attn_in, positions[:skip])
         if self.engram_layout is not None and self.tokenizer is not None:  # n-grams of the skipped tokens
             history = (torch.cat([history[0], self._compressed(ids[:skip].cpu())]),
@@ -236,11 +244,12 @@ class Model:
         if fused is None:
             a_pre, a_post, a_comb = mhc.hc_mixes(x, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
                                                  self.get(p + "hc_attn_base"), *hc_args)
-            attn_in = mhc.collapse(x, pre)
+            attn_in = self.ops.act(mhc.collapse(x, pre))
         else:  # kernel path: one fused mHC launch (collapse + mixes)
             _, attn_in, a_pre, a_post, a_comb = fused
+            attn_in = self.ops.act(attn_in)
         attn_probe = {} if probe is not None else None
-        y = self.attn[L].forward(rms_norm(attn_in, self.get(p + "attn_norm.weight"), cfg.norm_eps),
+        y = self.attn[L].forward(self.ops.rms_norm(attn_in, self.get(p + "attn_norm.weight"), cfg.norm_eps),
                                  positions, shared, attn_probe)
         if after_attention is not None:
             after_attention()
@@ -248,16 +257,17 @@ class Model:
                                                self.get(p + "hc_ffn_scale"), self.get(p + "hc_ffn_base"), a_pre,
                                                (y, a_post, a_comb), cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
         if fused is None:
-            x1 = mhc.expand(y, x, a_post, a_comb)
+            x1 = self.ops.act(mhc.expand(y, x, a_post, a_comb))
             f_pre, f_post, f_comb = mhc.hc_mixes(x1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
                                                  self.get(p + "hc_ffn_base"), *hc_args)
-            ffn_in = mhc.collapse(x1, a_pre)
+            ffn_in = self.ops.act(mhc.collapse(x1, a_pre))
         else:  # kernel path: the attention's post/comb update fused with the FFN's collapse + mixes
             x1, ffn_in, f_pre, f_post, f_comb = fused
+            x1, ffn_in = self.ops.act(x1), self.ops.act(ffn_in)
         route_probe = {} if probe is not None else None
-        y = moe_forward(cfg, L, rms_norm(ffn_in, self.get(p + "ffn_norm.weight"), cfg.norm_eps),
-                        self.get, self.linear, image_mask, route_probe, self.parallel, kernels=kp)
-        x2 = mhc.expand(y, x1, f_post, f_comb)
+        y = moe_forward(cfg, L, self.ops.rms_norm(ffn_in, self.get(p + "ffn_norm.weight"), cfg.norm_eps),
+                        self.get, self.linear, image_mask, route_probe, self.parallel, kernels=kp, ops=self.ops)
+        x2 = self.ops.act(mhc.expand(y, x1, f_post, f_comb))
         if probe is not None:
             probe.update(attn_probe)
             probe["routing"] = route_probe

@@ -32,6 +32,10 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: to
     return scores, experts, weights * route_scale
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """The clamps come from training: the gate branch only from above, the up branch both sides."""
     if limit > 0:
@@ -41,11 +45,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                   get, linear, owned: tuple[int, int] | None = None) -> torch.Tensor:
+                   get, linear, owned: tuple[int, int] | None = None, act=_identity) -> torch.Tensor:
     """sum_e w_e Expert_e(x) over each token's chosen experts. The (token, expert) slots are sorted
     by expert, so each expert multiplies one contiguous run of rows: no padding, no wasted rows.
     Only the chosen experts' weights are fetched.
-    owned (expert parallel): only the slots whose expert is in [start, stop) count."""
+    owned (expert parallel): only the slots whose expert is in [start, stop) count.
+    act (engine/ops): how each GEMM's output and the weighted SwiGLU output are stored (bf16 in the
+    reference's numerics); the sum over a token's experts stays fp32."""
     T, k = experts.shape
     slot_experts, slot_weights = experts.flatten(), weights.flatten()   # [T*k]
     slot_token = torch.arange(T * k, device=x.device) // k
@@ -63,22 +69,24 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     inter = cfg.moe_inter_dim
     # one expert at a time: its rows are gathered and multiplied while still in cache, and only its
     # weights are held (stacking every used expert's would take ~17 GB per GPU at release size)
-    gate_up = torch.cat([xq.index_select(0, token[a:b]) @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
-                                                                       get(f"{prefix}experts.{e}.w3.weight")]).t()
-                         for e, a, b in runs])
+    gate_up = act(torch.cat([xq.index_select(0, token[a:b]) @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
+                                                                           get(f"{prefix}experts.{e}.w3.weight")]).t()
+                             for e, a, b in runs]))
     h = swiglu(gate_up[:, :inter], gate_up[:, inter:], cfg.swiglu_limit)
-    h = linear(h * slot_weights.unsqueeze(-1), None)
+    h = linear(act(h * slot_weights.unsqueeze(-1)), None)
     y = torch.zeros(T, cfg.dim, device=x.device, dtype=h.dtype)
     for e, a, b in runs:
-        y.index_add_(0, token[a:b], h[a:b] @ get(f"{prefix}experts.{e}.w2.weight").t())
+        y.index_add_(0, token[a:b], act(h[a:b] @ get(f"{prefix}experts.{e}.w2.weight").t()))
     return y
 
 
 def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None,
-                parallel=None, kernels=None):
+                parallel=None, kernels=None, ops=None):
     """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM.
     parallel (engine/parallel.py): each rank adds its own experts' share, then all_reduce.
-    kernels (engine/kernel_path.py KernelPath): the routed experts from the packed FP4 bytes."""
+    kernels (engine/kernel_path.py KernelPath): the routed experts from the packed FP4 bytes.
+    ops (engine/ops): the numerics (None: fp32); `linear` already stores its outputs so."""
+    act = _identity if ops is None else ops.act
     n_routed, n_active = cfg.experts_of(layer)
     prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
     bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
@@ -88,12 +96,12 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
     if kernels is not None and parallel is None:  # kernel path (None when it does not compute here)
         y = kernels.routed(layer, prefix, n_routed, linear(x, None), experts, weights, cfg.swiglu_limit)
     if y is None and parallel is None:
-        y = routed_experts(cfg, prefix, x, experts, weights, get, linear)
+        y = routed_experts(cfg, prefix, x, experts, weights, get, linear, act=act)
     elif y is None:
         owned = parallel.split(n_routed, "routed experts")
-        y = parallel.all_reduce(routed_experts(cfg, prefix, x, experts, weights, get, linear, owned))
+        y = parallel.all_reduce(routed_experts(cfg, prefix, x, experts, weights, get, linear, owned, act=act))
     base = prefix + "shared_experts."
-    y = y + linear(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit), base + "w2")
+    y = act(y + linear(act(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit)), base + "w2"))
     if probe is not None:
         probe["experts"], probe["weights"], probe["scores"] = experts, weights, scores
     return y

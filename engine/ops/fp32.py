@@ -1,0 +1,72 @@
+"""fp32 numerics: every activation stays float32 between ops (the engine's original arithmetic)."""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last axis, in float32."""
+    x = x.float()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+class Fp32Ops:
+    """The hot spots whose arithmetic depends on the numerics. `act` is where the reference rounds
+    an activation to bf16; here it is the identity."""
+
+    name = "fp32"
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """An activation as it is stored between two ops."""
+        return x
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return self.act(rms_norm(x, weight, eps))
+
+    def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
+        """Indexer scores sum_h w_h relu(q_h . k): q [B, H, Di], keys [N, Di], head_w [B, H] -> [B, N].
+        One head at a time: [B, N], never [B, H, N]."""
+        scores = None
+        for h in range(q.shape[1]):
+            per_head = torch.mm(q[:, h], keys.t()).relu_()
+            w = head_w[:, h:h + 1]
+            scores = per_head * w if scores is None else torch.addcmul(scores, per_head, w)
+        return scores
+
+    def attend(self, q: torch.Tensor, positions: torch.Tensor, windows: torch.Tensor, sink: torch.Tensor,
+               idx, global_kv: torch.Tensor | None, window_size: int, scale: float):
+        """Softmax over each query's window (its last W latents) and its selected global entries,
+        with exp(sink) added to each head's denominator.
+        q: [B, H, D] (unscaled); windows: [B, D, W] (a strided view, oldest first; slots before
+        position 0 at the front); idx: (entry ids [B, k] with -1 read as 0, bool [B, k] where they
+        were -1), or None without a global branch -> (out [B, H, D], probs on global [B, H, k] | None)."""
+        w = window_size
+        q = q * scale
+        parts = [torch.bmm(q, windows)]  # [B, H, W]
+        if int(positions[0]) < w - 1:  # the first queries' windows reach before position 0
+            parts[0].masked_fill_(window_slot_positions(positions, w)[:, None, :] < 0, NEG_INF)
+        gathered = None
+        if global_kv is not None:
+            gathered = gather_entries(global_kv, idx)
+            parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_(idx[1][:, None, :], NEG_INF))
+        parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1))
+        probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)[..., :-1]  # sink: denominator only
+        o = torch.bmm(probs[..., :w], windows.transpose(1, 2))
+        if gathered is None:
+            return o, None
+        return torch.baddbmm(o, probs[..., w:], gathered), probs[..., w:]
+
+
+def window_slot_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The position each window slot of each query holds (oldest first): [B] -> [B, W]; < 0 is empty."""
+    return positions[:, None] - (window - 1) + torch.arange(window, device=positions.device)[None, :]
+
+
+def gather_entries(global_kv: torch.Tensor, idx) -> torch.Tensor:
+    """The selected global entries: (rows [B, k], padding [B, k]) -> [B, k, D] (padding reads row 0)."""
+    rows, _ = idx
+    return global_kv.index_select(0, rows.flatten()).view(*rows.shape, -1)

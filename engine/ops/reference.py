@@ -1,0 +1,84 @@
+"""The official reference's dtype flow (its generate.py runs with bf16 as torch's default dtype).
+
+What is bf16 there, and rounded so here (`act`): the embedding, every RMSNorm's output, every
+FP8/FP4/bf16 GEMM's output, RoPE's output, the mHC collapse and update (the residual stream), the
+Engram update, the MoE's output, the sparse attention's output. What is fp32 there and here: the
+mHC mixes and Sinkhorn, the router, the compressor's pooling (ratio > 1), SwiGLU, the expert sum,
+the softmaxes, the logits.
+
+Two hot spots differ by more than a final rounding:
+- the indexer's scores are bf16 tensors: each head's q.k is rounded, its product with the head
+  weight is rounded, and the sum over heads (accumulated in fp32) is rounded. Many scores tie.
+- the sparse attention walks each query's entries in blocks of 64 (its window first, valid slots
+  first, then the selected entries in position order) with an online softmax; the probabilities
+  multiplying V are rounded to bf16 relative to the running max after each block, the denominator
+  sums them unrounded, and the sink joins the denominator only, against the final max.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp32 import NEG_INF, Fp32Ops, gather_entries
+
+ATTN_BLOCK = 64  # entries per step of the reference's sparse attention (its online softmax)
+RUNNING_MAX_FLOOR = -1e30  # the reference's running max starts here, not at -inf
+
+
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (nearest even), kept float32."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+class ReferenceOps(Fp32Ops):
+    name = "reference"
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return to_bf16(x)
+
+    def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
+        scores = None
+        for h in range(q.shape[1]):
+            per_head = to_bf16(torch.mm(q[:, h], keys.t())).relu_()
+            weighted = to_bf16(per_head.mul_(head_w[:, h:h + 1]))
+            scores = weighted if scores is None else scores.add_(weighted)
+        return to_bf16(scores)
+
+    def attend(self, q: torch.Tensor, positions: torch.Tensor, windows: torch.Tensor, sink: torch.Tensor,
+               idx, global_kv: torch.Tensor | None, window_size: int, scale: float):
+        B, H, _ = q.shape
+        w = window_size
+        win_scores = torch.bmm(q, windows)  # [B, H, W]
+        if int(positions[0]) < w - 1:
+            # the reference lists an early query's window valid slots first (slot j = position j):
+            # roll those rows so the blocks of 64 hold the same entries
+            shift = (w - 1 - positions).clamp_min(0)
+            cols = (torch.arange(w, device=q.device)[None, :] + shift[:, None]) % w  # [B, W]
+            win_scores = win_scores.gather(-1, cols[:, None, :].expand(B, H, w))
+            windows = windows.gather(-1, cols[:, None, :].expand(-1, windows.shape[1], -1))
+            empty = torch.arange(w, device=q.device)[None, :] > positions[:, None]
+            win_scores.masked_fill_(empty[:, None, :], NEG_INF)
+        # a prompt shorter than the window lists only its own length of slots
+        n_win = min(w, int(positions[-1]) + 1)
+        win_scores, windows = win_scores[..., :n_win], windows[..., :n_win]
+        parts = [win_scores]
+        gathered = None
+        if global_kv is not None:
+            gathered = gather_entries(global_kv, idx)
+            parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_(idx[1][:, None, :], NEG_INF))
+        scores = torch.cat(parts, dim=-1) * scale  # [B, H, C]
+        n = scores.shape[-1]
+        blocks = -(-n // ATTN_BLOCK)
+        padded = torch.nn.functional.pad(scores, (0, blocks * ATTN_BLOCK - n), value=NEG_INF)
+        padded = padded.view(B, H, blocks, ATTN_BLOCK)
+        running = padded.amax(-1).cummax(-1).values.clamp_min(RUNNING_MAX_FLOOR)  # [B, H, blocks]
+        p = torch.exp(padded - running.unsqueeze(-1))  # fp32, against the running max
+        final = running[..., -1:]
+        rescale = torch.exp(running - final)  # [B, H, blocks]
+        denom = (p.sum(-1) * rescale).sum(-1) + torch.exp(sink.float().view(1, -1) - final.squeeze(-1))
+        weights = (to_bf16(p) * rescale.unsqueeze(-1)).flatten(-2)[..., :n]  # bf16 probabilities, rescaled
+        o = torch.bmm(weights[..., :n_win], windows.transpose(1, 2))
+        if gathered is not None:
+            o = torch.baddbmm(o, weights[..., n_win:], gathered)
+        o = to_bf16(o / denom.unsqueeze(-1))
+        return o, (None if gathered is None else weights[..., n_win:] / denom.unsqueeze(-1))
