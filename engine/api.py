@@ -22,6 +22,7 @@ import torch
 
 from .config import ConfigError, ModelConfig, load_config
 from . import ced, pipeline
+from .ops import DEFAULT_NUMERICS, NUMERICS
 from .model import PROBE_KINDS, Model, ProbeRequest
 from .roles import decoder_start, role_plan
 
@@ -202,6 +203,8 @@ class RunResult:
     replay: int | None = None            # ced: prompt tokens the decoder ran on
     prefill_s: float = 0.0               # the prefill's share of time_s
     generated_layers: dict[int, LayerResult] = field(default_factory=dict)  # run(generated_probes=True)
+    numerics: str = DEFAULT_NUMERICS         # engine/ops: "reference" (the official bf16 flow) or "fp32"
+    logits: torch.Tensor | None = None       # run(logits=True): the prompt's logits [T, vocab] fp32, CPU
 
     def to_json(self, layers=None) -> dict:
         """JSON-able dict; `layers` limits the per-layer probes to those layers (all by default)."""
@@ -218,6 +221,7 @@ class RunResult:
             "time_s": self.time_s,
             "generated_ids": self.generated_ids, "generated_text": self.generated_text,
             "prefill": self.prefill, "replay": self.replay, "prefill_s": self.prefill_s,
+            "numerics": self.numerics,
             **({"generated_layers": {str(k): v.to_json() for k, v in sorted(self.generated_layers.items())}}
                if self.generated_layers else {}),
         }
@@ -235,8 +239,11 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, source: str = "", identity: str = "",
                  act_quant: bool = True, parallel=None, device: str | torch.device = "cpu",
-                 kernels: bool | None = None, threads: int | None = None):
+                 kernels: bool | None = None, threads: int | None = None, numerics: str | None = None):
         self.cfg, self.tokenizer, self.source, self.identity = cfg, tokenizer, source, identity
+        if (numerics or DEFAULT_NUMERICS) not in NUMERICS:
+            raise EngineError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
+        self.numerics = numerics or DEFAULT_NUMERICS  # engine/ops: the default is the reference's dtype flow
         # CPU threads for a prefill: 2 runs the prompt as two chunks in a wavefront (engine/pipeline.py);
         # every op itself stays on one torch thread (see one_thread)
         self.threads = threads if threads is not None else min(2, os.cpu_count() or 1)
@@ -245,7 +252,8 @@ class Engine:
         self.parallel = parallel  # engine/parallel.py when this is one rank of several processes
         self.device = torch.device(device) if parallel is None else parallel.device
         # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/kernel_path.py)
-        self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel, kernels=kernels)
+        self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel, kernels=kernels,
+                           numerics=self.numerics)
         self.plan = role_plan(cfg)
         self.lock = threading.Lock()
 
@@ -288,7 +296,7 @@ class Engine:
     def run(self, prompt: str | list[int], layers=None, probes=PROBE_KINDS,
             image_spans: list[tuple[int, int]] = (), generate: int = 0, detail_layers=(),
             prefill: str = "full", replay: int | None = None, generated_probes: bool = False,
-            continuation: list[int] | None = None) -> RunResult:
+            continuation: list[int] | None = None, logits: bool = False) -> RunResult:
         """Prefill the prompt (probes on the asked layers), then greedily generate `generate` tokens.
         detail_layers: layers (among those probed, with the topk probe) that also record the indexer's
         runner-ups and the selection recall (a pass over every visible entry: ask for the clicked one).
@@ -296,7 +304,9 @@ class Engine:
         decoder over only the last `replay` prompt tokens, default the window size).
         generated_probes: also probe the asked layers at the generated tokens (`generated_layers`).
         continuation: token ids fed after the prompt instead of the greedy picks (teacher-forced;
-        `generated_ids` are still the greedy picks at each step)."""
+        `generated_ids` are still the greedy picks at each step).
+        logits: keep the prompt's logits [T, vocab] in the result (parity checks)."""
+        want_logits = logits
         ids = self.encode(prompt)
         try:
             replay = ced.check(self.cfg, prefill, replay)
@@ -333,6 +343,7 @@ class Engine:
                                             decoder_from=start_decoder)
             _sync(self.device)
             prefill_s = time.perf_counter() - started
+            prompt_logits = logits.float().cpu() if want_logits else None
             cache = self.model.cache_bytes()
             eos = self.tokenizer.eos_id if self.tokenizer is not None else None
             generated, at_generated = ced.decode(
@@ -352,7 +363,8 @@ class Engine:
             cache_bytes=cache, kv_bytes_formula=global_kv_bytes(self.cfg, len(ids)), time_s=elapsed,
             generated_ids=generated,
             generated_text=self.tokenizer.decode(generated) if self.tokenizer is not None and generated else "",
-            prefill=prefill, replay=replay, prefill_s=prefill_s, generated_layers=at_generated)
+            prefill=prefill, replay=replay, prefill_s=prefill_s, generated_layers=at_generated,
+            numerics=self.numerics, logits=prompt_logits)
 
     def _layer_result(self, layer: int, probe: dict, kinds: set[str]) -> LayerResult:
         role = self.plan[layer]
@@ -403,12 +415,14 @@ def checkpoint_identity(path: Path) -> str:
 
 
 def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: bool = True,
-         parallel=None, device: str = "cpu", kernels: bool | None = None, threads: int | None = None) -> Engine:
+         parallel=None, device: str = "cpu", kernels: bool | None = None, threads: int | None = None,
+         numerics: str | None = None) -> Engine:
     """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
     parallel (engine/parallel.py): this process is one rank; it reads only its shard of the weights.
     device: where one process computes (weights are dequantized once and kept there);
     kernels: the Triton path (None: on CUDA; see engine/kernel_path.py);
-    threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them)."""
+    threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them);
+    numerics (engine/ops): "reference" (default: the official bf16 dtype flow) or "fp32"."""
     from .checkpoint import CheckpointError, CheckpointReader
     from .weights import CheckpointWeights, DeviceWeights
 
@@ -436,7 +450,8 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     elif torch.device(device).type != "cpu":
         weights = DeviceWeights(weights, device)
     return Engine(cfg, weights, tokenizer, source=str(path), identity=checkpoint_identity(path),
-                  act_quant=act_quant, parallel=parallel, device=device, kernels=kernels, threads=threads)
+                  act_quant=act_quant, parallel=parallel, device=device, kernels=kernels, threads=threads,
+                  numerics=numerics)
 
 
 def save_result(result: RunResult, path: str | Path) -> None:
