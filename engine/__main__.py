@@ -197,6 +197,65 @@ def _run_skeleton(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- plan -----------------------------------------------------------------------------------------
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    from .plan import ENGRAM_PLACES, GPUS, PlanInputs
+    d = PlanInputs()
+    p.add_argument("--config", type=Path, help="config file or checkpoint folder (default: the release)")
+    p.add_argument("--gpu", default=d.gpu, choices=list(GPUS), help=f"GPU model (default {d.gpu})")
+    for name, what in (("gpus", "GPU count"), ("ep", "expert-parallel degree (routed experts)"),
+                       ("tp", "tensor-parallel degree (attention heads, vocabulary)"),
+                       ("batch", "sequences decoded together"), ("context", "tokens of context per sequence"),
+                       ("chunk", "prefill chunk in tokens")):
+        p.add_argument(f"--{name}", type=int, default=getattr(d, name), help=f"{what} (default {getattr(d, name)})")
+    p.add_argument("--dp-attention", action="store_true", help="attention groups serve separate sequences")
+    p.add_argument("--engram", default=d.engram, choices=ENGRAM_PLACES, help="where the Engram tables live")
+    p.add_argument("--reserve", type=float, default=d.reserve, help=f"share of HBM kept for the runtime ({d.reserve})")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .plan import PlanError, PlanInputs, make_plan
+
+    cfg = load_config(args.config or DEFAULT_CONFIG)
+    inputs = PlanInputs(gpu=args.gpu, gpus=args.gpus, ep=args.ep, tp=args.tp, dp_attention=args.dp_attention,
+                        batch=args.batch, context=args.context, engram=args.engram, chunk=args.chunk,
+                        reserve=args.reserve)
+    try:
+        plan = make_plan(cfg, inputs)
+    except PlanError as err:
+        raise UsageError(f"plan: {err}") from None
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=1))
+        return 0
+    m, i = plan.memory, inputs
+    attention = "DP attention" if i.dp_attention else f"attention replicated over {i.groups} group(s)"
+    print(f"{plan.gpu.name} x {i.gpus}: EP {i.ep}, TP {i.tp}, {attention}; batch {i.batch}, context {i.context:,}, "
+          f"Engram tables on {i.engram}")
+    rows = [[k, fmt_bytes(v)] for k, v in list(m.weights.items()) + list(m.caches.items()) if v]
+    rows += [["activations (one prefill chunk)", fmt_bytes(m.activations["total"])], ["runtime reserve", fmt_bytes(m.reserve)],
+             ["used / HBM", f"{fmt_bytes(m.used)} / {fmt_bytes(m.hbm)}"], ["free", fmt_bytes(m.free)]]
+    print(table(["bytes per GPU", ""], rows))
+    print(f"{'fits' if m.fits else 'DOES NOT FIT'}: {m.sequences_per_gpu} sequence(s) per GPU; largest batch at this "
+          f"context {plan.largest_batch:,}; longest context at this batch {plan.largest_context:,}")
+    for title, ph in (("decode step", plan.decode), (f"prefill chunk of {plan.prefill.tokens:,} ending at "
+                                                     f"{plan.prefill.position:,}", plan.prefill)):
+        print(f"\n{title}: {ph.time_s * 1e3:.3f} ms per GPU, limited by {ph.limit}")
+        print(table(["role", "layers", "GFLOP", "HBM bytes", "link bytes", "us/layer", "limit"],
+                    [[r.role, len(r.layers) or "-", f"{r.flops / 1e9:.2f}", fmt_bytes(r.hbm_bytes), fmt_bytes(r.link_bytes),
+                      f"{r.time_s * 1e6:.1f}", r.limit] for r in ph.rows]))
+        print("sent per GPU: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in ph.comm.items()) if ph.comm else
+              "sent per GPU: nothing (one GPU)")
+        if ph.fetch_s:
+            print(f"Engram rows from {i.engram}: {ph.fetch_s * 1e3:.3f} ms (prefetched)")
+    print(f"\nupper bounds: {plan.tokens_per_s:,.0f} generated tokens/s in all, {1 / plan.decode.time_s:,.1f} per "
+          f"sequence; time to first token >= {plan.ttft_s:.3f} s for {i.context:,} prompt tokens")
+    for note in plan.notes:
+        print(f"note: {note}")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {}
 
 
@@ -206,7 +265,9 @@ def register(command: Command) -> None:
 
 for _c in (Command("tally", "parameters, bytes and KV figures from a config or checkpoint headers", _tally_args, _run_tally),
            Command("inspect", "inventory a checkpoint folder and list mismatches with its config", _inspect_args, _run_inspect),
-           Command("skeleton", "write the full layout as sparse files (headers only)", _skeleton_args, _run_skeleton)):
+           Command("skeleton", "write the full layout as sparse files (headers only)", _skeleton_args, _run_skeleton),
+           Command("plan", "bytes per GPU, largest batch and context, roofline per role for a serving layout",
+                   _plan_args, _run_plan)):
     register(_c)
 
 

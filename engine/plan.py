@@ -12,13 +12,12 @@ Layout (the split engine/parallel.py makes, generalised to separate degrees):
   rows depend only on its ids, so their fetch is prefetched and overlaps the layers below.
 - DSpark's routed experts split like the backbone's (the engine does not run DSpark in parallel).
 
-Work per GPU and step: matmul FLOPs are 2 x the parameters a token passes (from the tally rows),
-attention over the window plus the selected entries, indexer scores over what it may score; bytes
-moved are the weights read once, the KV read and written, and the index scores written and read
-once (materialized, as the public FP8 logits kernels do); the activations' own traffic is left out.
-The roofline time of a layer is the longest of FLOPs / rate, bytes / HBM bandwidth and bytes sent /
-link bandwidth, each resource assumed perfectly overlapped: every time here is a lower bound, every
-rate an upper bound. Routing is assumed uniform (each expert hit with probability k / E).
+Work per GPU and step: matmul FLOPs are 2 x the parameters a token passes (tally rows), attention
+over the window plus the selected entries, indexer scores over what it may score; bytes moved are the
+weights read once, the KV read and written, the index scores written and read once (materialized, as
+the public FP8 logits kernels do), not the activations' own traffic. A layer's roofline time is the
+longest of FLOPs / rate, bytes / HBM bandwidth and bytes sent / link bandwidth, resources perfectly
+overlapped: every time is a lower bound, every rate an upper bound. Routing is taken as uniform.
 
 Datasheet figures (dense, no sparsity; bandwidths per direction):
 - NVIDIA H100 SXM5 (H100 Tensor Core GPU datasheet): 80 GB HBM3, 3.35 TB/s; BF16 989 TFLOP/s, FP8
@@ -77,7 +76,6 @@ DISK_IOPS, DISK_Bps, DISK_PAGE = 1e6, 7e9, 4096
 ENGRAM_PLACES = ("gpu", "host", "disk")
 ACT_BYTES = 2        # bf16 activations on the wire and in the stream
 SCORE_BYTES = 4      # fp32 index scores
-WINDOW_SCALE_GROUP = 32
 TP_BOXES = frozenset({"attn.wq_b", "attn.attn_sink", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
                       "attn.indexer.weights_proj", "embed", "head"})
 PARTS = ("attention", "CSA2 extras", "routed experts", "gate + shared expert", "mHC + norms",
@@ -168,10 +166,6 @@ def divisor_of(box: str, cfg: ModelConfig, p: PlanInputs) -> int:
     return p.tp if box in TP_BOXES else 1
 
 
-def _exact(x: Fraction) -> int | float:
-    return int(x) if x.denominator == 1 else float(x)
-
-
 def weights_per_gpu(cfg: ModelConfig, tally: Tally, p: PlanInputs) -> dict[str, int | float]:
     """Bytes of weights (with their scales) on each GPU, by part (every GPU holds the same)."""
     out = {name: Fraction(0) for name in PARTS}
@@ -182,7 +176,7 @@ def weights_per_gpu(cfg: ModelConfig, tally: Tally, p: PlanInputs) -> dict[str, 
         div = divisor_of(r.box, cfg, p)
         if div:
             out[part] += Fraction(r.total_bytes, div)
-    return {k: _exact(v) for k, v in out.items()}
+    return {k: int(v) if v.denominator == 1 else float(v) for k, v in out.items()}
 
 
 def host_bytes(tally: Tally, p: PlanInputs) -> int:
@@ -193,7 +187,7 @@ def host_bytes(tally: Tally, p: PlanInputs) -> int:
 # -- caches and activations -----------------------------------------------------------------------
 
 def window_entry_bytes(cfg: ModelConfig) -> int:
-    return cfg.head_dim + cfg.head_dim // WINDOW_SCALE_GROUP
+    return window_bytes_per_layer(cfg) // cfg.window_size
 
 
 def cache_per_sequence(cfg: ModelConfig, context: int, dspark: bool = True, exact_pending: bool = False) -> dict:
@@ -482,9 +476,7 @@ class Phase:
 
 def role_key(r: LayerRole) -> str:
     name = r.label if r.role in (FULL, SWA) else f"{r.label} m={r.compress_ratio}"
-    if r.in_candidate_pool:
-        name += " (pool)"
-    return name + (" + Engram" if r.engram else "")
+    return name + (" (pool)" if r.in_candidate_pool else "") + (" + Engram" if r.engram else "")
 
 
 def phase(cfg: ModelConfig, tally: Tally, p: PlanInputs, *, decode: bool, position: int,
@@ -503,11 +495,10 @@ def phase(cfg: ModelConfig, tally: Tally, p: PlanInputs, *, decode: bool, positi
                        sequences=seqs if decode else 1, position=position, decode=decode)
         groups.setdefault(role_key(r), []).append((r.layer, w))
         fetch += w.fetch
+    head = head_work(cfg, tally, p, tokens=tokens, head_tokens=tokens if decode else 1)
+    for _, w in [item for items in groups.values() for item in items] + [(None, head)]:
         for k, v in w.comm.items():
             comm[k] = comm.get(k, 0.0) + v
-    head = head_work(cfg, tally, p, tokens=tokens, head_tokens=tokens if decode else 1)
-    for k, v in head.comm.items():
-        comm[k] = comm.get(k, 0.0) + v
     rows = []
     for name, items in list(groups.items()) + [("embedding + head", [(None, head)])]:
         n = len(items)
@@ -520,8 +511,8 @@ def phase(cfg: ModelConfig, tally: Tally, p: PlanInputs, *, decode: bool, positi
                             time_s=sum(t[0] for t in times) / n, limit=max(per, key=per.get), times=per))
     layers_s = sum(r.total_s for r in rows)
     fetch_s = fetch_time(fetch, p, gpu)
-    limit = "Engram fetch" if fetch_s > layers_s else max(
-        ("compute", "HBM", "interconnect"), key=lambda k: sum(r.times[k] * max(1, len(r.layers)) for r in rows))
+    spent = {k: sum(r.times[k] * r.total_s / r.time_s for r in rows if r.time_s) for k in rows[0].times}
+    limit = "Engram fetch" if fetch_s > layers_s else max(spent, key=spent.get)
     return Phase(tokens=tokens, position=position, rows=rows, comm=comm, fetch_s=fetch_s,
                  time_s=max(layers_s, fetch_s), limit=limit)
 
@@ -604,16 +595,3 @@ def make_plan(cfg: ModelConfig, p: PlanInputs, tally: Tally | None = None) -> Pl
                 prefill=phase(cfg, tally, p, decode=False, position=p.context, boxes=boxes),
                 ttft_s=ttft(cfg, tally, p, boxes=boxes), notes=notes)
 
-
-def first_layers(cfg: ModelConfig, n: int) -> ModelConfig:
-    """The config of the backbone's first n layers (what benches/parallel.py measures with --layers):
-    lists cut to them, no DSpark, no candidate pool unless its source is kept."""
-    keep = [i for i, layer in enumerate(cfg.engram_layer_ids) if layer < n]
-    return cfg.replace(
-        n_layers=n, n_mtp_layers=0, compress_ratios=cfg.compress_ratios[:n],
-        kv_source_layers=tuple(x for x in cfg.kv_source_layers if x < n),
-        index_source_layers=tuple(x for x in cfg.index_source_layers if x < n),
-        candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
-        engram_layer_ids=tuple(cfg.engram_layer_ids[i] for i in keep),
-        engram_num_embeddings=tuple(cfg.engram_num_embeddings[i] for i in keep),
-        dspark_target_layer_ids=tuple(x for x in cfg.dspark_target_layer_ids if x < n))
