@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlencode
 
+import numpy as np
+
 
 from engine.roles import TABS, LayerRole
 
@@ -281,17 +283,23 @@ def comparison_rows(cmp: LayerComparison, only_differences: bool = False) -> lis
 
 
 def comparison_summary(cmp: LayerComparison) -> list[str]:
-    """Plain-text lines: how many positions differ and the mean overlaps."""
-    n = max(cmp.n_positions_a, cmp.n_positions_b)
+    """Plain-text lines: how many of the positions both runs have differ, their mean overlap, and the
+    positions only one run has (counted apart, so the overlap and the count speak of the same positions)."""
+    shared = min(cmp.n_positions_a, cmp.n_positions_b)
     lines = [f"Layer {cmp.layer}: A has {cmp.n_positions_a} tokens, B has {cmp.n_positions_b}."]
-    if cmp.has_selections:
-        overlap = cmp.mean_selection_overlap()
-        lines.append(f"Selections differ at {len(cmp.selection_diff_positions)} of {n} positions"
-                     + (f" (mean overlap {overlap:.0%})." if overlap is not None else "."))
-    if cmp.has_routing:
-        overlap = cmp.mean_expert_overlap()
-        lines.append(f"Routing differs at {len(cmp.routing_diff_positions)} of {n} positions"
-                     + (f" (mean expert overlap {overlap:.0%})." if overlap is not None else "."))
+    for present, label, diff, overlap in (
+            (cmp.has_selections, "Selections differ", cmp.selection_diff_positions, cmp.mean_selection_overlap),
+            (cmp.has_routing, "Routing differs", cmp.routing_diff_positions, cmp.mean_expert_overlap)):
+        if not present:
+            continue
+        n_diff = sum(1 for p in diff if p < shared)
+        mean = overlap()
+        lines.append(f"{label} at {n_diff} of the {shared} positions both runs have"
+                     + (f" (mean overlap {mean:.0%})." if mean is not None else "."))
+    if cmp.n_positions_a != cmp.n_positions_b:
+        longer = "A" if cmp.n_positions_a > cmp.n_positions_b else "B"
+        last = max(cmp.n_positions_a, cmp.n_positions_b) - 1
+        lines.append(f"Positions {shared}-{last} are only in {longer} (not compared).")
     lines.extend(cmp.notes)
     return lines
 
@@ -318,13 +326,14 @@ def comparison_figure(cmp: LayerComparison, kind: str, *, label_a: str = "A", la
     pts = _points(cmp, kind)
     what = "KV entry" if kind == "selections" else "expert"
     dense = sum(len(xs) for xs, _ in pts.values()) > 3000
-    fig = Figure()
+    fig = Figure()   # many marks: WebGL (an SVG of ~450k markers froze the browser for 40 s)
     for name, colour, symbol, title in (("both", COLOUR_BOTH, "square", "both"),
                                         ("a", COLOUR_A, "circle", f"only {label_a}"),
                                         ("b", COLOUR_B, "x", f"only {label_b}")):
         xs, ys = pts[name]
         fig.add_trace(dict(
-            type="scatter", x=xs, y=ys, mode="markers", name=f"{title} ({len(xs)})",
+            type="scattergl" if dense else "scatter", x=np.asarray(xs, dtype=np.int32), y=np.asarray(ys, dtype=np.int32),
+            mode="markers", name=f"{title} ({len(xs)})",
             marker=dict(color=colour, symbol=symbol, size=(3 if dense else 6) + (name != "both"),
                         line=dict(width=0) if name != "b" else dict(width=1.5, color=colour)),
             hovertemplate=f"position %{{x}} · {what} %{{y}} · {title}<extra></extra>"))

@@ -238,7 +238,8 @@ def test_comparison_rows_summary_and_figure():
     assert rows[0]["Experts only A"] == "—"
     assert len(sv.comparison_rows(cmp)) == 3
     lines = sv.comparison_summary(cmp)
-    assert "Selections differ at 1 of 3 positions" in lines[1] and "Routing differs at 1 of 3" in lines[2]
+    assert "Selections differ at 1 of the 3 positions both runs have" in lines[1]
+    assert "Routing differs at 1 of the 3" in lines[2] and len(lines) == 3
     fig = sv.comparison_figure(cmp, "routing")
     both, only_a, only_b = fig.data
     assert list(only_a.x) == [2] and list(only_a.y) == [6] and list(only_b.y) == [7]
@@ -247,6 +248,31 @@ def test_comparison_rows_summary_and_figure():
     assert len(sel.data[0].x) == 4 and list(sel.data[1].y) == [1] and list(sel.data[2].y) == [3]
     with pytest.raises(ValueError):
         sv.comparison_figure(cmp, "nope")
+
+
+def test_summary_of_runs_of_different_lengths_counts_shared_positions_apart():
+    """The new user's contradiction: "differ at 6869 of 7068 positions (mean overlap 100%)" when B
+    is a short prompt equal to A's start. Now the count and the overlap speak of the same positions."""
+    a = synthetic_run(40, {20: synthetic_layer(40, seed=3)})
+    b = {"tokens": a["tokens"][:10], "layers": {"20": {k: (v[:10] if isinstance(v, list) else v)
+                                                       for k, v in a["layers"]["20"].items()}}}
+    b["layers"]["20"]["routing"] = {k: v[:10] for k, v in a["layers"]["20"]["routing"].items()}
+    cmp = compare_layer(a, b, 20)
+    lines = sv.comparison_summary(cmp)
+    assert "Selections differ at 0 of the 10 positions both runs have (mean overlap 100%)." in lines
+    assert "Routing differs at 0 of the 10 positions both runs have (mean overlap 100%)." in lines
+    assert "Positions 10-39 are only in A (not compared)." in lines
+
+
+def test_comparison_figure_uses_webgl_for_many_marks():
+    T = 700   # 700 queries x 6 picks > 3000 marks
+    a = synthetic_run(T, {20: synthetic_layer(T, k=6, seed=1)})
+    b = synthetic_run(T, {20: synthetic_layer(T, k=6, seed=2)})
+    fig = sv.comparison_figure(compare_layer(a, b, 20), "selections")
+    assert {t.type for t in fig.data} == {"scattergl"}
+    assert sum(len(t.x) for t in fig.data) > 3000
+    small = sv.comparison_figure(compare_layer(*_two_runs(), 24), "selections")
+    assert {t.type for t in small.data} == {"scatter"}
 
 
 # -- AppTest: the app's session flows ---------------------------------------------------------------
@@ -432,7 +458,11 @@ def test_app_side_by_side_with_a_second_session(app_env, tmp_path, monkeypatch):
     monkeypatch.setenv("EXPLORER_RUN_JSON", str(path))
     at2 = start({"layer": "25"})
     save_via_sidebar(at2, name="B run")
+    assert not any("differs at" in m.value for m in at2.markdown)   # nothing is compared until asked
+    at2.radio(key="cmp_mode").set_value("session").run()
+    assert at2.selectbox(key="cmp_session").value is None
+    assert not any("differs at" in m.value for m in at2.markdown)
+    at2.selectbox(key="cmp_session").set_value(first).run()
     expected = compare_layer(other, app_env["run"], 25)
-    assert any(m.value.startswith(f"- Routing differs at {len(expected.routing_diff_positions)} of {T}")
+    assert any(m.value.startswith(f"- Routing differs at {len(expected.routing_diff_positions)} of the {T}")
                for m in at2.markdown), [m.value for m in at2.markdown]
-    assert at2.selectbox(key="cmp_session").value == first

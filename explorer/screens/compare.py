@@ -23,9 +23,12 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
     if run is None:
         st.caption("Needs a run on screen (A): load model weights, or open a session.")
         return
-    mode = st.radio("Compare with", ["session", "prompt"], key="cmp_mode", horizontal=True,
-                    format_func={"session": "a saved session", "prompt": "another prompt"}.get)
+    # nothing is compared until asked: a comparison of a long prompt is heavy and often not wanted
+    mode = st.radio("Compare with", ["off", "session", "prompt"], key="cmp_mode", horizontal=True,
+                    format_func={"off": "nothing", "session": "a saved session", "prompt": "another prompt"}.get)
     run_b, label_b = None, "B"
+    if mode == "off":
+        return
     store, why = cached_store()
     if mode == "session":
         if store is None:
@@ -41,7 +44,10 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         if not choices:
             st.caption(f"No other saved session is at layer {r.layer}.")
             return
-        pick = st.selectbox("Session B", list(choices), format_func=choices.get, key="cmp_session")
+        pick = st.selectbox("Session B", list(choices), format_func=choices.get, key="cmp_session", index=None,
+                            placeholder="Pick a session to compare with")
+        if pick is None:
+            return
         try:
             other = store.load(pick)
         except SessionError as err:
