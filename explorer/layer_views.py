@@ -412,7 +412,9 @@ def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -
         counts = np.minimum(per, model.T - np.arange(0, model.T, per))[:, None]
         z = padded.reshape(-1, per, z.shape[1]).sum(1) / counts
         starts = np.arange(0, model.T, per)
-        fig = Figure([dict(type="heatmap", z=z, y=starts, customdata=np.minimum(starts + per, model.T) - 1,
+        # a heatmap's customdata is read per cell: one row per bin, the bin's last token in every column
+        ends = np.repeat((np.minimum(starts + per, model.T) - 1).astype(np.int32)[:, None], z.shape[1], axis=1)
+        fig = Figure([dict(type="heatmap", z=z, y=starts, customdata=ends,
                            colorscale=BLUES, zmin=0, showscale=False,
                            hovertemplate="tokens %{y}-%{customdata} · expert %{x}: mean weight %{z:.3f}"
                                          "<extra></extra>")])

@@ -135,6 +135,10 @@ def test_long_prompt_views_ship_compact_figures():
     per = -(-T // lv.MAX_MAP_CELLS)
     assert z.shape == (-(-T // per), 32) and list(heat.y[:2]) == [0, per]
     assert np.allclose(z[1], full[per:2 * per].mean(0)) and np.allclose(z[-1], full[(len(z) - 1) * per:].mean(0))
+    # the hover names each bin's token range: customdata per cell, the bin's last token (the last bin short)
+    ends = np.asarray(heat.customdata)
+    assert ends.shape == z.shape and (ends[:, 0] == ends[:, -1]).all()
+    assert ends[0, 0] == per - 1 and ends[-1, 0] == T - 1 and "tokens %{y}-%{customdata}" in heat.hovertemplate
     lines = lv.mhc_lines_figure(probe, run["tokens"])
     assert list(lines.data[0].customdata) == run["tokens"] and all(t.customdata is None for t in lines.data[1:])
     assert np.allclose(np.asarray(lines.data[0].y), [row[0] for row in probe["mhc"]["attn"]["pre"]], atol=1e-6)
