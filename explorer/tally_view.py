@@ -205,6 +205,9 @@ def representative_layer(tab: str, plan, selected: int | None) -> int | None:
     return None
 
 
+INSIDE_SHARE = 0.3   # bars of at least this share of the total carry their label inside
+
+
 def tally_figure(lines: list[MarginLine], position: str, *, highlight: str | None = None,
                  accent: str = ROLE_COLOURS["full_m2"]) -> Figure:
     """Horizontal bars, one per line, largest at the top. Each row has a full-width pale stripe behind
@@ -219,10 +222,15 @@ def tally_figure(lines: list[MarginLine], position: str, *, highlight: str | Non
                        hovertext=hover, hoverinfo="text", marker=dict(color=GRID, opacity=0.35, line=dict(width=0)),
                        name="rows"))
     colours = [HIGHLIGHT if l.id == highlight else (accent if l.boxes else MUTED) for l in lines]
+    # a long bar's label goes inside it (white, shrunk to fit if need be): outside, it ran past the chart's
+    # right edge in a narrow column and was cut ("31.46M · 6"), in the exported PNG too
+    inside = [float(l.value) / total >= INSIDE_SHARE for l in lines]
     fig.add_trace(dict(type="bar", y=titles, x=[float(l.value) for l in lines], orientation="h", customdata=data,
                        hovertext=hover, hoverinfo="text", marker=dict(color=colours, line=dict(width=0)),
                        text=[f"{fmt_params(l.value)} · {float(l.value) / total:.1%}" for l in lines],
-                       textposition="outside", cliponaxis=False, textfont=dict(size=11, color=INK), name="values"))
+                       textposition=["inside" if i else "outside" for i in inside], insidetextanchor="end",
+                       cliponaxis=False, textfont=dict(size=11, color=["white" if i else INK for i in inside]),
+                       name="values"))
     fig.update_layout(**base_layout(
         height=36 + 24 * len(lines), barmode="overlay", bargap=0.28,
         margin=dict(l=4, r=4, t=4, b=4),
