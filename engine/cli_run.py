@@ -10,6 +10,10 @@ from pathlib import Path
 from .__main__ import Command, fmt_bytes, table
 from . import eval as evaluation
 from .api import DEFAULT_CHECKPOINT, EngineError, load
+from .safe_io import read_text
+
+MAX_PROMPT_BYTES = 16 << 20   # far beyond any max_seq_len of text; a bigger file is the wrong file
+MAX_GENERATE = 1 << 20        # a sane ceiling before the model's own max_seq_len check
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +28,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-span", action="append", default=[], metavar="START:END",
                    help="mark token positions START..END-1 as image positions (routes with bias_vl)")
     p.add_argument("--json", dest="json_out", help="write the probes as JSON to this file ('-' for stdout)")
+    p.add_argument("--prefill", choices=("full", "ced"), default="full",
+                   help="full: every layer over the prompt (the reference); ced: the encoder over the prompt, "
+                        "the decoder over only its last --replay tokens")
+    p.add_argument("--replay", type=int, help="ced: prompt tokens the decoder runs on (default: the window size)")
 
 
 def _spans(values: list[str]) -> list[tuple[int, int]]:
@@ -39,11 +47,11 @@ def _spans(values: list[str]) -> list[tuple[int, int]]:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        if args.generate < 0 or args.generate > MAX_GENERATE:
+            raise EngineError(f"--generate must be 0..{MAX_GENERATE:,} (and the prompt plus the generated tokens "
+                              "must fit in the model's max_seq_len)")
         if args.prompt_file:
-            try:
-                prompt = Path(args.prompt_file).read_text()
-            except OSError as err:
-                raise EngineError(f"{args.prompt_file}: cannot read the prompt file ({err.strerror})") from None
+            prompt = read_text(args.prompt_file, "prompt file", MAX_PROMPT_BYTES, EngineError)
         elif args.ids is not None:
             try:
                 prompt = [int(v) for v in args.ids.split(",") if v.strip()]
@@ -51,10 +59,9 @@ def _run(args: argparse.Namespace) -> int:
                 raise EngineError(f"--ids {args.ids!r}: expected comma-separated integers") from None
         else:
             prompt = args.prompt
-        if args.generate < 0:
-            raise EngineError("--generate must not be negative")
         engine = load(args.checkpoint)
-        result = engine.run(prompt, layers=args.layer, image_spans=_spans(args.image_span), generate=args.generate)
+        result = engine.run(prompt, layers=args.layer, image_spans=_spans(args.image_span), generate=args.generate,
+                            prefill=args.prefill, replay=args.replay)
     except EngineError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -72,6 +79,9 @@ def _run(args: argparse.Namespace) -> int:
                      lr.index_source if lr.index_source is not None else "-", sel, experts, f"{lr.time_s * 1e3:.1f}"])
     print(f"{len(result.token_ids)} tokens through {engine.cfg.n_layers} layers in {result.time_s:.2f} s "
           f"({engine.source})")
+    if result.prefill == "ced":
+        print(f"prefill: ced, the decoder over the last {min(result.replay, len(result.token_ids))} prompt tokens "
+              f"({result.prefill_s:.2f} s)")
     print(table(["layer", "role", "KV from", "top-k from", "last token selects", "last token experts", "ms"], rows))
     cache = result.cache_bytes
     print(f"cache held: global {fmt_bytes(cache['global'])} (formula {fmt_bytes(result.kv_bytes_formula)}), "
