@@ -47,6 +47,17 @@ class EngineError(ValueError):
     """Bad input to the engine (prompt, layer, checkpoint); the message says what and why."""
 
 
+def _token_ids(prompt) -> list[int]:
+    """Token ids given by a caller: whole numbers only (True or 1.5 is a mistake, not an id)."""
+    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise EngineError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
+    ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else list(prompt)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise EngineError(f"token id {i!r} is not a whole number ({type(i).__name__})")
+    return [int(i) for i in ids]
+
+
 @dataclass
 class LayerResult:
     """Probes of one layer for one run. Tensors are CPU; T = prompt length."""
@@ -71,6 +82,9 @@ class LayerResult:
     runner_ups: torch.Tensor | None = None        # [T, r] best unselected entries, -1 padded
     runner_up_scores: torch.Tensor | None = None  # [T, r] their index scores (-inf padding)
     selection_recall: torch.Tensor | None = None  # [T] attention mass on the picks over all visible entries
+    # ties (engine/attention.py tie_marks): which picks a top-k took by chance among equal scores
+    topk_kth: torch.Tensor | None = None          # [T] the k-th pick's score (-inf: fewer than k picks)
+    topk_tied: torch.Tensor | None = None         # [T, k] bool: picks tied at the k-th score with unpicked entries
 
     def to_json(self) -> dict:
         with gc_paused():
@@ -98,6 +112,8 @@ class LayerResult:
                if self.runner_ups is not None else {}),
             **({"selection_recall": [v if v == v else None for v in _plain(self.selection_recall)]}   # NaN: no entry
                if self.selection_recall is not None else {}),
+            **({"topk_kth": [v if np.isfinite(v) else None for v in _plain(self.topk_kth)],
+                "topk_tied": _plain(self.topk_tied)} if self.topk_tied is not None else {}),
         }
 
 
@@ -266,7 +282,7 @@ class Engine:
                 raise EngineError("this checkpoint has no tokenizer.json: pass token ids instead of text")
             ids = self.tokenizer.encode(prompt, add_bos=True)
         else:
-            ids = [int(i) for i in prompt]
+            ids = _token_ids(prompt)
             if not ids:
                 raise EngineError("the prompt is empty (no token ids)")
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
@@ -285,9 +301,13 @@ class Engine:
     def check_layers(self, layers) -> set[int] | None:
         if layers is None:
             return None
+        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+            raise EngineError(f"layers must be a list of layer numbers, got {type(layers).__name__}")
         out = set()
         for layer in layers:
-            if not isinstance(layer, int) or not 0 <= layer < self.cfg.n_layers:
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise EngineError(f"layer {layer!r} is not a layer number (a whole number, not {type(layer).__name__})")
+            if not 0 <= layer < self.cfg.n_layers:
                 raise EngineError(f"layer {layer} does not exist (this model has layers 0..{self.cfg.n_layers - 1})")
             out.add(layer)
         return out
@@ -317,6 +337,11 @@ class Engine:
             if generate not in (0, len(continuation)):
                 raise EngineError(f"generate={generate} but the continuation has {len(continuation)} tokens")
             generate = len(continuation)
+        if isinstance(generate, bool) or not isinstance(generate, int) or generate < 0:
+            raise EngineError(f"generate must be a whole number of tokens >= 0, got {generate!r}")
+        if len(ids) + generate > self.cfg.max_seq_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens and {generate} more would run past max_seq_len "
+                              f"({self.cfg.max_seq_len}); generate at most {self.cfg.max_seq_len - len(ids)}")
         wanted = self.check_layers(layers)
         detail = self.check_layers(list(detail_layers)) or set()
         if detail and (wanted is not None and not detail <= wanted or "topk" not in probes):
@@ -378,6 +403,7 @@ class Engine:
                 out.zero_score_picks = ((out.topk_scores == 0) & (out.topk >= 0)).sum(-1)
             out.runner_ups, out.runner_up_scores = probe.get("runner_ups"), probe.get("runner_up_scores")
             out.selection_recall = probe.get("selection_recall")
+            out.topk_kth, out.topk_tied = probe.get("topk_kth"), probe.get("topk_tied")
         if "mhc" in kinds:
             out.mhc = probe["mhc"]
         if "routing" in kinds:
@@ -438,8 +464,11 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
         raise EngineError(str(err)) from None
     tokenizer = None
     if (path / "tokenizer.json").exists():
-        from .tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(path / "tokenizer.json")
+        from .tokenizer import TokenizerError, load_tokenizer
+        try:
+            tokenizer = load_tokenizer(path / "tokenizer.json")
+        except TokenizerError as err:
+            raise EngineError(str(err)) from None
     weights = CheckpointWeights(reader, cache_bytes)
     if parallel is not None:
         from .parallel import ParallelError, ShardedWeights

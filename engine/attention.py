@@ -111,6 +111,8 @@ class Shared:
     topk_scores: torch.Tensor | None = None  # [T, k]
     candidates: torch.Tensor | None = None   # [T, N] bool
     kernels: object | None = None            # engine/kernel_path.py KernelPath, None on the reference path
+    topk_kth: torch.Tensor | None = None     # [T] the k-th pick's score (-inf: fewer than k picks)
+    topk_tied: torch.Tensor | None = None    # [T, k] bool: picks another entry with the same score could replace
 
 
 class LayerWeights:
@@ -153,6 +155,27 @@ def topk_in_position_order(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, 
         rows = (~settled).nonzero().squeeze(1)
         idx[rows], picked[rows] = _topk_with_ties(scores[rows], kth[rows], k)
     return idx, picked
+
+
+def tie_marks(scores: torch.Tensor, idx: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a top-k leaves to chance. scores [B, N] (the ranking the picks came from), idx and
+    picked [B, k] (-1 / -inf padded) -> (the k-th pick's score [B], -inf when a row has fewer than
+    k picks; tied [B, k]: picks whose score equals it while more entries share that score than
+    were picked, so which of them a top-k takes is arbitrary: the reference's `topk(sorted=False)`
+    may take others)."""
+    valid = idx >= 0
+    if picked.shape[-1] == 0:
+        return picked.new_full((picked.shape[0],), NEG_INF), valid
+    kth = torch.where(valid.all(-1), picked.masked_fill(~valid, float("inf")).amin(-1), NEG_INF)
+    at_kth = (picked == kth[:, None]) & valid
+    sharing = (scores == kth[:, None]).sum(-1)  # entries with the k-th score (never -inf ones: kth > -inf)
+    tied = at_kth & (sharing > at_kth.sum(-1))[:, None]
+    return kth, tied
+
+
+# a visible entry outside a Reindex layer's candidate pool: scored -inf, but still pickable, below every
+# finite score (the reference's topk takes such entries when the pool holds fewer than index_topk)
+OUTSIDE_POOL = torch.finfo(torch.float32).min
 
 
 def _topk_with_ties(scores: torch.Tensor, kth: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +224,7 @@ class Attention:
         self.source = SourceCache(self.ratio) if role.role == FULL else None
         self.detail = False  # set per forward (ProbeRequest.detail): runner-ups and recall probes
         self.runners = None
+        self.ties = (None, None)  # (k-th score [T], tied picks [T, k]) of the last top-k (tie_marks)
 
     # -- the pieces -------------------------------------------------------------------------
     def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
@@ -276,7 +300,7 @@ class Attention:
         if self.role.candidate_source:
             shared.candidates = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
         keep_scores = torch.is_grad_enabled()  # the indexer's training loss needs them all
-        all_scores, idx, picked, runners = [], [], [], []
+        all_scores, idx, picked, runners, kths, tieds = [], [], [], [], [], []
         block = query_block(x.device)
         for a in range(0, x.shape[0], block):
             b = slice(a, a + block)
@@ -294,7 +318,17 @@ class Attention:
                 scores = scores.masked_fill(~shared.candidates[b, :width], NEG_INF)
             if width < k:  # early queries: fewer entries than picks, the rest is -1 padding
                 scores = F.pad(scores, (0, k - width), value=NEG_INF)
-            block_idx, block_picked = topk_in_position_order(scores.detach(), k)
+            ranking = scores.detach()
+            if self.role.in_candidate_pool:  # visible entries outside the pool rank last, tied
+                outside = (ranking == NEG_INF) & (entry[None, :ranking.shape[1]] < visible[b, None])
+                ranking = ranking.masked_fill(outside, OUTSIDE_POOL)
+            block_idx, block_picked = topk_in_position_order(ranking, k)
+            block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
+            if self.role.in_candidate_pool:
+                block_picked = block_picked.masked_fill(block_picked == OUTSIDE_POOL, NEG_INF)
+                block_kth = block_kth.masked_fill(block_kth == OUTSIDE_POOL, NEG_INF)
+            kths.append(block_kth)
+            tieds.append(block_tied)
             if self.detail:
                 runners.append(runner_ups(scores, block_idx))
             idx.append(block_idx)
@@ -302,6 +336,7 @@ class Attention:
             if keep_scores:
                 all_scores.append(scores)
         idx, picked = torch.cat(idx), torch.cat(picked)
+        self.ties = (torch.cat(kths), torch.cat(tieds))
         self.runners = tuple(map(torch.cat, zip(*runners))) if runners else None
         self.index_scores = torch.cat(all_scores) if keep_scores else None
         self.last_topk = idx  # kept for the indexer's training loss
@@ -329,6 +364,7 @@ class Attention:
         if got is None:
             return None
         idx, picked, scores = got
+        self.ties = (None, None)  # the kernels' top-k does not say where it broke ties
         self.runners = runner_ups(scores, idx) if self.detail else None
         self.index_scores = scores if torch.is_grad_enabled() else None
         self.last_topk = idx
@@ -362,9 +398,11 @@ class Attention:
                 if src.n_entries == 0:
                     idx = torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
                     picked = torch.zeros(x.shape[0], 0, device=x.device)
+                    self.ties = (picked.new_full((x.shape[0],), NEG_INF), idx >= 0)
                 else:
                     idx, picked = self._index(x, qr, positions, src, shared)
                 shared.topk, shared.topk_scores = idx, picked
+                shared.topk_kth, shared.topk_tied = self.ties
             idx = shared.topk
         global_kv = shared.source.kv_values if idx is not None and idx.shape[1] > 0 else None
         w = cfg.window_size
@@ -407,6 +445,8 @@ class Attention:
         if probe is not None and self.ratio > 0 and idx is not None:
             probe["topk"] = idx
             probe["topk_scores"] = shared.topk_scores
+            if shared.topk_tied is not None:
+                probe["topk_kth"], probe["topk_tied"] = shared.topk_kth, shared.topk_tied
             if self.role.candidate_source or self.role.in_candidate_pool:
                 probe["candidate_pool"] = shared.candidates
             probe["n_entries"] = shared.source.n_entries

@@ -23,7 +23,7 @@ from .attention import NEG_INF
 
 MIN_TOKENS = 768      # below this the second thread does not pay for itself (measured: 512 tokens break even)
 FIRST_SHARE = 0.5     # measured: the first chunk is no cheaper per token (the indexer scores only visible entries)
-PAD = {"topk": -1, "topk_scores": NEG_INF, "candidate_pool": False}
+PAD = {"topk": -1, "topk_scores": NEG_INF, "candidate_pool": False, "topk_tied": False}
 
 
 class Aborted(RuntimeError):
