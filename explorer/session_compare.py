@@ -286,7 +286,7 @@ def replay_report(
     tokens = _Collector("tokens", max_listed)
     for key in ("token_ids", "tokens"):
         s_rows, n_rows = _rows(saved.get(key)), _rows(new.get(key))
-        tokens.compared += max(len(s_rows), len(n_rows))
+        tokens.compared = max(tokens.compared, len(s_rows), len(n_rows))   # positions, not ids + texts
         if len(s_rows) != len(n_rows):
             tokens.diff(f"{key}: {len(s_rows)} saved, {len(n_rows)} replayed")
         for q, (s, n) in enumerate(zip(s_rows, n_rows)):

@@ -367,6 +367,13 @@ def md_escape(text: str) -> str:
     return "".join("\\" + c if c in _MD_SPECIAL else c for c in (text or ""))
 
 
+def notes_markdown(notes: str) -> str:
+    """Session notes for st.markdown: escaped, each line break kept (markdown joins single breaks, and
+    drops the blank-line ones to one paragraph break)."""
+    lines = (notes or "").replace("\r\n", "\n").strip("\n").split("\n")
+    return "  \n".join(md_escape(line) if line.strip() else "&#8203;" for line in lines)
+
+
 def source_state(session: SessionData, folder_exists) -> tuple[dict[str, Any], str | None]:
     """Sidebar model-source values that reopen the session's model, and a note when they cannot.
     `folder_exists(path) -> bool` checks a checkpoint folder on this machine."""

@@ -187,6 +187,11 @@ def test_listing_labels_and_rows():
     assert sv.compare_choices([s], exclude=s.id) == {} and list(sv.compare_choices([s], None)) == [s.id]
 
 
+def test_notes_keep_their_line_breaks_and_stay_inert():
+    md = sv.notes_markdown("first line\nsecond *line*\n\nafter a blank\r\n")
+    assert md.split("  \n") == ["first line", "second \\*line\\*", "&#8203;", "after a blank"]
+
+
 def test_md_escape_makes_user_text_inert():
     assert sv.md_escape("<script>alert(1)</script>") == "\\<script\\>alert\\(1\\)\\</script\\>"
     assert sv.md_escape("**bold** [x](javascript:1) :red[x]") == \
@@ -200,6 +205,8 @@ def test_replay_view_identical_and_different():
     saved = run_with((24, 25))
     same = sv.replay_view(replay_report(saved, json.loads(json.dumps(saved))))
     assert same.identical and same.headline.startswith("Replay identical") and not same.lines
+    # the tokens section counts positions (ids and texts of one position are one token): "tokens 12"
+    assert f"tokens {len(saved['tokens'])}," in same.headline
     changed = json.loads(json.dumps(saved))
     changed["layers"]["25"]["routing"]["experts"][3] = [0, 1, 2, 3, 4, 5]
     old = set(saved["layers"]["25"]["routing"]["experts"][3])

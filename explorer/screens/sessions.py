@@ -226,7 +226,7 @@ def session_panel(source: str, path: str) -> None:
             st.markdown(f"**Session:** {sv.md_escape(session.name)}")
             st.caption(sv.md_escape(sv.session_caption(session)))
             if session.notes.strip():
-                st.markdown(sv.md_escape(session.notes))
+                st.container(key="session_notes").markdown(sv.notes_markdown(session.notes))
             origin = st.session_state.get("run_origin") or {}
             if origin.get("stored"):
                 st.caption("The layer views show the session's stored probes (no model run). Replay re-runs them.")
