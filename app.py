@@ -23,6 +23,7 @@ from explorer.screens.compare import compare_section
 from explorer.screens.live import kernel_parity_panel, live_run, live_views, scroll_if_asked
 from explorer.screens.sessions import open_session, session_panel, sessions_sidebar, show_flashes
 from explorer.screens.sidebar import sidebar
+from explorer.screens.serving_plan import render_serving_plan
 from explorer.state import (POSITION_TITLES, POSITIONS, boxes_from_selection, picked_customdata, select_layer,
                             state_from_query)
 from explorer.style import fmt_bytes, fmt_params, fmt_tokens
@@ -234,6 +235,8 @@ def main() -> None:
     analysis(cfg, plan, tally, source, path, text, span)
     st.divider()
     guarded("Cannot draw the KV panel", kv_panel, cfg, st.session_state.get("_analysis", {}).get("run"))
+    guarded("Cannot draw the serving plan", render_serving_plan, cfg,
+            st.session_state.get("_analysis", {}).get("run"))
     guarded("Cannot show the sessions", sessions_sidebar)
     log_time("script", started)
 
