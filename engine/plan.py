@@ -74,6 +74,7 @@ GPUS = {g.key: g for g in (
 )}
 DISK_IOPS, DISK_Bps, DISK_PAGE = 1e6, 7e9, 4096
 ENGRAM_PLACES = ("gpu", "host", "disk")
+MAX_GPUS, MAX_BATCH = 4096, 1_000_000
 ACT_BYTES = 2        # bf16 activations on the wire and in the stream
 SCORE_BYTES = 4      # fp32 index scores
 TP_BOXES = frozenset({"attn.wq_b", "attn.attn_sink", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
@@ -121,9 +122,9 @@ def check_inputs(cfg: ModelConfig, p: PlanInputs) -> None:
     if p.gpu not in GPUS:
         raise PlanError(f"unknown GPU '{p.gpu}': pick one of {', '.join(GPUS)}")
     for name in ("gpus", "ep", "tp", "batch", "chunk"):
-        value = getattr(p, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(f"{name} must be a whole number of at least 1, got {value!r}")
+        value, top = getattr(p, name), MAX_GPUS if name in ("gpus", "ep", "tp") else MAX_BATCH
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise PlanError(f"{name} must be a whole number from 1 to {top:,}, got {value!r}")
     top = model_max_context(cfg)
     if isinstance(p.context, bool) or not isinstance(p.context, int) or not 1 <= p.context <= top:
         raise PlanError(f"context must be a whole number from 1 to the model's maximum {top:,}, got {p.context!r}")

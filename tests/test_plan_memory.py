@@ -151,7 +151,7 @@ def test_other_widths_change_every_figure(tally):
 @pytest.mark.parametrize("changes,words", [
     (dict(gpu="a100"), "unknown GPU 'a100'"), (dict(tp=3), "tp=3 does not divide gpus=8"),
     (dict(gpus=6, tp=6, ep=6), "tp=6 cannot split n_heads=64"), (dict(gpus=5, ep=5, tp=1), "ep=5 cannot split"),
-    (dict(context=MAX_CONTEXT + 1), "context must be a whole number from 1"), (dict(batch=0), "batch must be"),
+    (dict(context=MAX_CONTEXT + 1), "context must be a whole number from 1"), (dict(batch=0), "batch must be a whole number from 1 to 1,000,000"),
     (dict(engram="cloud"), "engram must be one of gpu, host, disk"), (dict(reserve=1.5), "reserve must be")])
 def test_bad_inputs_name_the_input(cfg, changes, words):
     with pytest.raises(PlanError, match=words.replace("(", r"\(")):

@@ -13,7 +13,7 @@ from typing import Any
 import streamlit as st
 
 from engine.config import ModelConfig, release_config
-from engine.plan import ENGRAM_PLACES, GPUS, PlanError, PlanInputs, make_plan, model_max_context
+from engine.plan import ENGRAM_PLACES, GPUS, MAX_BATCH, MAX_GPUS, PlanError, PlanInputs, make_plan, model_max_context
 from engine.tally import Tally, tally_from_config
 
 from .. import planner_view as pv
@@ -96,7 +96,7 @@ def _body(loaded: ModelConfig, run: dict | None) -> None:
     top = model_max_context(cfg)
     c = st.columns([1.5, 0.8, 0.8, 0.8, 1.0, 1.0, 1.2, 1.3], vertical_alignment="bottom")
     c[0].selectbox("GPU", list(GPUS), key="plan_gpu", format_func=lambda k: GPUS[k].name)
-    gpus = int(c[1].number_input("GPUs", min_value=1, max_value=512, step=1, key="plan_gpus"))
+    gpus = int(c[1].number_input("GPUs", min_value=1, max_value=MAX_GPUS, step=1, key="plan_gpus"))
     tps, eps = pv.tp_choices(cfg, gpus), pv.ep_choices(cfg, gpus)
     state["plan_tp"] = state["plan_tp"] if state.get("plan_tp") in tps else _nearest(int(state.get("plan_tp") or 1), tps)
     state["plan_ep"] = state["plan_ep"] if state.get("plan_ep") in eps else _nearest(int(state.get("plan_ep") or 1), eps)
@@ -105,7 +105,7 @@ def _body(loaded: ModelConfig, run: dict | None) -> None:
     c[4].checkbox("DP attention", key="plan_dp", help="Each attention group serves its own sequences "
                   "(without it every group computes every sequence, as the engine's replicated parts do).")
     state["plan_ctx"] = min(int(state.get("plan_ctx") or 1), top)
-    c[5].number_input("Batch", min_value=1, max_value=1_000_000, step=1, key="plan_batch")
+    c[5].number_input("Batch", min_value=1, max_value=MAX_BATCH, step=1, key="plan_batch")
     c[6].number_input("Context (tokens)", min_value=1, max_value=top, step=1024, key="plan_ctx",
                       help=f"Any length up to the model's maximum, {top:,}.")
     c[7].selectbox("Engram tables", list(ENGRAM_PLACES), key="plan_engram", format_func=ENGRAM_TITLES.get)
