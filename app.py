@@ -15,7 +15,7 @@ import streamlit as st
 from engine.config import ConfigError, load_config
 from engine.roles import TAB_TITLES, TABS, role_plan
 from engine.tally import cache_breakdown_at
-from explorer import kv_view, session_view as sv
+from explorer import kv_view, prompt as pr, release_view as rv, session_view as sv
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
 from explorer.screens.common import cached_tally, chart, fail, guarded, log_time, set_view, view
@@ -111,15 +111,24 @@ def diagram_column(cfg, plan, tally) -> None:
                            f"tensors {', '.join(s.tensors)} · shapes {', '.join(s.shapes)}")
 
 
-def tally_column(tally) -> None:
+def tally_column(live_tally, release_tally, live_label: str | None) -> None:
+    """The release's tally first; the live model's total beside it (and its rows on request)."""
     v = view()
     st.markdown("### Parameter tally")
     st.session_state.setdefault("tally_pos", v.position)
     st.radio("Position", POSITIONS, key="tally_pos", format_func=POSITION_TITLES.get, on_change=on_position_change,
              label_visibility="collapsed")
+    c1, c2 = st.columns(2)
+    c1.metric(f"Release · {POSITION_TITLES[v.position]}", fmt_params(position_total(release_tally, v.position)),
+              help=f"{position_total(release_tally, v.position):,} parameters (release config)")
+    if live_label:
+        c2.metric(live_label, fmt_params(position_total(live_tally, v.position)),
+                  help=f"{position_total(live_tally, v.position):,} parameters")
+    shown = st.radio("Rows of", ["release", "live"], key="tally_of", horizontal=True, label_visibility="collapsed",
+                     format_func={"release": "the release", "live": live_label or "live model"}.get) \
+        if live_label else "release"
+    tally = release_tally if shown == "release" else live_tally
     lines = margin_lines(tally, v.position)
-    st.metric(POSITION_TITLES[v.position], fmt_params(position_total(tally, v.position)),
-              help=f"{position_total(tally, v.position):,} parameters")
     chart(tally_figure(lines, v.position, highlight=st.session_state.get("highlight_line")), "tally_chart",
           tag=v.position, png=f"tally_{v.position}", on_click=on_tally_click)
     st.caption(f"{headline(tally, v.position)} = the sum of the rows. {source_note(tally)} "
@@ -128,8 +137,11 @@ def tally_column(tally) -> None:
         st.button("Clear highlight", on_click=lambda: st.session_state.update(highlight=[], highlight_line=None))
 
 
-def kv_panel(cfg, run: dict | None) -> None:
-    st.markdown("### KV cache", help="Global KV per token, the bounded windows, and the cache at a chosen length.")
+def kv_panel(live_cfg, run: dict | None, source: str) -> None:
+    """The release's KV cache first; the live model's beside it in the table."""
+    cfg = load_config(pr.RELEASE_CONFIG)
+    st.markdown("### KV cache", help="Global KV per token, the bounded windows, and the cache at a chosen length "
+                                     "(release config; the live model in the table beside).")
     left, right = st.columns([1, 1.4], gap="large")
     with left:
         st.markdown(kv_view.kv_explainer(cfg))
@@ -143,10 +155,12 @@ def kv_panel(cfg, run: dict | None) -> None:
         c1.metric("Global KV + index keys", fmt_bytes(at["global_kv"] + at["index_keys"]))
         c2.metric("Windows", fmt_bytes(at["windows"]))
         c3.metric("Total cache", fmt_bytes(at["total"]))
-        measured = kv_view.measured_vs_formula(cfg, run)
-        chart(kv_view.kv_figure(cfg, n, measured=measured), "kv_chart", tag=str(n), png=f"kv_cache_{n}_tokens")
+        live = None if source == pr.SOURCE_CONFIG else live_cfg
+        st.dataframe(rv.kv_compare(cfg, live, n), hide_index=True, width="stretch")
+        measured = kv_view.measured_vs_formula(live_cfg, run)
+        chart(kv_view.kv_figure(cfg, n), "kv_chart", tag=str(n), png=f"kv_cache_release_{n}_tokens")
         if measured:
-            st.caption(f"After the run ({measured['context_len']:,} tokens): the engine held "
+            st.caption(f"The run on screen ({measured['context_len']:,} tokens): the engine held "
                        f"{measured['total']:,} B; the formula gives {measured['formula_total']:,} B.")
 
 
@@ -167,7 +181,9 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
     with mid:
         guarded("Cannot draw the diagram", diagram_column, cfg, plan, tally)
     with right:
-        guarded("Cannot draw the tally", tally_column, tally)
+        release_tally = cached_tally(pr.SOURCE_CONFIG, str(pr.RELEASE_CONFIG))
+        guarded("Cannot draw the tally", tally_column, tally, release_tally,
+                None if source == pr.SOURCE_CONFIG else rv.live_label(source))
 
     run_started = time.perf_counter()
     run, why = live_run(source, path, text, span, plan)
@@ -228,13 +244,13 @@ def main() -> None:
         st.session_state["diagram_tab"] = TAB_TITLES[plan[0].tab]
 
     st.title("DeepSeek-V4.1-Flash explorer")
-    st.markdown(f"<span class='muted'>{cfg.n_layers} layers + {cfg.n_mtp_layers} DSpark stages · "
-                f"{fmt_params(tally.total_params)} parameters · {fmt_params(tally.active_decode_params)} active per "
-                f"generated token · {kv_view.kv_bytes_per_token(cfg):g} B of global KV per token · "
-                f"{'config' if tally.source == 'config' else 'checkpoint headers'}</span>", unsafe_allow_html=True)
+    head = rv.headline(load_config(pr.RELEASE_CONFIG), cached_tally(pr.SOURCE_CONFIG, str(pr.RELEASE_CONFIG)),
+                       None if source == pr.SOURCE_CONFIG else cfg, tally, source)
+    st.markdown(f"<span class='release-head'>{head.release}</span>" +
+                (f"<br><span class='muted'>{head.live}</span>" if head.live else ""), unsafe_allow_html=True)
     analysis(cfg, plan, tally, source, path, text, span)
     st.divider()
-    guarded("Cannot draw the KV panel", kv_panel, cfg, st.session_state.get("_analysis", {}).get("run"))
+    guarded("Cannot draw the KV panel", kv_panel, cfg, st.session_state.get("_analysis", {}).get("run"), source)
     guarded("Cannot draw the serving plan", render_serving_plan, cfg,
             st.session_state.get("_analysis", {}).get("run"))
     guarded("Cannot show the sessions", sessions_sidebar)

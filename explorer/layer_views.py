@@ -200,8 +200,10 @@ def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380
         pool = np.rint(binned["pool"] * 255).astype(np.uint8)
         fig.add_trace(dict(type="heatmap", z=pool, x=xs, y=ys, showscale=False, hoverinfo="skip",
                            colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(230,159,0,0.35)"]], zmin=0, zmax=255))
-    fig.add_trace(dict(type="heatmap", z=binned["sel"].astype(np.float32), x=xs, y=ys, showscale=False, zmin=0,
+    fig.add_trace(dict(type="heatmap", z=binned["sel"].astype(np.float32), x=xs, y=ys, showscale=True, zmin=0,
                        zmax=1, colorscale=[[0, "rgba(0,0,0,0)"], [0.001, "#C6DBEF"], [1, "#08306B"]],
+                       colorbar=dict(title=dict(text="share of<br>cell picked", side="top", font=dict(size=10)),
+                                     thickness=8, len=0.75, x=1.0, xanchor="left", xpad=6, tickfont=dict(size=10)),
                        hovertemplate="query %{y} · entry %{x}<br>selected share %{z:.2f}<extra></extra>"))
     if model.window:  # the band's two edges, one line each way (NaN breaks the line between them)
         qs = np.arange(model.T, dtype=np.float32)
@@ -214,7 +216,7 @@ def topk_figure(model: TopkModel, *, query: int | None = None, height: int = 380
     if query is not None and 0 <= query < model.T:
         fig.add_hline(y=query, line=dict(color=INK, width=1))
     fig.update_layout(**base_layout(
-        height=height, margin=dict(l=62, r=8, t=8, b=44),
+        height=height, margin=dict(l=62, r=70, t=8, b=44),
         xaxis=dict(title=dict(text=f"global entry (1 per {model.ratio} token{'s' if model.ratio > 1 else ''})",
                               font=dict(size=11, color=MUTED)), gridcolor=GRID, range=[-0.5, model.n_entries]),
         yaxis=dict(title=dict(text="query position", font=dict(size=11, color=MUTED)), gridcolor=GRID,
@@ -291,14 +293,18 @@ def mhc_token_figure(probe: dict, t: int, height: int = 300) -> Figure:
     for k, part in enumerate(parts):
         comb = coeff[part].get("comb")
         if comb:
-            fig.add_trace(dict(type="heatmap", z=comb, colorscale=PURPLES, zmin=0, zmax=1, showscale=False,
+            last = k == len(parts) - 1   # one colour scale for both comb panels (same 0-1 range)
+            fig.add_trace(dict(type="heatmap", z=comb, colorscale=PURPLES, zmin=0, zmax=1, showscale=last,
+                               **({"colorbar": dict(title=dict(text="weight", side="top", font=dict(size=10)),
+                                                    thickness=8, len=0.8, x=1.0, xanchor="left", xpad=4,
+                                                    tickfont=dict(size=10))} if last else {}),
                                xaxis=f"x{3 + k}", yaxis=f"y{3 + k}",
                                hovertemplate="from copy %{y} to copy %{x}: %{z:.4f}<extra></extra>"))
     annotations = [dict(text=title, x=i * (width + gap) + width / 2, y=1.0, xref="paper", yref="paper",
                         xanchor="center", yanchor="bottom", showarrow=False, font=dict(size=11, color=MUTED))
                    for i, title in enumerate(titles)]
     fig.update_layout(**base_layout(height=height, showlegend=True, barmode="group", annotations=annotations,
-                                    margin=dict(l=44, r=8, t=28, b=30),
+                                    margin=dict(l=44, r=52, t=28, b=30),
                                     legend=dict(orientation="h", y=-0.12, font=dict(size=11)), **layout))
     return fig
 
@@ -316,7 +322,8 @@ def mhc_lines_figure(probe: dict, tokens: list[str], part: str = "attn", height:
     fig.update_layout(**base_layout(height=height, showlegend=True, margin=dict(l=52, r=8, t=8, b=44),
                                     legend=dict(orientation="h", y=1.02, yanchor="bottom", font=dict(size=10)),
                                     xaxis=dict(title=dict(text="token", font=dict(size=11, color=MUTED)), gridcolor=GRID),
-                                    yaxis=dict(gridcolor=GRID), hovermode="x unified"))
+                                    yaxis=dict(gridcolor=GRID, title=dict(text="mHC weight", font=dict(size=11, color=MUTED))),
+                                    hovermode="x unified"))
     return fig
 
 
@@ -401,8 +408,13 @@ def routing_model(run: dict, probe: dict, n_experts: int) -> RoutingModel | None
                         [[float(w) for w in row] for row in weights], image_mask(run, probe))
 
 
-def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -> Figure:
+def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320, colorbar_x: float = 1.0) -> Figure:
+    """Token (row) x routed expert (column): routing weight, 0 where not chosen. `colorbar_x`: where the
+    colour scale stands in paper coordinates (beside the left panel of a side_by_side)."""
     z = model.matrix()   # numpy: shipped as one binary block
+    scale = dict(showscale=True, colorbar=dict(title=dict(text="routing<br>weight", side="top", font=dict(size=10)),
+                                               thickness=8, len=0.75, x=colorbar_x, xanchor="left", xpad=4,
+                                               tickfont=dict(size=10)))
     # a long prompt's rows are averaged in bins (the chart has ~300 px for them; every token's experts
     # are in the table below); token text on the y axis ticks would crowd, the hover names positions
     per = max(1, -(-model.T // MAX_MAP_CELLS))
@@ -415,11 +427,11 @@ def routing_heatmap(model: RoutingModel, tokens: list[str], height: int = 320) -
         # a heatmap's customdata is read per cell: one row per bin, the bin's last token in every column
         ends = np.repeat((np.minimum(starts + per, model.T) - 1).astype(np.int32)[:, None], z.shape[1], axis=1)
         fig = Figure([dict(type="heatmap", z=z, y=starts, customdata=ends,
-                           colorscale=BLUES, zmin=0, showscale=False,
+                           colorscale=BLUES, zmin=0, **scale,
                            hovertemplate="tokens %{y}-%{customdata} · expert %{x}: mean weight %{z:.3f}"
                                          "<extra></extra>")])
     else:
-        fig = Figure([dict(type="heatmap", z=z, colorscale=BLUES, zmin=0, showscale=False,
+        fig = Figure([dict(type="heatmap", z=z, colorscale=BLUES, zmin=0, **scale,
                            hovertemplate="token %{y} · expert %{x}: weight %{z:.3f}<extra></extra>")])
     fig.update_layout(**base_layout(height=height, margin=dict(l=62, r=8, t=8, b=44),
                                     xaxis=dict(title=dict(text="routed expert", font=dict(size=11, color=MUTED))),

@@ -276,3 +276,22 @@ def routing_caption(m: RoutingMargin, n_active: int) -> str:
     if gap is not None:
         text += f" Token {m.token}'s margin: {gap:.4f}."
     return text
+
+
+def selection_figure(qs: QueryScores, probe: dict, ratio: int, tokens: list[str], height: int = 280) -> Figure:
+    """One chart, two panels (one browser draw per click): the query's ranked scores on the left,
+    zero-score picks and recall across the prompt on the right."""
+    left, right = scores_figure(qs, ratio, tokens, height), prompt_figure(probe, qs.query, height)
+    lay, rlay = left.layout, right.layout
+    traces = list(left.data)
+    for t in right.data:
+        traces.append(dict(t, xaxis="x2", yaxis="y3" if t.get("yaxis") == "y2" else "y2",
+                           legendgroup="prompt"))
+    layout = dict(lay, xaxis=dict(lay["xaxis"], domain=[0, 0.5]),
+                  xaxis2=dict(rlay["xaxis"], domain=[0.58, 0.95], anchor="y2"),
+                  yaxis2=dict(rlay["yaxis"], anchor="x2"),
+                  shapes=list(lay.get("shapes") or []) + [dict(s, xref="x2") for s in rlay.get("shapes") or []],
+                  margin=dict(l=58, r=52, t=8, b=44))
+    if "yaxis2" in rlay:
+        layout["yaxis3"] = dict(rlay["yaxis2"], overlaying="y2", anchor="x2")
+    return Figure(traces, layout)

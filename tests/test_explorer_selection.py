@@ -86,3 +86,13 @@ def test_a_real_run_with_detail_reads_as_the_view_expects():
     summary = sel.selection_summary(probe)
     assert summary["picks"] == int((np.asarray(probe["topk"]) >= 0).sum())
     assert 0 < summary["mean_recall"] <= 1
+
+
+def test_the_combined_chart_keeps_both_panels_axes():
+    tokens = ["<bos>", "a", "b", "c", "d", "e", "f", "g"]
+    fig = sel.selection_figure(sel.query_scores(PROBE, 0), PROBE, 1, tokens)
+    fig.validated()
+    axes = [(t.get("xaxis", "x"), t.get("yaxis", "y")) for t in fig.data]
+    assert axes[0] == ("x", "y") and ("x2", "y2") in axes and ("x2", "y3") in axes
+    assert fig.layout.yaxis3["overlaying"] == "y2" and fig.layout.yaxis3["range"] == [0, 1.02]
+    assert any(s.get("xref") == "x2" and s["x0"] == 0 for s in fig.layout.shapes)   # the query's line

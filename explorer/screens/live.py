@@ -10,8 +10,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from explorer import layer_views as lv, remote, run_plan, session_view as sv
-from explorer.components import html_block
+from explorer import glossary as gl, layer_views as lv, remote, run_plan, session_view as sv
+from explorer.screens import selections as sx
 from explorer.screens.common import cached_engine, chart, cpu_refusal, fail, run_cached, view
 
 ANCHORS = {"topk": "topk", "mhc": "mhc", "routing": "routing"}
@@ -33,6 +33,7 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
         except lv.ProbeError as err:
             fail("The run's probes are malformed", err)
     tokens = (run or {}).get("tokens") or []
+    q = sx.query_slider(len(tokens)) if probe is not None and tokens else None
 
     st.subheader("Top-k selections", anchor=ANCHORS["topk"])
     note = lv.global_branch_note(r, cfg)
@@ -48,23 +49,27 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
             if model is None:
                 st.caption("The run recorded no top-k for this layer.")
             else:
-                q = st.slider("Query token", 0, model.T - 1, model.T - 1, key="query_pos")
-                chart(lv.topk_figure(model, query=q), "topk_map", tag=f"layer {r.layer}", png=f"layer{r.layer}_topk")
-                st.caption("Token strip: shade = how often each token's entry was selected; ringed = the entries "
-                           f"query {q} ({tokens[q]!r}) selected.")
-                html_block(lv.token_strip_html(tokens, lv.selection_counts(model), focus=q,
-                                               highlight=lv.selected_positions(model, q), image=lv.image_mask(run, probe)),
-                           key="token_strip", tag=f"layer {r.layer}")
+                sx.titled_chart(lv.topk_figure(model, query=q), "topk_map", "top-k selections", r.layer, q,
+                                tag=f"layer {r.layer}", on_click=sx.on_map_click)
+                st.caption(gl.CAPTIONS["topk_map"])
+                st.caption(f"{gl.CAPTIONS['token_strip']} Query {q}: {tokens[q]!r}.")
+                sx.strip(tokens, lv.selection_counts(model), q, lv.selected_positions(model, q),
+                         lv.image_mask(run, probe), r.layer)
+                if source_probe.get("topk_scores") is not None:
+                    sx.scores_section(r, run, probe, source_probe, tokens, q)
         except lv.ProbeError as err:
             fail("Cannot draw the top-k view", err)
 
     st.subheader("mHC coefficients", anchor=ANCHORS["mhc"])
     if probe is not None and probe.get("mhc"):
         try:
-            t = st.slider("Token", 0, len(tokens) - 1, len(tokens) - 1, key="mhc_pos")
-            chart(lv.mhc_token_figure(probe, t), "mhc_token", tag=f"layer {r.layer}", png=f"layer{r.layer}_mhc_token{t}")
-            chart(lv.side_by_side(lv.mhc_lines_figure(probe, tokens, "attn"), lv.residual_norms_figure(probe, tokens),
-                                  share=0.5), "mhc_lines", tag=f"layer {r.layer}", png=f"layer{r.layer}_mhc_lines")
+            sx.titled_chart(lv.mhc_token_figure(probe, q), "mhc_token", "mHC weights of one token", r.layer, q,
+                            tag=f"layer {r.layer}")
+            st.caption(f"{gl.CAPTIONS['mhc_token']} Token {q}: {tokens[q]!r} (the query above).")
+            sx.titled_chart(lv.side_by_side(lv.mhc_lines_figure(probe, tokens, "attn"),
+                                            lv.residual_norms_figure(probe, tokens), share=0.5),
+                            "mhc_lines", "mHC weights across the prompt", r.layer, tag=f"layer {r.layer}")
+            st.caption(gl.CAPTIONS["mhc_lines"])
         except lv.ProbeError as err:
             fail("Cannot draw the mHC view", err)
     elif probe is not None:
@@ -88,8 +93,11 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                 st.caption(f"Top-{n_active} of {n_routed} routed experts per token plus the always-on shared expert. "
                            f"{split['text_tokens']} text tokens (bias) use {split['text_experts']} experts; "
                            f"{split['image_tokens']} image tokens (bias_vl) use {split['image_experts']}.")
-                chart(lv.side_by_side(lv.routing_heatmap(model, tokens), lv.expert_load_figure(model)), "routing_map",
-                      tag=f"layer {r.layer}", png=f"layer{r.layer}_routing")
+                sx.titled_chart(lv.side_by_side(lv.routing_heatmap(model, tokens, colorbar_x=0.49),
+                                                lv.expert_load_figure(model), gap=0.14),
+                                "routing_map", "expert routing", r.layer, tag=f"layer {r.layer}")
+                st.caption(gl.CAPTIONS["routing_map"])
+                sx.routing_margin_section(r, probe, q, n_active)
                 st.dataframe(lv.token_routes(model, tokens), hide_index=True, height=240)
         except lv.ProbeError as err:
             fail("Cannot draw the routing view", err)
@@ -97,10 +105,12 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
     if probe is not None:
         c1, c2 = st.columns(2)
         # built on click only: a long prompt's probes are megabytes
-        c1.download_button("Download layer JSON", lambda: lv.layer_json(run, r.layer), f"layer{r.layer}.json",
+        name = sx.names("probes", r.layer)[0]
+        c1.download_button("Download layer JSON", lambda: lv.layer_json(run, r.layer), f"{name}.json",
                            "application/json", on_click="ignore")
-        c2.download_button("Download layer CSV", lambda: lv.layer_csv(run, r.layer), f"layer{r.layer}.csv",
+        c2.download_button("Download layer CSV", lambda: lv.layer_csv(run, r.layer), f"{name}.csv",
                            "text/csv", on_click="ignore")
+    sx.glossary_expander()
 
 
 def kernel_parity_panel(source: str, path: str, text: str, plan) -> None:
