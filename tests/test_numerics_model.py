@@ -1,0 +1,83 @@
+"""The numerics choice through the model and the API: what `reference` stores is bf16, what
+`fp32` stores is not; the run says which ran; logits on request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.api import Engine, EngineError
+from engine.model import Model, ProbeRequest
+from engine.ops.reference import to_bf16
+from engine.weights import TensorWeights, random_weights
+from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config
+
+
+def _model(numerics: str) -> Model:
+    cfg = tiny_config()
+    return Model(cfg, TensorWeights(random_weights(cfg, 0)), IdentityTokenizer(cfg.engram_compressed_vocab_size),
+                 numerics=numerics)
+
+
+def _is_bf16(t: torch.Tensor) -> bool:
+    return torch.equal(to_bf16(t), t)
+
+
+def _run(model: Model, T: int = 40):
+    collect = {}
+    with torch.inference_mode():
+        model.reset()
+        logits = model.forward(random_ids(model.cfg, T), probes=ProbeRequest(), collect=collect)
+    return logits, collect
+
+
+def test_reference_stores_bf16_where_the_reference_does():
+    model = _model("reference")
+    assert model.numerics == "reference"
+    logits, collect = _run(model)
+    for attn in model.attn:
+        assert _is_bf16(attn.window.values)            # FP8 (and FP4) values are bf16-exact in both numerics
+    # index scores are bf16 tensors in the reference: the picks' scores are bf16 values
+    scores = collect[2]["topk_scores"]
+    assert _is_bf16(scores[torch.isfinite(scores)])
+    fp_model = _model("fp32")
+    fp_logits, fp_collect = _run(fp_model)
+    fp_scores = fp_collect[2]["topk_scores"]
+    assert not _is_bf16(fp_scores[torch.isfinite(fp_scores)])
+    # the same model and mechanisms: bf16-level noise (a random tiny model amplifies it: a 4e-6
+    # relative nudge of every activation moves its logits by ~6%), not a different computation
+    rel = (logits - fp_logits).norm() / fp_logits.norm()
+    assert 0 < rel < 0.5, rel
+    agree = (collect[5]["routing"]["experts"].sort(-1).values == fp_collect[5]["routing"]["experts"].sort(-1).values)
+    assert agree.float().mean() > 0.8
+
+
+def test_reference_probes_mark_ties_at_the_kth_score():
+    _, collect = _run(_model("reference"), T=60)
+    for L in (2, 5, 7):
+        top, scores, kth, tied = (collect[L][k] for k in ("topk", "topk_scores", "topk_kth", "topk_tied"))
+        assert tied.shape == top.shape and kth.shape == top.shape[:1]
+        full = (top >= 0).all(-1)
+        # a row of k picks: the k-th score is its lowest pick; tied picks sit at that score
+        assert torch.equal(kth[full], scores[full].min(-1).values)
+        assert (scores[tied] == kth[:, None].expand_as(scores)[tied]).all()
+        assert not tied[~full & torch.isfinite(kth)].any()
+
+
+def test_engine_says_which_numerics_ran_and_returns_logits_on_request():
+    cfg = tiny_config()
+    weights = TensorWeights(random_weights(cfg, 1))
+    tok = IdentityTokenizer(cfg.engram_compressed_vocab_size)
+    engine = Engine(cfg, weights, tok, threads=1)
+    assert engine.numerics == "reference"
+    ids = random_ids(cfg, 20).tolist()
+    result = engine.run(ids, logits=True)
+    assert result.numerics == "reference" and json.loads(json.dumps(result.to_json()))["numerics"] == "reference"
+    assert result.logits.shape == (20, cfg.vocab_size) and result.logits.dtype == torch.float32
+    assert engine.run(ids).logits is None
+    fp = Engine(cfg, weights, tok, threads=1, numerics="fp32").run(ids, logits=True)
+    assert fp.numerics == "fp32" and not torch.equal(fp.logits, result.logits)
+    with pytest.raises(EngineError, match="unknown numerics 'bf8'; choose one of reference, fp32"):
+        Engine(cfg, weights, tok, numerics="bf8")
