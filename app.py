@@ -15,7 +15,7 @@ import streamlit as st
 from engine.config import ConfigError, load_config
 from engine.roles import TAB_TITLES, TABS, role_plan
 from engine.tally import cache_breakdown_at
-from explorer import kv_view, prompt as pr, release_view as rv, session_view as sv
+from explorer import kv_view, link, prompt as pr, release_view as rv, session_view as sv
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
 from explorer.screens.common import cached_tally, chart, fail, guarded, log_time, set_view, view
@@ -198,8 +198,10 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
     st.divider()
     guarded("Cannot draw the comparison", compare_section, cfg, plan, run, source, path)
     scroll_if_asked()
-    st.query_params.from_dict({**{k: v for k, v in st.query_params.to_dict().items()
-                                  if k not in ("layer", "tab", "pos", "session")}, **view().to_query()})
+    kept = {k: v for k, v in st.query_params.to_dict().items() if k not in ("layer", "tab", "pos", "session",
+                                                                             *link.LINK_KEYS)}
+    linked = link.link_params(source, st.session_state.get("ckpt_path", ""), text, link.draft_dir())
+    st.query_params.from_dict({**kept, **view().to_query(), **linked})
     log_time("analysis", started)
     log_time("script-ended-at")
 
@@ -216,9 +218,12 @@ def main() -> None:
         cfg = load_config(path)
         plan = role_plan(cfg)
         tally = cached_tally(source, path)
-    except (ConfigError, OSError, ValueError) as err:
-        fail("Cannot read the model", err)
-        st.stop()
+    except (ConfigError, OSError, ValueError) as err:   # the page still draws, from the release config
+        fail("Cannot read the model; the release config is shown", err)
+        path = str(pr.RELEASE_CONFIG)
+        cfg = load_config(path)
+        plan = role_plan(cfg)
+        tally = cached_tally(pr.SOURCE_CONFIG, path)
 
     if "view" not in st.session_state:
         state, problems = state_from_query(st.query_params.to_dict(), plan)

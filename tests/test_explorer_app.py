@@ -83,12 +83,42 @@ def test_context_length_changes_kv_metrics():
     assert total.value == "3.59 MB"      # 890 x 1000 B + 40 x 128 x 528 B of windows
 
 
-def test_missing_checkpoint_folder_is_a_clear_message():
+def _page_still_draws(at) -> None:
+    assert [t.value for t in at.title] == ["DeepSeek-V4.1-Flash explorer"]
+    assert "### Sessions" in "\n".join(m.value for m in at.sidebar.markdown)       # the sessions sidebar
+    assert any(m.label == "Total cache" for m in at.metric)                         # the KV panel
+    assert "### Layer plan" in markdown(at)
+
+
+def test_missing_checkpoint_folder_is_named_next_to_the_field(monkeypatch):
+    monkeypatch.setenv("EXPLORER_CHECKPOINT_ROOT", "/")
     at = run()
     at.sidebar.radio(key="source").set_value("path").run()
-    at.sidebar.text_input[0].input("/nonexistent/ckpt").run()
+    at.sidebar.text_input(key="ckpt_path").input("/does/not/exist").run()
     assert not at.exception
-    assert at.error and "Cannot read the model" in at.error[0].value
+    assert [e.value for e in at.sidebar.error] == ["No folder at /does/not/exist. The release config is shown "
+                                                   "meanwhile."]
+    assert not at.main.error
+    _page_still_draws(at)
+
+
+def test_checkpoint_field_is_confined_to_the_allowed_root(tmp_path, monkeypatch):
+    """The app listens beyond localhost (Streamlit's default): paths outside EXPLORER_CHECKPOINT_ROOT are
+    refused before they are read, and no message quotes a file's contents."""
+    monkeypatch.setenv("EXPLORER_CHECKPOINT_ROOT", str(tmp_path))
+    (tmp_path / "notjson").mkdir()
+    (tmp_path / "notjson" / "config.json").write_text("root:x:0:0:secret line")
+    at = run()
+    at.sidebar.radio(key="source").set_value("path").run()
+    for path in ("/etc/passwd", "/etc", str(tmp_path / ".." / "..")):
+        at.sidebar.text_input(key="ckpt_path").input(path).run()
+        (msg,) = [e.value for e in at.sidebar.error]
+        assert "allowed roots" in msg and str(tmp_path) in msg and "JSON" not in msg
+        _page_still_draws(at)
+    at.sidebar.text_input(key="ckpt_path").input(str(tmp_path / "notjson")).run()
+    (msg,) = [e.value for e in at.sidebar.error]
+    assert "is not a model config" in msg and "secret" not in msg and "root:x" not in msg
+    _page_still_draws(at)
 
 
 def test_saved_run_renders_live_views(tmp_path, monkeypatch):
@@ -133,3 +163,45 @@ def test_cpu_run_refusal_threshold():
     assert cpu_run_refusal(20.6e6, on_cpu=True) is None          # the shipped small model
     assert cpu_run_refusal(16.13e9, on_cpu=False) is None         # on GPUs
     assert "16.1 B" in cpu_run_refusal(16.13e9, on_cpu=True)
+
+
+def _qp(at, key):
+    value = at.query_params.get(key)
+    return value[0] if isinstance(value, list) else value
+
+
+def test_url_keeps_the_source_and_the_prompt(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXPLORER_DRAFT_DIR", str(tmp_path))
+    at = run()
+    at.sidebar.text_area(key="prompt_text").input("Paris is").run()
+    assert _qp(at, "source") == "config" and _qp(at, "prompt") == "Paris is"
+    # opened elsewhere (another server default): the link's source and prompt win; a DSpark stage exists
+    monkeypatch.setenv("EXPLORER_SOURCE", "shipped")
+    again = run({k: _qp(at, k) for k in ("source", "prompt")} | {"layer": "41"})
+    assert again.sidebar.radio(key="source").value == "config"
+    assert again.sidebar.text_area(key="prompt_text").value == "Paris is"
+    assert not any("is not a layer" in w.value for w in again.warning)
+    assert "## DSpark stage" in markdown(again) or "Layer 41" in markdown(again)
+    # a long prompt travels as a server-side draft named by its hash
+    long = "The quick brown fox. " * 1000
+    at.sidebar.text_area(key="prompt_text").input(long).run()
+    assert _qp(at, "prompt") is None and len(_qp(at, "draft")) == 20
+    monkeypatch.setenv("EXPLORER_SOURCE", "config")
+    reloaded = run({"draft": _qp(at, "draft")})
+    assert reloaded.sidebar.text_area(key="prompt_text").value == long
+    gone = run({"draft": "0" * 20})
+    assert any("not on this server" in w.value for w in gone.sidebar.warning)
+
+
+def test_prompt_box_sample_empty_prompt_and_run_button():
+    at = run()
+    sample = at.sidebar.selectbox(key="sample")
+    assert sample.value != "custom"
+    at.sidebar.text_area(key="prompt_text").input(at.sidebar.text_area(key="prompt_text").value + " edited").run()
+    assert at.sidebar.selectbox(key="sample").value == "custom"        # no longer names the sample
+    at.sidebar.selectbox(key="sample").set_value(sample.value).run()
+    assert at.sidebar.selectbox(key="sample").value == sample.value
+    at.sidebar.text_area(key="prompt_text").input("").run()
+    captions = [c.value for c in at.sidebar.caption]
+    assert any(c.startswith("**Empty prompt**") for c in captions) and not any("0 tokens" in c for c in captions)
+    assert at.sidebar.button(key="run_btn").label == "Run"
