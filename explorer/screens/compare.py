@@ -7,7 +7,7 @@ import traceback
 
 import streamlit as st
 
-from explorer import run_plan, session_view as sv
+from explorer import run_plan, session_view as sv, token_align
 from explorer.screens.common import cached_engine, chart, cpu_refusal, run_cached, view
 from explorer.screens.sessions import cached_store
 from explorer.session_compare import CompareError, compare_layer
@@ -84,6 +84,7 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         st.warning(sv.md_escape(str(err)))
         return
     st.caption(f"A: what is on screen · B: {sv.md_escape(label_b)}")
+    aligned_section(run, run_b, r.layer)
     for line in sv.comparison_summary(cmp):
         st.markdown(f"- {sv.md_escape(line)}")
     a, b = st.columns(2)
@@ -98,3 +99,21 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         st.dataframe(rows, hide_index=True, height=min(320, 38 + 35 * len(rows)))
     else:
         st.caption("No position differs.")
+
+
+def aligned_section(run: dict, run_b: dict, layer: int) -> None:
+    """Two different prompts: align their tokens first (explorer/token_align.py), so an edit does not
+    shift every later position; the position-by-position lines follow."""
+    if run.get("tokens") == run_b.get("tokens"):
+        return
+    try:
+        aligned = token_align.aligned_selections(run, run_b, layer)
+    except token_align.AlignError as err:
+        st.caption(sv.md_escape(f"No token-aligned comparison: {err}"))
+        return
+    with st.container(key="cmp_aligned"):
+        st.markdown("**Aligned by tokens:** " + sv.md_escape(" ".join(token_align.aligned_summary(aligned))))
+        edits = token_align.edits_text(aligned.alignment, list(run["tokens"]), list(run_b["tokens"]))
+        if edits:
+            st.caption(sv.md_escape("Edits: " + "; ".join(edits)))
+        st.caption("Position by position (no alignment):")
