@@ -124,7 +124,7 @@ def _body(loaded: ModelConfig, run: dict | None) -> None:
           png=f"serving_plan_{inputs.gpu}x{inputs.gpus}_bytes_per_gpu")
     for note in plan.notes:
         st.caption(note)
-    left, right = st.columns([1.35, 1], gap="large")
+    left, right = st.columns([1.7, 1], gap="medium")
     with left:
         decode, prefill = st.tabs([f"Decode step: {plan.decode.time_s * 1e3:.2f} ms ({plan.decode.limit})",
                                    f"Prefill chunk: {plan.prefill.time_s * 1e3:.1f} ms ({plan.prefill.limit})"])
