@@ -159,9 +159,8 @@ def kv_panel(live_cfg, run: dict | None, source: str) -> None:
         st.dataframe(rv.kv_compare(cfg, live, n), hide_index=True, width="stretch")
         measured = kv_view.measured_vs_formula(live_cfg, run)
         chart(kv_view.kv_figure(cfg, n), "kv_chart", tag=str(n), png=f"kv_cache_release_{n}_tokens")
-        if measured:
-            st.caption(f"The run on screen ({measured['context_len']:,} tokens): the engine held "
-                       f"{measured['total']:,} B; the formula gives {measured['formula_total']:,} B.")
+        for line in kv_view.measured_lines(measured) if measured else []:
+            st.caption(line)
 
 
 @st.fragment

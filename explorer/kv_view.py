@@ -124,3 +124,20 @@ def measured_vs_formula(cfg: ModelConfig, run: dict | None) -> dict | None:
             "window": held.get("window"), "pending": held.get("pending"),
             "formula_global": formula["global_kv"] + formula["index_keys"], "formula_window": formula["windows"],
             "formula_total": formula["total"], "kv_bytes_formula": run.get("kv_bytes_formula")}
+
+
+def measured_lines(measured: dict) -> list[str]:
+    """The run's cache check in words: what the formula counts (KV entries, index keys, windows) next
+    to the engine's bytes of the same, and the pending compressor state on its own line (tokens not
+    yet filling a compression group, held in fp32; the formula does not count them)."""
+    pending = int(measured.get("pending") or 0)
+    held = int(measured["total"]) - pending
+    formula = int(measured["formula_total"])
+    lines = [f"The run on screen ({measured['context_len']:,} tokens): KV entries, index keys and windows: the "
+             f"engine held {held:,} B; the formula gives {formula:,} B"
+             + (" (equal)." if held == formula else f" (a difference of {held - formula:+,} B).")]
+    if pending:
+        lines.append(f"Pending compressor state: {pending:,} B more (the last tokens of each compressed layer that do "
+                     "not fill a group yet, kept in fp32 until they do; not part of the formula).")
+    return lines
+

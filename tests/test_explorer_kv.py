@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.config import release_config
 from engine.tally import cache_bytes_at, cache_breakdown_at
-from explorer.kv_view import kv_explainer, kv_figure, kv_table, measured_vs_formula, window_note
+from explorer.kv_view import kv_explainer, kv_figure, kv_table, measured_lines, measured_vs_formula, window_note
 from test_explorer_plan import small_config
 from explorer_synth import synthetic_run
 
@@ -47,3 +47,14 @@ def test_measured_hook():
     assert m["formula_total"] == cache_bytes_at(CFG, 12)
     fig = kv_figure(CFG, 4000, measured=m)
     assert [t for t in fig.data if t.name.startswith("engine held")][0].y[0] == 1500
+
+
+def test_pending_compressor_state_is_its_own_line():
+    """The new user's odd-length prompt: held 224,608 B against 221,536 B, with 3,072 B of pending state."""
+    m = {"context_len": 199, "total": 224_608, "pending": 3_072, "formula_total": 221_536}
+    first, second = measured_lines(m)
+    assert "engine held 221,536 B; the formula gives 221,536 B (equal)." in first
+    assert second.startswith("Pending compressor state: 3,072 B more")
+    even = measured_lines({"context_len": 200, "total": 221_700, "pending": 0, "formula_total": 221_600})
+    assert len(even) == 1 and "(a difference of +100 B)" in even[0]
+
