@@ -15,7 +15,7 @@ import streamlit as st
 from engine.config import ConfigError, load_config
 from engine.roles import TAB_TITLES, TABS, role_plan
 from engine.tally import cache_breakdown_at
-from explorer import kv_view, link, prompt as pr, release_view as rv, session_view as sv
+from explorer import dspark_view, kv_view, link, prompt as pr, release_view as rv, session_view as sv
 from explorer.diagram import diagram_figure
 from explorer.plan import describe_layer, legend_html, plan_figure
 from explorer.screens.common import cached_tally, chart, fail, guarded, log_time, set_view, view
@@ -27,8 +27,7 @@ from explorer.screens.serving_plan import render_serving_plan
 from explorer.state import (POSITION_TITLES, POSITIONS, boxes_from_selection, picked_customdata, select_layer,
                             state_from_query)
 from explorer.style import fmt_bytes, fmt_params, fmt_tokens
-from explorer.tally_view import (box_stats, headline, layer_params, margin_lines, position_total,
-                                 representative_layer, source_note, tally_figure)
+from explorer.tally_view import headline, layer_params, margin_lines, position_total, source_note, tally_figure
 
 st.set_page_config(page_title="V4.1-Flash explorer", layout="wide", initial_sidebar_state="expanded")
 st.html("""<style>
@@ -91,17 +90,15 @@ def diagram_column(cfg, plan, tally) -> None:
         if not container.open:
             continue
         with container:
-            rep = representative_layer(tab_id, plan, v.layer)
-            if rep is None:
+            subject = dspark_view.diagram_subject(cfg, plan, tally, tab_id, v.layer, TAB_TITLES)
+            if subject is None:
                 st.info(f"No layer of this model is {TAB_TITLES[tab_id]}.")
                 continue
-            r = plan[rep]
-            stats = box_stats(tally, rep)
-            note = "the selected layer" if rep == v.layer else f"layer {rep}, the first {TAB_TITLES[tab_id]} layer"
+            rep, r, drawn_cfg, stats, note = subject
             st.caption(f"Drawn for {note}: {describe_layer(r, cfg)}. Grey: parameters and storage dtype from the "
                        "tally; hover for shapes, bytes and FLOPs per token; click the indexer, mHC or MoE boxes to jump "
                        "to their live view.")
-            fig = diagram_figure(cfg, tab_id, stats, role=r, highlight=highlight)
+            fig = diagram_figure(drawn_cfg, tab_id, stats, role=r, highlight=highlight)
             chart(fig, f"diagram_{tab_id}", tag=f"layer {rep}", png=f"diagram_{tab_id}_layer{rep}",
                   on_click=on_diagram_click)
             picked = st.session_state.get("picked_box")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from explorer import glossary as gl, layer_views as lv, remote, run_plan, session_view as sv
+from explorer import dspark_view, glossary as gl, layer_views as lv, remote, run_plan, session_view as sv
 from explorer.screens import selections as sx
 from explorer.screens.common import cached_engine, chart, cpu_refusal, fail, run_cached, view
 
@@ -22,7 +22,7 @@ PARITY_ROWS = 16   # tokens per kernel call compared under the CPU interpreter
 def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
     """The selected layer on the prompt. A fragment: picking a query token does not redraw the page."""
     r = plan[view().layer]
-    st.markdown(f"## {lv.layer_heading(r)}")
+    st.markdown(f"## {dspark_view.stage_heading(r, cfg) if r.is_dspark else lv.layer_heading(r)}")
     st.markdown(f"<span class='muted'>{lv.layer_subheading(r, cfg)}</span>", unsafe_allow_html=True)
     probe = None
     if run is None:
