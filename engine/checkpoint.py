@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -18,6 +19,7 @@ from . import quant
 from .weights import init_weight
 from .config import HF_TO_INFERENCE, ModelConfig
 from .layout import WEIGHT_BLOCK, Shard, TensorSpec, shard_plan, tensor_specs
+from .safe_io import open_regular
 from .inventory import (  # noqa: F401  (re-exported: the header-only half of checkpoint I/O)
     CONFIG_NAME, CheckpointError, INDEX_NAME, SAFETENSORS_BYTES, TensorEntry, check_against_config, checkpoint_config,
     read_inventory)
@@ -57,6 +59,7 @@ class CheckpointReader:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise CheckpointError(f"{self.directory}: checkpoint disagrees with its config: {problems[0]}{more}")
         self._maps: dict[str, np.memmap] = {}
+        self.nonfinite: list[str] = []   # weights found holding NaN or inf (warned about once)
 
     def __contains__(self, name: str) -> bool:
         return name in self.inventory.tensors
@@ -75,8 +78,9 @@ class CheckpointReader:
         e = self.entry(name)
         path = self.directory / e.shard
         buf = bytearray(e.nbytes)
+        f, _ = open_regular(path, "shard file", CheckpointError)
         try:
-            with open(path, "rb") as f:
+            with f:
                 f.seek(e.begin)
                 got = f.readinto(buf)
         except OSError as err:
@@ -124,8 +128,8 @@ class CheckpointReader:
         w = self.tensor(name)
         scale_name = self._scale_name(name)
         if scale_name is None:
-            return w.float()
-        return _dequantize(w, self.tensor(scale_name), name)
+            return self._checked(name, w.float())
+        return self._checked(name, _dequantize(w, self.tensor(scale_name), name))
 
     def dequantized_rows(self, name: str, rows) -> torch.Tensor:
         """float32 rows of a per-row-scaled FP8 table (the Engram embeddings)."""
@@ -133,9 +137,21 @@ class CheckpointReader:
         w = self.read_rows(name, rows)
         scale_name = self._scale_name(name)
         if scale_name is None:
-            return w.float()
+            return self._checked(name, w.float())
         s = self.read_rows(scale_name, rows)
-        return quant.dequantize_fp8(w, s, w.shape[-1] // s.shape[-1])
+        return self._checked(name, quant.dequantize_fp8(w, s, w.shape[-1] // s.shape[-1]))
+
+    def _checked(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """`values`, after one pass for NaN/inf (cheap beside the read and the dequantization): such a
+        weight makes every result NaN, so say which, once per checkpoint (`nonfinite` lists them all)."""
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            if name not in self.nonfinite:
+                self.nonfinite.append(name)
+            if len(self.nonfinite) == 1:
+                warnings.warn(f"{self.directory}: weight '{name}' holds NaN or infinite values; results computed "
+                              "from this checkpoint (norms, scores, routing) will be NaN", RuntimeWarning,
+                              stacklevel=3)
+        return values
 
     def close(self) -> None:
         self._maps.clear()

@@ -251,17 +251,21 @@ def config_from_dict(raw: dict, where: str = "config") -> ModelConfig:
         raise ConfigError(f"{where}: {err}") from None
 
 
+MAX_CONFIG_BYTES = 16 << 20   # a config is a few KB; anything this large is the wrong file
+# Upper bounds on counts the engine loops over (the release: 40 layers, 3 DSpark stages, 384 experts,
+# a 1M-token position range); a config far beyond them would hang validation and the tally.
+MAX_COUNTS = {"n_layers": 1024, "n_mtp_layers": 64, "n_routed_experts": 65536, "vision_n_layers": 1024,
+              "max_seq_len": 1 << 24, "hc_mult": 64, "n_heads": 4096}
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """Read a config file, or a checkpoint folder's `config.json`."""
+    from .safe_io import read_text
+
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    text = read_text(path, "config file", MAX_CONFIG_BYTES, ConfigError)  # regular files only, bounded
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
@@ -278,6 +282,10 @@ def validate(cfg: ModelConfig) -> None:
     """Raise `ConfigError` naming the key when the config cannot describe a runnable model."""
     def fail(key: str, reason: str) -> None:
         raise ConfigError(f"key '{key}': {reason}")
+
+    for key, limit in MAX_COUNTS.items():  # first: the checks below loop over these
+        if getattr(cfg, key) > limit:
+            fail(key, f"{getattr(cfg, key):,} is beyond what this engine handles (at most {limit:,})")
 
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
                 "o_lora_rank", "window_size", "moe_inter_dim", "n_routed_experts", "n_activated_experts",

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from .config import ModelConfig, load_config
 from .layout import TensorSpec, spec_from_header, tensor_specs
+from .safe_io import open_regular, read_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -30,6 +31,7 @@ CONFIG_NAME = "config.json"
 SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
                      "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors limit
+MAX_INDEX = 256 * 1024 * 1024   # the release's index is ~10 MB
 
 try:  # optional: a faster JSON parser when the environment has one (same results)
     import orjson as _orjson
@@ -95,10 +97,11 @@ class Inventory:
 # -- reading headers -------------------------------------------------------------------------------
 
 def read_header(path: Path) -> tuple[int, dict, int]:
-    """(header length, parsed header, file size) of one shard, validating the framing."""
+    """(header length, parsed header, file size) of one shard, validating the framing. Regular files
+    only (a FIFO or a device named as a shard would block or never end); reads only the header."""
+    f, size = open_regular(path, "shard file", CheckpointError, missing="shard file is missing")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with f:
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated shard ({size} bytes, shorter than the 8-byte header length)")
@@ -108,16 +111,13 @@ def read_header(path: Path) -> tuple[int, dict, int]:
             if n > MAX_HEADER:
                 raise CheckpointError(f"{path}: header length {n} exceeds the 100 MB safetensors limit")
             raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: shard file is missing") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, not a shard file") from None
-    except PermissionError:
-        raise CheckpointError(f"{path}: cannot read shard (permission denied)") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read the shard ({err.strerror or err})") from None
     try:
         header = _loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        msg = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        msg = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8" if isinstance(
+            err, UnicodeDecodeError) else "nested too deeply"
         raise CheckpointError(f"{path}: malformed header JSON ({msg})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: malformed header JSON (top level is not an object)")
@@ -154,7 +154,17 @@ def _entries(path: Path, filename: str, n: int, header: dict, size: int) -> list
             raise CheckpointError(f"{path}: truncated shard or data offsets outside the file: tensor '{name}' "
                                   f"ends at data byte {end} but the file holds {max(data_len, 0)} data bytes")
         append(TensorEntry(name, dtype, shape, nbytes, filename, base + begin, base + end))
+    _check_disjoint(path, out, base)
     return out
+
+
+def _check_disjoint(path: Path, entries: list[TensorEntry], base: int) -> None:
+    """Two tensors whose byte ranges overlap would read each other's data: refuse the shard."""
+    spans = sorted((e.begin, e.end, e.name) for e in entries if e.end > e.begin)
+    for (_, end_a, name_a), (begin_b, end_b, name_b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise CheckpointError(f"{path}: tensors '{name_a}' and '{name_b}' share data bytes "
+                                  f"{begin_b - base}..{min(end_a, end_b) - base} (each tensor needs its own bytes)")
 
 
 def _read_index(directory: Path) -> dict:
@@ -163,16 +173,14 @@ def _read_index(directory: Path) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a folder")
     path = directory / INDEX_NAME
-    try:
-        raw = path.read_text()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing index (expected {INDEX_NAME} in the checkpoint folder)") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read index ({err.strerror})") from None
+    raw = read_bytes(path, "shard index", MAX_INDEX, CheckpointError,
+                     missing=f"missing index (expected {INDEX_NAME} in the checkpoint folder)")
     try:
         index = _loads(raw)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: malformed index JSON ({err.msg} at line {err.lineno})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        msg = f"{err.msg} at line {err.lineno}" if isinstance(err, json.JSONDecodeError) else "not UTF-8" if \
+            isinstance(err, UnicodeDecodeError) else "nested too deeply"
+        raise CheckpointError(f"{path}: malformed index JSON ({msg})") from None
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise CheckpointError(f"{path}: index has no 'weight_map' object")
     return index

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,6 +26,8 @@ SPECIAL_TOKENS = {"<bos>": 0, "<eos>": 1, "<pad>": 2, "<image>": 3, "<dspark_noi
 VOCAB_SIZE = 4096
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "tokenizer.json"
 COMPRESSED_NAME = "compressed_vocab.json"
+MAX_TOKENIZER_BYTES = 64 << 20   # the project's tokenizer.json is ~0.3 MB; large public ones ~10 MB
+MAX_COMPRESSED_BYTES = 64 << 20
 
 
 class TokenizerError(ValueError):
@@ -163,15 +166,27 @@ class Tokenizer:
         return self._compressed
 
     def _load_compressed(self) -> tuple[list[int], int] | None:
+        """The cached map, or None (then it is built): also when the file is damaged, with a warning
+        naming it, since the cache is only a shortcut."""
         if self.path is None:
             return None
         cached = self.path.parent / COMPRESSED_NAME
-        if not cached.is_file():
+        if not cached.exists():
             return None
-        record = json.loads(cached.read_text(encoding="utf-8"))
-        if record.get("tokenizer_sha256") != _sha256(self.path) or len(record["lookup"]) != self.vocab_size:
+        from .safe_io import read_text
+        try:
+            record = json.loads(read_text(cached, "compressed vocabulary", MAX_COMPRESSED_BYTES, TokenizerError))
+            lookup, size = record["lookup"], record["compressed_vocab_size"]
+            if not (isinstance(lookup, list) and isinstance(size, int) and not isinstance(size, bool)
+                    and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < size for v in lookup)):
+                raise TokenizerError(f"{cached}: the lookup is not a list of ids below compressed_vocab_size")
+        except (TokenizerError, ValueError, KeyError, TypeError, RecursionError) as err:
+            reason = str(err) if isinstance(err, TokenizerError) else f"{cached}: not a compressed vocabulary ({err})"
+            warnings.warn(f"{reason}; building the map from the tokenizer instead", RuntimeWarning, stacklevel=3)
             return None
-        return list(record["lookup"]), int(record["compressed_vocab_size"])
+        if record.get("tokenizer_sha256") != _sha256(self.path) or len(lookup) != self.vocab_size:
+            return None
+        return list(lookup), size
 
     def _check_ids(self, ids) -> list[int]:
         ids = [int(i) for i in ids]
@@ -183,13 +198,17 @@ class Tokenizer:
 
 def load_tokenizer(path: str | Path = DEFAULT_PATH) -> Tokenizer:
     """Load a tokenizer.json (or a folder holding one)."""
+    from .safe_io import read_text
+
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():
         raise TokenizerError(f"no tokenizer at {path}; build it with scripts/build_corpus.py")
+    text = read_text(path, "tokenizer file", MAX_TOKENIZER_BYTES, TokenizerError)  # regular files only, bounded
     try:
-        backend = _Backend.from_file(str(path))
+        backend = _Backend.from_str(text)
     except Exception as err:  # the Rust side raises a bare Exception
-        raise TokenizerError(f"cannot read tokenizer {path}: {err}") from err
+        detail = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        raise TokenizerError(f"{path}: not a readable tokenizer.json ({detail})") from None
     return Tokenizer(backend, path)
