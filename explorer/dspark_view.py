@@ -16,12 +16,13 @@ PREFIX = "dspark."
 
 
 def stage_number(r: LayerRole, cfg: ModelConfig) -> int:
-    """1-based: the plan's layer n_layers is stage 1."""
-    return r.layer - cfg.n_layers + 1
+    """0-based, as the checkpoint names the stages (mtp.0 .. mtp.2) and the plan marks them."""
+    return r.layer - cfg.n_layers
 
 
 def stage_heading(r: LayerRole, cfg: ModelConfig) -> str:
-    return f"DSpark stage {stage_number(r, cfg)} of {cfg.n_mtp_layers} · window-only draft block"
+    k = stage_number(r, cfg)
+    return f"DSpark stage {k} (mtp.{k}) · window-only draft block"
 
 
 def stage_config(cfg: ModelConfig, r: LayerRole) -> ModelConfig:

@@ -181,8 +181,8 @@ def test_url_keeps_the_source_and_the_prompt(tmp_path, monkeypatch):
     assert again.sidebar.radio(key="source").value == "config"
     assert again.sidebar.text_area(key="prompt_text").value == "Paris is"
     assert not any("is not a layer" in w.value for w in again.warning)
-    assert "## DSpark stage 2 of 3 · window-only draft block" in markdown(again)
-    assert any(c.value.startswith("Drawn for DSpark stage 2 of 3") for c in again.caption)
+    assert "## DSpark stage 1 (mtp.1) · window-only draft block" in markdown(again)
+    assert any(c.value.startswith("Drawn for DSpark stage 1 (mtp.1") for c in again.caption)
     # a long prompt travels as a server-side draft named by its hash
     long = "The quick brown fox. " * 1000
     at.sidebar.text_area(key="prompt_text").input(long).run()

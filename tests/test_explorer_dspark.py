@@ -21,7 +21,8 @@ def release():
 def test_stage_heading_and_config(release):
     cfg, plan, _ = release
     assert [dv.stage_heading(plan[i], cfg) for i in (40, 42)] == [
-        "DSpark stage 1 of 3 · window-only draft block", "DSpark stage 3 of 3 · window-only draft block"]
+        "DSpark stage 0 (mtp.0) · window-only draft block",
+        "DSpark stage 2 (mtp.2) · window-only draft block"]
     drawn = dv.stage_config(cfg, plan[41])
     assert (drawn.n_routed_experts, drawn.n_activated_experts) == (128, 3)    # the release's DSpark MoE
     assert (cfg.n_routed_experts, cfg.n_activated_experts) == (384, 6)        # the backbone's, unchanged
@@ -30,7 +31,7 @@ def test_stage_heading_and_config(release):
 def test_stage_diagram_draws_the_stage_not_layer_0(release):
     cfg, plan, tally = release
     layer, role, drawn, stats, note = dv.diagram_subject(cfg, plan, tally, "swa", 41, TAB_TITLES)
-    assert layer == 41 and role.is_dspark and note.startswith("DSpark stage 2 of 3")
+    assert layer == 41 and role.is_dspark and note.startswith("DSpark stage 1 (mtp.1")
     # per stage: 128 routed experts x three 2304x5120 matrices (hand count), one shared expert, a 128-way gate
     assert stats["experts"].params == 128 * 3 * 2304 * 5120
     assert stats["shared_experts"].params == 3 * 2304 * 5120
