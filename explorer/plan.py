@@ -7,6 +7,8 @@ or whose candidate pool it scores inside (dotted). Everything comes from `role_p
 
 from __future__ import annotations
 
+import textwrap
+
 from dataclasses import dataclass
 
 import networkx as nx
@@ -82,6 +84,9 @@ def _arc(x0: float, y0: float, y1: float, side: int, scale: float) -> tuple[list
     return xs + [None], ys + [None]
 
 
+HOVER_CHARS = 26   # characters per hover line (the plan's column is narrow)
+
+
 def _hover(r: LayerRole, cfg: ModelConfig, params: int | None) -> str:
     title = f"DSpark stage {r.layer - cfg.n_layers}" if r.is_dspark else f"Layer {r.layer}"
     lines = [f"<b>{title} · {r.label}</b>", describe_layer(r, cfg)]
@@ -93,8 +98,10 @@ def _hover(r: LayerRole, cfg: ModelConfig, params: int | None) -> str:
         lines.append("DSpark reads this layer's input stream")
     if params is not None:
         lines.append(f"parameters: {fmt_params(params)} ({params:,})")
-    lines.append("<i>click to open this layer</i>")
-    return "<br>".join(lines)
+    # narrow lines: the box must fit beside the block in a ~350 px column (a wide one was clipped by the
+    # chart's edge and slid over the block it describes); the bold title stays whole
+    wrapped = [lines[0]] + [part for line in lines[1:] for part in textwrap.wrap(line, HOVER_CHARS)]
+    return "<br>".join(wrapped + ["<i>click to open</i>"])
 
 
 def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
@@ -184,7 +191,7 @@ def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
         height=height, margin=dict(l=4, r=4, t=4, b=4),
         xaxis=dict(range=[-4.45, 4.45], visible=False, fixedrange=True),
         yaxis=dict(range=[-1, top + 1], visible=False, fixedrange=True),
-        clickmode="event", hovermode="closest",
+        clickmode="event", hovermode="closest", hoverlabel=dict(font=dict(size=11)),
     ))
     return fig
 
