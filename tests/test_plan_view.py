@@ -134,3 +134,29 @@ def test_app_draws_the_plan_from_the_url(monkeypatch):
     assert metrics["Fits"].endswith("/ 180 GB")
     assert {n.label: n.value for n in at.number_input} == {"GPUs": 8, "Batch": 96, "Context (tokens)": 300_000}
     assert dict(at.query_params)["plan_engram"] in ("host", ["host"])
+
+
+def test_app_restores_the_plan_a_session_saved(monkeypatch, tmp_path, cfg):
+    """A session whose view dict holds {"plan": ...} opens with those inputs in the Serving plan."""
+    from streamlit.testing.v1 import AppTest
+
+    from engine.roles import role_plan
+    from explorer import session_view as sv
+    from explorer.sessions.store import SessionStore
+    from explorer.state import ViewState
+    db = tmp_path / "sessions.sqlite3"
+    monkeypatch.setenv("EXPLORER_SOURCE", "config")
+    monkeypatch.setenv("EXPLORER_DB_PATH", str(db))
+    monkeypatch.delenv("EXPLORER_DB_URL", raising=False)
+    data = sv.build_session_data(name="plan", author="t", notes="", view=ViewState(), role=role_plan(cfg)[24],
+                                 source_kind="config", model_source="config", model_identity="", engine_version="",
+                                 prompt="x", span=None)
+    data.view.update(pv.session_settings(INPUTS))
+    saved = SessionStore.from_env({"EXPLORER_DB_PATH": str(db)}).save(data)
+    at = AppTest.from_file(str(pv.RESULTS_DIR.parents[1] / "app.py"), default_timeout=120)
+    at.query_params["session"] = saved.id
+    at.query_params["plan_open"] = "true"
+    at.run()
+    assert not at.exception and not at.error
+    assert {n.label: n.value for n in at.number_input} == {"GPUs": 8, "Batch": 96, "Context (tokens)": 300_000}
+    assert {s.label: s.value for s in at.selectbox}["GPU"] == "mi300x"
