@@ -82,7 +82,8 @@ def cmd_bench(args) -> None:
     for shape in args.shapes.split(","):
         batch, seq = (int(v) for v in shape.split("x"))
         for name, phase in run.phases().items():
-            phase.batch, phase.seq = batch, seq
+            # the dense warm-up attends every entry: same tokens per step, in dense-seq sequences
+            phase.batch, phase.seq = (batch * seq // args.dense_seq, args.dense_seq) if name == "dense" else (batch, seq)
             try:
                 for i in range(args.warm + args.steps):
                     if i == args.warm:
@@ -96,9 +97,11 @@ def cmd_bench(args) -> None:
                 dt = (time.time() - t0) / args.steps
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
                 rows.append((shape, name, dt, batch * seq / dt, mem))
-            except torch.OutOfMemoryError:
+            except Exception as err:  # OOM or a failed compile: report the row, go on with the next
                 run.opt.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                print(f"{shape} {name}: {type(err).__name__}: {str(err)[:300]}", flush=True)
                 rows.append((shape, name, float("nan"), 0.0, float("nan")))
             print(f"{shape:>10} {name:>6} step {rows[-1][2]:.3f} s  {rows[-1][3]:>9,.0f} tok/s  peak {rows[-1][4]:.1f} GB",
                   flush=True)
@@ -121,7 +124,8 @@ def main(argv=None) -> None:
         p.add_argument("--margin", type=float, default=0.1, help="weight of the indexer's margin term")
         p.add_argument("--gamma", type=float, default=0.005, help="routing-bias step of the balancing rule")
         p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
-        p.add_argument("--compile-mixes", action="store_true", help="torch.compile the mHC mixes (CUDA)")
+        p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")
+        p.add_argument("--checkpoint", action="store_true", help="recompute attention, MoE and mHC in the backward")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--cpu", action="store_true")
         p.add_argument("--tiny", action="store_true")

@@ -118,8 +118,16 @@ class BatchedForward:
     Routed experts come stacked: get('layers.L.ffn.experts.w1') -> [E, inter, dim]."""
 
     def __init__(self, cfg: ModelConfig, get, layout: EngramLayout | None, compressed_lookup: torch.Tensor | None,
-                 bf16: bool = False):
+                 bf16: bool = False, compile_parts: bool = False, checkpoint: bool = False):
         self.cfg, self.get, self.bf16 = cfg, get, bf16
+        # the step is launch-bound: the elementwise-heavy pure parts (mHC mixes with their 20 Sinkhorn
+        # rounds, the number formats, RoPE, the attention core, the experts) can be compiled into a
+        # few fused kernels each, and recomputed in the backward instead of keeping their
+        # activations (`checkpoint`), which buys larger batches
+        wrap = _compiled if compile_parts else (lambda f: f)
+        self.mixes, self.fp8, self.fp4, self.rotate = (wrap(f) for f in (mhc.hc_mixes, fp8_values, fp4_values, rotate_bt))
+        self.attend_core, self.experts_core = wrap(self._attend), wrap(_experts_core)
+        self.checkpoint = checkpoint
         # dense linears stored FP8 (wo_a too, though the reference multiplies it in bf16)
         self.fp8_names = frozenset(s.name for s in tensor_specs(cfg) if s.dtype == "F8_E4M3"
                                    and len(s.logical_shape) == 2 and s.kind != "engram.embed")
@@ -166,13 +174,13 @@ class BatchedForward:
             p = f"layers.{L}."
             if role.engram:
                 X = self._engram(L, X, compressed, opts)
-            a_pre, a_post, a_comb = mhc.hc_mixes(X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
+            a_pre, a_post, a_comb = self._ckpt(self.mixes, X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
                                                  self.get(p + "hc_attn_base"), *hc_args)
             attn_in = rms_norm(mhc.collapse(X, pre), self.get(p + "attn_norm.weight"), cfg.norm_eps)
             with self.matmuls(dev):
                 y = self._attention(role, attn_in.view(B, T, dim), positions, shared, opts, out).float()
             X1 = mhc.expand(y.reshape(B * T, dim), X, a_post, a_comb)
-            f_pre, f_post, f_comb = mhc.hc_mixes(X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+            f_pre, f_post, f_comb = self._ckpt(self.mixes, X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
                                                  self.get(p + "hc_ffn_base"), *hc_args)
             ffn_in = rms_norm(mhc.collapse(X1, a_pre), self.get(p + "ffn_norm.weight"), cfg.norm_eps)
             y, load = self._moe(L, ffn_in, opts)
@@ -208,7 +216,7 @@ class BatchedForward:
         p = f"layers.{L}.engram."
         table = self.get(p + "embed.weight")[rows]                                  # [BT, R, hd]
         if opts.fake_quant:
-            table = ste(table, fp8_values(table.detach(), 32))
+            table = ste(table, self.fp8(table.detach(), 32))
         return engram_forward(X, table, self.w(p + "wkv.weight", opts), self.get(p + "q_weight"),
                               self.get(p + "k_weight"), cfg.norm_eps)
 
@@ -221,10 +229,10 @@ class BatchedForward:
         p = f"layers.{role.layer}.attn."
         freqs = self.freqs[role.compress_ratio]
         qr = rms_norm(x @ self.w(p + "wq_a.weight", opts).t(), self.get(p + "q_norm.weight"), cfg.norm_eps)
-        q = rotate_bt((qr @ self.w(p + "wq_b.weight", opts).t()).view(B, T, H, Dh), positions, freqs)
+        q = self.rotate((qr @ self.w(p + "wq_b.weight", opts).t()).view(B, T, H, Dh), positions, freqs)
         kv = rms_norm(x @ self.w(p + "wkv.weight", opts).t(), self.get(p + "kv_norm.weight"), cfg.norm_eps)
-        kv = rotate_bt(kv, positions, freqs)
-        kv = ste(kv, fp8_values(kv.detach(), 32))                                  # [B, T, D] window form
+        kv = self.rotate(kv, positions, freqs)
+        kv = ste(kv, self.fp8(kv.detach(), 32))                                  # [B, T, D] window form
 
         glob = None  # (entries [B, N, D], picks [B, T, k] or None for dense, valid [B, T, k or N])
         if role.compress_ratio > 0:
@@ -238,13 +246,13 @@ class BatchedForward:
             src_kv = shared["source"][0]
             pick = shared["index"][role.index_source]
             glob = (src_kv, pick["idx"], pick["valid"])
-        o, probs_global = self._attend(q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float(), role)
+        o, probs_global = self._ckpt(self.attend_core, q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float())
         if probs_global is not None:
             shared.setdefault("mass", {})[role.layer] = probs_global.detach().sum(2)  # [B, T, k or N]
         if opts.analysis and role.role in (FULL, REINDEX) and glob is not None and glob[1] is not None:
             with torch.no_grad():
                 out.recall[role.layer] = self._recall(q * Dh ** -0.5, kv, shared, role, positions)
-        o = rotate_bt(o, positions, freqs, inverse=True)
+        o = self.rotate(o, positions, freqs, inverse=True)
         G = cfg.o_groups
         wo_a = self.w(p + "wo_a.weight", opts).view(G, cfg.o_lora_rank, -1)
         o = torch.einsum("btgd,grd->btgr", o.reshape(B, T, G, -1), wo_a)
@@ -267,10 +275,10 @@ class BatchedForward:
         # the index keys learn only from the indexer's loss: their input is detached (V3.2)
         ik = rms_norm(latent.detach() @ self.get(p + "indexer.wk.weight").t(),
                       self.get(p + "indexer.k_norm.weight"), cfg.norm_eps)
-        kv_entries = rotate_bt(latent, first, freqs)
-        ik_entries = rotate_bt(ik, first, freqs)
-        return (ste(kv_entries, fp4_values(kv_entries.detach(), 16, "e4m3")),
-                ste(ik_entries, fp4_values(ik_entries.detach(), 32, "e8m0")))
+        kv_entries = self.rotate(latent, first, freqs)
+        ik_entries = self.rotate(ik, first, freqs)
+        return (ste(kv_entries, self.fp4(kv_entries.detach(), 16, "e4m3")),
+                ste(ik_entries, self.fp4(ik_entries.detach(), 32, "e8m0")))
 
     def _index(self, role: LayerRole, x, qr, positions, shared: dict, opts: StepOptions) -> dict:
         """Scores of every visible entry (no grad) and the picks; the inputs the losses need."""
@@ -279,8 +287,8 @@ class BatchedForward:
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         p = f"layers.{role.layer}.attn.indexer."
         freqs = self.freqs[m]
-        qi = rotate_bt((qr.detach() @ self.w(p + "wq_b.weight", opts).t()).view(B, T, hi, di), positions, freqs)
-        qi = ste(qi, fp4_values(qi.detach(), 32, "e8m0"))
+        qi = self.rotate((qr.detach() @ self.w(p + "wq_b.weight", opts).t()).view(B, T, hi, di), positions, freqs)
+        qi = ste(qi, self.fp4(qi.detach(), 32, "e8m0"))
         head_w = (x.detach() @ self.get(p + "weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5)  # [B, T, hi]
         keys = shared["source"][1]                                                   # [B, N, Di]
         N = keys.shape[1]
@@ -308,7 +316,13 @@ class BatchedForward:
         return {"idx": idx, "valid": top > NEG_INF, "scores": top, "qi": qi, "w": head_w, "keys": keys,
                 "all_scores": scores}
 
-    def _attend(self, q, kv, glob, sink, role: LayerRole):
+    def _ckpt(self, fn, *args):
+        """fn(*args), its activations recomputed in the backward when checkpointing."""
+        if self.checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _attend(self, q, kv, glob, sink):
         """Softmax over each query's window and its global entries, exp(sink) in the denominator.
         q: [B, T, H, D] (scaled); kv: [B, T, D]; returns (o [B, T, H, D], probs on global or None)."""
         cfg = self.cfg
@@ -355,7 +369,7 @@ class BatchedForward:
         pick = shared["index"][src]
         mass = sum(shared["mass"][u] for u in users if u in shared["mass"])          # [B, T, k or N]
         valid = pick["valid"]
-        qi, w, keys = pick["qi"], pick["w"], pick["keys"]
+        qi, w, keys = pick["qi"].float(), pick["w"].float(), pick["keys"].float()
         if pick["idx"] is None:
             sel_keys = keys.unsqueeze(1)                                             # [B, 1, N, Di]
             dots = torch.einsum("bthd,bnd->btnh", qi, keys)
@@ -391,7 +405,7 @@ class BatchedForward:
         seen = torch.arange(N, device=q.device)[None, :] < visible[:, None]         # [T, N]
         dense = torch.ones_like(seen)[None].expand(q.shape[0], -1, -1)
         o_unused, probs = self._attend(q, kv, (entries, None, dense & seen[None]), self.get(
-            f"layers.{role.layer}.attn.attn_sink").float(), role)
+            f"layers.{role.layer}.attn.attn_sink").float())
         mass = probs.float().sum(2)                                                 # [B, T, N]
         total = mass.sum(-1)
         pick = shared["index"][role.layer]
@@ -419,21 +433,35 @@ class BatchedForward:
         return y, load
 
     def _experts(self, p: str, x, experts, weights, n_routed: int, opts: StepOptions) -> torch.Tensor:
-        cfg = self.cfg
         dense_w = torch.zeros(x.shape[0], n_routed, device=x.device, dtype=weights.dtype).scatter(1, experts, weights)
-        w1, w2, w3 = (self.expert(p + "experts." + part, opts) for part in ("w1", "w2", "w3"))
-        g = torch.einsum("nd,eid->nei", x, w1)
-        u = torch.einsum("nd,eid->nei", x, w3)
-        h = swiglu(g, u, cfg.swiglu_limit) * dense_w.unsqueeze(-1).to(g.dtype)
-        y = torch.einsum("nei,edi->nd", h, w2)
         s = p + "shared_experts."
-        y = y + swiglu(x @ self.w(s + "w1.weight", opts).t(), x @ self.w(s + "w3.weight", opts).t(),
-                       cfg.swiglu_limit) @ self.w(s + "w2.weight", opts).t()
-        return y
+        return self._ckpt(self.experts_core, x, dense_w,
+                          *(self.expert(p + "experts." + part, opts) for part in ("w1", "w2", "w3")),
+                          *(self.w(s + part + ".weight", opts) for part in ("w1", "w2", "w3")),
+                          self.cfg.swiglu_limit)
 
     def expert(self, name: str, opts: StepOptions) -> torch.Tensor:
         p = self.get(name)
         return ste(p, fp4_values(p.detach(), 32, "e8m0")) if opts.fake_quant else p
+
+
+def _experts_core(x, dense_w, w1, w2, w3, s1, s2, s3, limit: float) -> torch.Tensor:
+    """Every routed expert on every token, weighted by dense_w [N, E] (0 where not chosen), plus
+    the shared expert. x: [N, dim]; w1, w3: [E, inter, dim]; w2: [E, dim, inter]."""
+    g = torch.einsum("nd,eid->nei", x, w1)
+    u = torch.einsum("nd,eid->nei", x, w3)
+    h = swiglu(g, u, limit) * dense_w.unsqueeze(-1).to(g.dtype)
+    y = torch.einsum("nei,edi->nd", h, w2)
+    return y + swiglu(x @ s1.t(), x @ s3.t(), limit) @ s2.t()
+
+
+def _compiled(fn):
+    """torch.compile with static shapes; many call sites share one function, so allow recompiles."""
+    import torch._dynamo as dynamo
+    for key in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo.config, key):
+            setattr(dynamo.config, key, 256)
+    return torch.compile(fn, dynamic=False)
 
 
 def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:

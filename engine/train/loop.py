@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import mhc
 from ..config import ModelConfig
 from ..engram import EngramLayout
 from .batched import BatchedForward, StepOptions
@@ -50,13 +49,11 @@ class Run:
     def __init__(self, cfg: ModelConfig, trainee: Trainee, lookup: torch.Tensor, args, device: torch.device):
         self.cfg, self.trainee, self.args, self.device = cfg, trainee, args, device
         layout = EngramLayout.from_config(cfg) if cfg.engram_layer_ids else None
-        self.fwd = BatchedForward(cfg, trainee.get, layout, lookup.to(device), bf16=args.bf16)
+        speed = {"bf16": args.bf16, "compile_parts": args.compile and device.type == "cuda",
+                 "checkpoint": args.checkpoint}
+        self.fwd = BatchedForward(cfg, trainee.get, layout, lookup.to(device), **speed)
         self.dense_fwd = BatchedForward(cfg.replace(index_topk=1 << 20, candidate_topk_blocks=1 << 20),
-                                        trainee.get, layout, lookup.to(device), bf16=args.bf16)
-        if args.compile_mixes and device.type == "cuda":
-            mhc_mixes = torch.compile(mhc.hc_mixes, dynamic=False)
-            import engine.train.batched as batched
-            batched.mhc = _MixesOverride(mhc_mixes)
+                                        trainee.get, layout, lookup.to(device), **speed)
         decay, rest = trainee.decay_groups()
         fused = {"fused": True} if device.type == "cuda" else {}
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -129,7 +126,7 @@ class Run:
                 now = time.time()
                 tok_s = (tokens - mark_tokens) / max(now - mark_t, 1e-9)
                 mark_t, mark_tokens = now, tokens
-                ce = float(out.loss_ce)
+                ce = float(out.loss_ce.detach())
                 if not math.isfinite(ce):
                     self.note(event="abort", reason="non-finite loss", step=step)
                     raise SystemExit(f"training aborted: non-finite loss at step {step}")
@@ -167,13 +164,3 @@ class Run:
                   "recall": mean(recall), "recent_k_recall": mean(recent)}
         self.note(event="heldout", name=name, **result)
         return result
-
-
-class _MixesOverride:
-    """engine.mhc with hc_mixes swapped for a compiled copy (only the trainer's forward sees it)."""
-
-    def __init__(self, compiled):
-        self.hc_mixes = compiled
-
-    def __getattr__(self, name):
-        return getattr(mhc, name)
