@@ -240,3 +240,50 @@ def test_cli_run_prefill_ced_says_so_in_the_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "engine", "run", "--checkpoint", str(ckpt), "--ids", ids,
                           "--prefill", "ced", "--replay", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "replay must be" in bad.stderr and "Traceback" not in bad.stderr
+
+
+
+def test_the_kernel_paths_window_rows_mask_the_replays_missing_keys(tmp_path, monkeypatch):
+    """The H200 runs sparse attention as a kernel fed the window's FP8 bytes and per-query key rows.
+    Captured at a decoder layer during a CED prefill (R=10 of 16, and the decode step after it), the
+    kernel's PyTorch reference on those operands gives the engine's attention output to bf16 (its
+    query precision): the rows before the replay are empty slots there too."""
+    from engine import kernel_path as K
+    from engine.checkpoint import CheckpointReader, write_checkpoint
+    from engine.model import Model
+    from engine.weights import CheckpointWeights
+    from kernels import dispatch
+
+    write_checkpoint(CFG, tmp_path / "ckpt", random_weights(CFG, 0))
+    weights = CheckpointWeights(CheckpointReader(tmp_path / "ckpt", CFG))
+    model = Model(CFG, weights, IdentityTokenizer(CFG.engram_compressed_vocab_size), kernels=False, numerics="fp32")
+    layer = SPLIT + 1
+    capture = model.kernel_path = K.KernelPath(weights, "cpu", compute=False, capture_layer=layer)
+    outputs, attend, current = [], type(model.ops).attend, []
+    forward = attention.Attention.forward
+
+    def tracking_forward(self, *args):
+        current.append(self.role.layer)
+        return forward(self, *args)
+
+    def capture_attend(self, *args):
+        out = attend(self, *args)
+        if current[-1] == layer:
+            outputs.append(out[0])
+        return out
+
+    monkeypatch.setattr(attention.Attention, "forward", tracking_forward)
+    monkeypatch.setattr(type(model.ops), "attend", capture_attend)
+    ids = random_ids(CFG, 16, seed=3)
+    with torch.inference_mode():
+        model.forward(ids, decoder_from=6)
+        model.forward(ids[:1])
+    calls = [args for kernel, _, args, _ in capture.captured if kernel == "sparse_attn"]
+    assert len(calls) == 2 == len(outputs) and outputs[0].shape[0] == 10 and outputs[1].shape[0] == 1
+    first_rows = calls[0][6]  # [10, W] key rows of the replay's queries: query i sees i + 1 keys
+    assert [int((row >= 0).sum()) for row in first_rows] == [min(i + 1, W) for i in range(10)]
+    assert bool((calls[1][6] >= 0).all())  # the decode step after it: a whole window of replayed keys
+    for args, engine_out in zip(calls, outputs):
+        kernel_out = dispatch._PAIRS["sparse_attn"][0](*args)[:, :CFG.n_heads].float()
+        rel = (kernel_out - engine_out).norm() / engine_out.norm()
+        assert rel < 1e-2, rel
