@@ -35,7 +35,6 @@ Disk (not a datasheet: an assumption, one PCIe Gen4 NVMe drive per GPU): 1 M ran
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 

@@ -6,14 +6,13 @@ Pure: engine.plan does the arithmetic, this module only shapes it (no Streamlit)
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
-from engine.plan import (ENGRAM_PLACES, GPUS, Phase, Plan, PlanError, PlanInputs, check_inputs, largest_batch,
+from engine.plan import (GPUS, Phase, Plan, PlanError, PlanInputs, check_inputs, largest_batch,
                          layer_boxes, layer_work, cache_per_sequence, model_max_context, weights_per_gpu)
 from engine.roles import role_plan
 from engine.tally import Tally, tally_from_config
@@ -33,7 +32,7 @@ SEGMENT_COLOURS = {
     "Engram tables": "#009E73", "embedding + head": "#8C8C8C", "vision tower": "#C7C7C7", "DSpark": "#CC79A7",
     "global KV": "#D55E00", "index keys": "#E69F00", "sliding windows": "#F0B27A",
     "pending compressor state": "#F5CBA7", "activations (one prefill chunk)": "#56B4E9",
-    "runtime reserve": "#D9D9D9", "free": "#FFFFFF"}
+    "runtime reserve": "#D9D9D9", "free": "#F3F4F6"}
 
 
 # -- inputs: URL and sessions ---------------------------------------------------------------------
@@ -261,7 +260,8 @@ def bench_runs(results_dir: Path = RESULTS_DIR) -> list[dict]:
 def bench_inputs(run: dict) -> PlanInputs:
     """The layout the bench ran: heads and experts over every process, one prompt as one chunk."""
     world, tokens = int(run["world"]), int(run["tokens"])
-    gpu = "h200" if "H200" in str(run.get("device", "")) else "h100" if "H100" in str(run.get("device", "")) else "h200"
+    device = str(run.get("device", "")).lower()
+    gpu = next((key for key in GPUS if key in device.replace(" ", "")), "h200")
     return PlanInputs(gpu=gpu, gpus=world, ep=world, tp=world, batch=1, context=tokens, chunk=tokens,
                       engram="host", dspark=False, vision=False, reserve=0.0)
 
@@ -309,7 +309,3 @@ def live_cache(cfg: ModelConfig, run: Mapping[str, Any] | None) -> dict | None:
     rows = [{"cache": k, "plan (bytes)": predicted[k], "engine held (bytes)": held.get(k)}
             for k in ("global", "window", "pending", "total")]
     return {"tokens": n, "rows": rows, "match": all(r["engine held (bytes)"] in (None, r["plan (bytes)"]) for r in rows)}
-
-
-def fmt_gb(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB" if math.isfinite(n) else "-"
