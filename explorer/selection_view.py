@@ -137,7 +137,7 @@ def scores_figure(qs: QueryScores, ratio: int, tokens: list[str], height: int = 
         fig.add_trace(dict(type="bar", x=[None], y=[None], name=name, marker=dict(color=colour), hoverinfo="skip"))
     shapes = []
     if qs.kth is not None:
-        shapes.append(dict(type="line", xref="paper", x0=0, x1=1, y0=qs.kth, y1=qs.kth,
+        shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, y0=qs.kth, y1=qs.kth,
                            line=dict(color=KTH, width=1.2, dash="dash")))
     if qs.picks and qs.runners:
         k = len(qs.picks)
@@ -167,7 +167,7 @@ def prompt_figure(probe: dict, query: int | None = None, height: int = 220) -> F
         fig.add_trace(dict(type="scattergl", x=pos, y=recall, mode="lines", name="selection recall", yaxis="y2",
                            line=dict(color=PICK, width=1.3),
                            hovertemplate="query %{x}: recall %{y:.3f}<extra></extra>"))
-        layout["yaxis2"] = dict(overlaying="y", side="right", range=[0, 1.02], showgrid=False,
+        layout["yaxis2"] = dict(overlaying="y", side="right", range=[0, 1.02], dtick=0.25, showgrid=False,
                                 title=dict(text="recall (share of mass)", font=dict(size=11, color=MUTED)))
     shapes = [dict(type="line", x0=query, x1=query, yref="paper", y0=0, y1=1, line=dict(color=INK, width=1))] \
         if query is not None and 0 <= query < T else []

@@ -4,6 +4,7 @@ looks up the cached run. Screenshots: test-artifacts/live_*.png."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -65,7 +66,9 @@ def test_click_runs_the_shipped_model_and_draws_the_views(server, browser):
     with page.expect_download() as download:
         page.locator(".st-key-topk_map .modebar-btn[data-title='Download plot as a PNG']").click()
     png = download.value.path().read_bytes()
-    assert download.value.suggested_filename == "layer24_topk.png" and png[:8] == b"\x89PNG\r\n\x1a\n"
+    # the name says model, layer, query and prompt (explorer/glossary.py export_name)
+    assert re.fullmatch(r"v4-1-flash-live-small-model_layer24_q\d+_p[0-9a-f]{8}_top-k-selections\.png",
+                        download.value.suggested_filename) and png[:8] == b"\x89PNG\r\n\x1a\n"
     page.wait_for_timeout(800)
     page.screenshot(path=str(ARTIFACTS / "live_layer24.png"), full_page=False)
     # charts follow their column's width
