@@ -209,16 +209,35 @@ _FILL = {"weight": "#FFFFFF", "op": "#F3F4F6", "cache": "#FFF8E1", "borrowed": "
          "mhc": "#EFEAF8"}
 
 
-def _box_text(box: Box, stat: BoxStat | None) -> str:
+# the diagram is ~560 px wide at its narrowest (a 1600 px window with the sidebar open): ~5.8 px per x
+# unit; a glyph of this font averages ~0.62 of its size (bold)
+PX_PER_UNIT, GLYPH_EM, LABEL_SIZE, MIN_LABEL_SIZE = 5.8, 0.62, 11, 8
+
+
+def _label_lines(box: Box, stat: BoxStat | None) -> tuple[str, str | None]:
+    """(bold name, grey figures or None): the dtype is left to the hover where it would not fit."""
+    if stat is None:
+        return box.label, "(no tally)" if box.kind == "weight" else None
+    fits = (box.x1 - box.x0) * PX_PER_UNIT / (GLYPH_EM * LABEL_SIZE)
+    paren = f"({fmt_params(stat.params)} {stat.dtype})"
+    return box.label, paren if len(paren) <= fits else f"({fmt_params(stat.params)})"
+
+
+def _box_text(box: Box, stat: BoxStat | None) -> tuple[str, int]:
+    """The box's label (HTML) and its font size: on one line if it fits, else figures on a second
+    line; the size shrinks (to MIN_LABEL_SIZE) until the longest line fits inside the box."""
     grey = "#8A8F98"
-    paren = f"({fmt_params(stat.params)} {stat.dtype})" if stat is not None else "(no tally)"
-    # about one character per x unit at the figure's usual width: wrap when the line would not fit
-    sep = "<br>" if len(box.label) + len(paren) + 2 > (box.x1 - box.x0) * 0.95 else " "
-    if stat is not None:
-        return f"<b>{box.label}</b>{sep}<span style='color:{grey}'>{paren}</span>"
-    if box.kind == "weight":
-        return f"<b>{box.label}</b>{sep}<span style='color:{grey}'>(no tally)</span>"
-    return f"<b>{box.label}</b>" if box.kind not in ("op", "cache", "borrowed") else box.label
+    name, paren = _label_lines(box, stat)
+    room = (box.x1 - box.x0) * PX_PER_UNIT - 4
+    one_line = len(name) + (len(paren) + 1 if paren else 0)
+    wrap = paren is not None and one_line * GLYPH_EM * LABEL_SIZE > room
+    longest = max(len(name), len(paren or "")) if wrap else one_line
+    size = max(MIN_LABEL_SIZE, min(LABEL_SIZE, int(room / (GLYPH_EM * max(longest, 1)))))
+    bold = box.kind not in ("op", "cache", "borrowed") or paren is not None
+    text = f"<b>{name}</b>" if bold else name
+    if paren:
+        text += ("<br>" if wrap else " ") + f"<span style='color:{grey}'>{paren}</span>"
+    return text, size
 
 
 def _box_hover(box: Box, stat: BoxStat | None) -> str:
@@ -298,10 +317,11 @@ def diagram_figure(cfg: ModelConfig, tab: str, stats: dict[str, BoxStat] | None 
                        marker=dict(symbol="arrow", angleref="previous", color="#B8BEC8",
                                    size=[0, 8, 0] * (len(arrow_x) // 3))))
     label_stats = [stats.get(b.id) or (stats.get(b.id[:-5]) if b.id.endswith("_post") else None) for b in boxes]
+    labels = [_box_text(b, stat) for b, stat in zip(boxes, label_stats)]
     fig.add_trace(dict(type="scatter", mode="text", hoverinfo="skip", name="labels",
-                       x=[b.cx for b in boxes], y=[b.cy for b in boxes],
-                       text=[_box_text(b, stat) for b, stat in zip(boxes, label_stats)],
-                       textfont=dict(size=11, color=[MUTED if b.kind == "borrowed" else INK for b in boxes])))
+                       x=[b.cx for b in boxes], y=[b.cy for b in boxes], text=[t for t, _ in labels],
+                       textfont=dict(size=[size for _, size in labels],
+                                     color=[MUTED if b.kind == "borrowed" else INK for b in boxes])))
 
     # hover and click targets: a row of faint squares across each box
     xs, ys, data, hover = [], [], [], []

@@ -53,8 +53,16 @@ def test_every_weight_box_shows_its_tally(tab):
     boxes = diagram_boxes(CFG, tab, PLAN[layer])
     for box, x, y, text in zip(boxes, labels.x, labels.y, labels.text, strict=True):
         assert (x, y) == (box.cx, box.cy) and box.label in text       # each label sits on its box
-        if box.kind == "weight":
-            assert f"({fmt_params(stats[box.id].params)} {stats[box.id].dtype})" in text, box.id
+        if box.kind == "weight":   # the dtype too where it fits (always in the hover)
+            assert f"({fmt_params(stats[box.id].params)}" in text, box.id
+    wide = {b.id: t for b, t in zip(boxes, labels.text) if b.x1 - b.x0 > 30 and b.kind == "weight"}
+    assert all(f" {stats[i].dtype})" in t for i, t in wide.items())
+    # narrow boxes (cmp.wkv, idx.wq_b, w_proj: ~10 of 97 units) drop the dtype, and shrink if need be
+    sizes = {b.id: size for b, size in zip(boxes, labels.textfont["size"])}
+    assert max(sizes.values()) == 11 and min(sizes.values()) >= 8
+    if tab == "full_m2":   # 'cmp.wgate' (9 characters) in 9.6 units: ~56 px, too narrow for 11 px bold
+        assert sizes["compressor_wgate"] < 11 and "(2.62M)" in labels.text[[b.id for b in boxes].index(
+            "compressor_wgate")]
     # one arrow per edge: a segment (start, end, gap) with a head on its end only
     arrows = next(t for t in fig.data if t.name == "arrows")
     assert len(arrows.x) == 3 * len(_arrows(boxes)) and arrows.x[2::3] == [None] * len(_arrows(boxes))
