@@ -23,6 +23,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
     p.add_argument("--per-client", type=int, default=4,
                    help="runs one client may have waiting at once (default 4)")
+    p.add_argument("--max-generate", type=int, default=None,
+                   help="tokens one request may generate (default 1024, and never past the model's max_seq_len)")
+    p.add_argument("--run-timeout", type=float, default=None,
+                   help="seconds a client waits for its run before a 504 (default 600)")
+    p.add_argument("--read-timeout", type=float, default=None,
+                   help="seconds a connection may stay silent before it is closed (default 30)")
     p.add_argument("--backend", choices=("nccl", "gloo"), help="torch.distributed backend under torchrun "
                    "(default: nccl with GPUs, gloo without)")
     p.add_argument("--verbose", action="store_true", help="log every request on stderr")
@@ -32,9 +38,19 @@ def _serve(args: argparse.Namespace) -> int:
     from .parallel import Parallel, ParallelError
     from .serve import EngineService, follow, host_warning, make_server
 
-    if args.per_client < 1:
-        print("error: --per-client must be at least 1", file=sys.stderr)
-        return 2
+    from .serve import MAX_GENERATE, READ_TIMEOUT_S, RUN_TIMEOUT_S
+
+    max_generate = MAX_GENERATE if args.max_generate is None else args.max_generate
+    run_timeout = RUN_TIMEOUT_S if args.run_timeout is None else args.run_timeout
+    read_timeout = READ_TIMEOUT_S if args.read_timeout is None else args.read_timeout
+    for bad, message in ((args.per_client < 1 or args.per_client > 1000, "--per-client must be 1..1000"),
+                         (not 0 <= max_generate <= 1 << 20, "--max-generate must be 0..1048576"),
+                         (not 1 <= run_timeout <= 86400, "--run-timeout must be 1..86400 seconds"),
+                         (not 1 <= read_timeout <= 3600, "--read-timeout must be 1..3600 seconds"),
+                         (not 0 <= args.port <= 65535, "--port must be 0..65535")):
+        if bad:
+            print(f"error: {message}", file=sys.stderr)
+            return 2
     parallel = None
     try:
         parallel = Parallel.from_env(args.backend)
@@ -46,9 +62,10 @@ def _serve(args: argparse.Namespace) -> int:
         follow(engine, parallel)
         parallel.close()
         return 0
-    service = EngineService(engine, parallel, per_client=args.per_client)
+    service = EngineService(engine, parallel, per_client=args.per_client, max_generate=max_generate,
+                            run_timeout=run_timeout)
     try:
-        server = make_server(service, args.host, args.port, args.verbose)
+        server = make_server(service, args.host, args.port, args.verbose, read_timeout)
     except OSError as err:
         print(f"error: cannot listen on {args.host}:{args.port} ({err.strerror or err})", file=sys.stderr)
         if parallel is not None:  # release the other ranks

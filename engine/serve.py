@@ -35,7 +35,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .api import ENGINE_VERSION, EngineError
 
-MAX_BODY = 64 << 20
+MAX_BODY = 4 << 20        # the longest prompt (max_seq_len tokens as text or ids) is well under 1 MB of JSON
+READ_TIMEOUT_S = 30.0     # a connection silent this long is closed (a stalled client holds no thread)
+BODY_DEADLINE_S = 60.0    # the whole request body must arrive within this
+MAX_GENERATE = 1024       # default cap on generated tokens per request (--max-generate)
+RUN_TIMEOUT_S = 600.0     # default: a client waits at most this for its run (--run-timeout)
 KEPT_RUNS = 4        # runs whose probes the service keeps for /probes (a release-size run holds ~2 GB)
 HEARTBEAT_S = 30.0   # an idle rank 0 pings the others so their waiting broadcast never times out
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -47,6 +51,15 @@ class QueueFull(Exception):
 
 class RunGone(Exception):
     """The run asked for is no longer kept (the service keeps the last KEPT_RUNS)."""
+
+
+class BadRequest(Exception):
+    """A request refused before it reaches the engine: (status, kind, message); the connection closes
+    when `close` (the body was not read, so the stream cannot be trusted)."""
+
+    def __init__(self, status: int, kind: str, message: str, close: bool = False):
+        super().__init__(message)
+        self.status, self.kind, self.close = status, kind, close
 
 
 # -- the queue ---------------------------------------------------------------------------------------
@@ -62,6 +75,7 @@ class Ticket:
     result: dict | None = None
     error: Exception | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False      # the client stopped waiting (run timeout): drop the result
 
     def queue_info(self) -> dict:
         started = self.started if self.started is not None else time.monotonic()
@@ -129,6 +143,19 @@ class FairQueue:
             self.running = ticket
             return ticket
 
+    def cancel(self, ticket: Ticket) -> bool:
+        """Take a waiting run out of the queue (True), or mark a running one abandoned (False)."""
+        with self._cond:
+            ticket.abandoned = True
+            mine = self._waiting.get(ticket.client)
+            if mine is None or ticket not in mine:
+                return False
+            mine.remove(ticket)
+            if not mine:
+                del self._waiting[ticket.client]
+                self._turns.remove(ticket.client)
+            return True
+
     def done(self, ticket: Ticket) -> None:
         with self._cond:
             ticket.finished = time.monotonic()
@@ -162,7 +189,11 @@ class FairQueue:
 RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate", "keep", "detail_layers"}
 
 
-def run_args(body: dict) -> dict:
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def run_args(body: dict, max_generate: int | None = None) -> dict:
     """Check a /run body and turn it into engine.run keyword arguments (EngineError when bad)."""
     if not isinstance(body, dict):
         raise EngineError("the request body must be a JSON object")
@@ -172,14 +203,14 @@ def run_args(body: dict) -> dict:
     if ("prompt" in body) == ("ids" in body):
         raise EngineError("give exactly one of 'prompt' (text) and 'ids' (token ids)")
     prompt = body.get("prompt", body.get("ids"))
-    if "ids" in body and not (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt)):
+    if "ids" in body and not (isinstance(prompt, list) and all(_whole(i) for i in prompt)):
         raise EngineError("'ids' must be a list of integers")
-    if "prompt" in body and not isinstance(prompt, (str, list)):
-        raise EngineError("'prompt' must be text (or a list of token ids)")
+    if "prompt" in body and not (isinstance(prompt, str) or isinstance(prompt, list) and all(_whole(i) for i in prompt)):
+        raise EngineError("'prompt' must be text (or a list of integer token ids)")
     args: dict = {"prompt": prompt}
     layers = body.get("layers")
     if layers is not None:
-        if not (isinstance(layers, list) and all(isinstance(v, int) for v in layers)):
+        if not (isinstance(layers, list) and all(_whole(v) for v in layers)):
             raise EngineError("'layers' must be a list of layer numbers")
         args["layers"] = layers
     if body.get("probes") is not None:
@@ -188,17 +219,20 @@ def run_args(body: dict) -> dict:
         args["probes"] = tuple(body["probes"])
     detail = body.get("detail_layers")
     if detail is not None:
-        if not (isinstance(detail, list) and all(isinstance(v, int) for v in detail)):
+        if not (isinstance(detail, list) and all(_whole(v) for v in detail)):
             raise EngineError("'detail_layers' must be a list of layer numbers")
         args["detail_layers"] = detail
     spans = body.get("image_spans") or []
-    try:
-        args["image_spans"] = [(int(a), int(b)) for a, b in spans]
-    except (TypeError, ValueError):
-        raise EngineError("'image_spans' must be a list of [start, end] pairs") from None
+    if not (isinstance(spans, list) and all(isinstance(p, list) and len(p) == 2 and all(_whole(v) for v in p)
+                                            for p in spans)):
+        raise EngineError("'image_spans' must be a list of [start, end] pairs of integers")
+    args["image_spans"] = [(a, b) for a, b in spans]
     generate = body.get("generate", 0)
-    if not isinstance(generate, int) or generate < 0:
+    if not _whole(generate) or generate < 0:
         raise EngineError("'generate' must be a non-negative integer")
+    if max_generate is not None and generate > max_generate:
+        raise EngineError(f"'generate' asks for {generate} tokens; this service generates at most {max_generate} "
+                          "per request (--max-generate)")
     args["generate"] = generate
     if not isinstance(body.get("keep", False), bool):
         raise EngineError("'keep' must be true or false")
@@ -230,8 +264,10 @@ class EngineService:
     """An engine (and, with several processes, its group) behind a fair queue; `start` launches the
     one worker thread that runs everything that touches the model."""
 
-    def __init__(self, engine, parallel=None, per_client: int = 4, max_waiting: int = 256):
+    def __init__(self, engine, parallel=None, per_client: int = 4, max_waiting: int = 256,
+                 max_generate: int = MAX_GENERATE, run_timeout: float = RUN_TIMEOUT_S):
         self.engine, self.parallel = engine, parallel
+        self.max_generate, self.run_timeout = max_generate, run_timeout
         self.queue = FairQueue(per_client, max_waiting)
         self.kept: OrderedDict[str, object] = OrderedDict()   # run_id -> RunResult, oldest first
         self._kept_lock = threading.Lock()
@@ -266,13 +302,14 @@ class EngineService:
                     self.parallel.broadcast({"op": "idle"})
                 continue
             try:
-                args = run_args(ticket.request)
+                args = run_args(ticket.request, self.max_generate)
                 self.engine.encode(args["prompt"])           # input errors before any rank starts
                 self.engine.check_layers(args.get("layers"))
                 if self.parallel is not None:
                     self.parallel.broadcast({"op": "run", "args": args})
                 result = execute(self.engine, args)
-                ticket.result = self._keep(result) if ticket.request.get("keep") else result.to_json()
+                if not ticket.abandoned:   # nobody waits for an abandoned run's (possibly large) JSON
+                    ticket.result = self._keep(result) if ticket.request.get("keep") else result.to_json()
             except EngineError as err:
                 ticket.error = err
             except Exception as err:  # a fault of the engine, not of the request: log it, report one line
@@ -295,7 +332,7 @@ class EngineService:
     def probes(self, body: dict) -> dict:
         """A kept run's probes of some layers (RunGone: no longer kept; EngineError: a bad request)."""
         layers = body.get("layers")
-        if not (isinstance(layers, list) and all(isinstance(v, int) for v in layers)):
+        if not (isinstance(layers, list) and all(_whole(v) for v in layers)):
             raise EngineError("'layers' must be a list of layer numbers")
         with self._kept_lock:
             result = self.kept.get(str(body.get("run_id")))
@@ -309,14 +346,26 @@ class EngineService:
         return {"layers": result.to_json(layers=layers)["layers"]}
 
     def run(self, client: str, body: dict, timeout: float | None = None) -> Ticket:
+        """Queue a run and wait for it (EngineError at once for a bad body). After `timeout` (default the
+        service's run timeout) the ticket comes back not done: taken out of the queue if still waiting,
+        abandoned if running (its result is dropped)."""
+        run_args(body, self.max_generate)
         ticket = self.queue.submit(client, body)
-        ticket.done.wait(timeout)
+        if not ticket.done.wait(self.run_timeout if timeout is None else timeout):
+            self.queue.cancel(ticket)
         return ticket
 
 
 class _Handler(BaseHTTPRequestHandler):
     service: EngineService  # set on the subclass made by make_server
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S  # socket timeout: a stalled connection is closed, not kept forever
+
+    def handle_one_request(self):
+        try:
+            super().handle_one_request()
+        except (TimeoutError, ConnectionError):  # a client that stalled or went away: nothing to answer
+            self.close_connection = True
 
     def log_message(self, fmt, *args):  # one line per request on stderr, without the default noise
         if getattr(self.server, "verbose", False):
@@ -333,28 +382,89 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, kind: str, message: str) -> None:
         self._send(status, {"error": message, "kind": kind})
 
-    def _body(self) -> dict | None:
+    def _check_caller(self) -> None:
+        """Only this machine's own clients: a web page the user opens elsewhere can make the browser
+        send requests here (a plain-text POST needs no CORS preflight; DNS rebinding changes the Host)."""
+        origin = self.headers.get("Origin")
+        if origin is not None and origin not in self.server.own_origins:
+            raise BadRequest(403, "ForeignOrigin", f"requests from web pages of other sites are refused (Origin {origin[:100]!r})",
+                             close=True)
+        if self.server.own_hosts is not None and (self.headers.get("Host") or "").lower() not in self.server.own_hosts:
+            raise BadRequest(403, "ForeignHost", "the Host header does not name this service's address", close=True)
+
+    def _body(self) -> dict:
+        """The request's JSON object (BadRequest otherwise), read within BODY_DEADLINE_S."""
+        self._check_caller()
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise BadRequest(415, "UnsupportedMediaType", "requests must be JSON with Content-Type: application/json",
+                             close=True)
+        if self.headers.get("Transfer-Encoding"):
+            raise BadRequest(411, "LengthRequired", "send the body with a Content-Length (no chunked encoding)", close=True)
         try:
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             n = -1
-        if not 0 <= n <= MAX_BODY:
-            self._error(400, "BadRequest", f"request body must be 0..{MAX_BODY} bytes with a Content-Length")
-            return None
+        if n < 0:
+            raise BadRequest(400, "BadRequest", "the Content-Length is not a byte count", close=True)
+        if n > MAX_BODY:
+            raise BadRequest(413, "TooLarge", f"the request body is {n:,} bytes; at most {MAX_BODY:,} are accepted "
+                             "(a prompt longer than the model's max_seq_len is refused anyway)", close=True)
+        raw = self._read(n)
         try:
-            body = json.loads(self.rfile.read(n) or b"{}")
+            body = json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            self._error(400, "BadRequest", f"the request body is not JSON ({err})")
-            return None
+            raise BadRequest(400, "BadRequest", f"the request body is not JSON ({err})") from None
+        except RecursionError:
+            raise BadRequest(400, "BadRequest", "the request body is nested too deeply") from None
         if not isinstance(body, dict):
-            self._error(400, "BadRequest", "the request body must be a JSON object")
-            return None
+            raise BadRequest(400, "BadRequest", "the request body must be a JSON object")
         return body
+
+    def _read(self, n: int) -> bytes:
+        deadline = time.monotonic() + BODY_DEADLINE_S
+        parts, left = [], n
+        while left:
+            if time.monotonic() > deadline:
+                raise BadRequest(408, "Timeout", f"the request body did not arrive within {BODY_DEADLINE_S:.0f} s",
+                                 close=True)
+            chunk = self.rfile.read1(min(left, 1 << 16))
+            if not chunk:
+                raise ConnectionError("the client closed the connection mid-body")
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
 
     def _client(self) -> str:
         return self.headers.get("X-Client-Id") or self.client_address[0]
 
     def do_GET(self):
+        self._answer(self._get)
+
+    def do_POST(self):
+        self._answer(self._post)
+
+    def _answer(self, handle) -> None:
+        """Every bad request: a 4xx with one JSON line; every fault: a 500 with one JSON line and one log
+        line. Either way the service answers the next request."""
+        try:
+            handle()
+        except BadRequest as err:
+            if err.close:
+                self.close_connection = True
+            self._error(err.status, err.kind, str(err))
+        except EngineError as err:
+            self._error(400, "EngineError", str(err))
+        except (TimeoutError, ConnectionError):
+            raise
+        except Exception as err:  # a fault of the service itself: one line in the log, one in the answer
+            sys.stderr.write(f"engine service: {self.command} {self.path[:100]} failed: {type(err).__name__}: {err}\n")
+            self.close_connection = True
+            self._error(500, "ServerError", f"the service failed on this request ({type(err).__name__}); "
+                        "it goes on answering others")
+
+    def _get(self):
+        self._check_caller()
         path = self.path.split("?")[0]
         if path == "/info":
             self._send(200, self.service.info())
@@ -363,32 +473,33 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._error(404, "NotFound", f"no endpoint GET {path} (try /info, /health)")
 
-    def do_POST(self):
+    def _post(self):
         path = self.path.split("?")[0]
         body = self._body()
-        if body is None:
-            return
         engine = self.service.engine
-        try:
-            if path == "/tokenize":
-                ids = engine.encode(body.get("prompt", ""))
-                self._send(200, {"ids": ids, "tokens": engine.token_strings(ids)})
-            elif path == "/token_strings":
-                ids = body.get("ids")
-                if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
-                    raise EngineError("'ids' must be a list of integers")
-                self._send(200, {"tokens": engine.token_strings(ids)})
-            elif path == "/run":
-                self._run(body)
-            elif path == "/probes":
-                try:
-                    self._send(200, self.service.probes(body))
-                except RunGone as err:
-                    self._error(404, "RunGone", str(err))
-            else:
-                self._error(404, "NotFound", f"no endpoint POST {path} (try /run, /probes, /tokenize, /token_strings)")
-        except EngineError as err:
-            self._error(400, "EngineError", str(err))
+        if path == "/tokenize":
+            prompt = body.get("prompt", "")
+            if not (isinstance(prompt, str) or isinstance(prompt, list) and all(_whole(i) for i in prompt)):
+                raise EngineError("'prompt' must be text (or a list of integer token ids)")
+            ids = engine.encode(prompt)
+            self._send(200, {"ids": ids, "tokens": engine.token_strings(ids)})
+        elif path == "/token_strings":
+            ids = body.get("ids")
+            if not (isinstance(ids, list) and all(_whole(i) for i in ids)):
+                raise EngineError("'ids' must be a list of integers")
+            bad = [i for i in ids if not 0 <= i < engine.cfg.vocab_size]
+            if bad:
+                raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{engine.cfg.vocab_size - 1})")
+            self._send(200, {"tokens": engine.token_strings(ids)})
+        elif path == "/run":
+            self._run(body)
+        elif path == "/probes":
+            try:
+                self._send(200, self.service.probes(body))
+            except RunGone as err:
+                self._error(404, "RunGone", str(err))
+        else:
+            self._error(404, "NotFound", f"no endpoint POST {path} (try /run, /probes, /tokenize, /token_strings)")
 
     def _run(self, body: dict) -> None:
         try:
@@ -396,7 +507,10 @@ class _Handler(BaseHTTPRequestHandler):
         except QueueFull as err:
             self._error(429, "QueueFull", str(err))
             return
-        if isinstance(ticket.error, EngineError):
+        if not ticket.done.is_set():
+            self._error(504, "RunTimeout", f"the run did not finish within {self.service.run_timeout:g} s "
+                        "(--run-timeout); ask for fewer tokens or a shorter prompt")
+        elif isinstance(ticket.error, EngineError):
             self._error(400, "EngineError", str(ticket.error))
         elif ticket.error is not None:
             self._error(500, "EngineFailed", str(ticket.error))
@@ -405,12 +519,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(service: EngineService, host: str = "127.0.0.1", port: int = 8765,
-                verbose: bool = False) -> ThreadingHTTPServer:
-    """An HTTP server for the service (port 0: any free port; see `server.server_address`)."""
-    handler = type("Handler", (_Handler,), {"service": service})
+                verbose: bool = False, read_timeout: float = READ_TIMEOUT_S) -> ThreadingHTTPServer:
+    """An HTTP server for the service (port 0: any free port; see `server.server_address`);
+    `read_timeout`: seconds a connection may stay silent before it is closed."""
+    handler = type("Handler", (_Handler,), {"service": service, "timeout": read_timeout})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     server.verbose = verbose
+    port = server.server_address[1]
+    names = {host, *LOOPBACK} if host in LOOPBACK else {host}
+    shown = {f"[{n}]" if ":" in n else n for n in names}
+    server.own_origins = {f"http://{n}:{port}" for n in shown}
+    # Host checked only on a loopback bind (beyond it, the names clients use are not known here)
+    server.own_hosts = {f"{n}:{port}".lower() for n in shown} if host in LOOPBACK else None
     return server
 
 
