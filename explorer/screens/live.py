@@ -12,6 +12,7 @@ import streamlit as st
 
 from explorer import dspark_view, glossary as gl, layer_views as lv, remote, run_plan, session_view as sv
 from explorer.screens import selections as sx
+from explorer.screens.serving_prefill import serving_prefill_section
 from explorer.screens.common import cached_engine, chart, cpu_refusal, fail, run_cached, view
 
 ANCHORS = {"topk": "topk", "mhc": "mhc", "routing": "routing"}
@@ -34,6 +35,7 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
             fail("The run's probes are malformed", err)
     tokens = (run or {}).get("tokens") or []
     q = sx.query_slider(len(tokens)) if probe is not None and tokens else None
+    serving_prefill_section(cfg, r)  # decoder layers: the serving note and the CED-vs-full switch
 
     st.subheader("Top-k selections", anchor=ANCHORS["topk"])
     note = lv.global_branch_note(r, cfg)
