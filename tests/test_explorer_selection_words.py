@@ -65,3 +65,25 @@ def test_kv_rows_put_the_release_first_and_cap_the_live_context():
     assert [r["model"] for r in rows] == ["release", "live model"]
     assert rows[0]["KV per token"] == "890 B" and rows[1]["context"] == f"{shipped.max_seq_len:,} (its max)"
     assert len(rv.kv_compare(RELEASE, None, 4096)) == 1
+
+
+def test_maps_carry_colour_scales_and_line_charts_axis_titles():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from explorer import layer_views as lv
+    from explorer_synth import synthetic_layer, synthetic_run
+    T = 30
+    run = synthetic_run(T, {24: synthetic_layer(T, k=4, n_experts=16)})
+    probe = lv.layer_probe(run, 24)
+    topk = lv.topk_figure(lv.topk_model(run, probe), query=3)
+    sel_trace = next(t for t in topk.data if t.get("showscale"))
+    assert "picked" in sel_trace["colorbar"]["title"]["text"]
+    routing = lv.routing_heatmap(lv.routing_model(run, probe, 16), run["tokens"], colorbar_x=0.49)
+    assert routing.data[0]["showscale"] and routing.data[0]["colorbar"]["x"] == 0.49
+    assert "weight" in routing.data[0]["colorbar"]["title"]["text"]
+    assert lv.mhc_lines_figure(probe, run["tokens"]).layout.yaxis.title.text == "mHC weight"
+    comb = [t for t in lv.mhc_token_figure(probe, 3).data if t["type"] == "heatmap"]
+    assert [t["showscale"] for t in comb] == [False, True]          # one 0-1 scale for both mixes
+    for fig in (topk, routing):
+        fig.validated()
