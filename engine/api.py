@@ -346,11 +346,17 @@ class Engine:
         detail = self.check_layers(list(detail_layers)) or set()
         if detail and (wanted is not None and not detail <= wanted or "topk" not in probes):
             raise EngineError(f"detail layers {sorted(detail)} need the topk probe on those layers")
+        if isinstance(probes, str) or not all(isinstance(k, str) for k in probes):
+            raise EngineError(f"probes must be a list of probe kinds from {list(PROBE_KINDS)}")
         unknown = set(probes) - set(PROBE_KINDS)
         if unknown:
             raise EngineError(f"unknown probe kinds {sorted(unknown)}; known: {list(PROBE_KINDS)}")
         mask = torch.zeros(len(ids), dtype=torch.bool, device=self.device)
-        for start, end in image_spans:
+        for span in image_spans:
+            if not (isinstance(span, (tuple, list)) and len(span) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+                raise EngineError(f"an image span must be a (start, end) pair of whole numbers, got {span!r}")
+            start, end = span
             if not 0 <= start < end <= len(ids):
                 raise EngineError(f"image span {start}..{end} is outside the prompt (0..{len(ids)})")
             mask[start:end] = True

@@ -95,6 +95,26 @@ def test_checkpoint_folder_with_a_fifo_or_device_is_refused(copy_of, name, make,
         load(folder)
 
 
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "shard", "config.json"])
+def test_app_tally_of_a_folder_with_a_fifo_is_refused(copy_of, name):
+    """The app's checkpoint-folder field (and a session link's folder) first draws the tally from headers."""
+    from engine.tally import tally_from_checkpoint
+    folder = copy_of()
+    if name == "shard":
+        name = sorted(folder.glob("*.safetensors"))[0].name
+    fifo(folder / name)
+    with deadline(30), pytest.raises((CheckpointError, ConfigError), match=f"{name}: is a FIFO"):
+        tally_from_checkpoint(folder)
+        load_config(folder)
+
+
+def test_app_tokenizer_of_a_folder_with_a_fifo_is_refused(tmp_path):
+    from explorer import prompt as pr
+    fifo(tmp_path / "tokenizer.json")
+    with deadline(30), pytest.raises(TokenizerError, match="is a FIFO"):
+        pr.tokenize("hello", str(tmp_path / "tokenizer.json"))
+
+
 def test_shard_that_is_a_fifo_is_refused_by_inspect(copy_of, capsys):
     folder = copy_of()
     fifo(sorted(folder.glob("*.safetensors"))[0])
@@ -187,6 +207,9 @@ def test_truncated_compressed_vocab_is_rebuilt_with_a_warning(tmp_path):
     (dict(prompt=[0, 20], generate=True), "generate must be a whole number"),
     (dict(prompt=[0, 20], generate=1.5), "generate must be a whole number"),
     (dict(prompt=5), "the prompt must be text or a list of token ids"),
+    (dict(prompt=[0, 20, 21], image_spans=[(0.5, 2)]), "an image span must be a \\(start, end\\) pair"),
+    (dict(prompt=[0, 20, 21], image_spans=[(True, 2)]), "an image span must be a \\(start, end\\) pair"),
+    (dict(prompt=[0, 20], probes="topk"), "probes must be a list of probe kinds"),
 ])
 def test_api_refuses_wrong_argument_types(tiny, kwargs, message):
     engine = load(tiny)
