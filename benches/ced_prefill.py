@@ -259,8 +259,11 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(out, indent=1))
     print(table(out))
     if args.png:
-        figure(out).write_image(args.png, scale=1)
-        print(f"figure written to {args.png}")
+        try:
+            figure(out).write_image(args.png, scale=1)
+            print(f"figure written to {args.png}")
+        except Exception as err:  # kaleido or its browser missing: the JSON is kept, redraw with --from-json
+            print(f"no figure ({type(err).__name__}: {err}); redraw later with --from-json", file=sys.stderr)
     if args.out and not args.from_json:
         print(f"results written to {args.out}")
 
