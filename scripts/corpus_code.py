@@ -53,6 +53,8 @@ MAX_MEAN_LINE = 200
 SHARD_TOKENS = 1 << 26
 SKIP_DIRS = {"tests", "test", "__pycache__"}
 PROSE_EXT = (".md", ".rst")
+PY_EXT = (".py",)
+C_EXT = (".h", ".hpp", ".hh", ".cuh", ".c", ".cc", ".cpp", ".cu")  # --with-c: the C/C++/CUDA sources and headers
 BATCH_DOCS = 2048
 
 
@@ -65,7 +67,7 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def domain_of(path: str) -> str | None:
+def domain_of(path: str, code_ext: tuple[str, ...] = PY_EXT) -> str | None:
     """'code', 'prose' or None (not taken) for a path inside a wheel."""
     parts = path.split("/")
     name = parts[-1]
@@ -73,8 +75,9 @@ def domain_of(path: str) -> str | None:
         return "prose" if name == "METADATA" else None
     if any(p in SKIP_DIRS or p.startswith("..") for p in parts[:-1]) or ".dist-info" in parts[0]:
         return None
-    if name.endswith(".py"):
-        if name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py":
+    if name.endswith(code_ext):
+        stem = name.rsplit(".", 1)[0]
+        if stem.startswith("test_") or stem.endswith("_test") or name == "conftest.py":
             return None
         return "code"
     if name.endswith(PROSE_EXT) and not name.upper().startswith(("LICENSE", "COPYING", "AUTHORS")):
@@ -117,7 +120,7 @@ def _record_hash_ok(entry, data: bytes) -> bool:
     return digest == entry.hash.value
 
 
-def installed_sources(paths: list[str] | None, only: set[str] | None) -> list[dict]:
+def installed_sources(paths: list[str] | None, only: set[str] | None, code_ext=PY_EXT) -> list[dict]:
     """[{name, version, origin, files: [(path, loader)]}] of the installed distributions."""
     import importlib.metadata as md
 
@@ -131,11 +134,11 @@ def installed_sources(paths: list[str] | None, only: set[str] | None) -> list[di
             skipped.append(name)
             continue
         files = []
-        for entry in dist.files:
+        for entry in dist.files:  # RECORD order; the build sorts by key later
             path = entry.as_posix()
-            if domain_of(path) is None:
+            if domain_of(path, code_ext) is None:
                 continue
-            files.append((path, lambda e=entry: _read_installed(e)))
+            files.append((path, domain_of(path, code_ext), lambda e=entry: _read_installed(e)))
         found[name] = {"name": name, "version": dist.version, "origin": "installed", "files": files}
     if skipped:
         print(f"corpus_code: no RECORD, skipped: {', '.join(sorted(skipped))}", file=sys.stderr)
@@ -152,7 +155,7 @@ def _read_installed(entry) -> tuple[bytes | None, str]:
     return data, "ok"
 
 
-def wheel_sources(wheel_dir: Path, only: set[str] | None) -> list[dict]:
+def wheel_sources(wheel_dir: Path, only: set[str] | None, code_ext=PY_EXT) -> list[dict]:
     """The same records for every *.whl in wheel_dir (paths as installed: .data/purelib mapped)."""
     wheels = sorted(Path(wheel_dir).glob("*.whl"))
     if not wheels:
@@ -171,8 +174,8 @@ def wheel_sources(wheel_dir: Path, only: set[str] | None) -> list[dict]:
         for member in sorted(archive.namelist()):
             path = re.sub(r"^[^/]+\.data/(purelib|platlib)/", "", member)
             if path != member or not re.match(r"^[^/]+\.data/", member):
-                if domain_of(path) is not None:
-                    files.append((path, lambda a=archive, m=member: (a.read(m), "ok")))
+                if domain_of(path, code_ext) is not None:
+                    files.append((path, domain_of(path, code_ext), lambda a=archive, m=member: (a.read(m), "ok")))
         found[name] = {"name": name, "version": message["Version"], "origin": f"wheel {wheel.name}",
                        "files": files}
     return [found[n] for n in sorted(found)]
@@ -180,10 +183,10 @@ def wheel_sources(wheel_dir: Path, only: set[str] | None) -> list[dict]:
 
 def collect(sources: list[dict], workers: int) -> tuple[list[dict], dict[str, int]]:
     """Read and filter every candidate file; return (documents, counts of skip reasons)."""
-    jobs = [(src, path, load) for src in sources for path, load in src["files"]]
+    jobs = [(src, path, domain, load) for src in sources for path, domain, load in src["files"]]
 
     def one(job):
-        src, path, load = job
+        src, path, domain, load = job
         data, why = load()
         if data is None:
             return None, why
@@ -191,7 +194,7 @@ def collect(sources: list[dict], workers: int) -> tuple[list[dict], dict[str, in
         if text is None:
             return None, why
         return {"source": src["name"], "version": src["version"], "path": path,
-                "sha256": hashlib.sha256(data).hexdigest(), "domain": domain_of(path), "text": text}, why
+                "sha256": hashlib.sha256(data).hexdigest(), "domain": domain, "text": text}, why
 
     reasons: dict[str, int] = {}
     docs = []
@@ -323,6 +326,29 @@ def prose_documents(pack: Path, manifest_path: Path) -> list[dict]:
     return docs
 
 
+def write_sample(path: Path, docs: list[dict], limit: int) -> dict:
+    """Whole held-out code documents (key-hash order, vendored copies left out) up to `limit` bytes in
+    `path`, and the list of them in `path`.json; returns that list's record."""
+    chosen, used = [], 0
+    for doc in docs:
+        if doc["split"] != "heldout" or doc["domain"] != "code" or "tokens" not in doc or doc["copies"] > 1:
+            continue
+        if re.search(r"(^|/)_?(vendor|vendored|extern|_distutils)(/|$)", doc["path"]):
+            continue
+        size = len(doc["text"].encode("utf-8")) + 1
+        if used + size > limit:
+            continue
+        chosen.append(doc)
+        used += size
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(d["text"] + "\n" for d in chosen), encoding="utf-8")
+    record = {"file": path.name, "bytes": used, "layout": "whole documents, each followed by one blank line",
+              "documents": [{"source": d["source"], "version": d["version"], "path": d["path"],
+                             "sha256": d["sha256"], "tokens": d["tokens"]} for d in chosen]}
+    path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return record
+
+
 def summarize(docs: list[dict], sources: list[dict], reasons: dict, dropped: int, seconds: float) -> dict:
     taken = [d for d in docs if "tokens" in d]
     tokens: dict[str, int] = {}
@@ -332,16 +358,18 @@ def summarize(docs: list[dict], sources: list[dict], reasons: dict, dropped: int
     return {"documents_taken": len(taken), "documents_candidate": len(docs), "duplicates_dropped": dropped,
             "files_by_reason": dict(sorted(reasons.items())), "tokens": dict(sorted(tokens.items())),
             "tokens_total": sum(tokens.values()), "text_bytes_taken": sum(len(d["text"].encode()) for d in taken),
+            "text_bytes_candidate": sum(len(d["text"].encode()) for d in docs),
             "distributions": len(sources), "seconds": round(seconds, 2)}
 
 
 def build(args) -> dict:
     start = time.perf_counter()
     only = {canonical(n) for n in args.only} if args.only else None
+    code_ext = PY_EXT + (C_EXT if args.with_c else ())
     if args.from_wheels:
-        sources = wheel_sources(args.from_wheels, only)
+        sources = wheel_sources(args.from_wheels, only, code_ext)
     else:
-        sources = installed_sources([str(p) for p in args.path] or None, only)
+        sources = installed_sources([str(p) for p in args.path] or None, only, code_ext)
     if not sources:
         raise BuildError("no distributions found (check --path / --only / --from-wheels)")
     docs, reasons = collect(sources, args.workers)
@@ -370,6 +398,8 @@ def build(args) -> dict:
         "summary": summarize(all_docs, sources, reasons, dropped, seconds),
     }
     index = write_corpus(args.out, streams, all_docs, meta)
+    if args.sample_out:
+        write_sample(args.sample_out, docs, args.sample_bytes)
     return index
 
 
@@ -385,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prose-pack", type=Path, help="also tokenize this prose pack (scripts/corpus_prose.py)")
     parser.add_argument("--prose-manifest", type=Path, default=PROSE_MANIFEST)
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER)
+    parser.add_argument("--with-c", action="store_true", help="also take C/C++/CUDA sources and headers")
+    parser.add_argument("--sample-out", type=Path, help="also write whole held-out code documents to this .txt")
+    parser.add_argument("--sample-bytes", type=int, default=200_000)
     args = parser.parse_args(argv)
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, args.workers)))
     os.environ["TOKENIZERS_PARALLELISM"] = "true"

@@ -62,6 +62,8 @@ def fake_site(tmp_path_factory):
         "alpha/latin.py": "# caf\u00e9 au lait, written in Latin-1 rather than UTF-8 on purpose\n".encode("latin-1"),
         "alpha/big.py": b"X = 1  # padding\n" * 70_000,  # over 1 MB
         "alpha/empty.py": b"\n",
+        "alpha/include/alpha.h": b"/* Alpha's C interface: the area of a rectangle, in square units. */\n"
+                                 b"double alpha_area(double width, double height);\n",
         "alpha/README.md": b"# Alpha\n\nAlpha computes areas and perimeters of rectangles, for the tests.\n",
     }
     beta = {f"beta/mod_{i:03d}.py": (f'"""Module {i} of beta."""\n\n\ndef value_{i}(x):\n'
@@ -124,6 +126,15 @@ def test_filters_dedupe_and_split_by_document(fake_site, tmp_path):
             assert r["split"] == split_of(r["source"], r["path"])
     order = [key_hash(f"{r['source']}/{r['path']}") for r in rows]
     assert order == sorted(order)
+
+
+def test_c_sources_only_with_c(fake_site, tmp_path):
+    site, wheels, _ = fake_site
+    plain = {r["path"] for r in manifest_rows(_build(tmp_path / "a", "--path", str(site)))}
+    with_c = manifest_rows(_build(tmp_path / "c", "--from-wheels", str(wheels), "--with-c"))
+    assert "alpha/include/alpha.h" not in plain
+    assert [r["domain"] for r in with_c if r["path"] == "alpha/include/alpha.h"] == ["code"]
+    assert plain == {r["path"] for r in with_c} - {"alpha/include/alpha.h"}
 
 
 def test_token_streams_hold_each_document_after_bos(fake_site, tmp_path):
