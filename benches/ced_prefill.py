@@ -161,8 +161,15 @@ def run(args) -> dict:
                 entry["wall_s"] = time.perf_counter() - started
                 out["runs"].append(entry)
                 print(f"  {kind} {n_tokens} #{index}: {entry['wall_s']:.0f} s", file=sys.stderr, flush=True)
+                if args.out:  # what has run so far survives an interrupted bench
+                    _write(args.out, {**out, "summary": summarize(out), "partial": True})
     out["summary"] = summarize(out)
     return out
+
+
+def _write(path: str, out: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1))
 
 
 def summarize(out: dict) -> list[dict]:
@@ -255,8 +262,7 @@ def main() -> None:
     else:
         out = run(args)
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=1))
+            _write(args.out, out)
     print(table(out))
     if args.png:
         try:
