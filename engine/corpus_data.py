@@ -22,6 +22,7 @@ import gzip
 import hashlib
 import json
 import lzma
+import re
 from pathlib import Path
 
 import numpy as np
@@ -68,19 +69,33 @@ def read_index(directory: Path) -> dict:
     return index
 
 
-def load_token_streams(dirs, mmap: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def shard_domain(name: str) -> str:
+    """The domain of a train shard file named train_<domain>_<NNN>.npy."""
+    match = re.fullmatch(r"train_(.+)_\d+\.npy", name)
+    if not match:
+        raise CorpusDataError(f"train shard {name!r} is not named train_<domain>_<NNN>.npy")
+    return match.group(1)
+
+
+def load_token_streams(dirs, repeat: dict[str, int] | None = None,
+                       mmap: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(train uint16 [N], {domain: held-out uint16 [M]}) from one or more corpus build directories.
 
-    Train shards are concatenated in directory order, then index order; held-out streams of the
-    same domain from several directories are concatenated too. Every stream starts with <bos>."""
+    Train shards are concatenated in directory order, then index order, each shard of domain d
+    `repeat[d]` times (default 1; 0 leaves the domain out), so that a trainer drawing windows
+    uniformly sees that domain more often. Held-out streams of the same domain from several
+    directories are concatenated. Every stream starts with <bos>."""
     if isinstance(dirs, (str, Path)):
         dirs = [dirs]
+    repeat = repeat or {}
     train_parts: list[np.ndarray] = []
     heldout_parts: dict[str, list[np.ndarray]] = {}
     for directory in map(Path, dirs):
         index = read_index(directory)
         for name in index["train"]:
-            train_parts.append(_load_tokens(directory / name, mmap))
+            times = int(repeat.get(shard_domain(name), 1))
+            if times:
+                train_parts.extend([_load_tokens(directory / name, mmap)] * times)
         for domain, name in sorted(index["heldout"].items()):
             heldout_parts.setdefault(domain, []).append(_load_tokens(directory / name, mmap))
     if not train_parts:

@@ -154,6 +154,11 @@ def test_token_streams_hold_each_document_after_bos(fake_site, tmp_path):
     assert train.dtype == np.uint16 and train.size == n_train
     assert int((train == 0).sum()) == sum(1 for r in rows if r["split"] == "train")
     assert sum(a.size for a in heldout.values()) == sum(r["tokens"] for r in rows if r["split"] == "heldout")
+    twice, _ = load_token_streams([tmp_path / "a"], repeat={"prose": 2})
+    n_prose = sum(r["tokens"] for r in rows if r["split"] == "train" and r["domain"] == "prose")
+    assert n_prose > 0 and twice.size == n_train + n_prose
+    code_only, _ = load_token_streams([tmp_path / "a"], repeat={"prose": 0})
+    assert code_only.size == n_train - n_prose
 
 
 def test_max_tokens_takes_a_prefix_in_key_order(fake_site, tmp_path):
