@@ -56,7 +56,8 @@ def cmd_train(args) -> None:
     cfg, run = build(args, device)
     stream = load_stream(args.train, device)
     run.note(event="init", params=sum(p.numel() for p in run.params), train_tokens=int(stream.numel()))
-    run.train(stream)
+    extra = load_stream(args.extra, device) if args.extra else None
+    run.train(stream, extra, args.extra_share)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for spec in args.heldout:
@@ -138,6 +139,8 @@ def main(argv=None) -> None:
         p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")
         if cmd == "train":
             p.add_argument("--out", required=True)
+            p.add_argument("--extra", default="", help="comma-separated token files of a second stream (prose)")
+            p.add_argument("--extra-share", type=float, default=0.0, help="share of each batch from --extra")
             p.add_argument("--heldout", action="append", default=[], help="name=tokens.npy, measured at the end")
             p.add_argument("--eval-seq", type=int, default=2048)
             p.add_argument("--eval-windows", type=int, default=8)

@@ -90,7 +90,9 @@ class Run:
                 self.trainee.biases[f"layers.{L}.ffn.gate.bias"] += a.gamma * torch.sign(load.mean() - load)
         return out, gnorm
 
-    def train(self, stream: torch.Tensor) -> None:
+    def train(self, stream: torch.Tensor, extra: torch.Tensor | None = None, extra_share: float = 0.0) -> None:
+        """Train on `stream`; with `extra`, that share of each batch's sequences comes from it
+        (the prose stream, so that it is not drowned by the larger code stream)."""
         a = self.args
         phases = self.phases()
         gen = torch.Generator(device=stream.device).manual_seed(a.seed + 1)
@@ -107,7 +109,10 @@ class Run:
                 name = ("dense", "sparse", "quant")[min(step * 3 // max(a.max_steps, 3), 2)]
             phase = phases[name]
             lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-            ids = sample_batch(stream, phase.batch, phase.seq, gen)
+            n_extra = round(phase.batch * extra_share) if extra is not None else 0
+            ids = sample_batch(stream, phase.batch - n_extra, phase.seq, gen)
+            if n_extra:
+                ids = torch.cat([ids, sample_batch(extra, n_extra, phase.seq, gen)])
             try:
                 out, gnorm = self.step(phase, ids, lr)
             except torch.OutOfMemoryError:
