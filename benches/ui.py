@@ -21,7 +21,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from engine.config import release_config  # noqa: E402
 from engine.roles import role_plan  # noqa: E402
 from engine.tally import tally_from_config  # noqa: E402
-from explorer import layer_views as lv  # noqa: E402
+from explorer import layer_views as lv, selection_view as sel  # noqa: E402
 from explorer.diagram import diagram_figure  # noqa: E402
 from explorer.kv_view import kv_figure  # noqa: E402
 from explorer.plan import plan_figure  # noqa: E402
@@ -58,6 +58,9 @@ def main() -> None:
         f"token strip ({T} tokens)": lambda: lv.token_strip_html(run["tokens"], lv.selection_counts(topk)),
         f"routing heatmap ({T}x384) + to_json": lambda: lv.routing_heatmap(routing, run["tokens"]).to_json(),
         "mHC token figure + to_json": lambda: lv.mhc_token_figure(probe, T - 1).to_json(),
+        f"picks' scores + prompt panel ({T} tokens) + to_json": lambda: sel.selection_figure(
+            sel.query_scores(probe, T - 1), probe, 1, run["tokens"]).to_json(),
+        f"gate-score margins ({T}x384) + to_json": lambda: sel.routing_figure(probe, T - 1).to_json(),
         f"layer CSV ({T} tokens)": lambda: lv.layer_csv(run, 24),
     }
     rows = [(name, best_ms(fn)) for name, fn in cases.items()]
@@ -160,7 +163,8 @@ def server_timings(lines: list[str], clicked_at: float, done_at: float) -> list[
 
 def views_drawn(page, layer: int) -> None:
     page.wait_for_selector(f"h2:has-text('Layer {layer} · ')", timeout=300_000)
-    for key in ("topk_map", "mhc_token", "routing_map", "token_strip"):   # each says its layer once drawn
+    for key in ("topk_map", "mhc_token", "routing_map", "token_strip",   # each says its layer once drawn
+                "topk_scores", "routing_margin"):
         page.wait_for_selector(f".st-key-{key} [data-tag='layer {layer}']", timeout=300_000)
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=300_000)
 

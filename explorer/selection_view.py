@@ -158,13 +158,13 @@ def prompt_figure(probe: dict, query: int | None = None, height: int = 220) -> F
     zeros = zero_score_counts(probe)
     T = len(zeros)
     pos = np.arange(T, dtype=np.int32)
-    fig = Figure([dict(type="scattergl", x=pos, y=zeros, mode="lines", name="zero-score picks",
+    fig = Figure([dict(type="scatter", x=pos, y=zeros, mode="lines", name="zero-score picks",
                        line=dict(color=TIED, width=1.3),
                        hovertemplate="query %{x}: %{y} picks scored 0<extra></extra>")])
     recall = recall_series(probe)
     layout = {}
     if recall is not None:
-        fig.add_trace(dict(type="scattergl", x=pos, y=recall, mode="lines", name="selection recall", yaxis="y2",
+        fig.add_trace(dict(type="scatter", x=pos, y=recall, mode="lines", name="selection recall", yaxis="y2",
                            line=dict(color=PICK, width=1.3),
                            hovertemplate="query %{x}: recall %{y:.3f}<extra></extra>"))
         layout["yaxis2"] = dict(overlaying="y", side="right", range=[0, 1.02], dtick=0.25, showgrid=False,
@@ -249,7 +249,7 @@ def routing_figure(probe: dict, t: int, height: int = 240) -> Figure:
         dict(type="bar", x=[f"e{e}" for e, *_ in rows], y=np.asarray([r[1] for r in rows], dtype=np.float32),
              marker=dict(color=[r[2] for r in rows]), customdata=[r[3] for r in rows], showlegend=False,
              hovertemplate="expert %{x} (%{customdata}): gate score %{y:.4f}<extra></extra>"),
-        dict(type="scattergl", x=pos, y=margins, mode="lines", xaxis="x2", yaxis="y2", showlegend=False,
+        dict(type="scatter", x=pos, y=margins, mode="lines", xaxis="x2", yaxis="y2", showlegend=False,
              line=dict(color=PICK, width=1.2), hovertemplate="token %{x}: margin %{y:.4f}<extra></extra>")])
     weakest = m.chosen[-1][1] if m.chosen else None
     shapes = [dict(type="line", xref="x domain", x0=0, x1=1, y0=weakest, y1=weakest,

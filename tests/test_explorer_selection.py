@@ -57,7 +57,7 @@ def test_figures_are_valid_plotly_with_titles_and_the_kth_line():
     assert "entry 3 (token 3: 'c')" in fig.data[0].customdata[0]
     prompt = sel.prompt_figure(PROBE, query=1)
     prompt.validated()
-    assert [t["type"] for t in prompt.data] == ["scattergl", "scattergl"] and prompt.layout.yaxis2.range == [0, 1.02]
+    assert [t["type"] for t in prompt.data] == ["scatter", "scatter"] and prompt.layout.yaxis2.range == [0, 1.02]
     assert "ties" in sel.scores_caption(qs, 7, 7) and "layer 5's indexer" in sel.scores_caption(qs, 6, 5)
 
 
@@ -67,7 +67,7 @@ def test_routing_margin_is_weakest_chosen_minus_best_other():
     assert sel.routing_margins(PROBE).tolist() == pytest.approx([0.5 - 0.3, 0.6 - 0.8])   # token 1: the bias chose 3
     fig = sel.routing_figure(PROBE, 1)
     fig.validated()
-    assert fig.data[1].type == "scattergl" and fig.layout.yaxis.title.text == "gate score"
+    assert fig.data[1].type == "scatter" and fig.layout.yaxis.title.text == "gate score"
     assert "margin: -0.2000" in sel.routing_caption(sel.routing_margin(PROBE, 1), 2)
 
 
@@ -96,3 +96,18 @@ def test_the_combined_chart_keeps_both_panels_axes():
     assert axes[0] == ("x", "y") and ("x2", "y2") in axes and ("x2", "y3") in axes
     assert fig.layout.yaxis3["overlaying"] == "y2" and fig.layout.yaxis3["range"] == [0, 1.02]
     assert any(s.get("xref") == "x2" and s["x0"] == 0 for s in fig.layout.shapes)   # the query's line
+
+
+def test_the_token_strip_pages_to_the_query_and_escapes_text():
+    from explorer.token_strip import page_of, strip_html
+    assert page_of(4500, 8192, 2000) == range(4000, 6000) and page_of(8191, 8192, 2000) == range(8000, 8192)
+    assert page_of(-3, 10, 4) == range(0, 4) and page_of(0, 0) == range(0)
+    tokens = [f"t{i}" for i in range(8192)]
+    tokens[4100] = "<b>&"
+    html = strip_html(tokens, [1.0] * 8192, query=4100, highlight={4099}, page_size=2000)
+    assert html.count("<span data-i=") == 2000 and "data-i='4000'" in html and "data-i='3999'" not in html
+    assert "&lt;b&gt;&amp;" in html and "<b>&" not in html
+    assert "tokens 4,000-5,999 of 8,192" in html
+    assert "data-i='4100' title='#4100 · 1' class='fo'" in html and "data-i='4099' title='#4099 · 1' class='hl'" in html
+    short = strip_html(["a", "b"], query=1)
+    assert "of 2" not in short and short.count("<span data-i=") == 2
