@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The small model's training run on one H200 (notes/training.md): build the code part of the corpus
+# where the packages are installed, add the prose pack carried from a machine with Debian's mirror
+# (scripts/corpus_prose.py), then train and export to $WORK/out. Progress: $WORK/train.log.
+#   WORK=/tmp/v41train BUDGET=620 MAX_TOKENS=120000000 bash scripts/train_on_device.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK=${WORK:-/tmp/v41train}
+BUDGET=${BUDGET:-620}
+MAX_TOKENS=${MAX_TOKENS:-120000000}
+PACK=${PACK:-build/corpus_pack/prose.txt.xz}
+mkdir -p "$WORK"
+start=$(date +%s)
+python3 scripts/corpus_code.py --out "$WORK/corpus" --workers "$(nproc)" --max-tokens "$MAX_TOKENS" \
+  --prose-pack "$PACK" > "$WORK/corpus.log" 2>&1
+echo "corpus built in $(( $(date +%s) - start )) s" >> "$WORK/corpus.log"
+D=$WORK/corpus
+code=$(ls "$D"/train_code_*.npy | paste -sd,)
+prose=$(ls "$D"/train_prose*.npy | paste -sd,)
+python3 -m engine.train train --train "$code" --extra "$prose" --extra-share 0.3 \
+  --bf16 --compile --checkpoint --batch 24 --seq 4096 --dense-batch 32 --dense-seq 1024 \
+  --budget-s "$BUDGET" --dense-frac 0.12 --quant-frac 0.2 --lr 3e-3 --warmup 30 --log-every 10 \
+  --heldout code="$D/heldout_code.npy" --heldout prose="$D/heldout_prose.npy" --eval-windows 8 \
+  --out "$WORK/out" > "$WORK/train.log" 2>&1
+echo done > "$WORK/DONE"
