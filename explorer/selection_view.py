@@ -84,8 +84,30 @@ def query_scores(probe: dict, q: int) -> QueryScores:
     return QueryScores(q, picks, runners, tied)
 
 
+_MEMO: dict[tuple, tuple[tuple, object]] = {}   # per-prompt results, keyed by the probe lists they read
+
+
+def _memo(name: str, sources: tuple, compute):
+    """compute() once per set of probe lists: a rerun of the page (a click on a token) reads the same
+    cached run, so the per-prompt counts are not rebuilt from 64 k Python numbers every time."""
+    key = (name, *map(id, sources))
+    hit = _MEMO.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], sources)):
+        return hit[1]
+    value = compute()
+    if len(_MEMO) > 32:
+        _MEMO.clear()
+    _MEMO[key] = (sources, value)
+    return value
+
+
 def zero_score_counts(probe: dict) -> np.ndarray:
     """Per query: how many of its picks scored exactly 0 (the probe's own count, else from the scores)."""
+    return _memo("zeros", (probe.get("zero_score_picks"), probe.get("topk"), probe.get("topk_scores")),
+                 lambda: _zero_score_counts(probe))
+
+
+def _zero_score_counts(probe: dict) -> np.ndarray:
     got = probe.get("zero_score_picks")
     if got is not None:
         return np.asarray(got, dtype=np.int32)
@@ -99,6 +121,11 @@ def zero_score_counts(probe: dict) -> np.ndarray:
 
 def selection_summary(probe: dict) -> dict:
     """Over the prompt: picks, zero-score picks and their share, mean recall where recorded."""
+    return _memo("summary", (probe.get("zero_score_picks"), probe.get("topk"), probe.get("topk_scores"),
+                             probe.get("selection_recall")), lambda: _selection_summary(probe))
+
+
+def _selection_summary(probe: dict) -> dict:
     zeros = zero_score_counts(probe)
     picks = int((np.asarray(probe.get("topk"), dtype=np.int64) >= 0).sum()) if probe.get("topk") is not None else 0
     recall = recall_series(probe)
