@@ -84,12 +84,12 @@ def _arc(x0: float, y0: float, y1: float, side: int, scale: float) -> tuple[list
     return xs + [None], ys + [None]
 
 
-HOVER_CHARS = 26   # characters per hover line (the plan's column is narrow)
+HOVER_CHARS = 14   # characters per hover line: the box fits beside the block in a ~230 px plan
 
 
 def _hover(r: LayerRole, cfg: ModelConfig, params: int | None) -> str:
     title = f"DSpark stage {r.layer - cfg.n_layers}" if r.is_dspark else f"Layer {r.layer}"
-    lines = [f"<b>{title} · {r.label}</b>", describe_layer(r, cfg)]
+    lines = [f"<b>{title}</b>", r.label, describe_layer(r, cfg)]
     if r.compress_ratio:
         lines.append(f"compress ratio m={r.compress_ratio}")
     if r.engram:
@@ -97,10 +97,11 @@ def _hover(r: LayerRole, cfg: ModelConfig, params: int | None) -> str:
     if r.dspark_tap:
         lines.append("DSpark reads this layer's input stream")
     if params is not None:
-        lines.append(f"parameters: {fmt_params(params)} ({params:,})")
-    # narrow lines: the box must fit beside the block in a ~350 px column (a wide one was clipped by the
-    # chart's edge and slid over the block it describes); the bold title stays whole
-    wrapped = [lines[0]] + [part for line in lines[1:] for part in textwrap.wrap(line, HOVER_CHARS)]
+        lines.append(f"{fmt_params(params)} parameters")
+    # narrow lines: the box must fit beside the block (a wide one was clipped by the chart's edge and
+    # slid over the block it describes); the bold title ("Layer 24", "DSpark stage 1") stays whole
+    wrapped = [lines[0]] + [part for line in lines[1:]
+                            for part in textwrap.wrap(line, HOVER_CHARS, break_long_words=False)]
     return "<br>".join(wrapped + ["<i>click to open</i>"])
 
 
@@ -191,7 +192,7 @@ def plan_figure(cfg: ModelConfig, plan: list[LayerRole] | None = None, *,
         height=height, margin=dict(l=4, r=4, t=4, b=4),
         xaxis=dict(range=[-4.45, 4.45], visible=False, fixedrange=True),
         yaxis=dict(range=[-1, top + 1], visible=False, fixedrange=True),
-        clickmode="event", hovermode="closest", hoverlabel=dict(font=dict(size=11)),
+        clickmode="event", hovermode="closest", hoverlabel=dict(font=dict(size=10)),
     ))
     return fig
 

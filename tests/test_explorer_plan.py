@@ -83,13 +83,13 @@ def test_hover_names_sources_and_params():
     plan = role_plan(cfg)
     fig = plan_figure(cfg, plan, layer_params={24: 13_800_000_000})
     hover = blocks(fig).hovertext[24].replace("<br>", " ")
-    assert "Layer 24 · Reindex" in hover and "KV from layer 20" in hover and "top-k from self" in hover
-    assert "13,800,000,000" in hover
-    # narrow: every line but the bold title at most 26 characters, so the box fits beside the block
+    assert "<b>Layer 24</b> Reindex" in hover and "KV from layer 20" in hover and "top-k from self" in hover
+    assert "13.80B parameters" in hover
+    # narrow: every line but the bold title at most 14 characters, so the box fits beside the block
     import re
     for text in blocks(fig).hovertext:
         lines = [re.sub(r"<[^>]+>", "", line) for line in text.split("<br>")]
-        assert all(len(line) <= 26 for line in lines[1:]), lines
+        assert all(len(line) <= 14 for line in lines[1:]), lines
     assert describe_layer(plan[25], cfg) == "KV from layer 20 · top-k from layer 24"
     assert describe_layer(plan[0], cfg).startswith("128-token window only")
 
