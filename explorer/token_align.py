@@ -100,8 +100,8 @@ def aligned_summary(res: AlignedSelections) -> list[str]:
     lines = [f"Token alignment: {len(al.pairs):,} tokens in both prompts, {res.only_a_tokens:,} only in A, "
              f"{res.only_b_tokens:,} only in B ({len(al.edits)} edit{'s' if len(al.edits) != 1 else ''})."]
     if res.compared:
-        lines.append(f"Layer {res.layer}: at {res.compared:,} aligned queries, the picks (as prompt tokens) differ "
-                     f"at {len(res.differ):,}; mean Jaccard {res.jaccard:.3f}.")
+        lines.append(f"Layer {res.layer}: over {res.compared:,} aligned queries the picks (as prompt tokens) overlap "
+                     f"{100 * res.jaccard:.0f}% on average (Jaccard); identical at {res.compared - len(res.differ):,}.")
     else:
         lines.append(f"Layer {res.layer}: no aligned query picked anything in both runs.")
     return lines

@@ -69,3 +69,26 @@ def test_shipped_model_reuse_layer_gets_its_own_recall(monkeypatch):
     md = "\n".join(m.value for m in at.markdown)
     assert "mean selection recall" in md
     assert "Best unpicked: " in _captions(at)
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "assets" / "model" / "config.json").exists(),
+                    reason="the shipped model is not in assets/model")
+def test_side_by_side_aligns_tokens_before_comparing(monkeypatch):
+    monkeypatch.setenv("EXPLORER_SOURCE", "shipped")
+    at = _run({"layer": "24"}, timeout=300)
+    text = at.text_area(key="prompt_text").value
+    cut = text.index("\n") + 1
+    edited = text[:cut] + "# a small edit\n" + text[cut:]      # a few tokens inserted near the start
+    at.radio(key="cmp_mode").set_value("prompt").run()
+    at.text_area(key="cmp_prompt").set_value(edited).run()
+    at.button(key="cmp_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    md = "\n".join(m.value for m in at.markdown).replace("\\", "")      # md_escape's backslashes
+    line = next(m for m in md.splitlines() if "Aligned by tokens" in m)
+    assert "0 only in A" in line and "(1 edit)" in line and "inserted" in _captions(at)
+    aligned = int(line.split("overlap ")[1].split("%")[0])
+    naive = next(m for m in md.splitlines() if "mean overlap" in m and "Aligned" not in m)
+    naive = int(naive.split("mean overlap ")[1].split("%")[0])
+    print(line, "|", naive)
+    # aligned, the picks overlap more than position by position (where every later position is shifted)
+    assert aligned > naive
