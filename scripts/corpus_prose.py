@@ -46,16 +46,17 @@ from engine.corpus_data import BOS_ID, DOC_END, key_hash, split_of  # noqa: E402
 MIB = 1 << 20
 # package -> (cap in MB of text, [(glob inside the package, kind)], [globs to leave out])
 SOURCES: dict[str, tuple[float, list[tuple[str, str]], list[str]]] = {
-    "python3.11-doc": (7.5, [("usr/share/doc/python3.11/html/_sources/**.rst.txt", "text")], []),
-    "linux-doc-6.1": (7.5, [("usr/share/doc/linux-doc-6.1/html/_sources/**.rst.txt", "text")],
+    "python3.11-doc": (9, [("usr/share/doc/python3.11/html/_sources/**.rst.txt", "text")], []),
+    "linux-doc-6.1": (9, [("usr/share/doc/linux-doc-6.1/html/_sources/**.rst.txt", "text")],
                       ["*/_sources/translations/*"]),
     "perl-doc": (4, [("usr/share/perl/5.36.0/pod/*.pod", "text")], ["*/perltoc.pod", "*/perlapi.pod",
                                                                     "*/perlintern.pod", "*/perl5*delta.pod"]),
-    "postgresql-doc-15": (5, [("usr/share/doc/postgresql-doc-15/html/*.html", "html")], ["*/release-*.html"]),
+    "postgresql-doc-15": (6, [("usr/share/doc/postgresql-doc-15/html/*.html", "html")], ["*/release-*.html"]),
     "git-doc": (3, [("usr/share/doc/git-doc/*.txt", "text")], []),
     "rust-doc": (8, [(f"usr/share/doc/rust-doc/html/{book}/**.html", "html") for book in (
         "book", "reference", "nomicon", "rust-by-example", "edition-guide", "cargo", "rustc", "embedded-book",
-        "rustdoc")], ["*/print.html", "*/toc.html", "*/404.html"]),
+        "rustdoc")], ["*/print.html", "*/toc.html", "*/404.html", "*/first-edition/*", "*/second-edition/*",
+                     "*/2018-edition/*"]),
     "python-django-doc": (5, [(f"usr/share/doc/python-django-doc/html/{part}/**.html", "html")
                               for part in ("intro", "topics", "howto", "ref", "faq", "internals", "misc")], []),
     "sphinx-doc": (1.5, [("usr/share/doc/sphinx-doc/html/_sources/**.txt", "text")], []),
@@ -216,6 +217,11 @@ def heldout_sample(rows: list[dict], limit: int = SAMPLE_BYTES) -> str:
     return "".join(parts)
 
 
+def _first_line(cmd: list[str]) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    return (out.stdout or out.stderr).strip().split("\n")[0]
+
+
 def build(args) -> dict:
     start = time.perf_counter()
     args.debs.mkdir(parents=True, exist_ok=True)
@@ -237,6 +243,8 @@ def build(args) -> dict:
                  "raw_bytes": len(raw), "raw_sha256": hashlib.sha256(raw).hexdigest(),
                  "xz_bytes": len(packed), "xz_sha256": hashlib.sha256(packed).hexdigest()},
         "tokenizer_sha256": hashlib.sha256(args.tokenizer.read_bytes()).hexdigest(),
+        "tools": {"python": sys.version.split()[0], "groff": _first_line(["groff", "--version"]),
+                  "liblzma": lzma.__name__ + " preset 9e"},
         "tokens": {**tokens, "all": sum(tokens.values())},
         "packages": packages,
         "documents": {"columns": columns, "rows": [

@@ -69,7 +69,7 @@ class _TextParser(HTMLParser):
 
     def _breaks(self, n: int) -> None:
         """End the current line with at least n newlines in all (none at the very start)."""
-        if not self.parts:
+        if not self.parts or self.parts[-1] == "- ":  # a list item's own paragraph starts on its marker line
             return
         tail = "".join(self.parts[-3:])
         have = len(tail) - len(tail.rstrip("\n"))

@@ -225,3 +225,34 @@ def test_split_dictionary_cuts_at_entries_without_the_header():
     body = "00-database-info\n   header\n\nalpha\n   first entry text\n\nbeta\n   second entry\n\ngamma\n   third"
     parts = split_dictionary(body, part_chars=30)
     assert parts == ["alpha\n   first entry text\n\nbeta\n   second entry", "gamma\n   third"]
+
+
+def test_prose_package_documents_caps_and_split(tmp_path):
+    import corpus_prose
+
+    root = tmp_path / "pkg"
+    (root / "doc/html").mkdir(parents=True)
+    (root / "doc/man/man1").mkdir(parents=True)
+    para = "This sentence is ordinary English prose about a documentation package. " * 4
+    for i in range(10, 40):  # two-digit numbers: every page the same size
+        (root / f"doc/html/page{i:02d}.html").write_text(
+            f"<html><body><div class='related'>Next page</div><p>Page {i}. {para}</p></body></html>")
+    (root / "doc/notes.txt.gz").write_bytes(gzip.compress(f"Notes. {para}".encode()))
+    (root / "doc/skip.txt").write_text(para)
+    roff = f".TH DEMO 1\n.SH NAME\ndemo \\- prints a greeting\n.SH DESCRIPTION\n{para}\n"
+    (root / "doc/man/man1/demo.1.gz").write_bytes(gzip.compress(roff.encode()))
+    rules = [("doc/html/*.html", "html"), ("doc/*.txt*", "text"), ("doc/man/man*/*.gz", "man")]
+    docs = dict(corpus_prose.package_documents("pkg", root, rules, ["*/skip.txt"]))
+    assert sorted(docs) == ["doc/html/page%02d.html" % i for i in range(10, 40)] + ["doc/man/man1/demo.1.gz", "doc/notes.txt.gz"]
+    assert docs["doc/html/page13.html"] == f"Page 13. {para.strip()}\n"  # the 'related' bar left out
+    assert docs["doc/notes.txt.gz"].startswith("Notes. This sentence")
+    assert "demo - prints a greeting" in docs["doc/man/man1/demo.1.gz"]
+    pages = [(p, t) for p, t in docs.items() if p.endswith(".html")]
+    size = len(pages[0][1].encode())
+    chosen = corpus_prose.select("pkg", "1.0", pages, cap_mb=10.5 * size / 1e6, legacy=set())
+    assert sum(r["bytes"] for r in chosen) <= 10.5 * size and len(chosen) == 10
+    by_hash = sorted((p for p in docs if p.endswith(".html")), key=lambda p: key_hash(f"pkg/{p}"))
+    assert {r["path"] for r in chosen} == set(by_hash[:10])
+    assert all(r["split"] == split_of("pkg", r["path"]) for r in chosen)
+    held = corpus_prose.select("pkg", "1.0", list(docs.items()), 1.0, legacy={"pkg/doc/notes.txt.gz"})
+    assert [r["split"] for r in held if r["path"] == "doc/notes.txt.gz"] == ["heldout"]
