@@ -155,8 +155,11 @@ def run(args) -> dict:
         for kind in KINDS:
             for index, ids in enumerate(prompts(engine, texts[kind], n_tokens, args.prompts)):
                 started = time.perf_counter()
-                entry = {"kind": kind, "tokens": n_tokens, "prompt": index,
-                         "accuracy": accuracy(engine, ids, replays, args.generate, decoder)}
+                entry = {"kind": kind, "tokens": n_tokens, "prompt": index}
+                if args.timing_only:  # one untimed warm-up round instead of the accuracy runs
+                    timing(engine, ids, replays, 1)
+                else:
+                    entry["accuracy"] = accuracy(engine, ids, replays, args.generate, decoder)
                 entry["timing"] = timing(engine, ids, replays, args.repeat)
                 entry["wall_s"] = time.perf_counter() - started
                 out["runs"].append(entry)
@@ -181,14 +184,15 @@ def summarize(out: dict) -> list[dict]:
         runs = [r for r in out["runs"] if (r["tokens"], r["kind"]) == (n_tokens, kind)]
         full_s = sum(r["timing"]["full"]["best_s"] for r in runs) / len(runs)
         for replay in out["replays"]:
-            acc = [r["accuracy"]["by_replay"][str(replay)] for r in runs]
+            acc = [r["accuracy"]["by_replay"][str(replay)] for r in runs if "accuracy" in r]
             ced_s = sum(r["timing"][f"ced_{replay}"]["best_s"] for r in runs) / len(runs)
-            mean = lambda key: sum(float(a[key]) for a in acc) / len(acc)  # noqa: E731
+            def mean(key, acc=acc):
+                return sum(float(a[key]) for a in acc) / len(acc) if acc else float("nan")
             rows.append({"tokens": n_tokens, "kind": kind, "replay": replay, "prompts": len(runs),
                          "full_s": full_s, "ced_s": ced_s, "time_ratio": ced_s / full_s,
                          "param_ratio": expected_ratio(ratio, n_tokens, replay),
                          "logits_rel_l2": mean("logits_rel_l2"), "argmax_agrees": mean("argmax_agrees"),
-                         "diverges_at": mean("diverges_at"), "min_diverges_at": min(a["diverges_at"] for a in acc),
+                         "diverges_at": mean("diverges_at"), "min_diverges_at": min((a["diverges_at"] for a in acc), default=-1),
                          "step_pick_agreement": mean("step_pick_agreement"),
                          "topk_jaccard": mean("topk_jaccard"), "routing_agreement": mean("routing_agreement")})
     return rows
@@ -256,6 +260,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--png", help="draw accuracy against R to this PNG (plotly + kaleido)")
     ap.add_argument("--from-json", help="redraw --png from a results JSON instead of running")
+    ap.add_argument("--timing-only", action="store_true", help="skip the accuracy runs (times only)")
     args = ap.parse_args()
     if args.from_json:
         out = json.loads(Path(args.from_json).read_text())
