@@ -51,7 +51,8 @@ def _run(args: argparse.Namespace) -> int:
             raise EngineError(f"--generate must be 0..{MAX_GENERATE:,} (and the prompt plus the generated tokens "
                               "must fit in the model's max_seq_len)")
         if args.prompt_file:
-            prompt = read_text(args.prompt_file, "prompt file", MAX_PROMPT_BYTES, EngineError)
+            prompt = read_text(args.prompt_file, "prompt file", MAX_PROMPT_BYTES, EngineError,
+                               missing="cannot read the prompt file (no such file)")
         elif args.ids is not None:
             try:
                 prompt = [int(v) for v in args.ids.split(",") if v.strip()]
