@@ -53,6 +53,7 @@ class AlignedSelections:
     jaccard: float | None         # mean over the compared queries
     only_a_tokens: int            # tokens of A with no partner in B
     only_b_tokens: int
+    routing_jaccard: float | None = None   # mean overlap of the routed experts at the aligned token pairs
 
 
 def _covered(row, ratio: int, T: int) -> set[int]:
@@ -91,7 +92,18 @@ def aligned_selections(run_a: Mapping[str, Any], run_b: Mapping[str, Any], layer
         if sa != sb:
             differ.append(qa)
     return AlignedSelections(al, layer, len(scores), differ, sum(scores) / len(scores) if scores else None,
-                             len(al.only_a), len(al.only_b))
+                             len(al.only_a), len(al.only_b), _routing_overlap(pa, pb, al))
+
+
+def _routing_overlap(pa: Mapping[str, Any], pb: Mapping[str, Any], al: Alignment) -> float | None:
+    ea, eb = (pa.get("routing") or {}).get("experts"), (pb.get("routing") or {}).get("experts")
+    if not ea or not eb or not al.pairs:
+        return None
+    total = 0.0
+    for qa, qb in al.pairs:
+        sa, sb = set(ea[qa]), set(eb[qb])
+        total += len(sa & sb) / len(sa | sb) if sa | sb else 1.0
+    return total / len(al.pairs)
 
 
 def aligned_summary(res: AlignedSelections) -> list[str]:
@@ -104,6 +116,8 @@ def aligned_summary(res: AlignedSelections) -> list[str]:
                      f"{100 * res.jaccard:.0f}% on average (Jaccard); identical at {res.compared - len(res.differ):,}.")
     else:
         lines.append(f"Layer {res.layer}: no aligned query picked anything in both runs.")
+    if res.routing_jaccard is not None:
+        lines.append(f"Routed experts at the aligned tokens overlap {100 * res.routing_jaccard:.0f}% on average.")
     return lines
 
 

@@ -52,6 +52,7 @@ def test_a_two_token_edit_differs_only_next_to_the_edit(ratio):
     # ratio-2 groups whole)
     assert aligned.differ == [20] and aligned.jaccard > 0.99
     assert naive_differ > 100     # what the position-by-position comparison said
+    assert aligned.routing_jaccard is None          # these runs recorded no routing
     lines = ta.aligned_summary(aligned)
     assert "200 tokens in both prompts, 0 only in A, 2 only in B (1 edit)" in lines[0]
 
@@ -63,3 +64,17 @@ def test_missing_layer_or_selections_is_a_clear_message():
     bare = {"tokens": a, "layers": {"7": {"topk": None}}}
     with pytest.raises(ta.AlignError, match="no selections in B"):
         ta.aligned_selections(_run(a), bare, 7)
+
+
+def test_routing_overlap_at_aligned_tokens():
+    a, b = _prompts()
+    run_a, run_b = _run(a), _run(b)
+    # experts by token content: the same token routes the same way in both prompts, whatever its position
+    for run in (run_a, run_b):
+        run["layers"]["7"]["routing"] = {"experts": [[hash(t) % 7, 7 + len(t) % 3] for t in run["tokens"]]}
+    run_b["layers"]["7"]["routing"]["experts"][30] = [0, 1]     # one token routed differently in B
+    got = ta.aligned_selections(run_a, run_b, 7)
+    e30 = set(run_a["layers"]["7"]["routing"]["experts"][28])  # A 28 pairs with B 30
+    want = (199 + len(e30 & {0, 1}) / len(e30 | {0, 1})) / 200
+    assert got.routing_jaccard == pytest.approx(want)
+    assert "Routed experts at the aligned tokens overlap" in ta.aligned_summary(got)[-1]

@@ -115,6 +115,25 @@ def test_a_click_on_a_token_sets_the_query_in_every_view(server, browser):
     page.close()
 
 
+def test_side_by_side_aligns_the_tokens_first(server, browser):
+    page = browser.new_page(viewport={"width": 1680, "height": 1300})
+    page.goto(server + "/?layer=24&tab=reindex")
+    _views_drawn(page, 24)
+    text = page.locator(".st-key-prompt_text textarea").input_value()
+    cut = text.index("\n") + 1
+    page.locator(".st-key-cmp_mode").get_by_text("another prompt").click()
+    page.locator(".st-key-cmp_prompt textarea").fill(text[:cut] + "# a small edit\n" + text[cut:])
+    page.locator(".st-key-cmp_prompt textarea").press("Control+Enter")
+    page.locator(".st-key-cmp_run button").click()
+    page.wait_for_selector(".st-key-cmp_aligned", timeout=RUN_TIMEOUT)
+    line = page.locator(".st-key-cmp_aligned").inner_text()
+    assert "0 only in A" in line and "(1 edit)" in line and "inserted '" in line
+    page.locator(".st-key-cmp_aligned").scroll_into_view_if_needed()
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(ARTIFACTS / "selection_side_by_side_aligned.png"))
+    page.close()
+
+
 def _title_is_drawn(png: bytes) -> None:
     """The exported image has ink in its title band (top-left), where an untitled chart has none."""
     from PIL import Image
