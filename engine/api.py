@@ -343,7 +343,7 @@ class Engine:
             raise EngineError(f"the prompt has {len(ids)} tokens and {generate} more would run past max_seq_len "
                               f"({self.cfg.max_seq_len}); generate at most {self.cfg.max_seq_len - len(ids)}")
         wanted = self.check_layers(layers)
-        detail = self.check_layers(list(detail_layers)) or set()
+        detail = self.check_layers(() if detail_layers is None else detail_layers) or set()
         if detail and (wanted is not None and not detail <= wanted or "topk" not in probes):
             raise EngineError(f"detail layers {sorted(detail)} need the topk probe on those layers")
         if isinstance(probes, str) or not all(isinstance(k, str) for k in probes):
@@ -458,6 +458,8 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     from .checkpoint import CheckpointError, CheckpointReader
     from .weights import CheckpointWeights, DeviceWeights
 
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise EngineError(f"the checkpoint must be a folder path, got {type(path).__name__}")
     path = Path(path) if path is not None else DEFAULT_CHECKPOINT
     if not path.exists():
         raise EngineError(f"{path}: no such checkpoint folder")

@@ -210,6 +210,7 @@ def test_truncated_compressed_vocab_is_rebuilt_with_a_warning(tmp_path):
     (dict(prompt=[0, 20, 21], image_spans=[(0.5, 2)]), "an image span must be a \\(start, end\\) pair"),
     (dict(prompt=[0, 20, 21], image_spans=[(True, 2)]), "an image span must be a \\(start, end\\) pair"),
     (dict(prompt=[0, 20], probes="topk"), "probes must be a list of probe kinds"),
+    (dict(prompt=[0, 20], detail_layers=2), "layers must be a list"),
 ])
 def test_api_refuses_wrong_argument_types(tiny, kwargs, message):
     engine = load(tiny)
@@ -218,6 +219,11 @@ def test_api_refuses_wrong_argument_types(tiny, kwargs, message):
 
 
 # -- 5. silent wrong results ---------------------------------------------------------------------
+
+def test_load_refuses_a_path_that_is_not_a_path():
+    with pytest.raises(EngineError, match="the checkpoint must be a folder path, got int"):
+        load(5)
+
 
 def test_nan_weights_warn_once_naming_the_tensor(tmp_path):
     cfg = tiny_config(engram_layer_ids=(), engram_num_embeddings=())
