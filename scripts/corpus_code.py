@@ -14,10 +14,11 @@ longer match its RECORD hash is dropped (a wheel would not give it back). Wheels
 `pip download --no-deps NAME==VERSION` for the versions in the manifest give the same documents.
 
 Identical files (same sha256) are kept once; the copy is held out when any of its paths is.
-Documents are taken in sha256("<source>/<path>") order until --max-tokens (so a cap samples every
-package), tokenized with the project's tokenizer (<bos> before each document) on --workers
-threads, and written as described in engine/corpus_data.py. --prose-pack adds the prose pack's
-documents (train ones under the cap too, held-out ones always) as train_prose.npy/heldout_prose.npy.
+--prose-pack adds the whole prose pack (scripts/corpus_prose.py) first. Then documents are taken
+in sha256("<source>/<path>") order (C/C++ after the rest, with --with-c) until --max-tokens train
+tokens in all (so a cap samples every package; held-out documents are always taken), tokenized with
+the project's tokenizer (<bos> before each document) on --workers threads, and written as described
+in engine/corpus_data.py.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def collect(sources: list[dict], workers: int) -> tuple[list[dict], dict[str, in
 
 def dedupe_and_split(docs: list[dict]) -> tuple[list[dict], int]:
     """One document per sha256 (the smallest key), held out when any copy's key is; sorted by
-    key hash. Returns (documents, number of copies dropped)."""
+    key hash, C/C++ last. Returns (documents, number of copies dropped)."""
     groups: dict[str, list[dict]] = {}
     for doc in docs:
         groups.setdefault(doc["sha256"], []).append(doc)
@@ -220,7 +221,8 @@ def dedupe_and_split(docs: list[dict]) -> tuple[list[dict], int]:
         doc["split"] = "heldout" if held else "train"
         doc["copies"] = len(copies)
         kept.append(doc)
-    kept.sort(key=lambda d: key_hash(doc_key(d["source"], d["path"])))
+    # C/C++ after Python and prose, so that under a cap (--with-c) they only fill what is left
+    kept.sort(key=lambda d: (d["path"].endswith(C_EXT), key_hash(doc_key(d["source"], d["path"]))))
     return kept, len(docs) - len(kept)
 
 
@@ -251,7 +253,7 @@ def tokenize(backend, docs: list[dict], max_tokens: int | None, always_heldout: 
         for doc, enc in zip(batch, encoded):
             n = len(enc.ids) + 1
             if not full and max_tokens is not None and total + n > max_tokens and doc["split"] == "train":
-                full = True
+                full = True  # the cap counts train tokens only
             if full and not (doc["split"] == "heldout" and always_heldout):
                 continue
             ids = np.empty(n, dtype=np.uint16)
@@ -259,7 +261,7 @@ def tokenize(backend, docs: list[dict], max_tokens: int | None, always_heldout: 
             ids[1:] = enc.ids
             streams.setdefault((doc["split"], doc["domain"]), []).append(ids)
             doc["tokens"] = n
-            total += n
+            total += n if doc["split"] == "train" else 0
     return streams
 
 
@@ -378,14 +380,12 @@ def build(args) -> dict:
     backend = load_backend(args.tokenizer)
     prose = prose_documents(args.prose_pack, args.prose_manifest) if args.prose_pack else []
     cap = args.max_tokens
-    streams = tokenize(backend, docs, cap)
-    if prose:
-        used = sum(d["tokens"] for d in docs if "tokens" in d)
-        left = None if cap is None else max(0, cap - used)
-        for key, arrays in tokenize(backend, prose, left).items():
-            streams.setdefault(key, []).extend(arrays)
+    streams = tokenize(backend, prose, None)  # the whole pack: it is small and the only long prose
+    used = sum(d["tokens"] for d in prose if d["split"] == "train")
+    for key, arrays in tokenize(backend, docs, None if cap is None else max(0, cap - used)).items():
+        streams.setdefault(key, []).extend(arrays)
     seconds = time.perf_counter() - start
-    all_docs = docs + prose
+    all_docs = prose + docs  # the order the streams were filled in
     meta = {
         "description": "Code part of the V4.1-Flash explorer's training corpus (scripts/corpus_code.py)",
         "split_rule": "int(sha256('<source>/<path>')) % 10000 < 200 -> heldout (engine/corpus_data.py); "
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory (created)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--max-tokens", type=int, default=None, help="cap on tokens taken (held-out excepted)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap on train tokens in all (held-out documents are always taken)")
     parser.add_argument("--from-wheels", type=Path, help="build from the *.whl files in this directory")
     parser.add_argument("--path", type=Path, action="append", default=[],
                         help="look for installed distributions here only (repeatable)")
