@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory (created)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--max-tokens", type=int, default=None, help="cap on train tokens in all (held-out documents are always taken)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="cap on train tokens in all (held-out documents are always taken)")
     parser.add_argument("--from-wheels", type=Path, help="build from the *.whl files in this directory")
     parser.add_argument("--path", type=Path, action="append", default=[],
                         help="look for installed distributions here only (repeatable)")

@@ -209,7 +209,8 @@ def tokenize_counts(rows: list[dict], tokenizer: Path) -> None:
 def heldout_sample(rows: list[dict], limit: int = SAMPLE_BYTES) -> str:
     """Whole held-out documents in key-hash order (packages mix) until `limit` bytes."""
     parts, used = [], 0
-    for row in sorted((r for r in rows if r["split"] == "heldout"), key=lambda r: key_hash(f"{r['source']}/{r['path']}")):
+    heldout = [r for r in rows if r["split"] == "heldout"]
+    for row in sorted(heldout, key=lambda r: key_hash(f"{r['source']}/{r['path']}")):
         if used + row["bytes"] + 1 > limit:
             continue
         parts.append(row["text"] + "\n")
@@ -230,7 +231,8 @@ def build(args) -> dict:
     packed = lzma.compress(raw, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64,
                            preset=9 | lzma.PRESET_EXTREME)
     if len(packed) > args.limit_mib * MIB:
-        raise ProseError(f"the pack is {len(packed) / MIB:.2f} MiB, over {args.limit_mib} MiB: lower the caps in SOURCES")
+        raise ProseError(f"the pack is {len(packed) / MIB:.2f} MiB, over {args.limit_mib} MiB: "
+                         "lower the caps in SOURCES")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prose.txt.xz").write_bytes(packed)
     tokenize_counts(rows, args.tokenizer)

@@ -169,7 +169,8 @@ def test_max_tokens_takes_a_prefix_in_key_order(fake_site, tmp_path):
     train_cap = [r["path"] for r in capped if r["split"] == "train"]
     assert 0 < len(train_cap) < len(train_full) and train_cap == train_full[:len(train_cap)]
     assert sum(r["tokens"] for r in capped if r["split"] == "train") <= 600
-    assert [r["path"] for r in capped if r["split"] == "heldout"] == [r["path"] for r in full if r["split"] == "heldout"]
+    heldout = [r["path"] for r in full if r["split"] == "heldout"]
+    assert [r["path"] for r in capped if r["split"] == "heldout"] == heldout
 
 
 def test_installed_file_changed_after_install_is_dropped(fake_site, tmp_path):
@@ -243,7 +244,8 @@ def test_prose_package_documents_caps_and_split(tmp_path):
     (root / "doc/man/man1/demo.1.gz").write_bytes(gzip.compress(roff.encode()))
     rules = [("doc/html/*.html", "html"), ("doc/*.txt*", "text"), ("doc/man/man*/*.gz", "man")]
     docs = dict(corpus_prose.package_documents("pkg", root, rules, ["*/skip.txt"]))
-    assert sorted(docs) == ["doc/html/page%02d.html" % i for i in range(10, 40)] + ["doc/man/man1/demo.1.gz", "doc/notes.txt.gz"]
+    pages = ["doc/html/page%02d.html" % i for i in range(10, 40)]
+    assert sorted(docs) == pages + ["doc/man/man1/demo.1.gz", "doc/notes.txt.gz"]
     assert docs["doc/html/page13.html"] == f"Page 13. {para.strip()}\n"  # the 'related' bar left out
     assert docs["doc/notes.txt.gz"].startswith("Notes. This sentence")
     assert "demo - prints a greeting" in docs["doc/man/man1/demo.1.gz"]
