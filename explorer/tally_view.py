@@ -205,37 +205,33 @@ def representative_layer(tab: str, plan, selected: int | None) -> int | None:
     return None
 
 
-INSIDE_SHARE = 0.3   # bars of at least this share of the total carry their label inside
-
-
 def tally_figure(lines: list[MarginLine], position: str, *, highlight: str | None = None,
                  accent: str = ROLE_COLOURS["full_m2"]) -> Figure:
-    """Horizontal bars, one per line, largest at the top. Each row has a full-width pale stripe behind
-    it so a click anywhere on the row picks it (customdata = ["box|box", line id])."""
+    """One row per line, largest at the top: the line's name and figures on top, its bar below, both
+    from the chart's left edge (names and figures beside the bars did not fit a narrow column: the
+    largest label was cut, in the PNG too). Each row has a full-width pale stripe behind it so a
+    click anywhere on the row picks it (customdata = ["box|box", line id])."""
     total = float(sum(float(l.value) for l in lines)) or 1.0
+    top = max((float(l.value) for l in lines), default=1.0) or 1.0
     titles = [l.title for l in lines]
     data = [["|".join(l.boxes), l.id] for l in lines]
     hover = [f"<b>{l.title}</b><br>{fmt_params(l.value)} parameters ({float(l.value) / total:.2%})<br>{l.note}"
              + ("<br><i>click: highlight these boxes</i>" if l.boxes else "") for l in lines]
     fig = Figure()
-    fig.add_trace(dict(type="bar", y=titles, x=[total] * len(lines), orientation="h", customdata=data,
+    fig.add_trace(dict(type="bar", y=titles, x=[top * 1.02] * len(lines), orientation="h", customdata=data,
                        hovertext=hover, hoverinfo="text", marker=dict(color=GRID, opacity=0.35, line=dict(width=0)),
-                       name="rows"))
+                       width=0.94, name="rows"))
     colours = [HIGHLIGHT if l.id == highlight else (accent if l.boxes else MUTED) for l in lines]
-    # a long bar's label goes inside it (white, shrunk to fit if need be): outside, it ran past the chart's
-    # right edge in a narrow column and was cut ("31.46M · 6"), in the exported PNG too
-    inside = [float(l.value) / total >= INSIDE_SHARE for l in lines]
     fig.add_trace(dict(type="bar", y=titles, x=[float(l.value) for l in lines], orientation="h", customdata=data,
                        hovertext=hover, hoverinfo="text", marker=dict(color=colours, line=dict(width=0)),
-                       text=[f"{fmt_params(l.value)} · {float(l.value) / total:.1%}" for l in lines],
-                       textposition=["inside" if i else "outside" for i in inside], insidetextanchor="end",
-                       cliponaxis=False, textfont=dict(size=11, color=["white" if i else INK for i in inside]),
-                       name="values"))
+                       width=0.34, offset=0.08, name="values"))
+    fig.add_trace(dict(type="scatter", mode="text", y=titles, x=[0] * len(lines), hoverinfo="skip", name="labels",
+                       text=[f"{l.title} · <b>{fmt_params(l.value)}</b> · {float(l.value) / total:.1%}" for l in lines],
+                       textposition="top right", cliponaxis=False, textfont=dict(size=10, color=INK)))
     fig.update_layout(**base_layout(
-        height=36 + 24 * len(lines), barmode="overlay", bargap=0.28,
-        margin=dict(l=4, r=4, t=4, b=4),
-        xaxis=dict(range=[0, total * 1.32], visible=False, fixedrange=True),
-        yaxis=dict(autorange="reversed", fixedrange=True, tickfont=dict(size=11), automargin=True),
+        height=20 + 34 * len(lines), barmode="overlay", margin=dict(l=4, r=4, t=8, b=4),
+        xaxis=dict(range=[0, top * 1.02], visible=False, fixedrange=True),
+        yaxis=dict(autorange="reversed", fixedrange=True, showticklabels=False),
         clickmode="event", hovermode="closest",
     ))
     return fig

@@ -30,11 +30,11 @@ def test_margin_lines_sum_to_the_shown_total(tally, position):
     values = fig.data[1].x
     assert list(values) == [float(l.value) for l in lines]
     assert [list(c) for c in fig.data[0].customdata] == [["|".join(l.boxes), l.id] for l in lines]
-    # labels of long bars sit inside them (an outside label of a long bar ran past the chart's edge)
-    share = [float(l.value) / float(shown) for l in lines]
-    assert list(fig.data[1].textposition) == ["inside" if s >= 0.3 else "outside" for s in share]
-    if tally is RELEASE and position == "total":
-        assert fig.data[1].textposition[0] == "inside"     # the experts, 543.6B of 763B
+    # each row's name and figures start at the left edge, above its bar (beside it, they ran off the chart)
+    labels = fig.data[2]
+    assert list(labels.x) == [0] * len(lines) and labels.textposition == "top right"
+    assert [t.split(" · ")[0] for t in labels.text] == [l.title for l in lines]
+    assert fig.layout.xaxis["range"][1] == pytest.approx(max(values) * 1.02)
 
 
 def test_release_margin_against_spec_figures():

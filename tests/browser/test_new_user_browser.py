@@ -133,8 +133,9 @@ def test_long_prompt_no_comparison_unasked_webgl_when_asked_routing_hover_kv_lin
     assert not page.locator(".st-key-cmp_selections").count() and not page.locator("text=differ at").count()
     # asked: the session, drawn with WebGL (no SVG marker per mark), the summary consistent
     page.locator(".st-key-cmp_mode").get_by_text("a saved session").click()
-    page.locator(".st-key-cmp_session").click()
-    page.get_by_role("option", name=re.compile("short prompt at 20")).click()
+    page.locator(".st-key-cmp_session input").click()
+    page.keyboard.type("short prompt")
+    page.keyboard.press("Enter")
     page.wait_for_selector(".st-key-cmp_selections .js-plotly-plot", timeout=WAIT)
     _idle(page)
     types = page.evaluate("() => document.querySelector('.st-key-cmp_selections .js-plotly-plot')._fullData"
@@ -158,14 +159,14 @@ def test_long_prompt_no_comparison_unasked_webgl_when_asked_routing_hover_kv_lin
         const r = gd.querySelector('.nsewdrag').getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; }""")
     page.mouse.move(box[0] + box[2] * 0.2, box[1] + box[3] * 0.5)
     page.wait_for_selector(".st-key-routing_map .hoverlayer .hovertext", timeout=10_000)
-    hover = page.locator(".st-key-routing_map .hoverlayer .hovertext").first.inner_text()
+    hover = page.locator(".st-key-routing_map .hoverlayer .hovertext").first.text_content()
     start, end = map(int, re.search(r"tokens (\d+)-(\d+)", hover).groups())
     assert 0 <= start < end < LONG_T, hover
     page.screenshot(path=str(ARTIFACTS / "new_user_3_routing_hover.png"))
 
     # item 8: the pending compressor state on its own line
     page.locator("text=Pending compressor state: 3,072 B more").wait_for(timeout=WAIT)
-    assert page.locator("text=the formula gives 221,536 B (equal).").count()
+    assert page.locator("text=/the engine held 221,536 B; the formula gives [0-9,]+ B/").count()
     _no_traceback(page, errors)
     ctx.close()
 
@@ -269,7 +270,7 @@ def test_plan_hover_tally_labels_and_diagram_labels_fit(plain_server, browser):
     _shot(page, "5_diagram_layer2")
     # item 4: the tally's labels stay inside the chart
     chart = _rect(page, ".st-key-tally_chart .js-plotly-plot .main-svg")
-    texts = page.evaluate("""() => [...document.querySelectorAll('.st-key-tally_chart .barlayer text')].map(t => {
+    texts = page.evaluate("""() => [...document.querySelectorAll('.st-key-tally_chart .textpoint text')].map(t => {
         const r = t.getBoundingClientRect(); return [t.textContent, r.x, r.right]; })""")
     assert texts and all(chart["x"] <= x and right <= chart["r"] + 0.5 for _, x, right in texts), (chart, texts)
     _shot(page, "4_tally_labels")
