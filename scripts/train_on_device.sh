@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/v41train}
 BUDGET=${BUDGET:-620}
-MAX_TOKENS=${MAX_TOKENS:-120000000}
+MAX_TOKENS=${MAX_TOKENS:-60000000}
 PACK=${PACK:-build/corpus_pack/prose.txt.xz}
 mkdir -p "$WORK"
+trap 'echo failed > "$WORK/DONE"' ERR
 start=$(date +%s)
 python3 scripts/corpus_code.py --out "$WORK/corpus" --workers "$(nproc)" --max-tokens "$MAX_TOKENS" \
   --prose-pack "$PACK" > "$WORK/corpus.log" 2>&1
