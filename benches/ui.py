@@ -1,11 +1,14 @@
-"""How long the explorer takes, against its budget (a layer click should show its views in under 1 s
+"""How long the explorer takes, against its budget (a layer click should show its views in at most 0.4 s
 once the prompt has run).
 
     python benches/ui.py            # the pure builders behind one render (release config, synthetic run)
-    python benches/ui.py --browser  # also, in Debian's chromium: time to first paint on a fresh start, the
-                                    # first run of a 1,000-token prompt, and click-to-view after it
+    python benches/ui.py --browser  # also, in Debian's chromium at 1600x1000: time to first paint on a fresh
+                                    # start, the first run of a 1,000-token prompt, and click-to-view after it
+                                    # (views in sight), each with every view drawn at once (the baseline) and
+                                    # as shipped (views out of sight wait), in the same run
 
-Each row prints its time and its share of the 1 s click budget measured against in the same run.
+Each row prints its time and its share of the 0.4 s click budget (issue 17); the browser rows come twice, the
+baseline (every view drawn at once) and as shipped, measured in the same run.
 """
 
 from __future__ import annotations
@@ -67,16 +70,29 @@ def main() -> None:
     if "--browser" in sys.argv:
         rows += browser_timings()
     width = max(len(name) for name, _ in rows)
-    print(f"{'what':<{width}}  {'ms':>8}  {'of 1 s click budget':>19}")
+    print(f"{'what':<{width}}  {'ms':>8}  {'of 0.4 s click budget':>21}")
     for name, ms in rows:
-        print(f"{name:<{width}}  {ms:8.1f}  {ms / CLICK_BUDGET_MS:18.0%}")
+        print(f"{name:<{width}}  {ms:8.1f}  {ms / CLICK_BUDGET_MS:20.0%}")
+    medians = [ms for name, ms in rows if "click-to-view (views in sight), median" in name]
+    if len(medians) == 2:
+        print(f"click-to-view median, shipped / baseline: {medians[1] / medians[0]:.2f}")
 
 
-CLICK_BUDGET_MS = 1000.0
+CLICK_BUDGET_MS = 400.0    # issue 17: click-to-view median at most 0.4 s
 
 
 def browser_timings() -> list[tuple[str, float]]:
-    """First paint, first run of a long prompt, and click-to-view, in a real browser."""
+    """First paint, first run of a long prompt, and click-to-view, in a real browser: once with every
+    view drawn on each click (EXPLORER_DRAW_OFFSCREEN=1, the baseline) and once as the app ships (views
+    out of sight wait until scrolled to or the browser is idle), in the same run."""
+    rows = []
+    for policy, env in (("baseline: every view drawn at once", {"EXPLORER_DRAW_OFFSCREEN": "1"}),
+                        ("shipped: views in sight first", {})):
+        rows += [(f"[{policy}] {name}", ms) for name, ms in one_browser(env)]
+    return rows
+
+
+def one_browser(extra_env: dict) -> list[tuple[str, float]]:
     sys.path.insert(0, str(REPO / "tests" / "browser"))
     from harness import CHROMIUM, CHROMIUM_ARGS, streamlit_server
     from playwright.sync_api import sync_playwright
@@ -84,14 +100,14 @@ def browser_timings() -> list[tuple[str, float]]:
     prompt, n_tokens = thousand_token_prompt()
     rows = []
     log = REPO / "test-artifacts" / "bench_ui.log"
-    with streamlit_server({"EXPLORER_SOURCE": "shipped", "EXPLORER_TIMING": "1"}, "bench_ui.log") as url, \
-            sync_playwright() as p:
+    env = {"EXPLORER_SOURCE": "shipped", "EXPLORER_TIMING": "1", **extra_env}
+    with streamlit_server(env, "bench_ui.log") as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1680, "height": 1300})
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
         start = time.perf_counter()
         page.goto(url + "/?layer=2&tab=full_m2")
         page.wait_for_selector(".st-key-plan_chart .js-plotly-plot .scatterlayer .point", timeout=300_000)
-        rows.append(("browser: first paint of the plan (fresh start)", 1000 * (time.perf_counter() - start)))
+        rows.append(("first paint of the plan (fresh start)", 1000 * (time.perf_counter() - start)))
         page.locator(".st-key-prompt_text textarea").fill(prompt)
         page.keyboard.press("Control+Enter")
         start = time.perf_counter()
@@ -100,25 +116,62 @@ def browser_timings() -> list[tuple[str, float]]:
         page.wait_for_function(f"() => document.querySelectorAll('.st-key-token_strip .strip > span[title]').length"
                                f" === {n_tokens}", timeout=300_000)
         views_drawn(page, 2)
-        rows.append((f"browser: first run of a {n_tokens}-token prompt (all layers)", 1000 * (time.perf_counter() - start)))
-        clicks, parts = [], {}
+        rows.append((f"first run of a {n_tokens}-token prompt (all layers)", 1000 * (time.perf_counter() - start)))
+        clicks, everything, parts = [], [], {}
         for layer in CLICKED_LAYERS:
             settled(page)
+            page.evaluate("() => document.querySelector('[data-testid=stMain]')?.scrollTo(0, 0) ?? window.scrollTo(0, 0)")
             trace = page.locator(".st-key-plan_chart .js-plotly-plot .scatterlayer .trace").last
             seen = len(log.read_text().splitlines())
             start, clicked_at = time.perf_counter(), time.time()
             trace.locator(".point").nth(layer).click(force=True)
-            views_drawn(page, layer)
+            in_sight_drawn(page, layer)
             done_at = time.time()
             clicks.append(1000 * (time.perf_counter() - start))
-            rows.append((f"browser: click-to-view, layer {layer}", clicks[-1]))
+            views_drawn(page, layer)           # the views out of sight too (drawn when the browser is idle)
+            everything.append(1000 * (time.perf_counter() - start))
+            rows.append((f"click-to-view, layer {layer}", clicks[-1]))
             for name, ms in server_timings(log.read_text().splitlines()[seen:], clicked_at, done_at):
                 parts.setdefault(name, []).append(ms)
+        # scrolling down to the live views after a click: how long until they are drawn
+        settled(page)
+        page.evaluate("() => document.querySelector('[data-testid=stMain]')?.scrollTo(0, 0) ?? window.scrollTo(0, 0)")
+        page.locator(".st-key-plan_chart .js-plotly-plot .scatterlayer .trace").last.locator(".point").nth(24).click(
+            force=True)
+        in_sight_drawn(page, 24)
+        start = time.perf_counter()
+        page.locator(".st-key-topk_map").scroll_into_view_if_needed()
+        page.wait_for_selector(".st-key-topk_map [data-tag='layer 24']", timeout=300_000)
+        rows.append(("scroll to the top-k view after a click: drawn", 1000 * (time.perf_counter() - start)))
         browser.close()
-    rows.append((f"browser: click-to-view, median of {len(clicks)}", statistics.median(clicks)))
-    rows.append((f"browser: click-to-view, slowest of {len(clicks)}", max(clicks)))
+    rows.append((f"click-to-view (views in sight), median of {len(clicks)}", statistics.median(clicks)))
+    rows.append((f"click-to-view (views in sight), slowest of {len(clicks)}", max(clicks)))
+    rows.append((f"click to every view drawn (off-screen ones too), median", statistics.median(everything)))
     rows += [(f"  {name}, median", statistics.median(ms)) for name, ms in parts.items()]
     return rows
+
+
+LIVE_KEYS = ("topk_map", "mhc_token", "routing_map", "token_strip", "topk_scores", "routing_margin")
+
+
+def in_sight_drawn(page, layer: int) -> None:
+    """The click's result as the user sees it: the plan says the new layer, every live view has
+    received the new layer's figure (the script's output is all in), and nothing in the window is
+    still waiting or drawing."""
+    page.wait_for_function("""([tag, keys]) => {
+        const plan = document.querySelector('.st-key-plan_chart .explorer-chart');
+        if (!plan || plan.dataset.tag !== tag) return false;
+        for (const key of keys) {
+            const el = document.querySelector(`.st-key-${key} [data-received]`);
+            if (el && el.dataset.received !== tag) return false;
+        }
+        for (const el of document.querySelectorAll('.explorer-chart, .explorer-html')) {
+            const r = el.getBoundingClientRect();
+            const inSight = r.width > 0 && r.height > 0 && r.bottom > 0 && r.top < innerHeight;
+            if (inSight && (el.dataset.pending || el.dataset.received !== el.dataset.tag)) return false;
+        }
+        return true;
+    }""", arg=[f"layer {layer}", list(LIVE_KEYS)], timeout=300_000)
 
 
 # every role, twice: the first visit of a layer and a return to it
@@ -163,8 +216,7 @@ def server_timings(lines: list[str], clicked_at: float, done_at: float) -> list[
 
 def views_drawn(page, layer: int) -> None:
     page.wait_for_selector(f"h2:has-text('Layer {layer} · ')", timeout=300_000)
-    for key in ("topk_map", "mhc_token", "routing_map", "token_strip",   # each says its layer once drawn
-                "topk_scores", "routing_margin"):
+    for key in LIVE_KEYS:   # each says its layer once drawn
         page.wait_for_selector(f".st-key-{key} [data-tag='layer {layer}']", timeout=300_000)
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=300_000)
 

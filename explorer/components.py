@@ -30,6 +30,38 @@ from plotly.offline import get_plotlyjs_version
 COMPONENT_NAME = "explorer.plotly_chart"
 HTML_COMPONENT_NAME = "explorer.html_block"
 
+# Only the views in sight are updated at once: an update of an element out of sight (below the fold, in
+# a closed tab) waits until it scrolls into sight or the browser is idle (at most IDLE_MS), so a click's
+# visible result is painted first. `data-received` says which update came in, `data-pending` that one is
+# waiting; `data-tag` still says what is drawn.
+IDLE_MS = 1500
+DRAW_ALL_JS = "function (el, run) { delete el.dataset.pending; run(); }"   # EXPLORER_DRAW_OFFSCREEN=1 (a baseline)
+SIGHT_JS = r"""function (el, run) {
+  const r = el.getBoundingClientRect();
+  const inSight = r.width > 0 && r.height > 0 && r.bottom > 0 && r.top < window.innerHeight;
+  const sight = window.__explorerSight || (window.__explorerSight = new IntersectionObserver((entries) => {
+    for (const e of entries) if (e.isIntersecting && e.target._explorerLater) e.target._explorerLater();
+  }));
+  if (el._explorerSeen === undefined || inSight) {     // the first draw is never held back
+    el._explorerSeen = true;
+    el._explorerLater = null;
+    delete el.dataset.pending;
+    sight.unobserve(el);
+    run();
+    return;
+  }
+  el.dataset.pending = "1";
+  el._explorerLater = () => {
+    if (el._explorerLater === null) return;
+    el._explorerLater = null;
+    delete el.dataset.pending;
+    sight.unobserve(el);
+    run();
+  };
+  sight.observe(el);
+  requestIdleCallback(() => el._explorerLater && el._explorerLater(), {timeout: """ + str(IDLE_MS) + r"""});
+}"""
+
 # Sets the block's HTML when it changed. Only for HTML built by the app with every user text escaped.
 HTML_COMPONENT_JS = r"""
 export default function ({ data, parentElement }) {
@@ -39,11 +71,15 @@ export default function ({ data, parentElement }) {
     root.className = "explorer-html";
     parentElement.appendChild(root);
   }
-  if (root._explorerHtml !== data.html) {
-    root.innerHTML = data.html;
-    root._explorerHtml = data.html;
-  }
-  root.dataset.tag = data.tag;
+  root.dataset.received = data.tag;
+  const apply = () => {
+    if (root._explorerHtml !== data.html) {
+      root.innerHTML = data.html;
+      root._explorerHtml = data.html;
+    }
+    root.dataset.tag = data.tag;
+  };
+  __SIGHT__(root, apply);
 }
 """
 
@@ -99,8 +135,9 @@ export default function ({ data, parentElement, setTriggerValue }) {
   if (text === gd._explorerText) return;
   gd._explorerText = text;
   const msg = JSON.parse(text);
+  gd.dataset.received = msg.tag;
   const base = window.location.pathname.replace(/[^/]*$/, "");
-  loadPlotly(base + msg.src)
+  const draw = () => loadPlotly(base + msg.src)
     .then((Plotly) => {
       if (gd._explorerText !== text) return null;   // a newer figure came in meanwhile: it draws instead
       // compared with what the chart shows (a figure skipped above was never drawn)
@@ -130,6 +167,7 @@ export default function ({ data, parentElement, setTriggerValue }) {
       gd.dataset.error = String(err && err.message || err);
       gd.textContent = "This chart could not be drawn: " + gd.dataset.error;
     });
+  __SIGHT__(gd, draw);
 }
 """
 
@@ -199,16 +237,23 @@ def static_serving() -> bool:
     return bool(st.get_option("server.enableStaticServing"))
 
 
+def _with_sight(js: str) -> str:
+    """The component's script with its update policy: views out of sight wait (the default), or
+    every view is drawn at once (EXPLORER_DRAW_OFFSCREEN=1, the bench's baseline)."""
+    policy = DRAW_ALL_JS if os.environ.get("EXPLORER_DRAW_OFFSCREEN") == "1" else SIGHT_JS
+    return js.replace("__SIGHT__", f"({policy})")
+
+
 @functools.cache
 def _component():
     import streamlit as st
-    return st.components.v2.component(COMPONENT_NAME, js=COMPONENT_JS, isolate_styles=False)
+    return st.components.v2.component(COMPONENT_NAME, js=_with_sight(COMPONENT_JS), isolate_styles=False)
 
 
 @functools.cache
 def _html_component():
     import streamlit as st
-    return st.components.v2.component(HTML_COMPONENT_NAME, js=HTML_COMPONENT_JS, isolate_styles=False)
+    return st.components.v2.component(HTML_COMPONENT_NAME, js=_with_sight(HTML_COMPONENT_JS), isolate_styles=False)
 
 
 def html_block(html: str, *, key: str, tag: str = "") -> None:
