@@ -24,7 +24,8 @@ from .model import (
     SessionSummary, StoreUnavailable, compress_probes, decompress_probes, default_sqlite_path, is_valid_session_id,
     model_identity, new_session_id)
 from .schema import MIGRATIONS, SCHEMA_VERSION, schema_version_table, sessions_table
-from .store import SessionList, SessionStore
+from .rows import SessionList
+from .store import SessionStore
 from .transfer import parse_export, session_to_export
 
 __all__ = [

@@ -9,7 +9,6 @@ import logging
 import os
 import random
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,9 +19,10 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
 from . import schema
 from .model import (
-    DamagedSession, SavedButUnreadable, _EDITABLE, _LAYER_WORD_RE, MAX_NAME, InvalidSessionData, Session, SessionConflict, SessionData, SessionError,
-    SessionNotFound, SessionSummary, StoreUnavailable, _iso, _now, _parse_iso, _prompt_search_text, _validate_field,
-    _validated, compress_probes, decompress_probes, default_sqlite_path, is_valid_session_id, new_session_id)
+    _EDITABLE, _LAYER_WORD_RE, MAX_NAME, DamagedSession, InvalidSessionData, SavedButUnreadable, Session, SessionConflict,
+    SessionData, SessionError, SessionNotFound, StoreUnavailable, _iso, _now, _prompt_search_text, _validate_field,
+    _validated, compress_probes, default_sqlite_path, is_valid_session_id, new_session_id)
+from .rows import SessionList, session_from_row, summary_from_row
 from .schema import schema_version_table, sessions_table
 from .transfer import parse_export, session_to_export
 
@@ -246,55 +246,6 @@ class SessionStore:
             "probes": compress_probes(data.probes),
         }
 
-    @staticmethod
-    def _session_from_row(row: Any, *, with_probes: bool = True) -> Session:
-        try:
-            probes = decompress_probes(row.probes) if with_probes else None
-        except (zlib.error, ValueError, RecursionError) as exc:
-            raise StoreUnavailable(f"The stored probe results of session {row.id!r} are damaged ({exc}).") from None
-        try:
-            state = _row_state(row)
-            return Session(
-                id=row.id,
-                name=_text(row.name),
-                author=_text(row.author),
-                notes=_text(row.notes),
-                model_source=_text(row.model_source),
-                model_identity=_text(row.model_identity),
-                engine_version=_text(row.engine_version),
-                prompts=[_text(p) for p in state.get("prompts", [])],
-                spans=list(state.get("spans", [])),
-                layer=_layer(row.layer),
-                tab=state.get("tab"),
-                view=dict(state.get("view", {})),
-                probes=probes,
-                created_at=_parse_iso(row.created_at),
-                updated_at=_parse_iso(row.updated_at),
-                revision=int(row.revision),
-            )
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise DamagedSession(str(row.id), str(exc) or type(exc).__name__) from None
-
-    @staticmethod
-    def _summary_from_row(row: Any) -> SessionSummary:
-        """One listing row; DamagedSession when a value is not what the app wrote."""
-        try:
-            state = _row_state(row)
-            return SessionSummary(
-                id=row.id,
-                name=_text(row.name),
-                author=_text(row.author),
-                layer=_layer(row.layer),
-                prompts=[_text(p) for p in state.get("prompts", [])],
-                model_source=_text(row.model_source),
-                notes_preview=_text(row.notes)[:200],
-                created_at=_parse_iso(row.created_at),
-                updated_at=_parse_iso(row.updated_at),
-                revision=int(row.revision),
-            )
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise DamagedSession(str(row.id), str(exc) or type(exc).__name__) from None
-
     def _fetch(self, conn: Connection, session_id: str, *, include_deleted: bool = False) -> Any:
         if not is_valid_session_id(session_id):
             raise SessionNotFound(str(session_id))
@@ -334,7 +285,7 @@ class SessionStore:
 
     def load(self, session_id: str) -> Session:
         """The session with that id, probes included. Raises ``SessionNotFound``."""
-        return self._transaction(lambda conn: self._session_from_row(self._fetch(conn, session_id)), write=False)
+        return self._transaction(lambda conn: session_from_row(self._fetch(conn, session_id)), write=False)
 
     def list_sessions(
         self,
@@ -377,7 +328,7 @@ class SessionStore:
             out = SessionList()
             for row in conn.execute(stmt):
                 try:
-                    out.append(self._summary_from_row(row))
+                    out.append(summary_from_row(row))
                 except DamagedSession as exc:  # one bad row must not hide every other session
                     out.damaged.append(exc)
             return out
@@ -408,7 +359,7 @@ class SessionStore:
             row = self._fetch(conn, session_id)
             if expected_revision is not None and row.revision != expected_revision:
                 raise SessionConflict(session_id, expected_revision, row.revision)
-            current = self._session_from_row(row, with_probes=False).data()  # probes: kept as bytes or replaced
+            current = session_from_row(row, with_probes=False).data()  # probes: kept as bytes or replaced
             merged = dataclasses.replace(current, **clean)
             values = self._row_values(merged)
             if "probes" not in clean:
@@ -493,41 +444,6 @@ class SessionStore:
         if author is not None:
             data.author = author
         return self.save(data)
-
-
-class SessionList(list):
-    """``list_sessions``' result: the readable sessions, plus ``damaged`` (a ``DamagedSession`` for
-    each row that was skipped because it cannot be read)."""
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        self.damaged: list[DamagedSession] = []
-
-
-def _row_state(row: Any) -> dict[str, Any]:
-    try:
-        state = json.loads(row.state_json)
-    except ValueError:
-        raise ValueError("its state is not valid JSON") from None
-    if not isinstance(state, dict):
-        raise ValueError("its state is not a JSON object")
-    if not isinstance(state.get("prompts", []), list):
-        raise ValueError("its prompts are not a list")
-    return state
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"a text column holds {type(value).__name__}")
-    return value
-
-
-def _layer(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"the layer column holds {value!r}")
-    return value
 
 
 def _migrations():
