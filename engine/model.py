@@ -216,7 +216,7 @@ class Model:
                 probe["time_s"] = time.perf_counter() - started
                 probe["residual_norms"] = x.detach().norm(dim=-1)
                 collect[L] = probe
-        y = self.ops.rms_norm(self.ops.act(mhc.collapse(x, pre)), self.get("norm.weight"), cfg.norm_eps)
+        y = self.ops.rms_norm(self.ops.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
         logits = y @ self.get("head.weight").float().t()
         return logits if self.parallel is None else self.parallel.gather_last(logits)  # vocab-split head
 
@@ -224,7 +224,7 @@ class Model:
         """CED prefill at the decoder's first layer L: its compressor publishes global KV and index
         keys for the first `skip` rows from the encoder's output (what the decoder's global branch
         reads), and only the rows after them go on; the decoder's windows fill from those rows."""
-        attn_in = self.ops.rms_norm(self.ops.act(mhc.collapse(x[:skip], pre[:skip])),
+        attn_in = self.ops.rms_norm(self.ops.collapse(x[:skip], pre[:skip]),
                                     self.get(f"layers.{L}.attn_norm.weight"), self.cfg.norm_eps)
         self.attn[L].publish(attn_in, positions[:skip])
         if self.engram_layout is not None and self.tokenizer is not None:  # n-grams of the skipped tokens
@@ -242,9 +242,9 @@ class Model:
                                                self.get(p + "hc_attn_scale"), self.get(p + "hc_attn_base"), pre,
                                                None, cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
         if fused is None:
-            a_pre, a_post, a_comb = mhc.hc_mixes(x, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
-                                                 self.get(p + "hc_attn_base"), *hc_args)
-            attn_in = self.ops.act(mhc.collapse(x, pre))
+            a_pre, a_post, a_comb = self.ops.hc_mixes(x, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
+                                                      self.get(p + "hc_attn_base"), *hc_args)
+            attn_in = self.ops.collapse(x, pre)
         else:  # kernel path: one fused mHC launch (collapse + mixes)
             _, attn_in, a_pre, a_post, a_comb = fused
             attn_in = self.ops.act(attn_in)
@@ -257,17 +257,17 @@ class Model:
                                                self.get(p + "hc_ffn_scale"), self.get(p + "hc_ffn_base"), a_pre,
                                                (y, a_post, a_comb), cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
         if fused is None:
-            x1 = self.ops.act(mhc.expand(y, x, a_post, a_comb))
-            f_pre, f_post, f_comb = mhc.hc_mixes(x1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
-                                                 self.get(p + "hc_ffn_base"), *hc_args)
-            ffn_in = self.ops.act(mhc.collapse(x1, a_pre))
+            x1 = self.ops.expand(y, x, a_post, a_comb)
+            f_pre, f_post, f_comb = self.ops.hc_mixes(x1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+                                                      self.get(p + "hc_ffn_base"), *hc_args)
+            ffn_in = self.ops.collapse(x1, a_pre)
         else:  # kernel path: the attention's post/comb update fused with the FFN's collapse + mixes
             x1, ffn_in, f_pre, f_post, f_comb = fused
             x1, ffn_in = self.ops.act(x1), self.ops.act(ffn_in)
         route_probe = {} if probe is not None else None
         y = moe_forward(cfg, L, self.ops.rms_norm(ffn_in, self.get(p + "ffn_norm.weight"), cfg.norm_eps),
                         self.get, self.linear, image_mask, route_probe, self.parallel, kernels=kp, ops=self.ops)
-        x2 = self.ops.act(mhc.expand(y, x1, f_post, f_comb))
+        x2 = self.ops.expand(y, x1, f_post, f_comb)
         if probe is not None:
             probe.update(attn_probe)
             probe["routing"] = route_probe

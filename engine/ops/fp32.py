@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import mhc
+
 NEG_INF = float("-inf")
 
 
@@ -26,6 +28,16 @@ class Fp32Ops:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return self.act(rms_norm(x, weight, eps))
+
+    # mHC: the mixes, the collapse of the copies into a sub-layer's input, the update of the stream
+    def hc_mixes(self, x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+        return mhc.hc_mixes(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
+
+    def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return self.act(mhc.collapse(x, pre))
+
+    def expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        return self.act(mhc.expand(y, residual, post, comb))
 
     def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         """Indexer scores sum_h w_h relu(q_h . k): q [B, H, Di], keys [N, Di], head_w [B, H] -> [B, N].

@@ -36,6 +36,34 @@ class ReferenceOps(Fp32Ops):
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return to_bf16(x)
 
+    # mHC in the reference's order of fp32 operations, so the bf16 stream rounds the same way:
+    # products rounded one by one and summed over the copies in order (a BLAS dot would fuse them)
+    def hc_mixes(self, x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+        flat = x.flatten(1).float()
+        m = (flat @ fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+        post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+        comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+        comb = torch.exp(comb - comb.amax(-1, keepdim=True))
+        comb = comb / comb.sum(-1, keepdim=True) + hc_eps
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+        return pre, post, comb
+
+    def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        out = pre[:, 0, None] * x[:, 0]
+        for i in range(1, x.shape[1]):
+            out += pre[:, i, None] * x[:, i]
+        return to_bf16(out)
+
+    def expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        mixed = comb[:, 0, :, None] * residual[:, 0, None, :]  # [T, hc, dim]: copy 0 into every copy j
+        for i in range(1, residual.shape[1]):
+            mixed += comb[:, i, :, None] * residual[:, i, None, :]
+        return to_bf16(mixed.add_(post.unsqueeze(-1) * y.unsqueeze(1)))
+
     def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         scores = None
         for h in range(q.shape[1]):
