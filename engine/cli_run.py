@@ -10,6 +10,7 @@ from pathlib import Path
 from .__main__ import Command, fmt_bytes, table
 from . import eval as evaluation
 from .api import DEFAULT_CHECKPOINT, EngineError, load
+from .ops import DEFAULT_NUMERICS, NUMERICS
 from .safe_io import read_text
 
 MAX_PROMPT_BYTES = 16 << 20   # far beyond any max_seq_len of text; a bigger file is the wrong file
@@ -25,6 +26,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--ids", help="comma-separated token ids instead of text (e.g. 0,523,77)")
     p.add_argument("--layer", type=int, action="append", help="layer to probe (repeatable; default: all)")
     p.add_argument("--generate", type=int, default=0, help="greedy tokens to generate after the prompt")
+    p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="reference: the official bf16 dtype flow (default); fp32: float32 between every op")
     p.add_argument("--image-span", action="append", default=[], metavar="START:END",
                    help="mark token positions START..END-1 as image positions (routes with bias_vl)")
     p.add_argument("--json", dest="json_out", help="write the probes as JSON to this file ('-' for stdout)")
@@ -60,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
                 raise EngineError(f"--ids {args.ids!r}: expected comma-separated integers") from None
         else:
             prompt = args.prompt
-        engine = load(args.checkpoint)
+        engine = load(args.checkpoint, numerics=args.numerics)
         result = engine.run(prompt, layers=args.layer, image_spans=_spans(args.image_span), generate=args.generate,
                             prefill=args.prefill, replay=args.replay)
     except EngineError as err:
@@ -79,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
         rows.append([L, lr.label, lr.kv_source if lr.kv_source is not None else "-",
                      lr.index_source if lr.index_source is not None else "-", sel, experts, f"{lr.time_s * 1e3:.1f}"])
     print(f"{len(result.token_ids)} tokens through {engine.cfg.n_layers} layers in {result.time_s:.2f} s "
-          f"({engine.source})")
+          f"({engine.source}, {result.numerics} numerics)")
     if result.prefill == "ced":
         print(f"prefill: ced, the decoder over the last {min(result.replay, len(result.token_ids))} prompt tokens "
               f"({result.prefill_s:.2f} s)")

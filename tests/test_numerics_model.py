@@ -81,3 +81,23 @@ def test_engine_says_which_numerics_ran_and_returns_logits_on_request():
     assert fp.numerics == "fp32" and not torch.equal(fp.logits, result.logits)
     with pytest.raises(EngineError, match="unknown numerics 'bf8'; choose one of reference, fp32"):
         Engine(cfg, weights, tok, numerics="bf8")
+
+
+def test_cli_says_which_numerics_ran(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.engine_helpers import write_tiny_checkpoint
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny", 0, 1, engram_layer_ids=(), engram_num_embeddings=())
+    out = tmp_path / "run.json"
+    for numerics in ("fp32", None):
+        extra = ["--numerics", numerics] if numerics else []
+        done = subprocess.run([sys.executable, "-m", "engine", "run", "--checkpoint", str(ckpt), "--ids", "5,6,7,8",
+                               "--json", str(out), *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        said = numerics or "reference"
+        assert f"{said} numerics" in done.stdout
+        assert json.loads(out.read_text())["numerics"] == said
+    bad = subprocess.run([sys.executable, "-m", "engine", "run", "--checkpoint", str(ckpt), "--ids", "5",
+                          "--numerics", "bf7"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "invalid choice: 'bf7'" in bad.stderr and "Traceback" not in bad.stderr

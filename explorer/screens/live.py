@@ -25,6 +25,9 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
     r = plan[view().layer]
     st.markdown(f"## {dspark_view.stage_heading(r, cfg) if r.is_dspark else lv.layer_heading(r)}")
     st.markdown(f"<span class='muted'>{lv.layer_subheading(r, cfg)}</span>", unsafe_allow_html=True)
+    if run is not None and run.get("numerics"):  # engine/ops: which arithmetic produced these probes
+        st.caption(f"Numerics: {run['numerics']}" + (" (the official reference's bf16 dtype flow)"
+                                                     if run["numerics"] == "reference" else " (float32 between ops)"))
     probe = None
     if run is None:
         st.info(why_no_run or "No run yet.")
