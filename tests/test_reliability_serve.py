@@ -16,18 +16,18 @@ import pytest
 
 from tests.engine_helpers import write_tiny_checkpoint
 
-LONG_IDS = [0] + [5 + (i * 7) % 290 for i in range(2999)]   # a run of several seconds on the tiny model
+LONG_IDS = [0] + [5 + (i * 7) % 290 for i in range(4087)]   # max_seq_len: ~3 s on the tiny model (2 cores)
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    """A real service: tiny checkpoint, at most 8 generated tokens, 2 s run and read timeouts."""
+    """A real service: tiny checkpoint, at most 8 generated tokens, 1 s run timeout, 2 s read timeout."""
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_rel_serve"), 2, 2, engram_layer_ids=(),
                                  engram_num_embeddings=())
     log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--checkpoint", str(ckpt), "--port", "0",
-                                 "--max-generate", "8", "--run-timeout", "2", "--read-timeout", "2"],
+                                 "--max-generate", "8", "--run-timeout", "1", "--read-timeout", "2"],
                                 stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             line = proc.stdout.readline()
@@ -165,7 +165,7 @@ def test_chunked_body_is_refused(service):
 
 def test_a_run_past_the_run_timeout_does_not_block_the_others(service):
     """One client's long run: it, and another client's run waiting behind it, get a 504 after the run
-    timeout (2 s) instead of waiting on; the waiting one leaves the queue; /health answers throughout."""
+    timeout (1 s) instead of waiting on; the waiting one leaves the queue; /health answers throughout."""
     url, _, _ = service
     replies = {}
 
