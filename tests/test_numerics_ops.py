@@ -173,3 +173,31 @@ def test_tie_marks_by_hand():
     idx, picked = topk_in_position_order(short, 2)
     kth, tied = tie_marks(short, idx, picked)
     assert idx.tolist() == [[0, -1]] and kth.tolist() == [-math.inf] and tied.tolist() == [[False, False]]
+
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_reference_mhc_follows_the_reference_order_bit_for_bit(T):
+    """The mixes, collapse and update against the reference's arithmetic written plainly (out of
+    place, [T, i, j] layout, products summed over the copies with torch.sum): the same bits."""
+    g = torch.Generator().manual_seed(T)
+    hc, dim, iters, eps = 4, 64, 20, 1e-6
+    x = to_bf16(torch.randn(T, hc, dim, generator=g))
+    fn, scale, base = torch.randn(24, hc * dim, generator=g) * 0.05, torch.rand(3, generator=g), torch.randn(24, generator=g)
+    pre, post, comb = REF.hc_mixes(x, fn, scale, base, hc, iters, eps, 1e-20)
+    flat = x.flatten(1)
+    m = torch.nn.functional.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-20)
+    c = (m[:, 8:] * scale[2] + base[8:]).unflatten(-1, (hc, hc))
+    c = torch.exp(c - c.amax(-1, keepdim=True))
+    c = c / c.sum(-1, keepdim=True) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    assert torch.equal(comb, c)
+    assert torch.equal(pre, torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps)
+    y = to_bf16(torch.randn(T, dim, generator=g))
+    expected = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * x.unsqueeze(-2), dim=1)
+    assert torch.equal(REF.expand(y, x, post, comb), to_bf16(expected))
+    assert torch.equal(REF.collapse(x, pre), to_bf16(torch.sum(pre.unsqueeze(-1) * x, dim=1)))
+    # columns of comb sum to 1 (the last Sinkhorn step), rows nearly
+    assert torch.allclose(comb.sum(-2), torch.ones(T, hc), atol=1e-5)

@@ -44,13 +44,16 @@ class ReferenceOps(Fp32Ops):
         pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
         post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
         comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-        comb = torch.exp(comb - comb.amax(-1, keepdim=True))
-        comb = comb / comb.sum(-1, keepdim=True) + hc_eps
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+        # Sinkhorn on [i, j, T]: each sum over 4 values runs in order in either layout (the same bits,
+        # tested), and in place on whole rows of T it is ~4x faster
+        c = comb.permute(1, 2, 0).contiguous()
+        c = c.sub_(c.amax(1, keepdim=True)).exp_()
+        c.div_(c.sum(1, keepdim=True)).add_(hc_eps)                  # rows: softmax + eps
+        c.div_(c.sum(0, keepdim=True).add_(hc_eps))                  # then columns
         for _ in range(iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-        return pre, post, comb
+            c.div_(c.sum(1, keepdim=True).add_(hc_eps))
+            c.div_(c.sum(0, keepdim=True).add_(hc_eps))
+        return pre, post, c.permute(2, 0, 1).contiguous()
 
     def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         out = pre[:, 0, None] * x[:, 0]
