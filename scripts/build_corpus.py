@@ -1,5 +1,9 @@
 """Build the offline text corpus (train / held-out split) and its manifest.
 
+This is the small corpus the tokenizer (assets/tokenizer/) and the first shipped model were made
+from. The large training corpus is built by scripts/corpus_prose.py (Debian documentation, here) and
+scripts/corpus_code.py (installed PyPI distributions, on the device); see notes/corpus.md.
+
 Sources, both rebuildable on any Debian machine without network beyond the package mirror:
 - the reStructuredText sources of the Python documentation shipped in Debian's `python3.11-doc`
   (`usr/share/doc/python3.11/html/_sources/**/*.rst.txt`), fetched with `apt-get download` and
