@@ -103,7 +103,10 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
                                 "routing_map", "expert routing", r.layer, tag=f"layer {r.layer}")
                 st.caption(gl.CAPTIONS["routing_map"])
                 sx.routing_margin_section(r, probe, q, n_active)
-                st.dataframe(lv.token_routes(model, tokens), hide_index=True, height=240)
+                # built only when opened: a table re-drawn on every click cost more than it showed
+                routes = st.expander("Each token's routed experts (table)", key="routes_table", on_change="rerun")
+                if routes.open:
+                    routes.dataframe(lv.token_routes(model, tokens), hide_index=True, height=240)
         except lv.ProbeError as err:
             fail("Cannot draw the routing view", err)
 
@@ -122,7 +125,10 @@ def kernel_parity_panel(source: str, path: str, text: str, plan) -> None:
     """'Kernel parity': each Triton kernel against its PyTorch reference on the selected layer's real
     inputs (engine/kernel_path.py layer_parity), on a button press; the table shows the differences."""
     r = plan[view().layer]
-    with st.expander("Kernel parity"):
+    box = st.expander("Kernel parity", key="parity_box", on_change="rerun")
+    if not box.open:    # built only when opened (it loads the engine and tokenizes the prompt)
+        return
+    with box:
         blocker = run_plan.parity_blocker(source, path, text, r, remote=bool(remote.engine_url()))
         if blocker:
             st.caption(blocker)
