@@ -230,7 +230,7 @@ class Attention:
     def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
         cfg = self.cfg
         kv = self.ops.rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
-        kv = self.ops.act(rotate(kv, positions, self.freqs))
+        kv = self.ops.rotate(kv, positions, self.freqs)
         # bytes only for what the cache keeps (all of the chunk's on the kernel path)
         q8, s8 = quant.quantize_fp8(kv if keep_bytes else kv[-cfg.window_size:], 32)
         kv = ste(kv, quant.fp8_roundtrip(kv, 32))
@@ -249,7 +249,10 @@ class Attention:
     def _compress(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """Pool new complete groups of `ratio` tokens into entries and publish them."""
         cfg, src, m = self.cfg, self.source, self.ratio
-        kv = x.float() @ self.w("attn.compressor.wkv.weight").t()
+        ops = self.ops
+        # ratio 1: a bf16 GEMM in the reference; ratio > 1: fp32 weights, pooled in fp32
+        kv = ops.bf16_linear(x, self.w("attn.compressor.wkv.weight")) if m == 1 else \
+            x.float() @ self.w("attn.compressor.wkv.weight").t()
         if m > 1:
             score = x.float() @ self.w("attn.compressor.wgate.weight").t()
             if src.pending_kv is not None:
@@ -263,12 +266,11 @@ class Attention:
             kv = kv[:cut].unflatten(0, (n_groups, m))
             weights = torch.softmax(score[:cut].unflatten(0, (n_groups, m)), dim=1)  # per channel over the group
             kv = (kv * weights).sum(dim=1)  # pooled in fp32 (so in the reference too), then stored
-        ops = self.ops
         latent = ops.rms_norm(ops.act(kv), self.w("attn.compressor.norm.weight"), cfg.norm_eps)  # [n, D], pre-RoPE
         first = torch.arange(src.n_entries, src.n_entries + latent.shape[0], device=x.device) * m  # group's first position
-        ik = ops.rms_norm(ops.act(latent @ self.w("attn.indexer.wk.weight").t()), self.w("attn.indexer.k_norm.weight"),
+        ik = ops.rms_norm(ops.bf16_linear(latent, self.w("attn.indexer.wk.weight")), self.w("attn.indexer.k_norm.weight"),
                           cfg.norm_eps)
-        src.append(ops.act(rotate(latent, first, self.freqs)), ops.act(rotate(ik, first, self.freqs)))
+        src.append(ops.rotate(latent, first, self.freqs), ops.rotate(ik, first, self.freqs))
 
     def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,
@@ -282,11 +284,11 @@ class Attention:
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         local_hi = hi if self.parallel is None else self.parallel.local(hi, "index heads")  # this rank's heads
         q = self.linear(qr, "attn.indexer.wq_b").view(-1, local_hi, di)
-        q = self.ops.act(rotate(q, positions, self.freqs))
+        q = self.ops.rotate(q, positions, self.freqs)
         q_rotated = q
         q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
-        act = self.ops.act  # weights_proj is a bf16 GEMM in the reference, and so is its scaled output
-        head_w = act(act(x.float() @ self.w("attn.indexer.weights_proj.weight").t()) * (di ** -0.5 * hi ** -0.5))
+        # weights_proj is a bf16 GEMM in the reference, and its scaled output is bf16 too
+        head_w = self.ops.act(self.ops.bf16_linear(x, self.w("attn.indexer.weights_proj.weight")) * (di ** -0.5 * hi ** -0.5))
         kp = shared.kernels
         if kp is not None and kp.active(self.role.layer) and self.parallel is None:
             got = self._index_kernels(kp, q_rotated, head_w, positions, src, shared)
@@ -383,7 +385,7 @@ class Attention:
             n_heads, groups = self.parallel.local(n_heads, "heads"), self.parallel.local(groups, "groups")
         qr = self.ops.rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
         q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
-        q = self.ops.act(rotate(q, positions, self.freqs))
+        q = self.ops.rotate(q, positions, self.freqs)
 
         kp = shared.kernels if shared.kernels is not None and shared.kernels.active(self.role.layer) \
             and self.parallel is None else None
@@ -434,10 +436,10 @@ class Attention:
                 global_probs.append(p_glob)
             o = torch.cat(outs)
             self.global_probs = torch.cat(global_probs) if global_kv is not None else None
-        o = self.ops.act(rotate(o, positions, self.freqs, inverse=True))
+        o = self.ops.rotate(o, positions, self.freqs, inverse=True)
 
         wo_a = self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1)
-        o = self.ops.act(torch.einsum("tgd,grd->tgr", o.reshape(-1, groups, n_heads // groups * head_dim), wo_a))
+        o = self.ops.grouped_out(o.reshape(-1, groups, n_heads // groups * head_dim), wo_a)  # a bf16 GEMM there
         out = self.linear(o.flatten(1), "attn.wo_b")
         if self.parallel is not None:  # wo_b holds this rank's input columns: a partial sum
             out = self.parallel.all_reduce(out)

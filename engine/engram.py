@@ -259,6 +259,7 @@ def engram_forward(
     eps: float,
     token_mask: torch.Tensor | None = None,
     act=None,
+    gemm=None,
 ) -> torch.Tensor:
     """The stream after Engram: x + gate * value per copy, same shape and dtype as x.
 
@@ -266,7 +267,8 @@ def engram_forward(
     wkv: [(hc + 1) * dim, n_rows * head_dim] (keys of copies 0..hc-1, then the value);
     q_weight, k_weight: [hc, dim]; token_mask: optional BoolTensor [T], False = leave untouched.
     Computed in float32 (float64 if x is float64). act (engine/ops): how the wkv GEMM's output is
-    stored (bf16 in the reference's numerics); None keeps it as computed.
+    stored (bf16 in the reference's numerics); None keeps it as computed. gemm: x @ w^T in the
+    numerics' order of sums (None: one matmul).
     """
     if x.dim() != 3:
         raise EngramError(f"x must be [T, hc, dim], got shape {tuple(x.shape)}")
@@ -282,7 +284,7 @@ def engram_forward(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
 
     flat = rows_embed.reshape(n_tok, in_features).to(compute)
-    kv = flat @ wkv.to(compute).T  # [T, (hc + 1) * dim]
+    kv = flat @ wkv.to(compute).T if gemm is None else gemm(flat, wkv.to(compute))  # [T, (hc + 1) * dim]
     if act is not None:
         kv = act(kv)
     key = kv[:, : hc * dim].reshape(n_tok, hc, dim)

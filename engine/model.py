@@ -78,7 +78,7 @@ class Model:
         name = base + ".weight"
         w = self.weights.get(name)
         if self.act_quant and self.weights.stored_dtype(name) in ("F8_E4M3", "I8"):
-            x = self._rounded(x)
+            return self.ops.act(self.ops.gemm(self._rounded(x), w))  # the FP8 GEMM's order of sums
         return self.ops.act(x.float() @ w.t())  # the GEMM's output dtype (bf16 in the reference)
 
     def _rounded(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ class Model:
             table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
         return self.ops.act(engram.engram_forward(x, table, self.get(p + "wkv.weight"), self.get(p + "q_weight"),
                                                   self.get(p + "k_weight"), cfg.norm_eps, token_mask=~dead,
-                                                  act=self.ops.act))
+                                                  act=self.ops.act, gemm=self.ops.gemm if self.act_quant else None))
 
     def _compressed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.compressed_vocab is None:

@@ -36,6 +36,10 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.t()
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """The clamps come from training: the gate branch only from above, the up branch both sides."""
     if limit > 0:
@@ -45,13 +49,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                   get, linear, owned: tuple[int, int] | None = None, act=_identity) -> torch.Tensor:
+                   get, linear, owned: tuple[int, int] | None = None, act=_identity, gemm=None) -> torch.Tensor:
     """sum_e w_e Expert_e(x) over each token's chosen experts. The (token, expert) slots are sorted
     by expert, so each expert multiplies one contiguous run of rows: no padding, no wasted rows.
     Only the chosen experts' weights are fetched.
     owned (expert parallel): only the slots whose expert is in [start, stop) count.
     act (engine/ops): how each GEMM's output and the weighted SwiGLU output are stored (bf16 in the
-    reference's numerics); the sum over a token's experts stays fp32."""
+    reference's numerics); the sum over a token's experts stays fp32. gemm (engine/ops): x @ w^T in the
+    numerics' order of sums."""
+    gemm = gemm or _matmul
     T, k = experts.shape
     slot_experts, slot_weights = experts.flatten(), weights.flatten()   # [T*k]
     slot_token = torch.arange(T * k, device=x.device) // k
@@ -69,14 +75,14 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     inter = cfg.moe_inter_dim
     # one expert at a time: its rows are gathered and multiplied while still in cache, and only its
     # weights are held (stacking every used expert's would take ~17 GB per GPU at release size)
-    gate_up = act(torch.cat([xq.index_select(0, token[a:b]) @ torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
-                                                                           get(f"{prefix}experts.{e}.w3.weight")]).t()
+    gate_up = act(torch.cat([gemm(xq.index_select(0, token[a:b]), torch.cat([get(f"{prefix}experts.{e}.w1.weight"),
+                                                                              get(f"{prefix}experts.{e}.w3.weight")]))
                              for e, a, b in runs]))
     h = swiglu(gate_up[:, :inter], gate_up[:, inter:], cfg.swiglu_limit)
     h = linear(act(h * slot_weights.unsqueeze(-1)), None)
     y = torch.zeros(T, cfg.dim, device=x.device, dtype=h.dtype)
     for e, a, b in runs:
-        y.index_add_(0, token[a:b], act(h[a:b] @ get(f"{prefix}experts.{e}.w2.weight").t()))
+        y.index_add_(0, token[a:b], act(gemm(h[a:b], get(f"{prefix}experts.{e}.w2.weight"))))
     return y
 
 
@@ -86,7 +92,7 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
     parallel (engine/parallel.py): each rank adds its own experts' share, then all_reduce.
     kernels (engine/kernel_path.py KernelPath): the routed experts from the packed FP4 bytes.
     ops (engine/ops): the numerics (None: fp32); `linear` already stores its outputs so."""
-    act = _identity if ops is None else ops.act
+    act, gemm = (_identity, _matmul) if ops is None else (ops.act, ops.gemm)
     n_routed, n_active = cfg.experts_of(layer)
     prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
     bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
@@ -96,10 +102,11 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
     if kernels is not None and parallel is None:  # kernel path (None when it does not compute here)
         y = kernels.routed(layer, prefix, n_routed, linear(x, None), experts, weights, cfg.swiglu_limit)
     if y is None and parallel is None:
-        y = routed_experts(cfg, prefix, x, experts, weights, get, linear, act=act)
+        y = routed_experts(cfg, prefix, x, experts, weights, get, linear, act=act, gemm=gemm)
     elif y is None:
         owned = parallel.split(n_routed, "routed experts")
-        y = parallel.all_reduce(routed_experts(cfg, prefix, x, experts, weights, get, linear, owned, act=act))
+        y = parallel.all_reduce(routed_experts(cfg, prefix, x, experts, weights, get, linear, owned, act=act,
+                                               gemm=gemm))
     base = prefix + "shared_experts."
     y = act(y + linear(act(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit)), base + "w2"))
     if probe is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import mhc
+from ..rope import rotate
 
 NEG_INF = float("-inf")
 
@@ -29,6 +30,22 @@ class Fp32Ops:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return self.act(rms_norm(x, weight, eps))
 
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
+        """RoPE on the last len(freqs)*2 dims (engine/rope.py), stored as an activation."""
+        return self.act(rotate(x, positions, freqs, inverse))
+
+    def grouped_out(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection: o [T, g, d] x wo_a [g, r, d] -> [T, g, r]."""
+        return self.act(torch.einsum("tgd,grd->tgr", o, wo_a))
+
+    def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T for a weight the reference keeps in bf16 (a bf16 GEMM there), stored as an activation."""
+        return self.act(x.float() @ w.float().t())
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w [N, K]^T for FP8/FP4 weights and FP8 activations (both dequantized), fp32."""
+        return x @ w.t()
+
     # mHC: the mixes, the collapse of the copies into a sub-layer's input, the update of the stream
     def hc_mixes(self, x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
         return mhc.hc_mixes(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
@@ -43,7 +60,7 @@ class Fp32Ops:
         """Indexer scores sum_h w_h relu(q_h . k): q [B, H, Di], keys [N, Di], head_w [B, H] -> [B, N].
         One head at a time: [B, N], never [B, H, N]."""
         scores = None
-        for h in range(q.shape[1]):
+        for h in range(q.shape[1]):  # one head at a time: [B, N], never [B, H, N]
             per_head = torch.mm(q[:, h], keys.t()).relu_()
             w = head_w[:, h:h + 1]
             scores = per_head * w if scores is None else torch.addcmul(scores, per_head, w)
