@@ -326,6 +326,11 @@ class Attention:
                 ranking = ranking.masked_fill(outside, OUTSIDE_POOL)
             block_idx, block_picked = topk_in_position_order(ranking, k)
             block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
+            # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
+            chosen = self.ops.break_ties(scores.detach(), ranking, visible[b], n, k, block_idx, block_picked, block_tied)
+            if chosen[0] is not block_idx:
+                block_idx, block_picked = chosen
+                block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
             if self.role.in_candidate_pool:
                 block_picked = block_picked.masked_fill(block_picked == OUTSIDE_POOL, NEG_INF)
                 block_kth = block_kth.masked_fill(block_kth == OUTSIDE_POOL, NEG_INF)

@@ -38,6 +38,11 @@ class Fp32Ops:
         """The grouped output projection: o [T, g, d] x wo_a [g, r, d] -> [T, g, r]."""
         return self.act(torch.einsum("tgd,grd->tgr", o, wo_a))
 
+    def break_ties(self, scores, ranking, visible, n: int, k: int, idx, picked, tied):
+        """The top-k picks where a row's k-th score ties with unpicked entries. Here: as given (ties
+        go to the lower positions, so a prompt run whole and token by token picks the same)."""
+        return idx, picked
+
     def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w^T for a weight the reference keeps in bf16 (a bf16 GEMM there), stored as an activation."""
         return self.act(x.float() @ w.float().t())

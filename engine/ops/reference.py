@@ -100,6 +100,24 @@ class ReferenceOps(Fp32Ops):
             mixed += comb[:, i, :, None] * residual[:, i, None, :]
         return to_bf16(mixed.add_(post.unsqueeze(-1) * y.unsqueeze(1)))
 
+    def break_ties(self, scores, ranking, visible, n: int, k: int, idx, picked, tied):
+        """Rows with ties pick as the reference's `topk(sorted=False)` does: torch's top-k of the bf16
+        scores over the row's full width (every entry of the source, -inf where not visible or, in a
+        Reindex layer, outside the pool), sorted, entries not yet visible -1. Deterministic for a
+        given row, so equal scores give the reference's picks (a prefill in one chunk)."""
+        rows = tied.any(-1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return idx, picked
+        full = torch.full((rows.numel(), n), NEG_INF, dtype=torch.bfloat16, device=scores.device)
+        width = min(n, scores.shape[1])
+        full[:, :width] = scores[rows, :width].to(torch.bfloat16)
+        top = full.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        top = torch.where(top < visible[rows, None], top, -1)
+        idx, picked = idx.clone(), picked.clone()
+        idx[rows] = top
+        picked[rows] = ranking[rows].gather(-1, top.clamp_min(0).clamp_max(ranking.shape[1] - 1)).masked_fill(top < 0, NEG_INF)
+        return idx, picked
+
     def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         B, H, D = q.shape
         # one bf16 GEMM over every (query, head) row, as the reference's einsum runs
