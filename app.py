@@ -1,8 +1,12 @@
 """V4.1-Flash explorer: `streamlit run app.py`. Widget wiring only; figures and view models live in
 explorer/, the model in engine/.
 
-Environment: EXPLORER_SOURCE=config|shipped|path picks the default model source (also `?source=`),
-EXPLORER_CHECKPOINT the default checkpoint folder, EXPLORER_TIMING=1 logs each section's server time.
+Environment: EXPLORER_SOURCE=config|shipped|path picks the default model source (a link's `?source=`
+wins), EXPLORER_CHECKPOINT the default checkpoint folder, EXPLORER_CHECKPOINT_ROOT the folders the
+checkpoint field may read when the app listens beyond localhost (':'-separated; unset: only
+EXPLORER_CHECKPOINT), EXPLORER_DRAFT_DIR where long prompts of links are kept (default: a temp
+folder), EXPLORER_TIMING=1 logs each section's server time, EXPLORER_DRAW_OFFSCREEN=1 updates charts
+out of sight at once (the bench's baseline).
 """
 
 from __future__ import annotations
