@@ -41,7 +41,8 @@ class _TextParser(HTMLParser):
                 self.skip_depth += 1
             return
         attr = dict(attrs)
-        marks = set(f"{attr.get('class') or ''} {attr.get('id') or ''}".split())
+        # lowercased: old DocBook stylesheets write CLASS="NAVHEADER"
+        marks = set(f"{attr.get('class') or ''} {attr.get('id') or ''}".lower().split())
         if tag in SKIP_TAGS or (tag not in VOID_TAGS and marks & SKIP_MARKS):
             if tag not in VOID_TAGS:
                 self.skip_tag, self.skip_depth = tag, 1

@@ -216,7 +216,7 @@ def test_prose_pack_is_checked_and_tokenized_with_the_code(fake_site, tmp_path):
 
 def test_html_to_text_drops_page_furniture_and_keeps_code_blocks():
     html = ("<html><head><title>T</title><style>p{}</style></head><body>"
-            "<nav class='sidebar'><a>Chapter list</a></nav><div class='navheader'>Prev Next</div>"
+            "<nav class='sidebar'><a>Chapter list</a></nav><DIV CLASS='NAVHEADER'>Prev Next</DIV>"
             "<h1>Ownership</h1><p>Rust   manages\nmemory.</p><pre>fn main() {\n    let s = 1;\n}</pre>"
             "<ul><li>one</li><li>two</li></ul><div class='footer'>Built with a tool</div></body></html>")
     assert html_to_text(html) == "Ownership\n\nRust manages memory.\n\nfn main() {\n    let s = 1;\n}\n\n- one\n- two"
