@@ -321,17 +321,20 @@ class Attention:
             if width < k:  # early queries: fewer entries than picks, the rest is -1 padding
                 scores = F.pad(scores, (0, k - width), value=NEG_INF)
             ranking = scores.detach()
-            if self.role.in_candidate_pool:  # visible entries outside the pool rank last, tied
+            if self.role.in_candidate_pool and self.ops.tops_up_pool:  # visible entries outside the pool rank last, tied
                 outside = (ranking == NEG_INF) & (entry[None, :ranking.shape[1]] < visible[b, None])
                 ranking = ranking.masked_fill(outside, OUTSIDE_POOL)
             block_idx, block_picked = topk_in_position_order(ranking, k)
             block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
             # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
             chosen = self.ops.break_ties(scores.detach(), ranking, visible[b], n, k, block_idx, block_picked, block_tied)
-            if chosen[0] is not block_idx:
+            if chosen[0] is not block_idx:  # re-picked rows: their picks at the old k-th score stay marked tied
+                had = block_tied.any(-1, keepdim=True)
                 block_idx, block_picked = chosen
+                retied = had & (block_picked == block_kth[:, None]) & (block_idx >= 0)
                 block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
-            if self.role.in_candidate_pool:
+                block_tied = block_tied | retied
+            if self.role.in_candidate_pool and self.ops.tops_up_pool:
                 block_picked = block_picked.masked_fill(block_picked == OUTSIDE_POOL, NEG_INF)
                 block_kth = block_kth.masked_fill(block_kth == OUTSIDE_POOL, NEG_INF)
             kths.append(block_kth)

@@ -37,8 +37,10 @@ def build_engine(checkpoint: str, parallel=None, act_quant: bool = False):
     weights = CheckpointWeights(CheckpointReader(checkpoint, cfg))
     if parallel is not None:
         weights = ShardedWeights(weights, parallel, cfg)
+    # fp32 numerics: each rank's partial sums are added before any rounding; under reference numerics a
+    # rank would round its partial GEMM outputs to bf16 first, so the two layouts could not agree exactly
     return Engine(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), source=checkpoint,
-                  identity="test", parallel=parallel, act_quant=act_quant)
+                  identity="test", parallel=parallel, act_quant=act_quant, numerics="fp32")
 
 
 def one_run(engine, ids: list[int]) -> dict:

@@ -123,3 +123,35 @@ def test_reference_wavefront_differs_from_one_chunk_only_in_tied_picks():
         for t in (~same).nonzero().flatten().tolist():
             sure_a = set(a.topk[t][~a.topk_tied[t]].tolist())
             assert sure_a == set(b.topk[t][~b.topk_tied[t]].tolist()), (L, t)
+
+
+def test_reindex_pool_case_per_numerics():
+    """A Reindex layer whose candidate pool holds fewer than index_topk visible entries: fp32 pads
+    with -1 (picks inside the pool only); reference lets torch's topk take any entries tied at -inf
+    (visible ones outside the pool are attended, not yet visible ones read -1), as the reference
+    does, and marks those picks tied."""
+    cfg = tiny_config(index_topk=8)  # pool: 2 blocks of 4 <= k, so a pool short of 8 is common
+    weights = TensorWeights(random_weights(cfg, 0))
+    tok = IdentityTokenizer(cfg.engram_compressed_vocab_size)
+    ids = random_ids(cfg, 40)
+    seen_top_up = False
+    for numerics in ("fp32", "reference"):
+        model = Model(cfg, weights, tok, numerics=numerics)
+        collect = {}
+        with torch.inference_mode():
+            model.forward(ids, probes=ProbeRequest(layers={7}), collect=collect)
+        pool, top, scores = (collect[7][k] for k in ("candidate_pool", "topk", "topk_scores"))
+        for t in range(40):
+            sel = top[t][top[t] >= 0]
+            inside = pool[t, sel]
+            n_pool = int(pool[t].sum())
+            assert int(inside.sum()) == min(n_pool, cfg.index_topk)
+            if numerics == "fp32":
+                assert inside.all()
+            else:  # which -inf entries fill the rest is topk's choice (not yet visible ones read -1)
+                outside = (top[t] >= 0).clone()
+                outside[top[t] >= 0] = ~inside
+                assert torch.isneginf(scores[t][outside]).all()
+                assert collect[7]["topk_tied"][t][outside].all()
+                seen_top_up |= bool(outside.any())
+    assert seen_top_up

@@ -22,6 +22,10 @@ class Fp32Ops:
     an activation to bf16; here it is the identity."""
 
     name = "fp32"
+    # a Reindex layer's pool of fewer than index_topk visible entries: False pads the picks with -1
+    # (the engine's original rule, and the kernel path's); True tops it up with visible entries
+    # outside the pool, tied at -inf, as the reference's topk does
+    tops_up_pool = False
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """An activation as it is stored between two ops."""

@@ -33,6 +33,7 @@ def to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 class ReferenceOps(Fp32Ops):
     name = "reference"
+    tops_up_pool = True
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return to_bf16(x)
