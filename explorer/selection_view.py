@@ -22,6 +22,9 @@ RUNNER = "#A6A6A6"     # an entry that was not picked
 KTH = "#D55E00"
 
 
+OUTSIDE_POOL = -1e37   # below this: a pick from outside the candidate pool (the engine scores those float32 min)
+
+
 class SelectionError(ValueError):
     """The probes do not hold what this view needs; the message says what."""
 
@@ -46,7 +49,7 @@ class QueryScores:
     @property
     def margin(self) -> float | None:
         """k-th pick's score minus the best unpicked one's (0: the last pick was a tie)."""
-        if self.kth is None or self.best_unpicked is None:
+        if self.kth is None or self.best_unpicked is None or self.kth <= OUTSIDE_POOL:
             return None
         return self.kth - self.best_unpicked
 
@@ -67,21 +70,25 @@ def _row(probe: dict, key: str, q: int):
 def query_scores(probe: dict, q: int) -> QueryScores:
     """The picks of query q with their scores, best first; ties with unpicked entries marked.
 
-    A pick is a tie when its score equals the best unpicked entry's score (the indexer could not tell
-    them apart: the lower position won), and always when it is exactly 0 (the ReLU'd score of an
-    entry the indexer gives nothing; many entries share it)."""
+    A tie is a pick whose score equals the k-th while more entries share that score than were picked:
+    which of them the top-k took is arbitrary (the engine's `topk_tied`). Runs without that probe: a
+    pick is a tie when its score equals the best unpicked entry's, or is exactly 0 (the ReLU'd score
+    of an entry the indexer gives nothing; many entries share it)."""
     entries, scores = _row(probe, "topk", q), _row(probe, "topk_scores", q)
     if entries is None or scores is None:
         raise SelectionError("the run recorded no top-k scores for this layer")
-    picks = sorted(((int(j), float(s)) for j, s in zip(entries, scores) if j is not None and j >= 0 and s is not None),
-                   key=lambda p: (-p[1], p[0]))
+    marks = _row(probe, "topk_tied", q)
+    rows = sorted(((int(j), float(s), None if marks is None else bool(marks[i]))
+                   for i, (j, s) in enumerate(zip(entries, scores)) if j is not None and j >= 0 and s is not None),
+                  key=lambda p: (-p[1], p[0]))
     runners = None
     r_entries, r_scores = _row(probe, "runner_ups", q), _row(probe, "runner_up_scores", q)
     if r_entries is not None and r_scores is not None:
-        runners = [(int(j), float(s)) for j, s in zip(r_entries, r_scores) if j is not None and j >= 0 and s is not None]
+        runners = [(int(j), float(s)) for j, s in zip(r_entries, r_scores)
+                   if j is not None and j >= 0 and s is not None and s > OUTSIDE_POOL]
     best = runners[0][1] if runners else None
-    tied = [s == 0 or (best is not None and s == best) for _, s in picks]
-    return QueryScores(q, picks, runners, tied)
+    tied = [t if t is not None else (s == 0 or (best is not None and s == best)) for _, s, t in rows]
+    return QueryScores(q, [(j, s) for j, s, _ in rows], runners, tied)
 
 
 _MEMO: dict[tuple, tuple[tuple, object]] = {}   # per-prompt results, keyed by the probe lists they read
@@ -152,7 +159,9 @@ def entry_label(entry: int, ratio: int, tokens: list[str]) -> str:
 def scores_figure(qs: QueryScores, ratio: int, tokens: list[str], height: int = 260) -> Figure:
     """Ranked bars: the picks (blue; ties orange) then the best unpicked entries (grey), the k-th
     pick's score as a line. Index scores are ReLU'd dot products summed over index heads (no unit)."""
-    rows = [(j, s, TIED if t else PICK, "tie" if t else "picked") for (j, s), t in zip(qs.picks, qs.tied)]
+    rows = [(j, max(s, 0.0) if s <= OUTSIDE_POOL else s, TIED if t else PICK,
+             "outside the pool, no score" if s <= OUTSIDE_POOL else "tie" if t else "picked")
+            for (j, s), t in zip(qs.picks, qs.tied)]
     rows += [(j, s, RUNNER, "not picked") for j, s in qs.runners or []]
     x = np.arange(1, len(rows) + 1, dtype=np.int32)
     fig = Figure([dict(type="bar", x=x, y=np.asarray([r[1] for r in rows], dtype=np.float32),
@@ -160,10 +169,10 @@ def scores_figure(qs: QueryScores, ratio: int, tokens: list[str], height: int = 
                        customdata=[f"{entry_label(r[0], ratio, tokens)} · {r[3]}" for r in rows],
                        hovertemplate="rank %{x}: %{customdata}<br>index score %{y:.4g}<extra></extra>",
                        showlegend=False)])
-    for name, colour in (("picked", PICK), ("tie (equal to an unpicked score, or 0)", TIED), ("not picked", RUNNER)):
+    for name, colour in (("picked", PICK), ("tie (score shared with unpicked entries)", TIED), ("not picked", RUNNER)):
         fig.add_trace(dict(type="bar", x=[None], y=[None], name=name, marker=dict(color=colour), hoverinfo="skip"))
     shapes = []
-    if qs.kth is not None:
+    if qs.kth is not None and qs.kth > OUTSIDE_POOL:
         shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, y0=qs.kth, y1=qs.kth,
                            line=dict(color=KTH, width=1.2, dash="dash")))
     if qs.picks and qs.runners:
@@ -213,9 +222,11 @@ def scores_caption(qs: QueryScores, layer: int, source: int) -> str:
     if not qs.picks:
         return f"Query {qs.query} sees no global entry yet, so it picked nothing."
     where = f"layer {source}'s indexer" if source != layer else "the indexer"
+    kth = f"({qs.kth:.4g})" if qs.kth > OUTSIDE_POOL else "(outside the candidate pool: no score)"
     parts = [f"Each bar is one entry's score from {where} for query {qs.query}: blue bars were picked, orange "
-             f"picks are ties (score 0 or equal to an unpicked entry: the earlier position won), grey bars are "
-             f"the best unpicked entries; the dashed line is the {len(qs.picks)}th pick's score ({qs.kth:.4g})."]
+             f"picks are ties (their score is shared by unpicked entries, so which were taken is arbitrary: here "
+             f"the earlier positions), grey bars are the best unpicked entries; the dashed line is the "
+             f"{len(qs.picks)}th pick's score {kth}."]
     if qs.margin is not None:
         parts.append(f"Best unpicked: {qs.best_unpicked:.4g} (margin {qs.margin:.4g}).")
     elif qs.runners is None:

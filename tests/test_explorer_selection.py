@@ -111,3 +111,15 @@ def test_the_token_strip_pages_to_the_query_and_escapes_text():
     assert "data-i='4100' title='#4100 · 1' class='fo'" in html and "data-i='4099' title='#4099 · 1' class='hl'" in html
     short = strip_html(["a", "b"], query=1)
     assert "of 2" not in short and short.count("<span data-i=") == 2
+
+
+def test_the_engines_tie_marks_win_and_outside_pool_picks_are_labelled():
+    probe = {"topk": [[0, 1, 3, 4]], "topk_scores": [[0.4, 0.0, 0.9, -3.4e38]],
+             "topk_tied": [[False, True, False, False]]}
+    qs = sel.query_scores(probe, 0)
+    assert qs.picks[-1] == (4, -3.4e38) and qs.tied == [False, False, True, False]   # marks follow the sort
+    assert qs.margin is None
+    fig = sel.scores_figure(qs, 1, ["t"] * 6)
+    assert list(fig.data[0].y)[-1] == 0.0 and fig.data[0].customdata[-1].endswith("outside the pool, no score")
+    assert not fig.layout.get("shapes") or all(s.get("y0") != -3.4e38 for s in fig.layout.shapes)
+    assert "outside the candidate pool" in sel.scores_caption(qs, 24, 24)

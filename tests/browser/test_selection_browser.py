@@ -70,13 +70,15 @@ def test_a_click_on_a_token_sets_the_query_in_every_view(server, browser):
     page.locator(".st-key-token_strip span[data-i='12']").click()
     _query_everywhere(page, 12)
     assert page.locator(".st-key-token_strip .strip .fo").get_attribute("data-i") == "12"
-    # the picks on screen follow the data: a bar is orange exactly when its score is 0 or equals the best unpicked
+    # the picks on screen follow the engine's tie marks: orange bars are labelled ties, all at the k-th score
     bars = page.evaluate("() => { const d = document.querySelector('.st-key-topk_scores .js-plotly-plot')._fullData[0];"
                          " return {y: Array.from(d.y), c: d.marker.color, t: d.customdata}; }")
     assert len(bars["y"]) == len(bars["c"]) == len(bars["t"]) > 0
     for y, c, t in zip(bars["y"], bars["c"], bars["t"]):
         if t.endswith("picked") or t.endswith("tie"):
-            assert (c == TIED) == t.endswith("tie") and (y != 0 or c == TIED)
+            assert (c == TIED) == t.endswith("tie")
+    picked = [y for y, t in zip(bars["y"], bars["t"]) if t.endswith(("picked", "tie"))]
+    assert all(y == min(picked) for y, c in zip(bars["y"], bars["c"]) if c == TIED)
     # a click on a row of the top-k map makes that row the query
     box = page.locator(".st-key-topk_map .nsewdrag").first.bounding_box()
     page.mouse.click(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.6)
@@ -144,14 +146,16 @@ def _title_is_drawn(png: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def tie_server(tmp_path_factory):
-    """A saved run whose query 9 picked entry 2 with score 0 and entry 5 equal to the best unpicked."""
+    """A saved run whose query 9 took two of four entries scored 0 (a tie, marked as the engine marks it)."""
     T = 12
     layer = synthetic_layer(T, k=4, index_source=24, seed=3)
     layer["topk"][9] = [1, 2, 5, 7]
-    layer["topk_scores"][9] = [0.9, 0.0, 0.3, 0.6]
+    layer["topk_scores"][9] = [0.9, 0.0, 0.6, 0.0]
+    layer["topk_tied"] = [[False] * 4 for _ in range(T)]
+    layer["topk_tied"][9] = [False, True, False, True]
     layer["runner_ups"] = [[-1, -1] for _ in range(T)]
     layer["runner_up_scores"] = [[None, None] for _ in range(T)]
-    layer["runner_ups"][9], layer["runner_up_scores"][9] = [4, 8], [0.3, 0.1]
+    layer["runner_ups"][9], layer["runner_up_scores"][9] = [4, 8], [0.0, 0.0]
     path = tmp_path_factory.mktemp("tie") / "run.json"
     path.write_text(json.dumps(synthetic_run(T, {24: layer})))
     with streamlit_server({"EXPLORER_SOURCE": "shipped", "EXPLORER_RUN_JSON": str(path)},
@@ -168,12 +172,11 @@ def test_a_tie_shows_as_a_tie(tie_server, browser):
                            " || '').includes('query 9 ')", timeout=60_000)
     bars = page.evaluate("() => { const d = document.querySelector('.st-key-topk_scores .js-plotly-plot')._fullData[0];"
                          " return {y: Array.from(d.y).map(v => Math.round(v * 100) / 100), c: d.marker.color}; }")
-    # ranked: 0.9 (picked), 0.6 (picked), 0.3 (tie with the unpicked entry 4), 0.0 (tie), then the unpicked
-    assert bars["y"] == [0.9, 0.6, 0.3, 0.0, 0.3, 0.1]
+    # ranked: 0.9, 0.6 (picked), the two picks at 0 (ties: unpicked entries 4 and 8 score 0 too), the unpicked
+    assert bars["y"] == [0.9, 0.6, 0.0, 0.0, 0.0, 0.0]
     assert bars["c"][:4] == [PICK, PICK, TIED, TIED] and bars["c"][4:] == ["#A6A6A6", "#A6A6A6"]
-    caption = page.locator("text=1 of 4 picks scored exactly 0").count()
-    assert caption == 1
-    assert page.locator("text=margin -0.3").count() >= 1       # the 4th pick (0) vs the best unpicked (0.3)
+    assert page.locator("text=2 of 4 picks scored exactly 0").count() == 1
+    assert page.locator("text=(margin 0)").count() >= 1       # the 4th pick (0) vs the best unpicked (0)
     page.locator(".st-key-topk_scores").scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     page.screenshot(path=str(ARTIFACTS / "selection_tie.png"))
