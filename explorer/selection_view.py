@@ -171,6 +171,9 @@ def scores_figure(qs: QueryScores, ratio: int, tokens: list[str], height: int = 
                        showlegend=False)])
     for name, colour in (("picked", PICK), ("tie (score shared with unpicked entries)", TIED), ("not picked", RUNNER)):
         fig.add_trace(dict(type="bar", x=[None], y=[None], name=name, marker=dict(color=colour), hoverinfo="skip"))
+    # a mark on each bar's top: a pick scored 0 (the common tie) has no bar height to show it by
+    fig.add_trace(dict(type="scatter", x=x, y=fig.data[0]["y"], mode="markers", showlegend=False, hoverinfo="skip",
+                       marker=dict(color=[r[2] for r in rows], size=7, symbol="diamond", line=dict(width=0))))
     shapes = []
     if qs.kth is not None and qs.kth > OUTSIDE_POOL:
         shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, y0=qs.kth, y1=qs.kth,

@@ -123,3 +123,10 @@ def test_the_engines_tie_marks_win_and_outside_pool_picks_are_labelled():
     assert list(fig.data[0].y)[-1] == 0.0 and fig.data[0].customdata[-1].endswith("outside the pool, no score")
     assert not fig.layout.get("shapes") or all(s.get("y0") != -3.4e38 for s in fig.layout.shapes)
     assert "outside the candidate pool" in sel.scores_caption(qs, 24, 24)
+
+
+def test_zero_score_picks_stay_visible():
+    qs = sel.query_scores(PROBE, 0)
+    fig = sel.scores_figure(qs, 1, ["t"] * 8)
+    marks = next(t for t in fig.data if t["type"] == "scatter")
+    assert list(marks["y"]) == list(fig.data[0]["y"]) and marks["marker"]["color"] == fig.data[0]["marker"]["color"]
