@@ -43,6 +43,7 @@ class Model:
         # engine/ops: "reference" (the official bf16 dtype flow; engine.api's default) or "fp32"
         # (the default here: training and the float references of the tests run in fp32)
         self.ops = ops_for(numerics)
+        self.ops.max_seq_len = cfg.max_seq_len  # tables sized as the reference sizes them
         self.numerics = self.ops.name
         self.parallel = parallel  # engine/parallel.py (several processes); None in one process
         self.act_quant = act_quant

@@ -68,7 +68,7 @@ def official_capture(reference_dir: str, checkpoint: str, ids: list[int]) -> dic
     cfg = engine.cfg
     fields = set(ref.ModelArgs.__dataclass_fields__)
     args = ref.ModelArgs(**{k: getattr(cfg, k) for k in fields if hasattr(cfg, k)})
-    args.max_batch_size, args.max_seq_len = 1, max(256, -(-len(ids) // 256) * 256)
+    args.max_batch_size = 1  # max_seq_len as the config says (the RoPE table's length, to the last bit)
     args.vision_n_layers, args.dspark_block_size, args.dspark_target_layer_ids = 0, 0, ()
     # the compressed vocabulary from our tokenizer (the reference builds it from a HF tokenizer object)
     ref_engram.build_compressed_token_map = lambda _tokenizer: engine.tokenizer.compressed_vocab()

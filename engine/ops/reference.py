@@ -21,7 +21,6 @@ import torch
 
 from .fp32 import NEG_INF, Fp32Ops, gather_entries
 
-GEMM_BLOCK = 32  # K per block of the reference's FP8/FP4 GEMM kernels
 ATTN_BLOCK = 64  # entries per step of the reference's sparse attention (its online softmax)
 RUNNING_MAX_FLOOR = -1e30  # the reference's running max starts here, not at -inf
 
@@ -35,26 +34,20 @@ class ReferenceOps(Fp32Ops):
     name = "reference"
     tops_up_pool = True
 
+    def __init__(self, max_seq_len: int = 65536):
+        self.max_seq_len = max_seq_len  # the RoPE table's length: the config's, as the reference's
+        self._rope_tables: dict = {}
+
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return to_bf16(x)
 
-    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """As the reference's FP8/FP4 GEMMs: one product per K block of 32 (its scales are powers of two,
-        so on dequantized values the block sums round the same), the blocks added in K order in fp32."""
-        K = x.shape[-1]
-        if K % GEMM_BLOCK or K <= GEMM_BLOCK:
-            return x @ w.t()
-        acc = x[:, :GEMM_BLOCK] @ w[:, :GEMM_BLOCK].t()
-        for a in range(GEMM_BLOCK, K, GEMM_BLOCK):
-            acc += x[:, a:a + GEMM_BLOCK] @ w[:, a:a + GEMM_BLOCK].t()
-        return acc
-
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
         """RoPE as complex products with polar(1, angle), as the reference rotates (its cos/sin differ
-        from torch.cos/sin in the last bit)."""
+        from torch.cos/sin in the last bit), read from one table of every position up to max_seq_len
+        as the reference precomputes it (polar's vector code and its tail round differently, so
+        even the table's length matters to the last bit)."""
         rd = freqs.numel() * 2
-        angles = positions.to(torch.float32)[:, None] * freqs.to(x.device)[None, :]  # [T, rd/2]
-        cis = torch.polar(torch.ones_like(angles), angles)
+        cis = self._rope_table(freqs, x.device)[positions]  # [T, rd/2]
         if inverse:
             cis = cis.conj()
         cis = cis.view((x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,))
@@ -63,9 +56,19 @@ class ReferenceOps(Fp32Ops):
         out[..., -rd:] = torch.view_as_real(pairs * cis).flatten(-2)
         return to_bf16(out)
 
-    # the reference's bf16 GEMMs are torch's bf16 GEMMs: run them as such (same kernel, same bits)
+    def _rope_table(self, freqs: torch.Tensor, device) -> torch.Tensor:
+        key = (tuple(freqs.tolist()), str(device))
+        table = self._rope_tables.get(key)
+        if table is None:
+            angles = torch.outer(torch.arange(self.max_seq_len), freqs.float().cpu())
+            table = self._rope_tables[key] = torch.polar(torch.ones_like(angles), angles).to(device)
+        return table
+
+    # the reference's bf16 GEMMs: the small ones (weights_proj, wk, the ratio-1 compressor) run as torch
+    # bf16 GEMMs (the same kernel, the same bits); wo_a and the index scores as an fp32 sum rounded to
+    # bf16, which differs from that kernel in rare last bits (torch's bf16 GEMM costs ~10x here)
     def grouped_out(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("tgd,grd->tgr", o.bfloat16(), wo_a.bfloat16()).float()
+        return to_bf16(torch.einsum("tgd,grd->tgr", o, wo_a))
 
     def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x.bfloat16() @ w.bfloat16().t()).float()
@@ -122,11 +125,11 @@ class ReferenceOps(Fp32Ops):
     def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         B, H, D = q.shape
         # one bf16 GEMM over every (query, head) row, as the reference's einsum runs
-        per_head = (q.reshape(B * H, D).bfloat16() @ keys.bfloat16().t()).view(B, H, -1).relu_()
-        weighted = (per_head * head_w.bfloat16().unsqueeze(-1)).float()  # bf16 products
-        scores = weighted[:, 0].clone()
-        for h in range(1, H):  # the head sum in fp32, in order, rounded once
-            scores += weighted[:, h]
+        scores = None
+        for h in range(H):  # one head at a time: [B, N]
+            per_head = to_bf16(torch.mm(q[:, h], keys.t())).relu_()
+            weighted = to_bf16(per_head.mul_(head_w[:, h:h + 1]))
+            scores = weighted if scores is None else scores.add_(weighted)
         return to_bf16(scores)
 
     def attend(self, q: torch.Tensor, positions: torch.Tensor, windows: torch.Tensor, sink: torch.Tensor,
