@@ -35,6 +35,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -186,10 +187,12 @@ def summarize(out: dict) -> list[dict]:
         for replay in out["replays"]:
             acc = [r["accuracy"]["by_replay"][str(replay)] for r in runs if "accuracy" in r]
             ced_s = sum(r["timing"][f"ced_{replay}"]["best_s"] for r in runs) / len(runs)
+            medians = [median(r["timing"][f"ced_{replay}"]["all_s"]) / median(r["timing"]["full"]["all_s"]) for r in runs]
             def mean(key, acc=acc):
                 return sum(float(a[key]) for a in acc) / len(acc) if acc else float("nan")
             rows.append({"tokens": n_tokens, "kind": kind, "replay": replay, "prompts": len(runs),
                          "full_s": full_s, "ced_s": ced_s, "time_ratio": ced_s / full_s,
+                         "median_time_ratio": sum(medians) / len(medians),
                          "param_ratio": expected_ratio(ratio, n_tokens, replay),
                          "logits_rel_l2": mean("logits_rel_l2"), "argmax_agrees": mean("argmax_agrees"),
                          "diverges_at": mean("diverges_at"), "min_diverges_at": min((a["diverges_at"] for a in acc), default=-1),
@@ -200,11 +203,12 @@ def summarize(out: dict) -> list[dict]:
 
 def table(out: dict) -> str:
     head = (f"{'tokens':>6} {'kind':<5} {'R':>4} {'full s':>7} {'ced s':>7} {'ratio':>6} {'params':>6} "
-            f"{'logit relL2':>11} {'argmax':>6} {'parts at':>8} {'min':>4} {'picks':>5} {'top-k J':>7} {'routing':>7}")
+            f"{'median':>6} {'logit relL2':>11} {'argmax':>6} {'parts at':>8} {'min':>4} {'picks':>5} {'top-k J':>7} {'routing':>7}")
     lines = [head]
     for r in out["summary"]:
         lines.append(f"{r['tokens']:>6} {r['kind']:<5} {r['replay']:>4} {r['full_s']:>7.3f} {r['ced_s']:>7.3f} "
-                     f"{r['time_ratio']:>6.3f} {r['param_ratio']:>6.3f} {r['logits_rel_l2']:>11.4f} "
+                     f"{r['time_ratio']:>6.3f} {r['param_ratio']:>6.3f} {r['median_time_ratio']:>6.3f} "
+                     f"{r['logits_rel_l2']:>11.4f} "
                      f"{r['argmax_agrees']:>6.2f} {r['diverges_at']:>8.1f} {r['min_diverges_at']:>4} "
                      f"{r['step_pick_agreement']:>5.2f} {r['topk_jaccard']:>7.3f} {r['routing_agreement']:>7.3f}")
     p = out["param_ratios"]
@@ -264,6 +268,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.from_json:
         out = json.loads(Path(args.from_json).read_text())
+        out["summary"] = summarize(out)
     else:
         out = run(args)
         if args.out:
