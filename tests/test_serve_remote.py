@@ -31,7 +31,7 @@ IDS = [0] + list(range(20, 80))
 def no_time(x):
     """A run's JSON without the wall-clock fields (they differ between any two runs)."""
     if isinstance(x, dict):
-        return {k: no_time(v) for k, v in x.items() if k != "time_s"}
+        return {k: no_time(v) for k, v in x.items() if k not in ("time_s", "prefill_s")}
     if isinstance(x, list):
         return [no_time(v) for v in x]
     return x
