@@ -134,39 +134,48 @@ class ReferenceOps(Fp32Ops):
 
     def attend(self, q: torch.Tensor, positions: torch.Tensor, windows: torch.Tensor, sink: torch.Tensor,
                idx, global_kv: torch.Tensor | None, window_size: int, scale: float):
-        B, H, _ = q.shape
+        B, H, D = q.shape
         w = window_size
-        win_scores = torch.bmm(q, windows)  # [B, H, W]
         if int(positions[0]) < w - 1:
             # the reference lists an early query's window valid slots first (slot j = position j):
             # roll those rows so the blocks of 64 hold the same entries
             shift = (w - 1 - positions).clamp_min(0)
             cols = (torch.arange(w, device=q.device)[None, :] + shift[:, None]) % w  # [B, W]
-            win_scores = win_scores.gather(-1, cols[:, None, :].expand(B, H, w))
             windows = windows.gather(-1, cols[:, None, :].expand(-1, windows.shape[1], -1))
             empty = torch.arange(w, device=q.device)[None, :] > positions[:, None]
-            win_scores.masked_fill_(empty[:, None, :], NEG_INF)
+        else:
+            empty = torch.zeros(B, w, dtype=torch.bool, device=q.device)
         # a prompt shorter than the window lists only its own length of slots
         n_win = min(w, int(positions[-1]) + 1)
-        win_scores, windows = win_scores[..., :n_win], windows[..., :n_win]
-        parts = [win_scores]
-        gathered = None
+        keys = [windows[..., :n_win].transpose(1, 2)]  # [B, n_win, D]
+        invalid = [empty[:, :n_win]]
         if global_kv is not None:
-            gathered = gather_entries(global_kv, idx)
-            parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_(idx[1][:, None, :], NEG_INF))
-        scores = torch.cat(parts, dim=-1) * scale  # [B, H, C]
-        n = scores.shape[-1]
-        blocks = -(-n // ATTN_BLOCK)
-        padded = torch.nn.functional.pad(scores, (0, blocks * ATTN_BLOCK - n), value=NEG_INF)
-        padded = padded.view(B, H, blocks, ATTN_BLOCK)
-        running = padded.amax(-1).cummax(-1).values.clamp_min(RUNNING_MAX_FLOOR)  # [B, H, blocks]
-        p = torch.exp(padded - running.unsqueeze(-1))  # fp32, against the running max
-        final = running[..., -1:]
-        rescale = torch.exp(running - final)  # [B, H, blocks]
-        denom = (p.sum(-1) * rescale).sum(-1) + torch.exp(sink.float().view(1, -1) - final.squeeze(-1))
-        weights = (to_bf16(p) * rescale.unsqueeze(-1)).flatten(-2)[..., :n]  # bf16 probabilities, rescaled
-        o = torch.bmm(weights[..., :n_win], windows.transpose(1, 2))
-        if gathered is not None:
-            o = torch.baddbmm(o, weights[..., n_win:], gathered)
-        o = to_bf16(o / denom.unsqueeze(-1))
-        return o, (None if gathered is None else weights[..., n_win:] / denom.unsqueeze(-1))
+            keys.append(gather_entries(global_kv, idx))
+            invalid.append(idx[1])
+        keys = torch.cat(keys, dim=1).contiguous()  # [B, C, D]: each query's entries in the reference's order
+        invalid = torch.cat(invalid, dim=1)  # [B, C]
+        n = keys.shape[1]
+        # the reference's online softmax, one block of 64 entries at a time: the probabilities that
+        # multiply V are bf16 against the running max, the denominator sums them unrounded
+        running = torch.full((B, H), RUNNING_MAX_FLOOR, device=q.device)
+        acc = torch.zeros(B, H, D, device=q.device)
+        denom = torch.zeros(B, H, device=q.device)
+        probs = []
+        for a in range(0, n, ATTN_BLOCK):
+            kb = keys[:, a:a + ATTN_BLOCK]
+            s = torch.bmm(q, kb.transpose(1, 2)).masked_fill_(invalid[:, None, a:a + ATTN_BLOCK], NEG_INF) * scale
+            new = torch.maximum(running, s.amax(-1))
+            rescale = torch.exp(running - new)
+            p = torch.exp(s - new.unsqueeze(-1))
+            denom = denom * rescale + p.sum(-1)
+            pb = to_bf16(p)
+            acc = acc * rescale.unsqueeze(-1) + torch.bmm(pb, kb)
+            probs.append((pb, new))
+            running = new
+        denom = denom + torch.exp(sink.float().view(1, -1) - running)
+        o = to_bf16(acc / denom.unsqueeze(-1))
+        if global_kv is None:
+            return o, None
+        # the probe: each global entry's share of the final softmax
+        share = torch.cat([pb * torch.exp(m - running).unsqueeze(-1) for pb, m in probs], dim=-1)[..., n_win:]
+        return o, share / denom.unsqueeze(-1)
