@@ -314,8 +314,8 @@ class Attention:
                 scores = self.parallel.all_reduce(scores)
             scores = scores.masked_fill(entry[None, :width] >= visible[b, None], NEG_INF)
             if self.role.candidate_source:
-                shared.candidates[b, :width] = select_candidate_blocks(
-                    scores.detach(), visible[b], cfg.candidate_topk_blocks, cfg.candidate_block_size)
+                shared.candidates[b, :width] = self.ops.select_blocks(
+                    scores.detach(), visible[b], cfg.candidate_topk_blocks, cfg.candidate_block_size, n)[:, :width]
             elif self.role.in_candidate_pool:
                 scores = scores.masked_fill(~shared.candidates[b, :width], NEG_INF)
             if width < k:  # early queries: fewer entries than picks, the rest is -1 padding

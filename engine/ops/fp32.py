@@ -47,6 +47,12 @@ class Fp32Ops:
         go to the lower positions, so a prompt run whole and token by token picks the same)."""
         return idx, picked
 
+    def select_blocks(self, scores, visible, n_blocks: int, block: int, n: int) -> torch.Tensor:
+        """The candidate source's pool (engine/attention.py select_candidate_blocks): ties between
+        block scores go to the lower block."""
+        from ..attention import select_candidate_blocks
+        return select_candidate_blocks(scores, visible, n_blocks, block)
+
     def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w^T for a weight the reference keeps in bf16 (a bf16 GEMM there), stored as an activation."""
         return self.act(x.float() @ w.float().t())

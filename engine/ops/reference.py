@@ -122,6 +122,23 @@ class ReferenceOps(Fp32Ops):
         picked[rows] = ranking[rows].gather(-1, top.clamp_min(0).clamp_max(ranking.shape[1] - 1)).masked_fill(top < 0, NEG_INF)
         return idx, picked
 
+    def select_blocks(self, scores, visible, n_blocks: int, block: int, n: int) -> torch.Tensor:
+        """The pool as the reference picks it: torch's topk over the bf16 block maxima of the row's
+        full width n (ties between blocks are its choice), the newest visible block pinned."""
+        rows = scores.shape[0]
+        full = torch.full((rows, -(-n // block) * block), NEG_INF, device=scores.device)
+        full[:, :scores.shape[1]] = scores[:, :n]
+        block_max = full.view(rows, -1, block).amax(-1)  # [B, nb]
+        nb = block_max.shape[1]
+        newest = (visible - 1).div(block, rounding_mode="floor")
+        block_max = block_max.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None],
+                                          float("inf"))
+        top = block_max.to(torch.bfloat16).topk(min(n_blocks, nb), dim=-1)
+        keep = torch.zeros(rows, nb, dtype=torch.bool, device=scores.device).scatter_(-1, top.indices,
+                                                                                      top.values > NEG_INF)
+        entries = torch.arange(n, device=scores.device)
+        return keep.repeat_interleave(block, dim=-1)[:, :n] & (entries[None, :] < visible[:, None])
+
     def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         B, H, D = q.shape
         # one bf16 GEMM over every (query, head) row, as the reference's einsum runs
