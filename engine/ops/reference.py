@@ -164,14 +164,18 @@ class ReferenceOps(Fp32Ops):
             empty = torch.zeros(B, w, dtype=torch.bool, device=q.device)
         # a prompt shorter than the window lists only its own length of slots
         n_win = min(w, int(positions[-1]) + 1)
-        keys = [windows[..., :n_win].transpose(1, 2)]  # [B, n_win, D]
-        invalid = [empty[:, :n_win]]
-        if global_kv is not None:
-            keys.append(gather_entries(global_kv, idx))
-            invalid.append(idx[1])
-        keys = torch.cat(keys, dim=1).contiguous()  # [B, C, D]: each query's entries in the reference's order
-        invalid = torch.cat(invalid, dim=1)  # [B, C]
-        n = keys.shape[1]
+        win_keys = windows[..., :n_win].transpose(1, 2)  # [B, n_win, D] (a view)
+        gathered = gather_entries(global_kv, idx) if global_kv is not None else win_keys[:, :0]
+        invalid = torch.cat([empty[:, :n_win], idx[1]] if global_kv is not None else [empty[:, :n_win]], dim=1)
+        n = n_win + gathered.shape[1]  # each query's entries in the reference's order: window, then picks
+
+        def block_keys(a: int, b: int) -> torch.Tensor:  # [B, b - a, D]; copied only across the seam
+            if b <= n_win:
+                return win_keys[:, a:b]
+            if a >= n_win:
+                return gathered[:, a - n_win:b - n_win]
+            return torch.cat([win_keys[:, a:], gathered[:, :b - n_win]], dim=1)
+
         # the reference's online softmax, one block of 64 entries at a time: the probabilities that
         # multiply V are bf16 against the running max, the denominator sums them unrounded
         running = torch.full((B, H), RUNNING_MAX_FLOOR, device=q.device)
@@ -179,7 +183,7 @@ class ReferenceOps(Fp32Ops):
         denom = torch.zeros(B, H, device=q.device)
         probs = []
         for a in range(0, n, ATTN_BLOCK):
-            kb = keys[:, a:a + ATTN_BLOCK]
+            kb = block_keys(a, min(n, a + ATTN_BLOCK))
             s = torch.bmm(q, kb.transpose(1, 2)).masked_fill_(invalid[:, None, a:a + ATTN_BLOCK], NEG_INF) * scale
             new = torch.maximum(running, s.amax(-1))
             rescale = torch.exp(running - new)
