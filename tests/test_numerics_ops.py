@@ -201,3 +201,34 @@ def test_reference_mhc_follows_the_reference_order_bit_for_bit(T):
     assert torch.equal(REF.collapse(x, pre), to_bf16(torch.sum(pre.unsqueeze(-1) * x, dim=1)))
     # columns of comb sum to 1 (the last Sinkhorn step), rows nearly
     assert torch.allclose(comb.sum(-2), torch.ones(T, hc), atol=1e-5)
+
+
+def test_reference_breaks_ties_as_torch_topk_over_the_full_row():
+    # row 0: entries 1, 2, 3 tie at the k-th score; width 5 of n = 8 entries; visible 5
+    scores = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.5], [4.0, 3.0, 2.0, 1.0, 0.0]])
+    visible = torch.tensor([5, 4])
+    idx, picked = topk_in_position_order(scores, 2)
+    kth, tied = tie_marks(scores, idx, picked)
+    assert tied[0].tolist() == [False, True] and not tied[1].any()
+    got_idx, got_picked = REF.break_ties(scores, scores, visible, 8, 2, idx, picked, tied)
+    full = torch.full((1, 8), -math.inf, dtype=torch.bfloat16)
+    full[0, :5] = scores[0].bfloat16()
+    expected = full.topk(2, sorted=False).indices.sort().values[0]
+    assert got_idx[0].tolist() == expected.tolist() and got_idx[0, 0] == 0
+    assert got_picked[0].tolist() == scores[0, expected].tolist()
+    assert torch.equal(got_idx[1], idx[1])  # an untied row keeps its picks
+    same = FP32.break_ties(scores, scores, visible, 8, 2, idx, picked, tied)
+    assert same[0] is idx  # fp32: the lower-position rule stands
+
+
+def test_reference_pool_is_torch_topk_of_bf16_block_maxima():
+    # 3 blocks of 2 over n = 6 entries; blocks 0 and 1 tie at 2.0 for the one slot left beside the
+    # pinned newest block (2); torch's topk makes the choice, the rest follows the reference's rule
+    scores = torch.tensor([[2.0, 1.0, 0.5, 2.0, 1.0, -math.inf]])
+    visible = torch.tensor([5])
+    keep = REF.select_blocks(scores, visible, 2, 2, 6)
+    block_max = torch.tensor([[2.0, 2.0, math.inf]]).bfloat16()
+    chosen = set(block_max.topk(2).indices[0].tolist())
+    expected = torch.tensor([[b in chosen for b in (0, 0, 1, 1, 2, 2)]]) & (torch.arange(6) < 5)
+    assert torch.equal(keep, expected)
+    assert keep[0, 4] and not keep[0, 5]  # the newest visible block pinned; invisible entries out
