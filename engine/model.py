@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernel_path, mhc, quant
-from .attention import Attention, LayerWeights, Shared, rms_norm
+from . import kernel_path, quant
+from .attention import Attention, LayerWeights, Shared
 from .config import ModelConfig
 from .moe import moe_forward
 from .ops import ops_for
