@@ -5,7 +5,7 @@
 Every position but the first is predicted exactly once: the text is cut into windows of at most
 `max_len` tokens that overlap by one token (each window restarts the caches, so a window's first
 token is context only). Also: a unigram baseline from the training split's token counts with add-one
-smoothing, when those counts are available (assets/training/train_counts.npy, written by `python -m engine.train prepare`).
+smoothing, when those counts are available (assets/training/train_counts.npy, from the training split).
 """
 
 from __future__ import annotations
