@@ -22,28 +22,55 @@ def _prefill(model, ids, layers=None):
     return logits, collect
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_prefill_and_token_by_token_decode_agree(seed):
-    cfg = tiny_config()
-    model = tiny_model(cfg, seed=seed)
-    T = 37
-    ids = random_ids(cfg, T, seed)
-    logits, whole = _prefill(model, ids)
+def _decode_token_by_token(model, ids):
     model.reset()
     steps, per_step = [], []
     with torch.inference_mode():
-        for t in range(T):
+        for t in range(len(ids)):
             collect = {}
             steps.append(model.forward(ids[t:t + 1], probes=ProbeRequest(), collect=collect))
             per_step.append(collect)
-    decoded = torch.cat(steps)
-    scale = logits.abs().max()
-    assert (decoded - logits).abs().max() < 0.02 * scale  # FP8/FP4 rounding may flip a code
+    return torch.cat(steps), per_step
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_and_token_by_token_decode_agree(seed):
+    """Without activation quantization the two schedules compute the same function: logits agree to
+    fp32 rounding and every selection layer picks the same entries."""
+    cfg = tiny_config()
+    model = tiny_model(cfg, seed=seed, act_quant=False)
+    T = 37
+    ids = random_ids(cfg, T, seed)
+    logits, whole = _prefill(model, ids)
+    decoded, per_step = _decode_token_by_token(model, ids)
+    assert (decoded - logits).abs().max() < 1e-4 * logits.abs().max()
     for L in (2, 3, 5, 6, 7):
         for t in range(T):
             one = per_step[t][L]["topk"][0]
             assert torch.equal(whole[L]["topk"][t, :one.numel()], one), (L, t)
             assert (whole[L]["topk"][t, one.numel():] == -1).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_and_decode_agree_under_fp8_activations(seed):
+    """With FP8 activation quantization a different matmul summation order (prefill's [T, d] GEMM vs
+    decode's [1, d], or another CPU's kernels) can move a value across a rounding step, and a flipped
+    code can flip an expert or a pick downstream: most rows still agree exactly, and the logits'
+    typical row stays within quantization noise."""
+    cfg = tiny_config()
+    model = tiny_model(cfg, seed=seed)
+    T = 37
+    ids = random_ids(cfg, T, seed)
+    logits, whole = _prefill(model, ids)
+    decoded, per_step = _decode_token_by_token(model, ids)
+    row_error = (decoded - logits).norm(dim=-1) / logits.norm(dim=-1)
+    # measured: exact (~1e-6) with AVX-512 kernels; with ATEN_CPU_CAPABILITY=avx2 seed 0 flips a code
+    # at position 1 and every later row carries it (median 3.9%, argmax 97%, picks 84% identical)
+    assert row_error.median() < 0.1
+    assert (decoded.argmax(-1) == logits.argmax(-1)).float().mean() >= 0.9
+    same = [torch.equal(whole[L]["topk"][t, :per_step[t][L]["topk"][0].numel()], per_step[t][L]["topk"][0])
+            for L in (2, 3, 5, 6, 7) for t in range(T)]
+    assert sum(same) >= 0.75 * len(same)
 
 
 def test_reuse_layers_borrow_their_sources_selection():
@@ -119,7 +146,7 @@ def _engine():
     ([5, 300], None, "outside the vocabulary"),
     ([5, -1], None, "outside the vocabulary"),
     ([5, 6], [8], "layer 8 does not exist"),
-    ([5, 6], ["x"], "does not exist"),
+    ([5, 6], ["x"], "'x' is not a layer number"),
 ])
 def test_bad_input_gives_a_clear_error(prompt, layers, message):
     engine = _engine()
