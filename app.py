@@ -198,10 +198,14 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
     st.divider()
     guarded("Cannot draw the comparison", compare_section, cfg, plan, run, source, path)
     scroll_if_asked()
-    kept = {k: v for k, v in st.query_params.to_dict().items() if k not in ("layer", "tab", "pos", "session",
-                                                                             *link.LINK_KEYS)}
     linked = link.link_params(source, st.session_state.get("ckpt_path", ""), text, link.draft_dir())
-    st.query_params.from_dict({**kept, **view().to_query(), **linked})
+    owned = {**view().to_query(), **linked}
+    # only this section's keys are touched: the others may be bound to widgets (plan_open), which
+    # st.query_params refuses to set
+    for key in ("layer", "tab", "pos", "session", *link.LINK_KEYS):
+        if key not in owned and key in st.query_params:
+            del st.query_params[key]
+    st.query_params.update(owned)
     log_time("analysis", started)
     log_time("script-ended-at")
 

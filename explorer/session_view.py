@@ -72,12 +72,15 @@ def image_span(marks: Iterable[Mapping[str, Any]]) -> tuple[int, int] | None:
 def build_session_data(*, name: str, author: str, notes: str, view: ViewState, role: LayerRole,
                        source_kind: str, model_source: str, model_identity: str, engine_version: str,
                        prompt: str, span: tuple[int, int] | None, settings: Mapping[str, Any] | None = None,
-                       run: Mapping[str, Any] | None = None, prompt_b: str | None = None) -> SessionData:
-    """What "Save" stores: model, prompt and marks, the view (layer, tab, position, widget settings)
-    and the run's probes of the layers looked at; `prompt_b`, the side by side's other prompt, as the
-    second prompt (its run is not stored: opening the session offers it to run again). Validation is
-    the store's job."""
+                       run: Mapping[str, Any] | None = None, prompt_b: str | None = None,
+                       plan_settings: Mapping[str, Any] | None = None) -> SessionData:
+    """What "Save" stores: model, prompt and marks, the view (layer, tab, position, widget settings,
+    the serving plan's inputs as {"plan": {...}}) and the run's probes of the layers looked at;
+    `prompt_b`, the side by side's other prompt, as the second prompt (its run is not stored: opening
+    the session offers it to run again). Validation is the store's job."""
     view_settings: dict[str, Any] = {"position": view.position, "source": source_kind}
+    if plan_settings and isinstance(plan_settings.get("plan"), Mapping):
+        view_settings["plan"] = dict(plan_settings["plan"])
     for key in SETTING_KEYS:
         value = (settings or {}).get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):

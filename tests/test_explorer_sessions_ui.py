@@ -365,6 +365,40 @@ def test_app_saves_prompt_b_of_the_side_by_side(app_env, monkeypatch):
     assert at2.text_area(key="cmp_prompt").value == "what prompt B says"
 
 
+def test_build_keeps_the_serving_plan_inputs(plan):
+    inputs = {"gpu": "b200", "gpus": 4, "ep": 4, "tp": 1, "dp_attention": True, "batch": 32, "context": 65536,
+              "engram": "host"}
+    assert session_data(plan, plan_settings={"plan": inputs}).view["plan"] == inputs
+    assert "plan" not in session_data(plan, plan_settings={}).view      # nothing on screen, nothing stored
+
+
+def test_app_saved_session_round_trips_the_plan_inputs(app_env):
+    """The Serving plan's inputs as set in its widgets are saved with the session and come back in
+    the widgets when the session is opened by its link."""
+    at = start({"layer": "25", "plan_open": "true"})
+    at.selectbox(key="plan_gpu").set_value("mi300x").run()
+    at.number_input(key="plan_batch").set_value(96).run()
+    at.checkbox(key="plan_dp").check().run()
+    check(at)
+    sid = save_via_sidebar(at)
+    with SessionStore.from_env() as s:
+        stored = s.load(sid).view["plan"]
+    assert (stored["gpu"], stored["batch"], stored["dp_attention"]) == ("mi300x", 96, True)
+
+    at2 = start({"session": sid, "plan_open": "true"})
+    assert at2.selectbox(key="plan_gpu").value == "mi300x"
+    assert at2.number_input(key="plan_batch").value == 96 and at2.checkbox(key="plan_dp").value is True
+    assert query_value(at2, "plan_gpu") == "mi300x" and query_value(at2, "plan_batch") == "96"
+
+
+def test_app_saves_the_links_plan_inputs_with_the_expander_closed(app_env):
+    at = start({"layer": "25", "plan_gpu": "b200", "plan_batch": "32"})   # the expander was never opened
+    sid = save_via_sidebar(at)
+    with SessionStore.from_env() as s:
+        stored = s.load(sid).view["plan"]
+    assert (stored["gpu"], stored["batch"]) == ("b200", 32)
+
+
 def test_app_sessions_on_postgresql(app_env, pg_url, monkeypatch):  # noqa: F811
     """The same flow with the team's database: EXPLORER_DB_URL names a PostgreSQL server."""
     monkeypatch.setenv("EXPLORER_DB_URL", pg_url)

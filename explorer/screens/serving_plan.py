@@ -36,12 +36,17 @@ def bench_comparisons() -> list[dict]:
 
 
 def session_settings() -> dict[str, Any]:
-    """The plan inputs on screen, for a saved session's view dict (see planner_view.session_settings)."""
+    """The plan inputs on screen, for a saved session's view dict (see planner_view.session_settings):
+    the widgets' values, or the URL's while the expander is closed (its widgets are then gone from
+    the session state); {} when neither has any."""
     state = st.session_state
-    if "plan_gpu" not in state:
+    if all(key in state for key in pv.URL_KEYS):
+        return {"plan": {name: state[key] for key, name in pv.URL_KEYS.items()}}
+    query = st.query_params.to_dict()
+    if not any(key in query for key in pv.URL_KEYS):
         return {}
-    values = {name: state.get(key) for key, name in pv.URL_KEYS.items()}
-    return {"plan": values}
+    inputs, _ = pv.inputs_from_mapping(query, release_model()[0], pv.URL_KEYS)
+    return pv.session_settings(inputs)
 
 
 def _write(inputs: PlanInputs) -> None:

@@ -12,6 +12,7 @@ import streamlit as st
 
 from explorer import run_plan, session_view as sv
 from explorer.screens.common import cached_engine, cpu_refusal, set_view, view
+from explorer.screens.serving_plan import session_settings as plan_session_settings
 from explorer.session_compare import replay_report
 from explorer.sessions import SessionConflict, SessionError, SessionNotFound, SessionStore, StoreUnavailable
 
@@ -90,7 +91,8 @@ def current_data(name: str, author: str, notes: str):
         model_source=origin.get("source") or a["path"], model_identity=origin.get("identity", ""),
         engine_version=origin.get("engine_version", ""), prompt=a["text"], span=a["span"],
         settings={k: st.session_state.get(k) for k in sv.SETTING_KEYS}, run=a["run"],
-        prompt_b=st.session_state.get("cmp_prompt") if st.session_state.get("cmp_mode") == "prompt" else None)
+        prompt_b=st.session_state.get("cmp_prompt") if st.session_state.get("cmp_mode") == "prompt" else None,
+        plan_settings=plan_session_settings())
 
 
 def on_save() -> None:
