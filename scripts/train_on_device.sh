@@ -9,18 +9,25 @@ WORK=${WORK:-/tmp/v41train}
 BUDGET=${BUDGET:-620}
 MAX_TOKENS=${MAX_TOKENS:-60000000}
 PACK=${PACK:-build/corpus_pack/prose.txt.xz}
+# the H200 settings; a CPU smoke passes e.g. SHAPE="--cpu --tiny --batch 2 --seq 256 --max-steps 3 --smoke --eval-seq 256 --eval-windows 1"
+SHAPE=${SHAPE:---bf16 --compile --checkpoint --batch 24 --seq 4096 --dense-batch 32 --dense-seq 1024}
 mkdir -p "$WORK"
 trap 'echo failed > "$WORK/DONE"' ERR
 start=$(date +%s)
+# PACK=none trains on code only (a smoke test where no prose pack was built)
+prose_args=(--prose-pack "$PACK")
+[[ "$PACK" == none ]] && prose_args=()
 python3 scripts/corpus_code.py --out "$WORK/corpus" --workers "$(nproc)" --max-tokens "$MAX_TOKENS" \
-  --prose-pack "$PACK" > "$WORK/corpus.log" 2>&1
+  "${prose_args[@]}" > "$WORK/corpus.log" 2>&1
 echo "corpus built in $(( $(date +%s) - start )) s" >> "$WORK/corpus.log"
 D=$WORK/corpus
 code=$(ls "$D"/train_code_*.npy | paste -sd,)
-prose=$(ls "$D"/train_prose*.npy | paste -sd,)
-python3 -m engine.train train --train "$code" --extra "$prose" --extra-share 0.3 \
-  --bf16 --compile --checkpoint --batch 24 --seq 4096 --dense-batch 32 --dense-seq 1024 \
+extra=()
+[[ "$PACK" != none ]] && extra=(--extra "$(ls "$D"/train_prose*.npy | paste -sd,)" --extra-share 0.3)
+heldout=()
+for h in "$D"/heldout_*.npy; do heldout+=(--heldout "$(basename "$h" .npy | sed 's/^heldout_//')=$h"); done
+python3 -m engine.train train --train "$code" "${extra[@]}" \
   --budget-s "$BUDGET" --dense-frac 0.12 --quant-frac 0.2 --lr 3e-3 --warmup 30 --log-every 10 \
-  --heldout code="$D/heldout_code.npy" --heldout prose="$D/heldout_prose.npy" --eval-windows 8 \
+  "${heldout[@]}" --eval-windows 8 $SHAPE \
   --out "$WORK/out" > "$WORK/train.log" 2>&1
 echo done > "$WORK/DONE"

@@ -60,16 +60,18 @@ def cmd_train(args) -> None:
     run.train(stream, extra, args.extra_share)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for spec in args.heldout:
-        name, path = spec.split("=", 1)
-        tokens = torch.from_numpy(np.load(path).astype(np.int32)).to(device)
-        run.log.setdefault("heldout", {})[name] = run.heldout(name, tokens, args.eval_seq, args.eval_windows,
-                                                              fake_quant=args.quant_frac > 0)
+    # export before the held-out evaluation: a run cut short there must still leave its checkpoint
     from ..checkpoint import write_checkpoint
     model_dir = out / "model"
     write_checkpoint(cfg, model_dir, tensors=run.trainee.export_tensors(), n_shards=args.n_shards)
     run.note(event="exported", bytes=sum(f.stat().st_size for f in model_dir.iterdir()))
     (out / "train_log.json").write_text(json.dumps(run.log, indent=1))
+    for spec in args.heldout:
+        name, path = spec.split("=", 1)
+        tokens = torch.from_numpy(np.load(path).astype(np.int32)).to(device)
+        run.log.setdefault("heldout", {})[name] = run.heldout(name, tokens, args.eval_seq, args.eval_windows,
+                                                              fake_quant=args.quant_frac > 0)
+        (out / "train_log.json").write_text(json.dumps(run.log, indent=1))
 
 
 def cmd_bench(args) -> None:

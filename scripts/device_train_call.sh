@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call that trains the small model and hands it back (notes/training.md): everything must
+# happen inside a single `run` of at most 10 minutes, because the machine is given back after 30 s idle
+# and what it held is lost. Corpus + training + export run under scripts/train_on_device.sh; the
+# exported checkpoint leaves through $OUT in 15 MiB parts (the tool returns files of at most 16 MiB).
+#   run(command="bash scripts/device_train_call.sh", carry=["build/corpus_pack"], timeout_s=600)
+# Back here: python3 scripts/install_trained_model.py <files_at>
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must name the folder that comes back}"
+WORK=${WORK:-/tmp/v41train}
+export WORK BUDGET=${BUDGET:-430} MAX_TOKENS=${MAX_TOKENS:-160000000}
+timeout "${TRAIN_TIMEOUT:-560}" bash scripts/train_on_device.sh
+echo "train_on_device exit $?" > "$OUT/call.txt"
+for f in train.log corpus.log out/train_log.json corpus/index.json; do
+  [[ -f "$WORK/$f" ]] && gzip -c "$WORK/$f" > "$OUT/$(basename "$f").gz"
+done
+if [[ -f "$WORK/out/model/model.safetensors.index.json" ]]; then
+  (cd "$WORK/out" && tar cf - model | split -b 15M - "$OUT/model.tar.part-")
+  (cd "$WORK/out/model" && sha256sum -- *) > "$OUT/model.sha256"
+fi
+ls -l "$OUT" >> "$OUT/call.txt"
