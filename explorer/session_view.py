@@ -403,3 +403,16 @@ def import_upload(store, filename: str, data: bytes):
         return None, f"{filename}: {err} Nothing was imported."
     except SessionError as err:
         return None, f"Cannot import {filename}: {err}"
+
+
+def damaged_sessions_warning(damaged: Iterable[Any], shown: int = 3) -> str | None:
+    """The sidebar's word on stored rows the listing skipped because they cannot be read (the store's
+    `list_sessions(...).damaged`), naming them and why; None when there are none."""
+    damaged = list(damaged)
+    if not damaged:
+        return None
+    named = "; ".join(f"{getattr(d, 'session_id', '?')!r}: {getattr(d, 'reason', d)}" for d in damaged[:shown])
+    more = f"; and {len(damaged) - shown} more" if len(damaged) > shown else ""
+    rows = "1 stored session is" if len(damaged) == 1 else f"{len(damaged)} stored sessions are"
+    return (f"{rows} damaged and not listed ({named}{more}). They cannot be opened; the others are unaffected. "
+            "The server log names them too.")

@@ -11,6 +11,7 @@ from pathlib import Path
 import streamlit as st
 
 from explorer import dspark_view, glossary as gl, layer_views as lv, remote, run_plan, session_view as sv
+from explorer import run_warnings as rw
 from explorer.screens import selections as sx
 from explorer.screens.serving_prefill import serving_prefill_section
 from explorer.screens.common import cached_engine, chart, cpu_refusal, fail, run_cached, view
@@ -36,6 +37,9 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
             probe = lv.layer_probe(run, r.layer)
         except lv.ProbeError as err:
             fail("The run's probes are malformed", err)
+    bad = rw.nonfinite_warning(probe, r.layer, (st.session_state.get("run_origin") or {}).get("nonfinite_weights", ()))
+    if run is not None and bad:
+        st.warning(bad, icon=":material/warning:")
     tokens = (run or {}).get("tokens") or []
     q = sx.query_slider(len(tokens)) if probe is not None and tokens else None
     serving_prefill_section(cfg, r)  # decoder layers: the serving note and the CED-vs-full switch
@@ -189,11 +193,20 @@ def live_run(source: str, path: str, text: str, span, plan) -> tuple[dict | None
         return None, refusal
     try:
         engine = cached_engine(str(Path(path)))
-        st.session_state["run_origin"] = {"identity": engine.identity, "source": engine.source, "stored": False}
-        return run_cached(engine.identity, str(Path(path)), text, run_plan.probe_layers(r), (span,) if span else ()), None
+        origin = {"identity": engine.identity, "source": engine.source, "stored": False}
+        st.session_state["run_origin"] = origin
+        run = run_cached(engine.identity, str(Path(path)), text, run_plan.probe_layers(r), (span,) if span else ())
+        origin["nonfinite_weights"] = nonfinite_weights(engine)   # filled as the run read them
+        return run, None
     except Exception as err:   # the engine's messages are written for users (EngineError)
         print(traceback.format_exc())
         return None, f"The run failed: {err}"
+
+
+def nonfinite_weights(engine) -> list[str]:
+    """The weights the engine's checkpoint reader found holding NaN or inf (none known for a remote engine)."""
+    reader = getattr(getattr(getattr(engine, "model", None), "weights", None), "reader", None)
+    return list(getattr(reader, "nonfinite", None) or [])
 
 
 def scroll_if_asked() -> None:

@@ -291,6 +291,7 @@ def sessions_sidebar() -> None:
         st.sidebar.button("Retry the database", key="store_retry", on_click=open_store.clear)
         return
     st.sidebar.caption(sv.md_escape(f"Shared with the team in {store.describe()}."))
+    damaged_notice = st.sidebar.empty()    # filled from the listing below, but shown with the expanders closed
     with st.sidebar.expander("Save this analysis"):
         with st.form("save_form", border=False):
             st.text_input("Name", key="save_name", max_chars=200, placeholder="Copy heads at layer 24")
@@ -304,6 +305,9 @@ def sessions_sidebar() -> None:
         except SessionError as err:
             st.error(sv.md_escape(str(err)))
             found = []
+        damaged = sv.damaged_sessions_warning(getattr(found, "damaged", ()))
+        if damaged:
+            damaged_notice.warning(sv.md_escape(damaged), icon=":material/warning:")
         if found:
             labels = {s.id: sv.summary_label(s) for s in found}
             pick = st.selectbox("Session", list(labels), format_func=labels.get, key="session_pick")
