@@ -267,9 +267,9 @@ class Engine:
             raise EngineError(f"threads must be 1 or 2, got {self.threads}")
         self.parallel = parallel  # engine/parallel.py when this is one rank of several processes
         self.device = torch.device(device) if parallel is None else parallel.device
-        # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/kernel_path.py)
+        # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/ops/triton.py)
         self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel, kernels=kernels,
-                           numerics=self.numerics)
+                           numerics=self.numerics, device=self.device)
         self.plan = role_plan(cfg)
         self.lock = threading.Lock()
 
@@ -452,7 +452,7 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
     parallel (engine/parallel.py): this process is one rank; it reads only its shard of the weights.
     device: where one process computes (weights are dequantized once and kept there);
-    kernels: the Triton path (None: on CUDA; see engine/kernel_path.py);
+    kernels: the Triton kernel ops (None: on CUDA; see engine/ops/triton.py);
     threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them);
     numerics (engine/ops): "reference" (default: the official bf16 dtype flow) or "fp32"."""
     from .checkpoint import CheckpointError, CheckpointReader

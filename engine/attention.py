@@ -110,7 +110,6 @@ class Shared:
     topk: torch.Tensor | None = None         # [T, k] entry indices, -1 padded
     topk_scores: torch.Tensor | None = None  # [T, k]
     candidates: torch.Tensor | None = None   # [T, N] bool
-    kernels: object | None = None            # engine/kernel_path.py KernelPath, None on the reference path
     topk_kth: torch.Tensor | None = None     # [T] the k-th pick's score (-inf: fewer than k picks)
     topk_tied: torch.Tensor | None = None    # [T, k] bool: picks another entry with the same score could replace
 
@@ -285,26 +284,26 @@ class Attention:
         local_hi = hi if self.parallel is None else self.parallel.local(hi, "index heads")  # this rank's heads
         q = self.linear(qr, "attn.indexer.wq_b").view(-1, local_hi, di)
         q = self.ops.rotate(q, positions, self.freqs)
-        q_rotated = q
-        q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
         # weights_proj is a bf16 GEMM in the reference, and its scaled output is bf16 too
         head_w = self.ops.act(self.ops.bf16_linear(x, self.w("attn.indexer.weights_proj.weight")) * (di ** -0.5 * hi ** -0.5))
-        kp = shared.kernels
-        if kp is not None and kp.active(self.role.layer) and self.parallel is None:
-            got = self._index_kernels(kp, q_rotated, head_w, positions, src, shared)
-            if got is not None:
-                return got
+        return self.ops.index_topk(self, q, head_w, positions, src, shared)
+
+    def index_picks(self, q, head_w, positions, src: SourceCache, shared: Shared):
+        """The indexer's picks from rotated queries q [T, Hi, Di] (FP4-rounded here, as the index keys)
+        and head weights [T, Hi]: scores per block of queries, top-k in position order, ties marked."""
+        cfg, m = self.cfg, self.ratio
+        q = ste(q, quant.fp4_roundtrip(q, 32, "e8m0"))
         keys = src.ik_values  # [N, Di]
         n = keys.shape[0]
         k = min(cfg.index_topk, n)
         visible = (positions + 1).div(m, rounding_mode="floor")  # entries each query may see
-        entry = torch.arange(n, device=x.device)
+        entry = torch.arange(n, device=q.device)
         if self.role.candidate_source:
-            shared.candidates = torch.zeros(x.shape[0], n, dtype=torch.bool, device=x.device)
+            shared.candidates = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
         keep_scores = torch.is_grad_enabled()  # the indexer's training loss needs them all
         all_scores, idx, picked, runners, kths, tieds = [], [], [], [], [], []
-        block = query_block(x.device)
-        for a in range(0, x.shape[0], block):
+        block = query_block(q.device)
+        for a in range(0, q.shape[0], block):
             b = slice(a, a + block)
             # entries past the block's last query are invisible to all of it: score the visible
             # prefix only (about half the work over a prompt); training's loss wants whole rows
@@ -352,10 +351,10 @@ class Attention:
         self.last_topk = idx  # kept for the indexer's training loss
         return idx, picked
 
-    def _index_kernels(self, kp, q, head_w, positions, src: SourceCache, shared: Shared):
-        """`_index` on the kernel path: FP4 queries (the kernels' quantizer) against the packed index
-        keys, scores and top-k by kernels; the candidate pool's block choice stays here. None when
-        the kernel path only records this layer's inputs."""
+    def index_kernels(self, kp, q, head_w, positions, src: SourceCache, shared: Shared):
+        """`index_picks` on the kernel ops (engine/ops/triton.py): FP4 queries (the kernels' quantizer)
+        against the packed index keys, scores and top-k by kernels; the candidate pool's block choice
+        stays here. None when the kernel ops only record this layer's inputs."""
         cfg, m = self.cfg, self.ratio
         n = src.n_entries
         visible = (positions + 1).div(m, rounding_mode="floor")
@@ -395,9 +394,7 @@ class Attention:
         q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
         q = self.ops.rotate(q, positions, self.freqs)
 
-        kp = shared.kernels if shared.kernels is not None and shared.kernels.active(self.role.layer) \
-            and self.parallel is None else None
-        keys = self._window_kv(x, positions, keep_bytes=kp is not None)
+        keys = self._window_kv(x, positions, keep_bytes=self.ops.keeps_window_bytes(self.role.layer))
         idx = None
         if self.ratio > 0:
             if self.role.role == FULL:
@@ -414,36 +411,13 @@ class Attention:
                 shared.topk, shared.topk_scores = idx, picked
                 shared.topk_kth, shared.topk_tied = self.ties
             idx = shared.topk
-        global_kv = shared.source.kv_values if idx is not None and idx.shape[1] > 0 else None
-        w = cfg.window_size
+        source = shared.source if idx is not None and idx.shape[1] > 0 else None  # the global branch
+        global_kv = source.kv_values if source is not None else None
         n_cached = keys.shape[0] - x.shape[0]
-        sink = self.w("attn.attn_sink").float()
-        o = None
-        if kp is not None:  # kernel path: FP8 window bytes + selected packed FP4 entries, sinks
-            packed_kv = shared.source.packed()[:2] if global_kv is not None else None
-            o = kp.sparse_attn(self.role.layer, q, self.window_bytes, n_cached, w,
-                               idx if global_kv is not None else None, packed_kv, sink)
-            self.window_bytes = None
-            self.global_probs = None
-        if o is None:
-            # each query's window as a strided view over the keys: [T, D, W], no copy
-            pad = max(0, w - 1 - n_cached)
-            padded = torch.cat([keys.new_zeros(pad, keys.shape[1]), keys]) if pad else keys
-            start = n_cached + pad - (w - 1)
-            windows = padded.unfold(0, w, 1)[start:start + x.shape[0]]
-            outs, global_probs = [], []
-            block = query_block(x.device)
-            rows, padding = (idx.clamp_min(0), idx < 0) if global_kv is not None else (None, None)
-            key_rows = torch.arange(n_cached, n_cached + x.shape[0], device=x.device)  # empty slots as by position, and before a replay's first key
-            for a in range(0, x.shape[0], block):
-                b = slice(a, a + block)
-                o, p_glob = self.ops.attend(q[b], key_rows[b], windows[b], sink,
-                                            None if global_kv is None else (rows[b], padding[b]), global_kv,
-                                            w, cfg.head_dim ** -0.5)
-                outs.append(o)
-                global_probs.append(p_glob)
-            o = torch.cat(outs)
-            self.global_probs = torch.cat(global_probs) if global_kv is not None else None
+        o, self.global_probs = self.ops.sparse_attention(self.role.layer, q, keys, n_cached, self.window_bytes, idx,
+                                                         source, self.w("attn.attn_sink").float(), cfg.window_size,
+                                                         cfg.head_dim ** -0.5)
+        self.window_bytes = None
         o = self.ops.rotate(o, positions, self.freqs, inverse=True)
 
         wo_a = self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernel_path, quant
+from . import quant
 from .attention import Attention, LayerWeights, Shared
 from .config import ModelConfig
 from .moe import moe_forward
-from .ops import ops_for
+from .ops import for_model
 from .roles import decoder_start, role_plan
 
 PROBE_KINDS = ("topk", "mhc", "routing", "norms", "timing")
@@ -38,20 +38,16 @@ class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True, parallel=None,
-                 kernels: bool | None = None, numerics: str = "fp32"):
+                 kernels: bool | None = None, numerics: str = "fp32", device="cpu"):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
-        # engine/ops: "reference" (the official bf16 dtype flow; engine.api's default) or "fp32"
-        # (the default here: training and the float references of the tests run in fp32)
-        self.ops = ops_for(numerics)
-        self.ops.max_seq_len = cfg.max_seq_len  # tables sized as the reference sizes them
-        self.numerics = self.ops.name
         self.parallel = parallel  # engine/parallel.py (several processes); None in one process
         self.act_quant = act_quant
+        # engine/ops, chosen once: "reference" (the official bf16 dtype flow; engine.api's default) or
+        # "fp32" (the default here: training and the float references of the tests run in fp32), on the
+        # Triton kernels where `kernels` (None: on CUDA with checkpoint weights) says so
+        self.ops = for_model(numerics, kernels, weights, device, parallel, act_quant, cfg.max_seq_len)
+        self.numerics = self.ops.name
         self._rounding_memo = threading.local()
-        # kernel path (engine/kernel_path.py): None = auto (CUDA + checkpoint weights), True, False;
-        # kernel_path: an installed KernelPath (parity captures, tests) that overrides the flag
-        self.kernels, self.kernel_path = kernels, None
-        self._kp = None  # the KernelPath of the running forward, None on the reference path
         self.plan = role_plan(cfg)[: cfg.n_layers]
         self.quantized_experts = weights.stored_dtype("layers.0.ffn.experts.0.w1.weight") in ("F8_E4M3", "I8") \
             if weights.has("layers.0.ffn.experts.0.w1.weight") else False
@@ -72,15 +68,7 @@ class Model:
         base None: only that activation rounding (for the routed experts' batched GEMMs)."""
         if base is None:
             return self._rounded(x) if self.act_quant and self.quantized_experts else x.float()
-        if self._kp is not None:  # kernel path: FP8 block-scaled GEMM on the stored bytes
-            y = self._kp.linear(x, base)
-            if y is not None:
-                return self.ops.act(y)
-        name = base + ".weight"
-        w = self.weights.get(name)
-        if self.act_quant and self.weights.stored_dtype(name) in ("F8_E4M3", "I8"):
-            return self.ops.act(self.ops.gemm(self._rounded(x), w))  # the FP8 GEMM's order of sums
-        return self.ops.act(x.float() @ w.t())  # the GEMM's output dtype (bf16 in the reference)
+        return self.ops.linear(x, base, self.weights, self.act_quant, self._rounded)
 
     def _rounded(self, x: torch.Tensor) -> torch.Tensor:
         """x as an FP8 GEMM's input sees it. Attention and the MoE feed one activation to two or
@@ -96,6 +84,11 @@ class Model:
         return rounded
 
     # -- state ----------------------------------------------------------------------------------
+    def use_ops(self, ops) -> None:
+        """Run on other ops from now on (engine/run/parity.py: a capture, or the other path); forgets the caches."""
+        self.ops = ops
+        self.reset()
+
     def reset(self) -> None:
         """Forget every cache: the next forward starts at position 0."""
         self.pos = 0
@@ -190,8 +183,7 @@ class Model:
         x = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, dim]
         pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0  # the first collapse reads copy 0
-        self._kp = kernel_path.for_forward(self, dev)
-        shared = Shared(kernels=self._kp)
+        shared = Shared()
         skip = 0 if decoder_from is None else min(T, max(0, decoder_from - start))
         split = decoder_start(cfg) if skip else None
         for role in self.plan:
@@ -238,36 +230,19 @@ class Model:
         cfg = self.cfg
         p = f"layers.{L}."
         hc_args = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-        kp = self._kp if self._kp is not None and self._kp.active(L) else None
-        fused = None if kp is None else kp.mhc(L, "attention mixes", x, self.get(p + "hc_attn_fn"),
-                                               self.get(p + "hc_attn_scale"), self.get(p + "hc_attn_base"), pre,
-                                               None, cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
-        if fused is None:
-            a_pre, a_post, a_comb = self.ops.hc_mixes(x, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
-                                                      self.get(p + "hc_attn_base"), *hc_args)
-            attn_in = self.ops.collapse(x, pre)
-        else:  # kernel path: one fused mHC launch (collapse + mixes)
-            _, attn_in, a_pre, a_post, a_comb = fused
-            attn_in = self.ops.act(attn_in)
+        attn_in, a_pre, a_post, a_comb = self.ops.mhc_attention(
+            L, x, pre, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"), self.get(p + "hc_attn_base"), *hc_args)
         attn_probe = {} if probe is not None else None
         y = self.attn[L].forward(self.ops.rms_norm(attn_in, self.get(p + "attn_norm.weight"), cfg.norm_eps),
                                  positions, shared, attn_probe)
         if after_attention is not None:
             after_attention()
-        fused = None if kp is None else kp.mhc(L, "FFN mixes + attention update", x, self.get(p + "hc_ffn_fn"),
-                                               self.get(p + "hc_ffn_scale"), self.get(p + "hc_ffn_base"), a_pre,
-                                               (y, a_post, a_comb), cfg.hc_eps, cfg.norm_eps, cfg.hc_sinkhorn_iters)
-        if fused is None:
-            x1 = self.ops.expand(y, x, a_post, a_comb)
-            f_pre, f_post, f_comb = self.ops.hc_mixes(x1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
-                                                      self.get(p + "hc_ffn_base"), *hc_args)
-            ffn_in = self.ops.collapse(x1, a_pre)
-        else:  # kernel path: the attention's post/comb update fused with the FFN's collapse + mixes
-            x1, ffn_in, f_pre, f_post, f_comb = fused
-            x1, ffn_in = self.ops.act(x1), self.ops.act(ffn_in)
+        x1, ffn_in, f_pre, f_post, f_comb = self.ops.mhc_ffn(
+            L, x, (y, a_pre, a_post, a_comb), self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+            self.get(p + "hc_ffn_base"), *hc_args)
         route_probe = {} if probe is not None else None
         y = moe_forward(cfg, L, self.ops.rms_norm(ffn_in, self.get(p + "ffn_norm.weight"), cfg.norm_eps),
-                        self.get, self.linear, image_mask, route_probe, self.parallel, kernels=kp, ops=self.ops)
+                        self.get, self.linear, image_mask, route_probe, self.parallel, ops=self.ops)
         x2 = self.ops.expand(y, x1, f_post, f_comb)
         if probe is not None:
             probe.update(attn_probe)

@@ -87,26 +87,25 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
 
 
 def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None,
-                parallel=None, kernels=None, ops=None):
+                parallel=None, ops=None):
     """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM.
     parallel (engine/parallel.py): each rank adds its own experts' share, then all_reduce.
-    kernels (engine/kernel_path.py KernelPath): the routed experts from the packed FP4 bytes.
-    ops (engine/ops): the numerics (None: fp32); `linear` already stores its outputs so."""
-    act, gemm = (_identity, _matmul) if ops is None else (ops.act, ops.gemm)
+    ops (engine/ops): the numerics and the routed experts' op (None: fp32); `linear` already stores
+    its outputs so."""
+    if ops is None:
+        from .ops.fp32 import Fp32Ops
+        ops = Fp32Ops()
+    act = ops.act
     n_routed, n_active = cfg.experts_of(layer)
     prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
     bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
     scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
                                      image_mask, n_active, cfg.route_scale, cfg.score_func)
-    y = None
-    if kernels is not None and parallel is None:  # kernel path (None when it does not compute here)
-        y = kernels.routed(layer, prefix, n_routed, linear(x, None), experts, weights, cfg.swiglu_limit)
-    if y is None and parallel is None:
-        y = routed_experts(cfg, prefix, x, experts, weights, get, linear, act=act, gemm=gemm)
-    elif y is None:
+    if parallel is None:
+        y = ops.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear)
+    else:
         owned = parallel.split(n_routed, "routed experts")
-        y = parallel.all_reduce(routed_experts(cfg, prefix, x, experts, weights, get, linear, owned, act=act,
-                                               gemm=gemm))
+        y = parallel.all_reduce(ops.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear, owned))
     base = prefix + "shared_experts."
     y = act(y + linear(act(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit)), base + "w2"))
     if probe is not None:

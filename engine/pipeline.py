@@ -18,7 +18,6 @@ import threading
 
 import torch
 
-from . import kernel_path
 from .attention import NEG_INF
 
 MIN_TOKENS = 768      # below this the second thread does not pay for itself (measured: 512 tokens break even)
@@ -49,9 +48,9 @@ class LayerGate:
 
 
 def usable(model, ids: torch.Tensor) -> bool:
-    """The wavefront runs the CPU reference path of one process, for prompts worth splitting."""
+    """The wavefront runs the CPU ops of one process (not the kernel ops), for prompts worth splitting."""
     return (ids.device.type == "cpu" and ids.shape[0] >= MIN_TOKENS and model.parallel is None
-            and kernel_path.for_forward(model, ids.device) is None)
+            and not model.ops.kernels)
 
 
 def prefill(model, ids: torch.Tensor, image_mask: torch.Tensor | None, probes=None,

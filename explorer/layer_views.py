@@ -515,7 +515,7 @@ def layer_csv(run: dict, layer: int) -> str:
     return buf.getvalue()
 
 
-# -- kernel parity (engine/kernel_path.py layer_parity rows) ----------------------------------------
+# -- kernel parity (engine/run/parity.py layer_parity rows) ----------------------------------------
 
 PARITY_COLUMNS = ("kernel", "case", "max abs diff", "max rel diff", "rel L2", "bound (rel L2)", "verdict")
 

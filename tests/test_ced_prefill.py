@@ -248,7 +248,7 @@ def test_the_kernel_paths_window_rows_mask_the_replays_missing_keys(tmp_path, mo
     Captured at a decoder layer during a CED prefill (R=10 of 16, and the decode step after it), the
     kernel's PyTorch reference on those operands gives the engine's attention output to bf16 (its
     query precision): the rows before the replay are empty slots there too."""
-    from engine import kernel_path as K
+    from engine.ops.triton import TritonOps
     from engine.checkpoint import CheckpointReader, write_checkpoint
     from engine.model import Model
     from engine.weights import CheckpointWeights
@@ -258,8 +258,9 @@ def test_the_kernel_paths_window_rows_mask_the_replays_missing_keys(tmp_path, mo
     weights = CheckpointWeights(CheckpointReader(tmp_path / "ckpt", CFG))
     model = Model(CFG, weights, IdentityTokenizer(CFG.engram_compressed_vocab_size), kernels=False, numerics="fp32")
     layer = SPLIT + 1
-    capture = model.kernel_path = K.KernelPath(weights, "cpu", compute=False, capture_layer=layer)
-    outputs, attend, current = [], type(model.ops).attend, []
+    capture = TritonOps(model.ops, weights, "cpu", compute=False, capture_layer=layer)
+    model.use_ops(capture)
+    outputs, attend, current = [], type(model.ops.base).attend, []
     forward = attention.Attention.forward
 
     def tracking_forward(self, *args):
@@ -273,7 +274,7 @@ def test_the_kernel_paths_window_rows_mask_the_replays_missing_keys(tmp_path, mo
         return out
 
     monkeypatch.setattr(attention.Attention, "forward", tracking_forward)
-    monkeypatch.setattr(type(model.ops), "attend", capture_attend)
+    monkeypatch.setattr(type(model.ops.base), "attend", capture_attend)
     ids = random_ids(CFG, 16, seed=3)
     with torch.inference_mode():
         model.forward(ids, decoder_from=6)

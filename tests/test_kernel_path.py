@@ -1,4 +1,4 @@
-"""The engine's kernel path (engine/kernel_path.py) on the CPU, with the Triton kernels under the
+"""The engine's kernel ops (engine/ops/triton.py) and their parity checks (engine/run/parity.py) on the CPU, with the Triton kernels under the
 interpreter, on a tiny written checkpoint.
 
 The interpreter must be on before triton is imported, so the kernel runs happen in one subprocess
@@ -38,8 +38,9 @@ def rel(a, b) -> float:
 
 def _worker(ckpt: str) -> dict:
     """Runs with TRITON_INTERPRET=1. Reference forward, kernel forwards, and layer parity."""
-    from engine import kernel_path as K
+    from engine.run import parity as K
     from engine.api import Engine
+    from engine.ops.triton import TritonOps
     from engine.checkpoint import CheckpointReader
     from engine.model import Model, ProbeRequest
     from engine.weights import CheckpointWeights
@@ -57,7 +58,7 @@ def _worker(ckpt: str) -> dict:
         with torch.inference_mode():
             logits = model.forward(ids, probes=ProbeRequest(kinds={"topk"}), collect=collect)
         topk = {L: p["topk"] for L, p in collect.items() if "topk" in p}
-        return logits, topk, dict(model._kp.calls) if model._kp is not None else {}
+        return logits, topk, dict(model.ops.calls) if model.ops.kernels else {}
 
     ref_logits, ref_topk, ref_calls = forward(False)
 
@@ -68,14 +69,15 @@ def _worker(ckpt: str) -> dict:
                 "topk_identical": {str(L): float((topk[L] == ref_topk[L]).all(-1).float().mean()) for L in ref_topk}}
 
     out = {"ref_calls": ref_calls, "interpreter": K.interpreter_active()}
-    # exact-precision kernels only (mHC, quantizer, indexer scores, top-k): bf16-output hooks switched off
-    saved = {name: getattr(K.KernelPath, name) for name in ("linear", "sparse_attn", "routed")}
+    # exact-precision kernels only (mHC, quantizer, indexer scores, top-k): the bf16-output ops left to
+    # the wrapped numerics
+    saved = {name: getattr(TritonOps, name) for name in ("linear", "sparse_attention", "routed_experts")}
     for name in saved:
-        setattr(K.KernelPath, name, lambda self, *a, **k: None)
+        setattr(TritonOps, name, lambda self, *a, _name=name, **k: getattr(self.base, _name)(*a, **k))
     logits, topk, calls = forward(True)
     out["fp32_kernels"] = {**against_ref(logits, topk), "calls": calls}
     for name, fn in saved.items():
-        setattr(K.KernelPath, name, fn)
+        setattr(TritonOps, name, fn)
     # every kernel
     logits, topk, calls = forward(True)
     out["all_kernels"] = {**against_ref(logits, topk), "calls": calls}
@@ -88,11 +90,13 @@ def _worker(ckpt: str) -> dict:
     from engine.moe import routed_experts
     from kernels import dispatch
     model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), kernels=False)
-    capture = model.kernel_path = K.KernelPath(weights, "cpu", compute=False, capture_layer=7)
+    plain = model.ops
+    capture = TritonOps(plain, weights, "cpu", compute=False, capture_layer=7)
+    model.use_ops(capture)
     probe: dict = {}
     with torch.inference_mode():
         model.forward(ids, probes=ProbeRequest(layers={7}, kinds={"routing"}), collect=probe)
-    model.kernel_path = model._kp = None
+    model.use_ops(plain)
     route = probe[7]["routing"]
     got = {}
     for kernel, case, args, kwargs in capture.captured:
@@ -194,7 +198,7 @@ from engine_helpers import tiny_model, random_ids
 m = tiny_model()
 with torch.inference_mode():
     m.forward(random_ids(m.cfg, 8))
-assert m._kp is None
+assert m.ops.kernels is False and not hasattr(m.ops, "base")
 print(sorted(k for k in sys.modules if k == 'triton' or k.startswith('kernels')))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -204,7 +208,7 @@ print(sorted(k for k in sys.modules if k == 'triton' or k.startswith('kernels'))
 
 
 def test_decide_rules(tmp_path):
-    from engine import kernel_path as K
+    from engine.ops import triton as K
     from engine.weights import TensorWeights
 
     class Ckpt:  # stands for CheckpointWeights: what matters is a reader of stored bytes

@@ -8,11 +8,16 @@ calls an `Ops` object chosen once, when the model is built.
 - `fp32`: every activation stays float32 between ops (the engine's original arithmetic, and what
   training uses).
 
+- `triton` (engine/ops/triton.py): either numerics with its hot spots on the Triton kernels (the
+  GPU path); chosen by `for_model` from the device and the weights, never inside the forward.
+
 Both keep tensors as float32; `reference` rounds their values to bf16 where the reference stores
 bf16 (`Ops.act`), so probes and caches keep one dtype whatever the numerics.
 """
 
 from __future__ import annotations
+
+import torch
 
 from .fp32 import Fp32Ops
 from .reference import ReferenceOps
@@ -32,3 +37,19 @@ def ops_for(numerics: str | None = None) -> Fp32Ops:
     if name not in _OPS:
         raise NumericsError(f"unknown numerics {name!r}; choose one of {', '.join(NUMERICS)}")
     return _OPS[name]()
+
+
+def for_model(numerics: str | None, kernels: bool | None, weights, device="cpu", parallel=None,
+              act_quant: bool = True, max_seq_len: int | None = None):
+    """The ops a model runs, chosen once when it is built: the numerics, wrapped in the Triton kernel
+    ops where `kernels` (None: auto) and the device allow (engine/ops/triton.py `decide`). The CPU
+    default is decided without importing the kernels."""
+    ops = ops_for(numerics)
+    if max_seq_len is not None:
+        ops.max_seq_len = max_seq_len  # tables sized as the reference sizes them
+    if kernels is False or (kernels is None and torch.device(device).type != "cuda"):
+        return ops
+    from .triton import TritonOps, decide
+    if not decide(kernels, weights, device, parallel):
+        return ops
+    return TritonOps(ops, weights, device, act_quant=act_quant)

@@ -8,6 +8,7 @@ from .. import mhc
 from ..rope import rotate
 
 NEG_INF = float("-inf")
+QUANTIZED = ("F8_E4M3", "I8")  # stored dtypes of the FP8 and FP4 GEMM weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -26,6 +27,72 @@ class Fp32Ops:
     # (the engine's original rule, and the kernel path's); True tops it up with visible entries
     # outside the pool, tied at -inf, as the reference's topk does
     tops_up_pool = False
+    kernels = False  # engine/ops/triton.py: True where Triton kernels compute the hot spots
+
+    # -- the hot spots a kernel may take (engine/ops/triton.py overrides them) ------------------
+    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input) -> torch.Tensor:
+        """y = x W^T for the weight `base.weight` of a weight source; an FP8/FP4 weight's input is
+        `round_input(x)` (E4M3 with an E8M0 scale per 32, as the release's kernels quantize it)."""
+        name = base + ".weight"
+        w = weights.get(name)
+        if act_quant and weights.stored_dtype(name) in QUANTIZED:
+            return self.act(self.gemm(round_input(x), w))  # the FP8 GEMM's order of sums
+        return self.act(x.float() @ w.t())  # the GEMM's output dtype (bf16 in the reference)
+
+    def keeps_window_bytes(self, layer: int) -> bool:
+        """Whether `sparse_attention` reads the window's FP8 bytes (else its float mirror)."""
+        return False
+
+    def sparse_attention(self, layer: int, q: torch.Tensor, keys: torch.Tensor, n_cached: int, window_bytes,
+                         idx: torch.Tensor | None, source, sink: torch.Tensor, window: int, scale: float):
+        """Attention of q [T, H, D] (rotated) over each query's window of `keys` ([n_cached + T, D], the
+        cached latents then this chunk's) and, with a source, its picks idx [T, k] (-1: none) of the
+        source's global entries -> (out [T, H, D], probabilities on the picks [T, H, k] or None).
+        One block of queries at a time (engine/attention.py query_block)."""
+        from ..attention import query_block
+        T = q.shape[0]
+        pad = max(0, window - 1 - n_cached)
+        padded = torch.cat([keys.new_zeros(pad, keys.shape[1]), keys]) if pad else keys
+        start = n_cached + pad - (window - 1)
+        windows = padded.unfold(0, window, 1)[start:start + T]  # [T, D, W], a strided view
+        global_kv = source.kv_values if source is not None else None
+        rows, padding = (idx.clamp_min(0), idx < 0) if source is not None else (None, None)
+        # empty slots as by position, and before a replay's first key
+        key_rows = torch.arange(n_cached, n_cached + T, device=q.device)
+        outs, global_probs = [], []
+        block = query_block(q.device)
+        for a in range(0, T, block):
+            b = slice(a, a + block)
+            o, p_glob = self.attend(q[b], key_rows[b], windows[b], sink,
+                                    None if source is None else (rows[b], padding[b]), global_kv, window, scale)
+            outs.append(o)
+            global_probs.append(p_glob)
+        return torch.cat(outs), (torch.cat(global_probs) if source is not None else None)
+
+    def index_topk(self, attention, q: torch.Tensor, head_w: torch.Tensor, positions, src, shared):
+        """The indexer's picks for rotated queries q [T, Hi, Di] and head weights [T, Hi]
+        (engine/attention.py `Attention.index_picks`)."""
+        return attention.index_picks(q, head_w, positions, src, shared)
+
+    def routed_experts(self, cfg, layer: int, prefix: str, x, experts, weights, get, linear, owned=None):
+        """sum_e w_e Expert_e(x) over each token's chosen experts (engine/moe.py routed_experts)."""
+        from ..moe import routed_experts
+        return routed_experts(cfg, prefix, x, experts, weights, get, linear, owned, act=self.act, gemm=self.gemm)
+
+    def mhc_attention(self, layer: int, x, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float,
+                      norm_eps: float):
+        """Before attention: the stream x [T, hc, dim] collapsed with the previous sub-layer's `pre`
+        (the one-step lag, engine/mhc.py), and this sub-layer's mixes -> (input, pre, post, comb)."""
+        pre, post, comb = self.hc_mixes(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
+        return self.collapse(x, pre_prev), pre, post, comb
+
+    def mhc_ffn(self, layer: int, x, update, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+        """After attention: the stream updated by its output (update = (y, pre, post, comb) of the
+        attention), collapsed for the FFN, and the FFN's mixes -> (stream, input, pre, post, comb)."""
+        y, a_pre, a_post, a_comb = update
+        x1 = self.expand(y, x, a_post, a_comb)
+        pre, post, comb = self.hc_mixes(x1, fn, scale, base, hc, iters, hc_eps, norm_eps)
+        return x1, self.collapse(x1, a_pre), pre, post, comb
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """An activation as it is stored between two ops."""

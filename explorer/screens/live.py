@@ -127,7 +127,7 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
 
 def kernel_parity_panel(source: str, path: str, text: str, plan) -> None:
     """'Kernel parity': each Triton kernel against its PyTorch reference on the selected layer's real
-    inputs (engine/kernel_path.py layer_parity), on a button press; the table shows the differences."""
+    inputs (engine/run/parity.py layer_parity), on a button press; the table shows the differences."""
     r = plan[view().layer]
     box = st.expander("Kernel parity", key="parity_box", on_change="rerun")
     if not box.open:    # built only when opened (it loads the engine and tokenizes the prompt)
@@ -137,7 +137,7 @@ def kernel_parity_panel(source: str, path: str, text: str, plan) -> None:
         if blocker:
             st.caption(blocker)
             return
-        from engine import kernel_path as kpath
+        from engine.run import parity as kpath
         from engine.api import EngineError
         try:
             engine = cached_engine(str(Path(path)))

@@ -1,0 +1,300 @@
+"""Triton kernel ops: the forward's hot spots run on `kernels.dispatch` over the checkpoint's stored bytes.
+
+`TritonOps` wraps a numerics (`reference` or `fp32`, engine/ops) and overrides the ops a kernel
+computes; everything else, and every op a kernel cannot take (a weight not stored as FP8, activation
+rounding off), is the wrapped numerics' own. Chosen once, when the model is built (`decide`):
+- kernels None (auto): on a CUDA device, when triton imports, the weights come from a checkpoint (the
+  kernels read its raw E4M3 / packed FP4 bytes and scales) and the model runs in one process. Training
+  (in-memory nn.Parameters) therefore keeps the differentiable ops, on CUDA too.
+- True: wherever it can run (a checkpoint is still needed). On CUDA `kernels.dispatch` picks Triton; on
+  the CPU the Triton versions run under TRITON_INTERPRET=1 (set before triton is imported), else the
+  kernels' own references (float64 on the packed formats).
+- False: never.
+
+What the kernels compute: the FP8 block-scaled linears (`fp8_linear`, E4M3 weights + E8M0 32x32
+scales), the indexer (`quantize_fp4` of the queries, `indexer_scores` against the packed FP4 index
+keys, `topk_positions`), sparse attention (`sparse_attn` over the FP8 window bytes and the selected
+packed FP4 global entries), the FP4 routed experts (`moe_fp4`, raw packed weights), and the fused mHC
+(`mhc`: the attention mixes; the FFN mixes fused with the attention's post/comb update). Numerics
+differ from the wrapped ops where the kernels' design does: q and the MoE activations in bf16 (the
+reference keeps fp32 and rounds the experts' hidden activation to FP8), bf16 outputs of attention and
+the linears; the wrapped numerics' `act` stores what the kernels return.
+
+`compute=False` with `capture_layer=L` only records the kernels' inputs at layer L (the wrapped ops
+compute): engine/run/parity.py compares each kernel with its reference on them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: fewer heads are zero-padded for attention and the indexer
+
+
+class KernelPathError(ValueError):
+    """The kernel ops cannot run here; the message says why."""
+
+
+# -- where the kernels can run -------------------------------------------------------------------
+
+def interpreter_active() -> bool:
+    """True when the kernels were (or will be) built for TRITON_INTERPRET=1."""
+    mod = sys.modules.get("kernels.sparse_attn")
+    if mod is not None:
+        return type(mod._sparse_attn_kernel).__name__ == "InterpretedFunction"
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def enable_interpreter() -> bool:
+    """Make the Triton kernels run on the CPU (TRITON_INTERPRET=1). Possible only before the kernels
+    are imported in this process; returns whether the interpreter is (now) on."""
+    if "kernels.sparse_attn" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return interpreter_active()
+
+
+def triton_importable() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
+def checkpoint_backed(weights) -> bool:
+    """Weights whose raw stored bytes can be read (CheckpointWeights, DeviceWeights over one)."""
+    return getattr(weights, "reader", None) is not None
+
+
+def decide(flag: bool | None, weights, device, parallel=None) -> bool:
+    """Whether a model on `device` runs the kernel ops (see the module docstring)."""
+    device = torch.device(device)
+    if flag is False:
+        return False
+    if flag is None:
+        return device.type == "cuda" and parallel is None and checkpoint_backed(weights) and triton_importable()
+    if parallel is not None:
+        raise KernelPathError("the kernel path runs in one process; this model is one rank of several")
+    if not checkpoint_backed(weights):
+        raise KernelPathError("the kernel path reads a checkpoint's stored bytes; these weights are in-memory "
+                              "tensors (kernels=True needs weights from engine.api.load)")
+    return True
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _e4m3_zeros(*shape, device):
+    return torch.zeros(*shape, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+
+
+def reference_fp4(x, block):
+    """The engine's own FP4 quantizer (E8M0 scales), where a capture stands in for the kernel's."""
+    from engine import quant
+    return quant.quantize_fp4(x, block, "e8m0")
+
+
+class TritonOps:
+    """A numerics (`base`) whose hot spots run as kernels: raw weights on the device plus one
+    override per op the kernels take. `calls` counts kernel launches (tests, benches); `captured`
+    holds (kernel, case, args, kwargs) of `capture_layer`."""
+
+    kernels = True
+
+    def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
+                 capture_layer: int | None = None):
+        if not checkpoint_backed(weights):
+            raise KernelPathError("the kernel path needs a checkpoint's weights (raw stored bytes)")
+        self.base = base
+        self.weights, self.reader = weights, weights.reader
+        self.device = torch.device(device)
+        self.act_quant, self.compute, self.capture_layer = act_quant, compute, capture_layer
+        self.kernels = compute  # a capture-only wrapper computes with the base ops
+        self.captured: list[tuple[str, str, tuple, dict]] = []
+        self.calls: Counter = Counter()
+        self._raw: dict[str, tuple | None] = {}
+        self._experts: dict[str, tuple | None] = {}
+
+    def __getattr__(self, name):  # every op the kernels do not take is the wrapped numerics'
+        return getattr(self.base, name)
+
+    def active(self, layer: int | None) -> bool:
+        return self.compute or (layer is not None and layer == self.capture_layer)
+
+    def _record(self, layer, kernel, case, args, kwargs=None):
+        if layer is not None and layer == self.capture_layer:
+            self.captured.append((kernel, case, args, dict(kwargs or {})))
+
+    def _kernel(self, name: str):
+        from kernels import dispatch
+        self.calls[name] += 1
+        if dispatch.use_triton(self.device):
+            return getattr(dispatch, name)
+        reference, triton_version = dispatch._PAIRS[name]
+        return triton_version if interpreter_active() else reference
+
+    # -- raw weights --------------------------------------------------------------------------
+    def _fp8_weight(self, base: str):
+        """(E4M3 [N, K], E8M0 [ceil(N/32), K/32]) on the device, or None if `base` is not stored so."""
+        if base not in self._raw:
+            name, scale = base + ".weight", base + ".scale"
+            hit = None
+            if name in self.reader and scale in self.reader and self.reader.entry(name).dtype == "F8_E4M3":
+                w, s = self.reader.tensor(name), self.reader.tensor(scale)
+                if w.dim() == 2 and tuple(s.shape) == (-(-w.shape[0] // 32), w.shape[1] // 32) and w.shape[1] % 32 == 0:
+                    hit = (w.to(self.device), s.to(self.device))
+            self._raw[base] = hit
+        return self._raw[base]
+
+    def _expert_weights(self, prefix: str, n_experts: int):
+        """Stacked packed FP4 experts of one layer: w1, w1_scale, w3, w3_scale, w2, w2_scale, or None."""
+        if prefix not in self._experts:
+            hit = None
+            first = f"{prefix}experts.0.w1.weight"
+            if first in self.reader and self.reader.entry(first).dtype == "I8":
+                parts = []
+                for w in ("w1", "w3", "w2"):
+                    for leaf in ("weight", "scale"):
+                        parts.append(torch.stack([self.reader.tensor(f"{prefix}experts.{e}.{w}.{leaf}")
+                                                  for e in range(n_experts)]).to(self.device))
+                hit = tuple(parts)
+            self._experts[prefix] = hit
+        return self._experts[prefix]
+
+    # -- the ops ------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input):
+        """An FP8 block-scaled weight: y = x W^T on its stored bytes (x quantized to E4M3 per 32 by the
+        kernel, as in the reference); any other weight, or activation rounding off: the base op."""
+        parts = base.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        raw = self._fp8_weight(base) if self.act_quant and self.active(layer) else None
+        if raw is not None:
+            x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+            args = (x2, *raw)
+            self._record(layer, "fp8_linear", ".".join(parts[2:]), args)
+            if self.compute:
+                return self.act(self._kernel("fp8_linear")(*args).float().view(*x.shape[:-1], -1))
+        return self.base.linear(x, base, weights, act_quant, round_input)
+
+    def keeps_window_bytes(self, layer: int) -> bool:
+        return self.active(layer)
+
+    def sparse_attention(self, layer: int, q, keys, n_cached: int, window_bytes, idx, source, sink,
+                         window: int, scale: float):
+        """Attention of q [T, H, D] (rotated, fp32) over its window (FP8 bytes of the cached + new keys,
+        [n_cached + T, D] and [.., D/32]) and the selected global entries (idx [T, k] into the source's
+        packed KV) with sinks [H] -> ([T, H, D], no per-entry probabilities)."""
+        if not self.active(layer):
+            return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
+        t, h, d = q.shape
+        dev = q.device
+        win_q, win_s = window_bytes
+        rows = torch.arange(t, device=dev)[:, None]
+        win_idx = n_cached + rows - (window - 1) + torch.arange(window, device=dev)[None, :]  # [T, W] key rows
+        win_idx = torch.where(win_idx >= 0, win_idx, -1).to(torch.int32)
+        if source is None:  # no global branch: one empty slot against a dummy entry
+            kv_p = torch.zeros(1, d // 2, dtype=torch.int8, device=dev)
+            kv_s = _e4m3_zeros(1, d // 16, device=dev)
+            sel = torch.full((t, 1), -1, dtype=torch.int32, device=dev)
+        else:
+            kv_p, kv_s = source.packed()[:2]
+            sel = idx.to(torch.int32)
+        heads = max(h, MIN_DOT_ROWS)
+        qb = F.pad(q.to(torch.bfloat16), (0, 0, 0, heads - h))
+        sink_p = F.pad(sink.float(), (0, heads - h))
+        args = (qb.contiguous(), kv_p, kv_s, sel.contiguous(), win_q, win_s, win_idx, sink_p)
+        self._record(layer, "sparse_attn", "window + selected" if source is not None else "window only", args)
+        if not self.compute:
+            return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
+        return self._kernel("sparse_attn")(*args)[:, :h].float(), None
+
+    def index_topk(self, attention, q, head_w, positions, src, shared):
+        """The indexer's top-k on kernels (engine/attention.py `Attention.index_kernels`), or the base op
+        where this wrapper only records."""
+        got = attention.index_kernels(self, q, head_w, positions, src, shared) if self.active(attention.role.layer) \
+            else None
+        return got if got is not None else self.base.index_topk(attention, q, head_w, positions, src, shared)
+
+    def indexer(self, layer: int, q, head_w, packed_keys, visible, pool_mask, pool_block: int, k: int,
+                query_block: int, on_scores=None):
+        """Indexer top-k over packed FP4 keys (int8 [N, Di/2], e8m0 [N, Di/32]). q [T, Hi, Di] rotated
+        (quantized here with the kernels' quantize_fp4), head_w [T, Hi], visible [T] entry counts,
+        pool_mask bool [T, ceil(N/pool_block)] or None. on_scores(block slice, scores) is called
+        before each block's top-k (the candidate source picks the pool there).
+        Returns (idx long [T, k], picked [T, k], scores [T, N]), or None when only recording."""
+        t, hi, di = q.shape
+        heads = max(hi, MIN_DOT_ROWS)
+        qf = F.pad(q.float(), (0, 0, 0, heads - hi))
+        self._record(layer, "quantize_fp4", "index queries (E8M0 / 32)", (qf.contiguous(), 32, "e8m0"))
+        qp, qs = self._kernel("quantize_fp4")(qf.contiguous(), 32, "e8m0") if self.compute else reference_fp4(qf, 32)
+        w = F.pad(head_w.float(), (0, heads - hi)).contiguous()
+        vis = visible.to(torch.int32).contiguous()
+        kp2 = _pow2(k)  # the radix top-k takes a power of two; the padding slots are sliced off
+        args = (qp, qs, packed_keys[0], packed_keys[1], w, vis, pool_mask)
+        self._record(layer, "indexer", "pool-masked" if pool_mask is not None else "all visible", args,
+                     {"pool_block": pool_block, "topk": kp2})
+        if not self.compute:
+            return None
+        scores_fn, topk_fn = self._kernel("indexer_scores"), self._kernel("topk_positions")
+        all_scores, idx, picked = [], [], []
+        for a in range(0, t, query_block):
+            b = slice(a, a + query_block)
+            scores = scores_fn(qp[b], qs[b], packed_keys[0], packed_keys[1], w[b], vis[b],
+                               None if pool_mask is None else pool_mask[b].contiguous(), pool_block)
+            if on_scores is not None:
+                on_scores(b, scores)
+            sel = topk_fn(scores, kp2, vis[b])[:, :k].long()
+            got = scores.gather(-1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
+            all_scores.append(scores)
+            idx.append(sel)
+            picked.append(got)
+        return torch.cat(idx), torch.cat(picked), torch.cat(all_scores)
+
+    def routed_experts(self, cfg, layer: int, prefix: str, x, experts, weights, get, linear, owned=None):
+        """The routed experts from the raw packed FP4 weights: x [T, dim] (rounded for the expert GEMM by
+        `linear(x, None)`), experts/weights [T, k] -> [T, dim] fp32; the base op when not stored so."""
+        n_experts = cfg.experts_of(layer)[0]
+        raw = self._expert_weights(prefix, n_experts) if owned is None and self.active(layer) else None
+        if raw is not None:
+            limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else 3e38  # the reference clamps only for a positive limit
+            args = (linear(x, None).to(torch.bfloat16).contiguous(), *raw, experts.to(torch.int32).contiguous(),
+                    weights.float().contiguous())
+            self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args,
+                         {"swiglu_limit": limit})
+            if self.compute:
+                return self._kernel("moe_fp4")(*args, swiglu_limit=limit).float()
+        return self.base.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear, owned)
+
+    def _mhc(self, layer: int, case: str, x, fn, scale, base, pre_prev, update, hc_eps, norm_eps, iters):
+        """The fused mHC: [update X' = post*y + comb^T X], collapse with pre_prev, the next mixes.
+        Returns (X' or None, collapsed [T, dim], pre, post, comb), or None (not 4 copies, or recording)."""
+        if not self.active(layer) or x.shape[1] != 4 or fn.shape[0] != 24:
+            return None
+        y, post_old, comb_old = update if update is not None else (None, None, None)
+        args = (x.contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
+                None if y is None else y.float().contiguous(), post_old, comb_old)
+        kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters}
+        self._record(layer, "mhc", case, args, kwargs)
+        if not self.compute:
+            return None
+        return self._kernel("mhc")(*args, **kwargs)
+
+    def mhc_attention(self, layer: int, x, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float,
+                      norm_eps: float):
+        fused = self._mhc(layer, "attention mixes", x, fn, scale, base, pre_prev, None, hc_eps, norm_eps, iters)
+        if fused is None:
+            return self.base.mhc_attention(layer, x, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps)
+        _, attn_in, pre, post, comb = fused  # one launch: collapse + mixes
+        return self.act(attn_in), pre, post, comb
+
+    def mhc_ffn(self, layer: int, x, update, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+        y, a_pre, a_post, a_comb = update
+        fused = self._mhc(layer, "FFN mixes + attention update", x, fn, scale, base, a_pre, (y, a_post, a_comb),
+                          hc_eps, norm_eps, iters)
+        if fused is None:
+            return self.base.mhc_ffn(layer, x, update, fn, scale, base, hc, iters, hc_eps, norm_eps)
+        x1, ffn_in, pre, post, comb = fused  # the attention's post/comb update fused with the FFN's collapse + mixes
+        return self.act(x1), self.act(ffn_in), pre, post, comb
