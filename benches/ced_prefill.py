@@ -136,7 +136,7 @@ def expected_ratio(ratio: float, n_tokens: int, replay: int) -> float:
 def run(args) -> dict:
     import torch
 
-    from engine import api
+    from engine.run import api
     from engine.roles import decoder_start
     engine = api.load(args.checkpoint, device=args.device, numerics=args.numerics,
                       kernels={"auto": None, "on": True, "off": False}[args.kernels])

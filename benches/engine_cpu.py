@@ -6,9 +6,9 @@ Uses the shipped small model (assets/model); without it, a random-weight checkpo
 assets/configs/small.json is written to build/bench-small first. Each measurement runs in a fresh
 process so its peak RSS is its own; times are the best of --repeat runs after a warm-up run.
 Goal (PERFORMANCE.md): 2,048 tokens under 2 s on 2 cores. Columns: the engine as it runs by default
-(two threads: the prompt's halves in a wavefront, engine/pipeline.py) with every probe and without,
+(two threads: the prompt's halves in a wavefront, engine/run/pipeline.py) with every probe and without,
 and the one-thread baseline measured in the same run (every op of the engine runs on one torch
-thread; see engine.api.one_thread for why not torch's intra-op threads).
+thread; see engine.run.api.one_thread for why not torch's intra-op threads).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 def _child(checkpoint: str, n: int, probes: bool, threads: int, repeat: int) -> dict:
     import torch
 
-    from engine import api
+    from engine.run import api
     engine = api.load(checkpoint, threads=threads)
     ids = torch.randint(5, engine.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     kinds = ("topk", "mhc", "routing", "norms", "timing") if probes else ()

@@ -229,7 +229,7 @@ def first_layers(cfg, n: int):
 
 
 def rank_main(args) -> dict | None:
-    from engine.api import Engine
+    from engine.run.api import Engine
     from engine.config import release_config
     from engine.parallel import Parallel
     from engine.serve import EngineService, follow, make_server

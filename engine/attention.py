@@ -87,7 +87,7 @@ class SourceCache:
 
     def snapshot(self) -> "SourceCache":
         """The entries as they are now, unaffected by later appends (a later chunk may append
-        while this chunk's upper layers still read them: engine/pipeline.py)."""
+        while this chunk's upper layers still read them: engine/run/pipeline.py)."""
         return replace(self, kv_packed=list(self.kv_packed), kv_scale=list(self.kv_scale),
                        ik_packed=list(self.ik_packed), ik_scale=list(self.ik_scale))
 
@@ -273,7 +273,7 @@ class Attention:
 
     def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,
-        without attending: a CED prefill's prompt rows before the decoder's replay (engine/ced.py)."""
+        without attending: a CED prefill's prompt rows before the decoder's replay (engine/run/ced.py)."""
         self._compress(x, positions)
 
     def _index(self, x, qr, positions, src: SourceCache, shared: Shared):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .__main__ import Command, fmt_bytes, table
 from . import eval as evaluation
-from .api import DEFAULT_CHECKPOINT, EngineError, load
+from .run.api import DEFAULT_CHECKPOINT, EngineError, load
 from .ops import DEFAULT_NUMERICS, NUMERICS
 from .safe_io import read_text
 

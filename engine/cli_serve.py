@@ -12,7 +12,7 @@ import signal
 import sys
 
 from .__main__ import Command
-from .api import DEFAULT_CHECKPOINT, EngineError
+from .run.api import DEFAULT_CHECKPOINT, EngineError
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ def _interrupt(*_):
 
 
 def _load(path: str, parallel):
-    from .api import load
+    from .run.api import load
     if parallel is None:
         return load(path)
     return load(path, parallel=parallel)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -21,19 +20,6 @@ from .moe import moe_forward
 from .ops import for_model
 from .roles import decoder_start, role_plan
 
-PROBE_KINDS = ("topk", "mhc", "routing", "norms", "timing")
-
-
-@dataclass
-class ProbeRequest:
-    layers: set[int] | None = None      # None: every layer
-    kinds: set[str] = field(default_factory=lambda: set(PROBE_KINDS))
-    detail: set[int] = field(default_factory=set)  # layers that also get runner-ups and selection recall
-
-    def wants(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-
 class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
 
@@ -42,7 +28,7 @@ class Model:
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.parallel = parallel  # engine/parallel.py (several processes); None in one process
         self.act_quant = act_quant
-        # engine/ops, chosen once: "reference" (the official bf16 dtype flow; engine.api's default) or
+        # engine/ops, chosen once: "reference" (the official bf16 dtype flow; engine.run.api's default) or
         # "fp32" (the default here: training and the float references of the tests run in fp32), on the
         # Triton kernels where `kernels` (None: on CUDA with checkpoint weights) says so
         self.ops = for_model(numerics, kernels, weights, device, parallel, act_quant, cfg.max_seq_len)
@@ -72,7 +58,7 @@ class Model:
 
     def _rounded(self, x: torch.Tensor) -> torch.Tensor:
         """x as an FP8 GEMM's input sees it. Attention and the MoE feed one activation to two or
-        three GEMMs, so the last two inputs are remembered (per thread: engine/pipeline.py); the memo
+        three GEMMs, so the last two inputs are remembered (per thread: engine/run/pipeline.py); the memo
         holds them, so an identical object is the same tensor (the engine never writes into one)."""
         memo = self._rounding_memo.__dict__.setdefault("items", [])
         for seen, rounded in memo:
@@ -165,10 +151,10 @@ class Model:
                   collect: dict | None = None, gate=None, decoder_from: int | None = None) -> torch.Tensor:
         """Token ids [T] at positions start.., after the tokens in `history` (compressed ids, dead
         flags); reads and extends the layers' caches but not `pos` or the history (`remember`).
-        gate (engine/pipeline.py): waits before each layer and signals once its attention (the
+        gate (engine/run/pipeline.py): waits before each layer and signals once its attention (the
         only part that reads or writes caches) is done, so chunks that run at once on several
         threads meet every layer's caches in position order.
-        decoder_from (a CED prefill, engine/ced.py): positions before it run only the encoder and the
+        decoder_from (a CED prefill, engine/run/ced.py): positions before it run only the encoder and the
         decoder's first layer's compressor (its global KV and index keys); the decoder's blocks run
         from there on, and the logits are those rows' [max(0, T - skipped), vocab]."""
         cfg = self.cfg

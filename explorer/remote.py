@@ -24,7 +24,7 @@ from engine.config import ConfigError, ModelConfig, config_from_dict
 from engine.roles import role_plan
 
 if TYPE_CHECKING:
-    from engine.api import LayerResult
+    from engine.run.probes import LayerResult
 
 ENV_URL = "EXPLORER_ENGINE_URL"
 DEFAULT_TIMEOUT = 3600.0   # a long prompt on a big model, behind other users' runs
@@ -103,7 +103,7 @@ def layer_from_json(d: dict) -> LayerResult:
     """A LayerResult (tensors) from its JSON form."""
     import torch   # here, not at import: the page draws without torch until a run needs it
 
-    from engine.api import LayerResult
+    from engine.run.probes import LayerResult
     def tensor(v, dtype=None):
         return None if v is None else torch.tensor(v, dtype=dtype)
 
@@ -179,7 +179,7 @@ class RemoteEngine:
         """Some layers' probes of a kept run: {"layer": LayerResult.to_json()} (RunGone when dropped).
         They travel packed (tensors as binary blocks) and are turned into JSON here, by the engine's own
         LayerResult.to_json, so they equal what the engine in this process would give."""
-        from engine.api import LayerResult
+        from engine.run.probes import LayerResult
 
         reply = self._call("POST", "/probes", {"run_id": run_id, "layers": [int(v) for v in layers], "packed": True},
                            self.timeout, during="fetching the layer's probes")
@@ -215,7 +215,7 @@ class RemoteEngine:
             return RemoteEngineError(f"the engine service at {self.url} answered HTTP {err.code} ({err.reason}); "
                                      "is that URL an engine service?")
         if kind == "EngineError":
-            from engine.api import EngineError
+            from engine.run.api import EngineError
             return EngineError(message)
         if kind == "QueueFull":
             return EngineBusy(f"the engine service is busy: {message}")

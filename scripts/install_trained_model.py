@@ -70,7 +70,7 @@ def main() -> None:
         size = sum(p.stat().st_size for p in staged.iterdir())
         if size > MAX_BYTES:
             raise SystemExit(f"the checkpoint is {size / 2**20:.1f} MiB, over the 64 MiB budget")
-        from engine.api import load
+        from engine.run.api import load
         load(staged).run([0, 5, 6, 7])  # loads and runs, or raises with the engine's own message
         shutil.rmtree(args.dest, ignore_errors=True)
         shutil.copytree(staged, args.dest)

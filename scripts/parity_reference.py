@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from engine import api, quant  # noqa: E402
+from engine.run import api  # noqa: E402
+from engine import quant
 from engine.roles import FULL, REINDEX, role_plan  # noqa: E402
 
 DEFAULT_PROMPT = ROOT / "assets" / "prompts" / "04_long_incident_review.txt"

@@ -27,7 +27,7 @@ def free_port() -> int:
 def build_engine(checkpoint: str, parallel=None, act_quant: bool = False):
     """The engine over the checkpoint (sharded when `parallel` is given), with the stand-in
     tokenizer the tiny configs' Engram needs."""
-    from engine.api import Engine
+    from engine.run.api import Engine
     from engine.checkpoint import CheckpointReader, checkpoint_config
     from engine.parallel import ShardedWeights
     from engine.weights import CheckpointWeights

@@ -1,4 +1,4 @@
-"""prefill="ced" (engine/ced.py): the encoder and layer 5's compressor over the whole prompt, the
+"""prefill="ced" (engine/run/ced.py): the encoder and layer 5's compressor over the whole prompt, the
 decoder (layers 5-7 of the tiny plan, window 8) over the last R prompt tokens only.
 
 The reference for R < T is the receptive field: a decoder state at prompt position p depends on the
@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
-from engine import api, attention, pipeline
-from engine.api import Engine, EngineError
+from engine.run import api, pipeline
+from engine import attention
+from engine.run.api import Engine, EngineError
 from engine.roles import decoder_start
 from engine.weights import TensorWeights, random_weights
 from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config, write_tiny_checkpoint

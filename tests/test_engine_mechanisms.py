@@ -200,7 +200,7 @@ def test_candidate_pool_blocks_and_restriction():
     from tests.engine_helpers import random_ids, tiny_model
     model = tiny_model(cfg)
     collect = {}
-    from engine.model import ProbeRequest
+    from engine.run.probes import ProbeRequest
     with torch.inference_mode():
         model.forward(random_ids(cfg, 40), probes=ProbeRequest(layers={5, 7}), collect=collect)
     pool, top = collect[7]["candidate_pool"], collect[7]["topk"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.api import Engine, EngineError, global_kv_bytes
+from engine.run.api import Engine, EngineError, global_kv_bytes
 from engine.config import release_config
-from engine.model import ProbeRequest
+from engine.run.probes import ProbeRequest
 from engine.roles import role_plan
 from engine.tally import kv_bytes_per_token
 from engine.weights import TensorWeights, random_weights

@@ -1,4 +1,4 @@
-"""The two-thread wavefront prefill (engine/pipeline.py) against the one-thread forward."""
+"""The two-thread wavefront prefill (engine/run/pipeline.py) against the one-thread forward."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from engine import pipeline
-from engine.api import Engine
-from engine.model import ProbeRequest
+from engine.run import pipeline
+from engine.run.api import Engine
+from engine.run.probes import ProbeRequest
 from engine.weights import TensorWeights, random_weights
 from engine_helpers import IdentityTokenizer, random_ids, release_lists_config, tiny_config, tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.api import Engine
+from engine.run.api import Engine
 from engine.roles import decoder_start
 from engine.weights import TensorWeights, random_weights
 from explorer import ced_view

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from streamlit.testing.v1 import AppTest
 
-from engine.api import load
+from engine.run.api import load
 from engine.checkpoint import write_checkpoint
 from engine.weights import random_weights
 from explorer import run_warnings as rw, session_view as sv

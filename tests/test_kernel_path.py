@@ -39,10 +39,11 @@ def rel(a, b) -> float:
 def _worker(ckpt: str) -> dict:
     """Runs with TRITON_INTERPRET=1. Reference forward, kernel forwards, and layer parity."""
     from engine.run import parity as K
-    from engine.api import Engine
+    from engine.run.api import Engine
     from engine.ops.triton import TritonOps
     from engine.checkpoint import CheckpointReader
-    from engine.model import Model, ProbeRequest
+    from engine.model import Model
+    from engine.run.probes import ProbeRequest
     from engine.weights import CheckpointWeights
 
     cfg = _config()

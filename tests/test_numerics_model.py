@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from engine.api import Engine, EngineError
-from engine.model import Model, ProbeRequest
+from engine.run.api import Engine, EngineError
+from engine.model import Model
+from engine.run.probes import ProbeRequest
 from engine.ops.reference import to_bf16
 from engine.weights import TensorWeights, random_weights
 from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config
@@ -107,7 +108,7 @@ def test_reference_wavefront_differs_from_one_chunk_only_in_tied_picks():
     """Under reference numerics a tie is torch's topk's choice over the row (the first chunk's rows
     are shorter), so the first picking layer may take other tied entries; everything it did not
     take by chance agrees. (Later layers then see other inputs: bf16 flows are chaotic.)"""
-    from engine import pipeline
+    from engine.run import pipeline
     cfg = tiny_config()
     weights = TensorWeights(random_weights(cfg, 0))
     ids = random_ids(cfg, pipeline.MIN_TOKENS).tolist()

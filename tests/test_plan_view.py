@@ -113,7 +113,7 @@ def test_bench_runs_beside_the_plan(cfg):
 def test_live_run_cache_equals_the_plan():
     """The shipped small model's own cache count after a prompt (global KV, windows, pending compressor
     tokens) equals the plan's one sequence at that length."""
-    import engine.api as api
+    import engine.run.api as api
     eng = api.load()
     run = eng.run("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # odd length?", layers=[]).to_json()
     got = pv.live_cache(eng.cfg, run)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.__main__ import main as cli
-from engine.api import EngineError, load
+from engine.run.api import EngineError, load
 from engine.checkpoint import CheckpointError, read_inventory
 from engine.config import ConfigError, load_config, release_config
 from engine.tokenizer import TokenizerError, build_compressed_vocab, load_tokenizer

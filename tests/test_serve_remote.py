@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 import torch
 
-from engine.api import EngineError, LayerResult, load, pack_tensor, unpack_tensor
+from engine.run.api import EngineError, load
+from engine.run.probes import LayerResult, pack_tensor, unpack_tensor
 from engine.roles import role_plan
 from engine import serve
 from engine.serve import EngineService, FairQueue, QueueFull, host_warning, make_server
@@ -190,7 +191,7 @@ def test_packed_tensors_come_back_equal(tensor):
     torch.rand(3, 4) > 0.5, torch.zeros(0, 2),
 ])
 def test_probe_json_is_torchs_own_tolist(tensor):
-    from engine.api import _finite, _plain
+    from engine.run.probes import _finite, _plain
     assert json.dumps(_plain(tensor)) == json.dumps(tensor.tolist())
     if tensor.is_floating_point() and tensor.numel():
         padded = tensor.float().clone()

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.api import DEFAULT_CHECKPOINT, load
+from engine.run.api import DEFAULT_CHECKPOINT, load
 from engine.config import load_config
 from engine.eval import unigram_loss, windows
 from engine.layout import tensor_specs
-from engine.model import ProbeRequest
+from engine.run.probes import ProbeRequest
 from engine.roles import FULL, REINDEX
 
 REPO = Path(__file__).resolve().parent.parent

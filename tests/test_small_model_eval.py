@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import eval as ev
-from engine.api import load
+from engine.run.api import load
 
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n"
 

@@ -13,7 +13,8 @@ import torch
 
 from engine.config import load_config
 from engine.engram import EngramLayout, ngram_rows
-from engine.model import Model, ProbeRequest
+from engine.model import Model
+from engine.run.probes import ProbeRequest
 from engine.tokenizer import load_tokenizer
 from engine.train.batched import BatchedForward, StepOptions, engram_rows_batched, fp4_values, fp8_values
 from engine.train.params import Trainee

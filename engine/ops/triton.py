@@ -79,7 +79,7 @@ def decide(flag: bool | None, weights, device, parallel=None) -> bool:
         raise KernelPathError("the kernel path runs in one process; this model is one rank of several")
     if not checkpoint_backed(weights):
         raise KernelPathError("the kernel path reads a checkpoint's stored bytes; these weights are in-memory "
-                              "tensors (kernels=True needs weights from engine.api.load)")
+                              "tensors (kernels=True needs weights from engine.run.api.load)")
     return True
 
 

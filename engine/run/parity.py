@@ -118,7 +118,7 @@ def layer_parity(engine, prompt, layer: int, max_rows: int | None = None) -> lis
     with its reference. On CUDA the run itself takes the path the engine would take (kernels on
     auto); elsewhere the reference path runs and the Triton versions need the interpreter.
     max_rows: compare only the last `max_rows` queries/tokens of each call (None: all)."""
-    from ..api import EngineError, one_thread
+    from .api import EngineError, one_thread
     from kernels import dispatch  # noqa: F401  (imports triton: after the interpreter decision)
 
     model = engine.model
@@ -148,8 +148,8 @@ def layer_parity(engine, prompt, layer: int, max_rows: int | None = None) -> lis
 def path_parity(engine, ids: list[int], layers=None) -> dict:
     """Run `ids` on the kernel path and on the reference path (same device): logits difference,
     top-k agreement per layer, and wall time of each (the second run of each path, warmed up)."""
-    from ..api import one_thread
-    from ..model import ProbeRequest
+    from .api import one_thread
+    from .probes import ProbeRequest
 
     model = engine.model
     device = torch.device(engine.device)
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if torch.device(a.device).type == "cpu":
         enable_interpreter()
-    from ..api import load
+    from .api import load
     engine = load(a.checkpoint, device=a.device, kernels=None)
     ids = _prompt_ids(engine, a.tokens)
     lines = [f"# Engine kernel path vs reference, {_device_name(a.device)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

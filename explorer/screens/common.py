@@ -64,7 +64,7 @@ def cached_tally(source: str, path: str):
 
 @st.cache_resource(show_spinner="Loading the model…")
 def cached_engine(path: str):
-    from engine.api import load
+    from engine.run.api import load
     return remote.attached_engine() or load(path)   # one shared engine; its run() holds a lock
 
 

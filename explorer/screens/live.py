@@ -138,7 +138,7 @@ def kernel_parity_panel(source: str, path: str, text: str, plan) -> None:
             st.caption(blocker)
             return
         from engine.run import parity as kpath
-        from engine.api import EngineError
+        from engine.run.api import EngineError
         try:
             engine = cached_engine(str(Path(path)))
             n_tokens = len(engine.encode(text))

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .pipeline import join_probes
-from .roles import decoder_start, role_plan
+from ..roles import decoder_start, role_plan
 
 PREFILLS = ("full", "ced")
 
