@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from engine.run.api import DEFAULT_CHECKPOINT, load  # noqa: E402
 from engine.checkpoint import CheckpointReader  # noqa: E402
-from engine.engram import EngramLayout  # noqa: E402
+from engine.model.engram import EngramLayout  # noqa: E402
 from engine.eval import token_losses  # noqa: E402
 from engine.layout import tensor_specs  # noqa: E402
 from engine.run.probes import ProbeRequest  # noqa: E402

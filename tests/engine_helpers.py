@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig, release_config
-from engine.model import Model
+from engine.model.transformer import Model
 from engine.weights import TensorWeights, random_weights
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.run import api, pipeline
-from engine import attention
+from engine.model import attention
 from engine.run.api import Engine, EngineError
 from engine.roles import decoder_start
 from engine.weights import TensorWeights, random_weights
@@ -251,7 +251,7 @@ def test_the_kernel_paths_window_rows_mask_the_replays_missing_keys(tmp_path, mo
     query precision): the rows before the replay are empty slots there too."""
     from engine.ops.triton import TritonOps
     from engine.checkpoint import CheckpointReader, write_checkpoint
-    from engine.model import Model
+    from engine.model.transformer import Model
     from engine.weights import CheckpointWeights
     from kernels import dispatch
 

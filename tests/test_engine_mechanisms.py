@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from engine import mhc, quant
-from engine.attention import Attention, LayerWeights, Shared, select_candidate_blocks
-from engine.moe import route
+from engine.model import mhc
+from engine import quant
+from engine.model.attention import Attention, LayerWeights, Shared, select_candidate_blocks
+from engine.model.moe import route
 from engine.roles import role_plan
-from engine.rope import layer_freqs, rotate
+from engine.model.rope import layer_freqs, rotate
 from engine.weights import random_weights
 from tests.engine_helpers import tiny_config
 
@@ -158,7 +159,7 @@ def test_indexer_scores_topk_and_visibility():
 
 
 def test_topk_in_position_order_with_ties_and_short_rows():
-    from engine.attention import topk_in_position_order
+    from engine.model.attention import topk_in_position_order
     g = torch.Generator().manual_seed(9)
     T, N, k = 200, 50, 8
     # few distinct values (FP4 scores tie often), some rows with fewer than k finite entries

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.engram import EngramError, engram_forward
+from engine.model.engram import EngramError, engram_forward
 
 
 def loop_reference(x, rows, wkv, q_weight, k_weight, eps, token_mask=None):

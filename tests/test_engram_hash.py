@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engram import (
+from engine.model.engram import (
     DEAD,
     EngramError,
     EngramLayout,

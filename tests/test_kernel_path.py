@@ -42,7 +42,7 @@ def _worker(ckpt: str) -> dict:
     from engine.run.api import Engine
     from engine.ops.triton import TritonOps
     from engine.checkpoint import CheckpointReader
-    from engine.model import Model
+    from engine.model.transformer import Model
     from engine.run.probes import ProbeRequest
     from engine.weights import CheckpointWeights
 
@@ -88,7 +88,7 @@ def _worker(ckpt: str) -> dict:
     out["bf16_reference"] = against_ref(logits, topk)
     # the hooks hand the kernels the engine's own operands: the kernels' references on the captured
     # arguments equal the engine's reference computations on the same inputs (layer 7)
-    from engine.moe import routed_experts
+    from engine.model.moe import routed_experts
     from kernels import dispatch
     model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), kernels=False)
     plain = model.ops

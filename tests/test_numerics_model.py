@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.run.api import Engine, EngineError
-from engine.model import Model
+from engine.model.transformer import Model
 from engine.run.probes import ProbeRequest
 from engine.ops.reference import to_bf16
 from engine.weights import TensorWeights, random_weights

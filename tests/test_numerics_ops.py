@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.attention import tie_marks, topk_in_position_order
+from engine.model.attention import tie_marks, topk_in_position_order
 from engine.ops import NUMERICS, NumericsError, ops_for
 from engine.ops.reference import ATTN_BLOCK, to_bf16
 

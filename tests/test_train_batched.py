@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.config import load_config
-from engine.engram import EngramLayout, ngram_rows
-from engine.model import Model
+from engine.model.engram import EngramLayout, ngram_rows
+from engine.model.transformer import Model
 from engine.run.probes import ProbeRequest
 from engine.tokenizer import load_tokenizer
 from engine.train.batched import BatchedForward, StepOptions, engram_rows_batched, fp4_values, fp8_values

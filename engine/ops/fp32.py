@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import mhc
-from ..rope import rotate
+from ..model import mhc
+from ..model.rope import rotate
 
 NEG_INF = float("-inf")
 QUANTIZED = ("F8_E4M3", "I8")  # stored dtypes of the FP8 and FP4 GEMM weights
@@ -48,8 +48,8 @@ class Fp32Ops:
         """Attention of q [T, H, D] (rotated) over each query's window of `keys` ([n_cached + T, D], the
         cached latents then this chunk's) and, with a source, its picks idx [T, k] (-1: none) of the
         source's global entries -> (out [T, H, D], probabilities on the picks [T, H, k] or None).
-        One block of queries at a time (engine/attention.py query_block)."""
-        from ..attention import query_block
+        One block of queries at a time (engine/model/attention.py query_block)."""
+        from ..model.attention import query_block
         T = q.shape[0]
         pad = max(0, window - 1 - n_cached)
         padded = torch.cat([keys.new_zeros(pad, keys.shape[1]), keys]) if pad else keys
@@ -71,18 +71,18 @@ class Fp32Ops:
 
     def index_topk(self, attention, q: torch.Tensor, head_w: torch.Tensor, positions, src, shared):
         """The indexer's picks for rotated queries q [T, Hi, Di] and head weights [T, Hi]
-        (engine/attention.py `Attention.index_picks`)."""
+        (engine/model/attention.py `Attention.index_picks`)."""
         return attention.index_picks(q, head_w, positions, src, shared)
 
     def routed_experts(self, cfg, layer: int, prefix: str, x, experts, weights, get, linear, owned=None):
-        """sum_e w_e Expert_e(x) over each token's chosen experts (engine/moe.py routed_experts)."""
-        from ..moe import routed_experts
+        """sum_e w_e Expert_e(x) over each token's chosen experts (engine/model/moe.py routed_experts)."""
+        from ..model.moe import routed_experts
         return routed_experts(cfg, prefix, x, experts, weights, get, linear, owned, act=self.act, gemm=self.gemm)
 
     def mhc_attention(self, layer: int, x, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float,
                       norm_eps: float):
         """Before attention: the stream x [T, hc, dim] collapsed with the previous sub-layer's `pre`
-        (the one-step lag, engine/mhc.py), and this sub-layer's mixes -> (input, pre, post, comb)."""
+        (the one-step lag, engine/model/mhc.py), and this sub-layer's mixes -> (input, pre, post, comb)."""
         pre, post, comb = self.hc_mixes(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
         return self.collapse(x, pre_prev), pre, post, comb
 
@@ -102,7 +102,7 @@ class Fp32Ops:
         return self.act(rms_norm(x, weight, eps))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
-        """RoPE on the last len(freqs)*2 dims (engine/rope.py), stored as an activation."""
+        """RoPE on the last len(freqs)*2 dims (engine/model/rope.py), stored as an activation."""
         return self.act(rotate(x, positions, freqs, inverse))
 
     def grouped_out(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
@@ -115,9 +115,9 @@ class Fp32Ops:
         return idx, picked
 
     def select_blocks(self, scores, visible, n_blocks: int, block: int, n: int) -> torch.Tensor:
-        """The candidate source's pool (engine/attention.py select_candidate_blocks): ties between
+        """The candidate source's pool (engine/model/attention.py select_candidate_blocks): ties between
         block scores go to the lower block."""
-        from ..attention import select_candidate_blocks
+        from ..model.attention import select_candidate_blocks
         return select_candidate_blocks(scores, visible, n_blocks, block)
 
     def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -212,7 +212,7 @@ class TritonOps:
         return self._kernel("sparse_attn")(*args)[:, :h].float(), None
 
     def index_topk(self, attention, q, head_w, positions, src, shared):
-        """The indexer's top-k on kernels (engine/attention.py `Attention.index_kernels`), or the base op
+        """The indexer's top-k on kernels (engine/model/attention.py `Attention.index_kernels`), or the base op
         where this wrapper only records."""
         got = attention.index_kernels(self, q, head_w, positions, src, shared) if self.active(attention.role.layer) \
             else None

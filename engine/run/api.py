@@ -19,7 +19,7 @@ import torch
 from ..config import ConfigError, ModelConfig, load_config
 from . import ced, pipeline
 from ..ops import DEFAULT_NUMERICS, NUMERICS
-from ..model import Model
+from ..model.transformer import Model
 from ..roles import decoder_start, role_plan
 from .probes import ENGINE_VERSION, PROBE_KINDS, LayerResult, ProbeRequest, RunResult, layer_result  # noqa: F401 (API names)
 

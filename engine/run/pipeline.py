@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from ..attention import NEG_INF
+from ..model.attention import NEG_INF
 
 MIN_TOKENS = 768      # below this the second thread does not pay for itself (measured: 512 tokens break even)
 FIRST_SHARE = 0.5     # measured: the first chunk is no cheaper per token (the indexer scores only visible entries)

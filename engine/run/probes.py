@@ -1,7 +1,7 @@
 """The probe format: what a run asks for (ProbeRequest), what it gives back per layer (LayerResult) and
 as a whole (RunResult), in three forms: tensors, JSON (`to_json` / `from_json`: plain numbers, for
 files and the explorer) and wire (`to_wire` / `from_wire`: tensors packed as binary blocks, for the
-engine service). The forward fills one plain dict per probed layer (engine/model.py); `layer_result`
+engine service). The forward fills one plain dict per probed layer (engine/model/transformer.py); `layer_result`
 turns it into a LayerResult, so a new probe is a field here and one line where the forward computes it.
 """
 
@@ -53,11 +53,11 @@ class LayerResult:
     residual_norms: torch.Tensor | None = None  # [T, hc]
     time_s: float = 0.0
     zero_score_picks: torch.Tensor | None = None  # [T] selected entries whose index score is exactly 0
-    # on request (run(detail_layers=...)): engine/selection_probe.py
+    # on request (run(detail_layers=...)): engine/model/selection_probe.py
     runner_ups: torch.Tensor | None = None        # [T, r] best unselected entries, -1 padded
     runner_up_scores: torch.Tensor | None = None  # [T, r] their index scores (-inf padding)
     selection_recall: torch.Tensor | None = None  # [T] attention mass on the picks over all visible entries
-    # ties (engine/attention.py tie_marks): which picks a top-k took by chance among equal scores
+    # ties (engine/model/attention.py tie_marks): which picks a top-k took by chance among equal scores
     topk_kth: torch.Tensor | None = None          # [T] the k-th pick's score (-inf: fewer than k picks)
     topk_tied: torch.Tensor | None = None         # [T, k] bool: picks tied at the k-th score with unpicked entries
 
@@ -266,7 +266,7 @@ class RunResult:
 
 
 def layer_result(cfg, role, probe: dict, kinds: set[str]) -> LayerResult:
-    """One layer's probe dict, as the forward filled it (engine/model.py), as a LayerResult of the asked kinds."""
+    """One layer's probe dict, as the forward filled it (engine/model/transformer.py), as a LayerResult of the asked kinds."""
     out = LayerResult(layer=role.layer, role=role.role, label=role.label, compress_ratio=role.compress_ratio,
                       kv_source=role.kv_source, index_source=role.index_source,
                       window_size=cfg.window_size, n_entries=probe.get("n_entries", 0))

@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import mhc, quant
-from ..attention import rms_norm, topk_in_position_order
+from ..model import mhc
+from .. import quant
+from ..model.attention import rms_norm, topk_in_position_order
 from ..config import ModelConfig
-from ..engram import EngramLayout, engram_forward
+from ..model.engram import EngramLayout, engram_forward
 from ..layout import tensor_specs
-from ..moe import route, swiglu
+from ..model.moe import route, swiglu
 from ..roles import FULL, REINDEX, REUSE, LayerRole, role_plan
-from ..rope import layer_freqs, rotate
+from ..model.rope import layer_freqs, rotate
 
 NEG_INF = float("-inf")
 

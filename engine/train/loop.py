@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..engram import EngramLayout
+from ..model.engram import EngramLayout
 from .batched import BatchedForward, StepOptions
 from .params import Trainee
 

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 @lru_cache(maxsize=16)

@@ -13,12 +13,12 @@ import time
 
 import torch
 
-from . import quant
+from .. import quant
 from .attention import Attention, LayerWeights, Shared
-from .config import ModelConfig
+from ..config import ModelConfig
 from .moe import moe_forward
-from .ops import for_model
-from .roles import decoder_start, role_plan
+from ..ops import for_model
+from ..roles import decoder_start, role_plan
 
 class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from . import quant
-from .ops.fp32 import Fp32Ops
-from .config import ModelConfig
-from .roles import FULL, REINDEX, LayerRole
+from .. import quant
+from ..ops.fp32 import Fp32Ops
+from ..config import ModelConfig
+from ..roles import FULL, REINDEX, LayerRole
 from .rope import layer_freqs, rotate
 from .selection_probe import runner_ups, selection_recall
 
@@ -440,7 +440,7 @@ class Attention:
 
     def _detail_probe(self, probe: dict, q, positions, global_kv, idx) -> None:
         """ProbeRequest.detail: the indexer's best unpicked entries (layers that pick) and the
-        selection recall of this layer's own queries (engine/selection_probe.py)."""
+        selection recall of this layer's own queries (engine/model/selection_probe.py)."""
         if self.role.role in (FULL, REINDEX) and self.runners is not None:
             probe["runner_ups"], probe["runner_up_scores"] = self.runners
         visible = (positions + 1).div(self.ratio, rounding_mode="floor")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor | None,
@@ -93,7 +93,7 @@ def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, imag
     ops (engine/ops): the numerics and the routed experts' op (None: fp32); `linear` already stores
     its outputs so."""
     if ops is None:
-        from .ops.fp32 import Fp32Ops
+        from ..ops.fp32 import Fp32Ops
         ops = Fp32Ops()
     act = ops.act
     n_routed, n_active = cfg.experts_of(layer)
