@@ -60,9 +60,9 @@ def _checkpoint(path: str | None) -> str:
         return str(shipped)
     target = ROOT / "build" / "bench-small"
     if not (target / "config.json").exists():
-        from engine.checkpoint import write_checkpoint
+        from engine.checkpoint.writer import write_checkpoint
         from engine.config import load_config
-        from engine.weights import random_weights
+        from engine.checkpoint.weights import random_weights
         cfg = load_config(ROOT / "assets" / "configs" / "small.json")
         write_checkpoint(cfg, target, tensors=random_weights(cfg, 0))
         (target / "tokenizer.json").write_bytes((ROOT / "assets" / "tokenizer" / "tokenizer.json").read_bytes())

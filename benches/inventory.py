@@ -1,4 +1,4 @@
-"""Header-only inventory of the full 48-shard release skeleton: engine.checkpoint.read_inventory
+"""Header-only inventory of the full 48-shard release skeleton: engine.checkpoint.inventory.read_inventory
 against safetensors' own safe_open(framework="numpy") header listing, measured in the same run.
 
     python benches/inventory.py [--dir SKELETON] [--repeat 5]
@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors import safe_open  # noqa: E402
 
-from engine.checkpoint import read_inventory, write_skeleton  # noqa: E402
+from engine.checkpoint.inventory import read_inventory  # noqa: E402
+from engine.checkpoint.writer import write_skeleton
 from engine.config import release_config  # noqa: E402
 from engine.tally import tally_from_checkpoint  # noqa: E402
 

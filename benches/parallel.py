@@ -67,9 +67,9 @@ class GeneratedWeights:
     on first use (byte-bounded LRU). Engram table rows are computed from (table, row, column)."""
 
     def __init__(self, cfg, parallel, seed: int = 0, cache_bytes: int = 8 << 30):
-        from engine.layout import tensor_specs
+        from engine.checkpoint.layout import tensor_specs
         from engine.parallel import check_splittable
-        from engine.weights import TensorCache
+        from engine.checkpoint.weights import TensorCache
 
         if parallel is not None:
             check_splittable(cfg, parallel.world)
@@ -98,7 +98,7 @@ class GeneratedWeights:
     def _make(self, name, spec):
         from engine import quant
         from engine.parallel import split_of
-        from engine.weights import init_weight
+        from engine.checkpoint.weights import init_weight
 
         shape = list(spec.logical_shape)
         split = split_of(name) if self.parallel is not None else None
@@ -169,7 +169,7 @@ def _hash_uniform(x: torch.Tensor) -> torch.Tensor:
 
 def layer_work(cfg, role, tokens: int, world: int) -> dict:
     """Ideal work of one layer's prefill on one GPU: flops and weight bytes, split parts / world."""
-    from engine.layout import tensor_specs
+    from engine.checkpoint.layout import tensor_specs
 
     T, d, H, hd = tokens, cfg.dim, cfg.n_heads, cfg.head_dim
     m = role.compress_ratio

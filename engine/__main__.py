@@ -79,7 +79,7 @@ def _tally_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_tally(args: argparse.Namespace) -> int:
-    from .inventory import checkpoint_config
+    from .checkpoint.inventory import checkpoint_config
     from .tally import cache_breakdown_at, tally_from_checkpoint, tally_from_config
 
     if args.context is not None and args.context < 0:
@@ -142,7 +142,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from .inventory import check_against_config, checkpoint_config, read_inventory
+    from .checkpoint.inventory import check_against_config, checkpoint_config, read_inventory
 
     inv = read_inventory(args.dir)
     cfg = load_config(args.config) if args.config else checkpoint_config(args.dir)
@@ -185,7 +185,7 @@ def _skeleton_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_skeleton(args: argparse.Namespace) -> int:
-    from .checkpoint import write_skeleton
+    from .checkpoint.writer import write_skeleton
 
     cfg = load_config(args.config)
     out = write_skeleton(cfg, args.out, args.shards)
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError
+    from .checkpoint.inventory import CheckpointError
 
     try:
         _discover()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ModelConfig
-from .weights import TensorCache
+from .checkpoint.weights import TensorCache
 
 WEIGHT_BLOCK = 32  # FP8 weights carry one scale per 32x32 block
 

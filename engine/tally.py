@@ -27,7 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from .config import ModelConfig
-from .layout import GROUPS, TensorSpec, tensor_specs
+from .checkpoint.layout import GROUPS, TensorSpec, tensor_specs
 from .roles import decoder_start
 
 SCALE_BYTES_FP4_KV = 1     # global KV: one E4M3 scale per 16 values
@@ -261,7 +261,7 @@ def tally_from_config(cfg: ModelConfig) -> Tally:
 
 def tally_from_checkpoint(directory: str | Path) -> Tally:
     """The tally of a checkpoint folder from its shard headers and config.json (no tensor data read)."""
-    from .inventory import checkpoint_config, read_inventory
+    from .checkpoint.inventory import checkpoint_config, read_inventory
     inventory = read_inventory(directory)
     cfg = checkpoint_config(directory)
     enabled = gc.isenabled()

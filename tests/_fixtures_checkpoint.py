@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.checkpoint import write_skeleton
+from engine.checkpoint.writer import write_skeleton
 from engine.config import ModelConfig, release_config
 
 

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import ModelConfig, release_config
 from engine.model.transformer import Model
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 
 
 def tiny_config(**changes) -> ModelConfig:
@@ -69,7 +69,7 @@ def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, act_quant: bool = 
 
 def write_tiny_checkpoint(out, seed: int, n_shards: int, **changes):
     """A release-layout checkpoint of `tiny_config(**changes)` with random weights, written to out."""
-    from engine.checkpoint import write_checkpoint
+    from engine.checkpoint.writer import write_checkpoint
     cfg = tiny_config(**changes)
     write_checkpoint(cfg, out, tensors=random_weights(cfg, seed), n_shards=n_shards)
     return out

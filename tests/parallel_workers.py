@@ -28,9 +28,10 @@ def build_engine(checkpoint: str, parallel=None, act_quant: bool = False):
     """The engine over the checkpoint (sharded when `parallel` is given), with the stand-in
     tokenizer the tiny configs' Engram needs."""
     from engine.run.api import Engine
-    from engine.checkpoint import CheckpointReader, checkpoint_config
+    from engine.checkpoint.inventory import checkpoint_config
+    from engine.checkpoint.reader import CheckpointReader
     from engine.parallel import ShardedWeights
-    from engine.weights import CheckpointWeights
+    from engine.checkpoint.weights import CheckpointWeights
     from tests.engine_helpers import IdentityTokenizer
 
     cfg = checkpoint_config(checkpoint)

@@ -20,7 +20,7 @@ from engine.run import api, pipeline
 from engine.model import attention
 from engine.run.api import Engine, EngineError
 from engine.roles import decoder_start
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config, write_tiny_checkpoint
 
 CFG = tiny_config()
@@ -250,9 +250,10 @@ def test_the_kernel_paths_window_rows_mask_the_replays_missing_keys(tmp_path, mo
     kernel's PyTorch reference on those operands gives the engine's attention output to bf16 (its
     query precision): the rows before the replay are empty slots there too."""
     from engine.ops.triton import TritonOps
-    from engine.checkpoint import CheckpointReader, write_checkpoint
+    from engine.checkpoint.reader import CheckpointReader
+    from engine.checkpoint.writer import write_checkpoint
     from engine.model.transformer import Model
-    from engine.weights import CheckpointWeights
+    from engine.checkpoint.weights import CheckpointWeights
     from kernels import dispatch
 
     write_checkpoint(CFG, tmp_path / "ckpt", random_weights(CFG, 0))

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from engine import quant
-from engine.checkpoint import (INDEX_NAME, CheckpointError, CheckpointReader, check_against_config, read_inventory,
-                               write_checkpoint)
+from engine.checkpoint.inventory import INDEX_NAME, CheckpointError, check_against_config, read_inventory
+from engine.checkpoint.reader import CheckpointReader
+from engine.checkpoint.writer import write_checkpoint
 from engine.config import ConfigError, load_config
 from engine.tally import tally_from_checkpoint, tally_from_config
 from _fixtures_checkpoint import bare_config, release_skeleton, small_config  # noqa: F401

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import INDEX_NAME, write_checkpoint
+from engine.checkpoint.inventory import INDEX_NAME
+from engine.checkpoint.writer import write_checkpoint
 from _fixtures_checkpoint import release_skeleton, small_config  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]

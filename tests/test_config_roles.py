@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.checkpoint import config_json
+from engine.checkpoint.writer import config_json
 from engine.config import ConfigError, ModelConfig, config_from_dict, load_config, release_config
 from engine.roles import cache_graph, decoder_start, layers_by_tab, role_plan
 

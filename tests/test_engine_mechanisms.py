@@ -13,7 +13,7 @@ from engine.model.attention import Attention, LayerWeights, Shared, select_candi
 from engine.model.moe import route
 from engine.roles import role_plan
 from engine.model.rope import layer_freqs, rotate
-from engine.weights import random_weights
+from engine.checkpoint.weights import random_weights
 from tests.engine_helpers import tiny_config
 
 

@@ -10,7 +10,7 @@ from engine.config import release_config
 from engine.run.probes import ProbeRequest
 from engine.roles import role_plan
 from engine.tally import kv_bytes_per_token
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 from tests.engine_helpers import IdentityTokenizer, random_ids, release_lists_config, tiny_config, tiny_model
 
 

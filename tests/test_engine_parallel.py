@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointReader
+from engine.checkpoint.reader import CheckpointReader
 from engine.parallel import Parallel, ParallelError, ShardedWeights, check_splittable, split_of
-from engine.weights import CheckpointWeights, TensorWeights
+from engine.checkpoint.weights import CheckpointWeights, TensorWeights
 from tests.engine_helpers import tiny_config, write_tiny_checkpoint
 from tests.parallel_workers import reference
 

@@ -10,7 +10,7 @@ import torch
 from engine.run import pipeline
 from engine.run.api import Engine
 from engine.run.probes import ProbeRequest
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 from engine_helpers import IdentityTokenizer, random_ids, release_lists_config, tiny_config, tiny_model
 
 

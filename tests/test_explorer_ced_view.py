@@ -7,7 +7,7 @@ import pytest
 
 from engine.run.api import Engine
 from engine.roles import decoder_start
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 from explorer import ced_view
 from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config
 

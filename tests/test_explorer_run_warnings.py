@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from streamlit.testing.v1 import AppTest
 
 from engine.run.api import load
-from engine.checkpoint import write_checkpoint
-from engine.weights import random_weights
+from engine.checkpoint.writer import write_checkpoint
+from engine.checkpoint.weights import random_weights
 from explorer import run_warnings as rw, session_view as sv
 from explorer.screens.live import nonfinite_weights
 from explorer.sessions import SessionData, SessionStore

@@ -73,7 +73,7 @@ def test_routing_margin_is_weakest_chosen_minus_best_other():
 
 def test_a_real_run_with_detail_reads_as_the_view_expects():
     from engine.run.api import Engine
-    from engine.weights import TensorWeights, random_weights
+    from engine.checkpoint.weights import TensorWeights, random_weights
     from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config
     cfg = tiny_config()
     engine = Engine(cfg, TensorWeights(random_weights(cfg, 1)), IdentityTokenizer(300))

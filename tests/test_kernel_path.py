@@ -41,10 +41,10 @@ def _worker(ckpt: str) -> dict:
     from engine.run import parity as K
     from engine.run.api import Engine
     from engine.ops.triton import TritonOps
-    from engine.checkpoint import CheckpointReader
+    from engine.checkpoint.reader import CheckpointReader
     from engine.model.transformer import Model
     from engine.run.probes import ProbeRequest
-    from engine.weights import CheckpointWeights
+    from engine.checkpoint.weights import CheckpointWeights
 
     cfg = _config()
     weights = CheckpointWeights(CheckpointReader(ckpt, cfg))
@@ -120,8 +120,8 @@ def _worker(ckpt: str) -> dict:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    from engine.checkpoint import write_checkpoint
-    from engine.weights import random_weights
+    from engine.checkpoint.writer import write_checkpoint
+    from engine.checkpoint.weights import random_weights
 
     cfg = _config()
     ckpt = tmp_path_factory.mktemp("kp") / "ckpt"
@@ -210,7 +210,7 @@ print(sorted(k for k in sys.modules if k == 'triton' or k.startswith('kernels'))
 
 def test_decide_rules(tmp_path):
     from engine.ops import triton as K
-    from engine.weights import TensorWeights
+    from engine.checkpoint.weights import TensorWeights
 
     class Ckpt:  # stands for CheckpointWeights: what matters is a reader of stored bytes
         reader = object()

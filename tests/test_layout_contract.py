@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from engine.config import release_config
-from engine.layout import classify, shard_plan, spec_from_header, tensor_specs
+from engine.checkpoint.layout import classify, shard_plan, spec_from_header, tensor_specs
 from _fixtures_checkpoint import bare_config, small_config
 
 # Published shard file sizes of the release (header + data), from the hub listing.

@@ -12,7 +12,7 @@ from engine.run.api import Engine, EngineError
 from engine.model.transformer import Model
 from engine.run.probes import ProbeRequest
 from engine.ops.reference import to_bf16
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config
 
 

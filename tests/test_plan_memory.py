@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from engine.config import release_config
-from engine.layout import tensor_specs
+from engine.checkpoint.layout import tensor_specs
 from engine.plan import (CACHE_PARTS, GPUS, PlanError, PlanInputs, TP_BOXES, cache_per_sequence, check_inputs,
                          largest_batch, largest_context, make_plan, memory, model_max_context, weights_per_gpu)
 from engine.tally import tally_from_config

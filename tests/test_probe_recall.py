@@ -10,7 +10,7 @@ import torch
 
 from engine.run.api import Engine, EngineError, LayerResult
 from engine.model.selection_probe import runner_ups, selection_recall
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config
 
 

@@ -18,10 +18,10 @@ import torch
 
 from engine.__main__ import main as cli
 from engine.run.api import EngineError, load
-from engine.checkpoint import CheckpointError, read_inventory
+from engine.checkpoint.inventory import CheckpointError, read_inventory
 from engine.config import ConfigError, load_config, release_config
 from engine.tokenizer import TokenizerError, build_compressed_vocab, load_tokenizer
-from engine.weights import random_weights
+from engine.checkpoint.weights import random_weights
 from tests.engine_helpers import tiny_config, write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,7 +230,7 @@ def test_nan_weights_warn_once_naming_the_tensor(tmp_path):
     weights = random_weights(cfg, 0)
     weights["layers.1.attn_norm.weight"] = torch.full_like(weights["layers.1.attn_norm.weight"], float("nan"))
     weights["layers.2.ffn_norm.weight"] = torch.full_like(weights["layers.2.ffn_norm.weight"], float("inf"))
-    from engine.checkpoint import write_checkpoint
+    from engine.checkpoint.writer import write_checkpoint
     write_checkpoint(cfg, tmp_path, tensors=weights, n_shards=1)
     engine = load(tmp_path)
     with warnings.catch_warnings(record=True) as caught:

@@ -11,7 +11,7 @@ import torch
 from engine.run.api import Engine
 from engine.roles import FULL, REINDEX
 from engine.run.probes import PROBE_KINDS, LayerResult, RunResult
-from engine.weights import TensorWeights, random_weights
+from engine.checkpoint.weights import TensorWeights, random_weights
 from tests.engine_helpers import IdentityTokenizer, random_ids, tiny_config
 
 

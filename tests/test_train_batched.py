@@ -18,7 +18,7 @@ from engine.run.probes import ProbeRequest
 from engine.tokenizer import load_tokenizer
 from engine.train.batched import BatchedForward, StepOptions, engram_rows_batched, fp4_values, fp8_values
 from engine.train.params import Trainee
-from engine.weights import TensorWeights
+from engine.checkpoint.weights import TensorWeights
 from engine import quant
 
 REPO = Path(__file__).resolve().parent.parent

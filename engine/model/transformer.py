@@ -1,5 +1,5 @@
 """The V4.1-Flash forward: embed -> 4 residual copies -> 40 blocks (Engram, mHC, attention, MoE)
--> collapse -> norm -> head. Weights come from a `WeightSource` (engine/weights.py); probes are a
+-> collapse -> norm -> head. Weights come from a `WeightSource` (engine/checkpoint/weights.py); probes are a
 thin dict per layer, filled only for the layers and kinds asked for.
 
 The DSpark draft stages and the vision tower are counted by the tally but not run here; image

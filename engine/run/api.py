@@ -242,8 +242,9 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     kernels: the Triton kernel ops (None: on CUDA; see engine/ops/triton.py);
     threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them);
     numerics (engine/ops): "reference" (default: the official bf16 dtype flow) or "fp32"."""
-    from ..checkpoint import CheckpointError, CheckpointReader
-    from ..weights import CheckpointWeights, DeviceWeights
+    from ..checkpoint.inventory import CheckpointError
+    from ..checkpoint.reader import CheckpointReader
+    from ..checkpoint.weights import CheckpointWeights, DeviceWeights
 
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise EngineError(f"the checkpoint must be a folder path, got {type(path).__name__}")

@@ -61,7 +61,7 @@ def cmd_train(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # export before the held-out evaluation: a run cut short there must still leave its checkpoint
-    from ..checkpoint import write_checkpoint
+    from ..checkpoint.writer import write_checkpoint
     model_dir = out / "model"
     write_checkpoint(cfg, model_dir, tensors=run.trainee.export_tensors(), n_shards=args.n_shards)
     run.note(event="exported", bytes=sum(f.stat().st_size for f in model_dir.iterdir()))

@@ -30,7 +30,7 @@ from .. import quant
 from ..model.attention import rms_norm, topk_in_position_order
 from ..config import ModelConfig
 from ..model.engram import EngramLayout, engram_forward
-from ..layout import tensor_specs
+from ..checkpoint.layout import tensor_specs
 from ..model.moe import route, swiglu
 from ..roles import FULL, REINDEX, REUSE, LayerRole, role_plan
 from ..model.rope import layer_freqs, rotate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..layout import tensor_specs
+from ..checkpoint.layout import tensor_specs
 
 EXPERT_PARTS = ("w1", "w2", "w3")
 

@@ -27,8 +27,8 @@ RUN_TIMEOUT = 180_000      # ms: a CPU run of the tiny model on the sample promp
 def tiny_checkpoint(tmp_path_factory):
     """The release's layer plan at a tiny width, random weights, the project tokenizer (~12 MB)."""
     sys.path.insert(0, str(REPO / "tests"))
-    from engine.checkpoint import write_checkpoint
-    from engine.weights import random_weights
+    from engine.checkpoint.writer import write_checkpoint
+    from engine.checkpoint.weights import random_weights
     from engine_helpers import release_lists_config
 
     cfg = release_lists_config(vocab_size=4096, engram_compressed_vocab_size=2804)

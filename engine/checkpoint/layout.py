@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 # bytes per stored element of each safetensors dtype we use
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}

@@ -103,7 +103,7 @@ class DeviceWeights:
 
 
 class CheckpointWeights:
-    """Lazy, dequantizing view of a release-layout checkpoint (an engine/checkpoint.py reader)."""
+    """Lazy, dequantizing view of a release-layout checkpoint (an engine/checkpoint/reader.py reader)."""
 
     def __init__(self, reader, cache_bytes: int = 2 << 30):
         self.reader = reader

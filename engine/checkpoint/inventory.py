@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .config import ModelConfig, load_config
+from ..config import ModelConfig, load_config
 from .layout import TensorSpec, spec_from_header, tensor_specs
-from .safe_io import open_regular, read_bytes
+from ..safe_io import open_regular, read_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
