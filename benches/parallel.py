@@ -68,7 +68,7 @@ class GeneratedWeights:
 
     def __init__(self, cfg, parallel, seed: int = 0, cache_bytes: int = 8 << 30):
         from engine.checkpoint.layout import tensor_specs
-        from engine.parallel import check_splittable
+        from engine.serve.parallel import check_splittable
         from engine.checkpoint.weights import TensorCache
 
         if parallel is not None:
@@ -91,13 +91,13 @@ class GeneratedWeights:
         self.generate_s = time.perf_counter() - started
 
     def _mine(self, name: str) -> bool:
-        from engine.parallel import expert_of
+        from engine.serve.parallel import expert_of
         expert = expert_of(name)
         return expert is None or self.parallel is None or self.parallel.owns_expert(expert, self.cfg.n_routed_experts)
 
     def _make(self, name, spec):
         from engine import quant
-        from engine.parallel import split_of
+        from engine.serve.parallel import split_of
         from engine.checkpoint.weights import init_weight
 
         shape = list(spec.logical_shape)
@@ -190,7 +190,7 @@ def layer_work(cfg, role, tokens: int, world: int) -> dict:
     if role.engram:
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
         repl += 2 * T * cols * d * (cfg.hc_mult + 1)
-    from engine.parallel import expert_of, split_of
+    from engine.serve.parallel import expert_of, split_of
     bytes_split = bytes_repl = 0
     for s in tensor_specs(cfg):
         if s.layer != role.layer or s.stage is not None or s.kind.endswith("engram.embed"):
@@ -231,8 +231,8 @@ def first_layers(cfg, n: int):
 def rank_main(args) -> dict | None:
     from engine.run.api import Engine
     from engine.config import release_config
-    from engine.parallel import Parallel
-    from engine.serve import EngineService, follow, make_server
+    from engine.serve.parallel import Parallel
+    from engine.serve.service import EngineService, follow, make_server
 
     parallel = Parallel.from_env("gloo" if args.smoke else args.backend)
     if parallel is None:

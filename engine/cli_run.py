@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .__main__ import Command, fmt_bytes, table
-from . import eval as evaluation
+from .train import eval as evaluation
 from .run.api import DEFAULT_CHECKPOINT, EngineError, load
 from .ops import DEFAULT_NUMERICS, NUMERICS
 from .safe_io import read_text

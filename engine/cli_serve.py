@@ -35,10 +35,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .parallel import Parallel, ParallelError
-    from .serve import EngineService, follow, host_warning, make_server
+    from .serve.parallel import Parallel, ParallelError
+    from .serve.service import EngineService, follow, host_warning, make_server
 
-    from .serve import MAX_GENERATE, READ_TIMEOUT_S, RUN_TIMEOUT_S
+    from .serve.service import MAX_GENERATE, READ_TIMEOUT_S, RUN_TIMEOUT_S
 
     max_generate = MAX_GENERATE if args.max_generate is None else args.max_generate
     run_timeout = RUN_TIMEOUT_S if args.run_timeout is None else args.run_timeout
@@ -104,5 +104,5 @@ def _load(path: str, parallel):
     return load(path, parallel=parallel)
 
 
-COMMANDS = [Command("serve", "serve the engine over HTTP/JSON for the explorer (see engine/serve.py)",
+COMMANDS = [Command("serve", "serve the engine over HTTP/JSON for the explorer (see engine/serve/service.py)",
                     _serve_args, _serve)]

@@ -1,7 +1,7 @@
 """The serving planner: what a config needs per GPU at a batch, a context and a parallel layout, and
 how fast it can be at best. Pure arithmetic over the config, the tally and the role plan (no torch).
 
-Layout (the split engine/parallel.py makes, generalised to separate degrees):
+Layout (the split engine/serve/parallel.py makes, generalised to separate degrees):
 - `tp` GPUs share each attention group: `wq_b`, `attn_sink`, `wo_a`, `wo_b`, the indexer's `wq_b` and
   `weights_proj` by heads, the embedding and the head by vocabulary rows; everything else in a layer
   is replicated, so each GPU of a group holds the group's whole KV (one latent KV head cannot be split

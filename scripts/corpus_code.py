@@ -18,7 +18,7 @@ Identical files (same sha256) are kept once; the copy is held out when any of it
 in sha256("<source>/<path>") order (C/C++ after the rest, with --with-c) until --max-tokens train
 tokens in all (so a cap samples every package; held-out documents are always taken), tokenized with
 the project's tokenizer (<bos> before each document) on --workers threads, and written as described
-in engine/corpus_data.py.
+in engine/train/corpus_data.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from engine.corpus_data import (  # noqa: E402
+from engine.train.corpus_data import (  # noqa: E402
     BOS_ID, FORMAT, CorpusDataError, doc_key, key_hash, read_manifest, read_prose_pack, split_of,
 )
 
@@ -388,7 +388,7 @@ def build(args) -> dict:
     all_docs = prose + docs  # the order the streams were filled in
     meta = {
         "description": "Code part of the V4.1-Flash explorer's training corpus (scripts/corpus_code.py)",
-        "split_rule": "int(sha256('<source>/<path>')) % 10000 < 200 -> heldout (engine/corpus_data.py); "
+        "split_rule": "int(sha256('<source>/<path>')) % 10000 < 200 -> heldout (engine/train/corpus_data.py); "
                       "identical files kept once, held out when any copy is",
         "distributions": [{"name": s["name"], "version": s["version"], "origin": s["origin"],
                            "pip": f"{s['name']}=={s['version']}"} for s in sources],

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from corpus_text import html_to_text, maybe_gunzip, render_man, split_dictionary  # noqa: E402
-from engine.corpus_data import BOS_ID, DOC_END, key_hash, split_of  # noqa: E402
+from engine.train.corpus_data import BOS_ID, DOC_END, key_hash, split_of  # noqa: E402
 
 MIB = 1 << 20
 # package -> (cap in MB of text, [(glob inside the package, kind)], [globs to leave out])

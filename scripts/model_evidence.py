@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from engine.run.api import DEFAULT_CHECKPOINT, load  # noqa: E402
 from engine.checkpoint.reader import CheckpointReader  # noqa: E402
 from engine.model.engram import EngramLayout  # noqa: E402
-from engine.eval import token_losses  # noqa: E402
+from engine.train.eval import token_losses  # noqa: E402
 from engine.checkpoint.layout import tensor_specs  # noqa: E402
 from engine.run.probes import ProbeRequest  # noqa: E402
 from engine.roles import FULL, REINDEX  # noqa: E402

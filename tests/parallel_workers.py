@@ -30,7 +30,7 @@ def build_engine(checkpoint: str, parallel=None, act_quant: bool = False):
     from engine.run.api import Engine
     from engine.checkpoint.inventory import checkpoint_config
     from engine.checkpoint.reader import CheckpointReader
-    from engine.parallel import ShardedWeights
+    from engine.serve.parallel import ShardedWeights
     from engine.checkpoint.weights import CheckpointWeights
     from tests.engine_helpers import IdentityTokenizer
 
@@ -59,7 +59,7 @@ def reference(checkpoint: str, ids: list[int]) -> dict:
 
 
 def _rank(rank: int, world: int, port: int, checkpoint: str, out: str, ids: list[int]) -> None:
-    from engine.parallel import Parallel
+    from engine.serve.parallel import Parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import corpus_code  # noqa: E402
 from corpus_text import html_to_text, split_dictionary  # noqa: E402
 
-from engine.corpus_data import (  # noqa: E402
+from engine.train.corpus_data import (  # noqa: E402
     CorpusDataError, key_hash, load_token_streams, manifest_rows, read_manifest, read_prose_pack, split_of,
 )
 

@@ -1,4 +1,4 @@
-"""Expert + tensor parallel engine (engine/parallel.py): two gloo processes on a written checkpoint give
+"""Expert + tensor parallel engine (engine/serve/parallel.py): two gloo processes on a written checkpoint give
 the single-process probes; each rank reads only its slice of the split weights."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.checkpoint.reader import CheckpointReader
-from engine.parallel import Parallel, ParallelError, ShardedWeights, check_splittable, split_of
+from engine.serve.parallel import Parallel, ParallelError, ShardedWeights, check_splittable, split_of
 from engine.checkpoint.weights import CheckpointWeights, TensorWeights
 from tests.engine_helpers import tiny_config, write_tiny_checkpoint
 from tests.parallel_workers import reference

@@ -1,5 +1,5 @@
 """The serving planner's bytes per GPU (engine/plan.py) against the release figures, hand counts and the
-split engine/parallel.py makes."""
+split engine/serve/parallel.py makes."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def test_one_gpu_holds_the_whole_checkpoint(cfg, tally):
 
 
 def _independent_copies(cfg, name: str, kind: str, p: PlanInputs) -> int:
-    """How many copies of a tensor the layout stores, from engine/parallel.py's own split rules."""
-    from engine.parallel import expert_of, split_of
+    """How many copies of a tensor the layout stores, from engine/serve/parallel.py's own split rules."""
+    from engine.serve.parallel import expert_of, split_of
     weight = name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name
     if kind == "engram.embed":
         return 1                                   # rows spread over every GPU
@@ -77,7 +77,7 @@ def _independent_copies(cfg, name: str, kind: str, p: PlanInputs) -> int:
 @pytest.mark.parametrize("gpus,ep,tp", [(8, 8, 8), (8, 4, 2), (4, 4, 1)])
 def test_weights_over_all_gpus_are_the_total_plus_the_replicas(cfg, tally, gpus, ep, tp):
     """Every GPU holds the same; over all GPUs that is each tensor times its copies: the release total
-    plus exactly the replicated bytes (counted here from engine/parallel.py's split_of / expert_of)."""
+    plus exactly the replicated bytes (counted here from engine/serve/parallel.py's split_of / expert_of)."""
     p = replace(PlanInputs(), gpus=gpus, ep=ep, tp=tp)
     per_gpu = sum(weights_per_gpu(cfg, tally, p).values())
     stored = sum(s.nbytes * _independent_copies(cfg, s.name, s.kind, p) for s in tensor_specs(cfg))
@@ -90,7 +90,7 @@ def test_weights_over_all_gpus_are_the_total_plus_the_replicas(cfg, tally, gpus,
 
 
 def test_tp_boxes_are_the_engines_split_weights(cfg):
-    from engine.parallel import expert_of, split_of
+    from engine.serve.parallel import expert_of, split_of
     for s in tensor_specs(cfg):
         if s.group in ("dspark", "vision"):
             continue

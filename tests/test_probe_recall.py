@@ -132,7 +132,7 @@ def test_the_two_thread_wavefront_gives_the_same_detail():
 
 
 def test_the_service_and_its_client_carry_detail_layers(monkeypatch):
-    from engine.serve import run_args
+    from engine.serve.service import run_args
     from explorer.remote import RemoteEngine
     args = run_args({"ids": [0, 5], "layers": [7], "detail_layers": [7]})
     assert args["detail_layers"] == [7]

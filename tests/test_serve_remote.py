@@ -1,4 +1,4 @@
-"""The engine service (engine/serve.py, `python -m engine serve`) and its client (explorer/remote.py):
+"""The engine service (engine/serve/service.py, `python -m engine serve`) and its client (explorer/remote.py):
 same JSON and views as the in-process engine, readable errors when the service is down or dies
 mid-run, and a queue that does not let one client starve another."""
 
@@ -19,8 +19,8 @@ import torch
 from engine.run.api import EngineError, load
 from engine.run.probes import LayerResult, pack_tensor, unpack_tensor
 from engine.roles import role_plan
-from engine import serve
-from engine.serve import EngineService, FairQueue, QueueFull, host_warning, make_server
+from engine.serve import service as serve
+from engine.serve.service import EngineService, FairQueue, QueueFull, host_warning, make_server
 from explorer import layer_views as lv
 from explorer import remote
 from explorer.remote import EngineBusy, EngineUnreachable, RemoteEngine

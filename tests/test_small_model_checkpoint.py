@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.run.api import DEFAULT_CHECKPOINT, load
 from engine.config import load_config
-from engine.eval import unigram_loss, windows
+from engine.train.eval import unigram_loss, windows
 from engine.checkpoint.layout import tensor_specs
 from engine.run.probes import ProbeRequest
 from engine.roles import FULL, REINDEX

@@ -1,4 +1,4 @@
-"""engine.eval: the CLI's numbers against a direct forward, and its errors."""
+"""engine.train.eval (`python -m engine eval`): the CLI's numbers against a direct forward, and its errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine import eval as ev
+from engine.train import eval as ev
 from engine.run.api import load
 
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n"

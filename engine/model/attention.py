@@ -216,7 +216,7 @@ class Attention:
     def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, parallel=None, ops=None):
         self.cfg, self.role, self.w, self.linear = cfg, role, weights, linear
         self.ops = ops if ops is not None else Fp32Ops()  # engine/ops: the numerics (`linear` stores by them too)
-        self.parallel = parallel  # engine/parallel.py; None in one process
+        self.parallel = parallel  # engine/serve/parallel.py; None in one process
         self.ratio = role.compress_ratio
         self.freqs = layer_freqs(cfg, self.ratio)
         self.window = WindowCache()

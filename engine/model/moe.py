@@ -89,7 +89,7 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
 def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None,
                 parallel=None, ops=None):
     """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM.
-    parallel (engine/parallel.py): each rank adds its own experts' share, then all_reduce.
+    parallel (engine/serve/parallel.py): each rank adds its own experts' share, then all_reduce.
     ops (engine/ops): the numerics and the routed experts' op (None: fp32); `linear` already stores
     its outputs so."""
     if ops is None:

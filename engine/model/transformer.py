@@ -26,7 +26,7 @@ class Model:
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True, parallel=None,
                  kernels: bool | None = None, numerics: str = "fp32", device="cpu"):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
-        self.parallel = parallel  # engine/parallel.py (several processes); None in one process
+        self.parallel = parallel  # engine/serve/parallel.py (several processes); None in one process
         self.act_quant = act_quant
         # engine/ops, chosen once: "reference" (the official bf16 dtype flow; engine.run.api's default) or
         # "fp32" (the default here: training and the float references of the tests run in fp32), on the

@@ -76,7 +76,7 @@ class Engine:
         self.threads = threads if threads is not None else min(2, os.cpu_count() or 1)
         if self.threads not in (1, 2):
             raise EngineError(f"threads must be 1 or 2, got {self.threads}")
-        self.parallel = parallel  # engine/parallel.py when this is one rank of several processes
+        self.parallel = parallel  # engine/serve/parallel.py when this is one rank of several processes
         self.device = torch.device(device) if parallel is None else parallel.device
         # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/ops/triton.py)
         self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel, kernels=kernels,
@@ -237,7 +237,7 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
          parallel=None, device: str = "cpu", kernels: bool | None = None, threads: int | None = None,
          numerics: str | None = None) -> Engine:
     """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
-    parallel (engine/parallel.py): this process is one rank; it reads only its shard of the weights.
+    parallel (engine/serve/parallel.py): this process is one rank; it reads only its shard of the weights.
     device: where one process computes (weights are dequantized once and kept there);
     kernels: the Triton kernel ops (None: on CUDA; see engine/ops/triton.py);
     threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them);
@@ -267,7 +267,7 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
             raise EngineError(str(err)) from None
     weights = CheckpointWeights(reader, cache_bytes)
     if parallel is not None:
-        from ..parallel import ParallelError, ShardedWeights
+        from ..serve.parallel import ParallelError, ShardedWeights
         try:
             weights = ShardedWeights(weights, parallel, cfg, cache_bytes)
         except ParallelError as err:

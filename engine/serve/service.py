@@ -33,7 +33,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .run.api import ENGINE_VERSION, EngineError
+from ..run.api import ENGINE_VERSION, EngineError
 
 MAX_BODY = 4 << 20        # the longest prompt (max_seq_len tokens as text or ids) is well under 1 MB of JSON
 READ_TIMEOUT_S = 30.0     # a connection silent this long is closed (a stalled client holds no thread)

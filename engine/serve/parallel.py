@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
-from .checkpoint.weights import TensorCache
+from ..config import ModelConfig
+from ..checkpoint.weights import TensorCache
 
 WEIGHT_BLOCK = 32  # FP8 weights carry one scale per 32x32 block
 
@@ -229,7 +229,7 @@ class ShardedWeights:
 
     def _read_slice(self, name: str, split: Split) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor, dequantized to float32."""
-        from . import quant
+        from .. import quant
 
         reader = self.reader
         name = name if name in reader else name + ".weight"

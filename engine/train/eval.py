@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRAIN_COUNTS = REPO / "assets" / "training" / "train_counts.npy"  # copied from build/tokens by hand
 
 
@@ -73,7 +73,7 @@ def evaluate(engine, ids: list[int], max_len: int = 2048, counts: np.ndarray | N
     """Loss, token count and perplexity of an `engine.run.api.Engine` over token ids."""
     if len(ids) < 2:
         raise EvalError("need at least two tokens to score")
-    from .run.api import one_thread
+    from ..run.api import one_thread
     with engine.lock, one_thread():
         losses = token_losses(engine.model, ids, min(max_len, engine.cfg.max_seq_len))
         engine.model.reset()
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """`python -m engine eval`: loss, tokens and perplexity; errors as one line, exit 2."""
-    from .run.api import EngineError, load
+    from ..run.api import EngineError, load
     try:
         path = Path(args.text_file)
         try:
