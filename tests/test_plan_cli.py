@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine.__main__ import main
+from engine.cli import main
 
 
 def test_plan_command_text_and_json(capsys):

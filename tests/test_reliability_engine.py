@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.__main__ import main as cli
+from engine.cli import main as cli
 from engine.run.api import EngineError, load
 from engine.checkpoint.inventory import CheckpointError, read_inventory
 from engine.config import ConfigError, load_config, release_config
