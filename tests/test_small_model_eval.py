@@ -41,3 +41,30 @@ def test_cli_errors(tmp_path, capsys):
     empty.write_text("  \n", encoding="utf-8")
     assert ev.main(["--text-file", str(empty)]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+def test_text_file_is_bounded_and_regular(tmp_path, capsys, monkeypatch):
+    """The text is read like every other file the engine opens (engine/safe_io.py): a regular file
+    under a size cap, UTF-8; anything else is one line naming the path, before any model loads."""
+    import os
+
+    def load_refused(*a, **k):
+        raise AssertionError("the checkpoint was loaded for a text that cannot be read")
+
+    monkeypatch.setattr("engine.run.api.load", load_refused)
+    monkeypatch.setattr(ev, "MAX_TEXT_BYTES", 100)
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 101, encoding="utf-8")
+    assert ev.main(["--text-file", str(big)]) == 2
+    err = capsys.readouterr().err
+    assert "101 bytes" in err and "(100)" in err and err.count("\n") == 1
+    assert ev.main(["--text-file", str(tmp_path)]) == 2
+    assert "folder" in capsys.readouterr().err
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # reading it would block forever
+    assert ev.main(["--text-file", str(fifo)]) == 2
+    assert "FIFO" in capsys.readouterr().err
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9".encode("latin-1"))
+    assert ev.main(["--text-file", str(latin)]) == 2
+    assert "not UTF-8" in capsys.readouterr().err

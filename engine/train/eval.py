@@ -20,8 +20,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..safe_io import read_text
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_COUNTS = REPO / "assets" / "training" / "train_counts.npy"  # copied from build/tokens by hand
+# the held-out texts are a few MB; a larger file would take hours on the CPU and is likely the wrong file
+MAX_TEXT_BYTES = 64 << 20
 
 
 class EvalError(ValueError):
@@ -104,13 +108,7 @@ def run(args: argparse.Namespace) -> int:
     """`python -m engine eval`: loss, tokens and perplexity; errors as one line, exit 2."""
     from ..run.api import EngineError, load
     try:
-        path = Path(args.text_file)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise EvalError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise EvalError(f"{path}: cannot read as UTF-8 text ({err})") from None
+        text = read_text(args.text_file, "text file", MAX_TEXT_BYTES, EvalError, missing="no such file")
         engine = load(args.checkpoint)
         ids = encode(engine, text, args.max_tokens)
         counts = np.load(TRAIN_COUNTS) if TRAIN_COUNTS.exists() else None
