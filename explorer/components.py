@@ -31,35 +31,49 @@ COMPONENT_NAME = "explorer.plotly_chart"
 HTML_COMPONENT_NAME = "explorer.html_block"
 
 # Only the views in sight are updated at once: an update of an element out of sight (below the fold, in
-# a closed tab) waits until it scrolls into sight or the browser is idle (at most IDLE_MS), so a click's
-# visible result is painted first. `data-received` says which update came in, `data-pending` that one is
-# waiting; `data-tag` still says what is drawn.
+# a closed tab) waits until it scrolls into sight, or until the page has had no update for QUIET_MS and
+# the browser is idle (at most IDLE_MS more), so a click's visible result is painted first and the
+# held-back draws do not compete with it. Whether an element is in sight is what an IntersectionObserver
+# last said (every chart is observed from its first draw): asking getBoundingClientRect on each update
+# forced a layout of the half-updated page, ~8 per click. `data-received` says which update came in,
+# `data-pending` that one is waiting; `data-tag` still says what is drawn.
+QUIET_MS = 300
 IDLE_MS = 1500
 DRAW_ALL_JS = "function (el, run) { delete el.dataset.pending; run(); }"   # EXPLORER_DRAW_OFFSCREEN=1 (a baseline)
 SIGHT_JS = r"""function (el, run) {
-  const r = el.getBoundingClientRect();
-  const inSight = r.width > 0 && r.height > 0 && r.bottom > 0 && r.top < window.innerHeight;
-  const sight = window.__explorerSight || (window.__explorerSight = new IntersectionObserver((entries) => {
-    for (const e of entries) if (e.isIntersecting && e.target._explorerLater) e.target._explorerLater();
-  }));
-  if (el._explorerSeen === undefined || inSight) {     // the first draw is never held back
-    el._explorerSeen = true;
+  const sight = window.__explorerSight || (window.__explorerSight = {
+    waiting: new Set(),
+    timer: null,
+    observer: new IntersectionObserver((entries) => {
+      for (const e of entries) {
+        e.target._explorerInSight = e.isIntersecting;
+        if (e.isIntersecting && e.target._explorerLater) e.target._explorerLater();
+      }
+    }),
+  });
+  const now = () => {
+    sight.waiting.delete(el);
     el._explorerLater = null;
     delete el.dataset.pending;
-    sight.unobserve(el);
     run();
+  };
+  if (!el._explorerSeen) {     // the first draw is never held back; from then on the observer says
+    el._explorerSeen = true;
+    sight.observer.observe(el);
+    now();
+    return;
+  }
+  if (el._explorerInSight) {
+    now();
     return;
   }
   el.dataset.pending = "1";
-  el._explorerLater = () => {
-    if (el._explorerLater === null) return;
-    el._explorerLater = null;
-    delete el.dataset.pending;
-    sight.unobserve(el);
-    run();
-  };
-  sight.observe(el);
-  requestIdleCallback(() => el._explorerLater && el._explorerLater(), {timeout: """ + str(IDLE_MS) + r"""});
+  el._explorerLater = now;
+  sight.waiting.add(el);
+  clearTimeout(sight.timer);   // each update restarts the wait: held-back draws follow the last one
+  sight.timer = setTimeout(() => requestIdleCallback(() => {
+    for (const waiting of [...sight.waiting]) if (waiting._explorerLater) waiting._explorerLater();
+  }, {timeout: """ + str(IDLE_MS) + r"""}), """ + str(QUIET_MS) + r""");
 }"""
 
 # Sets the block's HTML when it changed. Only for HTML built by the app with every user text escaped.
