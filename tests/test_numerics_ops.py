@@ -119,7 +119,7 @@ def test_blocked_attention_matches_a_sequential_walk(pos0):
     padded = torch.cat([keys.new_zeros(pad, D), keys]) if pad else keys
     windows = padded.unfold(0, W, 1)[pos0 + pad - (W - 1):pos0 + pad - (W - 1) + B]
     sink = torch.tensor([0.3, -1.0])
-    o, probs = REF.attend(q, positions, windows, sink, (rows, padding), global_kv, W, scale)
+    o, probs = REF.attend(q, positions, windows, sink, (rows, padding), global_kv, W, scale, probs=True)
     same = []
     for b in range(B):
         t = int(positions[b])

@@ -414,9 +414,8 @@ class Attention:
         source = shared.source if idx is not None and idx.shape[1] > 0 else None  # the global branch
         global_kv = source.kv_values if source is not None else None
         n_cached = keys.shape[0] - x.shape[0]
-        o, self.global_probs = self.ops.sparse_attention(self.role.layer, q, keys, n_cached, self.window_bytes, idx,
-                                                         source, self.w("attn.attn_sink").float(), cfg.window_size,
-                                                         cfg.head_dim ** -0.5)
+        o = self.ops.sparse_attention(self.role.layer, q, keys, n_cached, self.window_bytes, idx, source,
+                                      self.w("attn.attn_sink").float(), cfg.window_size, cfg.head_dim ** -0.5)
         self.window_bytes = None
         o = self.ops.rotate(o, positions, self.freqs, inverse=True)
 

@@ -47,8 +47,8 @@ class Fp32Ops:
                          idx: torch.Tensor | None, source, sink: torch.Tensor, window: int, scale: float):
         """Attention of q [T, H, D] (rotated) over each query's window of `keys` ([n_cached + T, D], the
         cached latents then this chunk's) and, with a source, its picks idx [T, k] (-1: none) of the
-        source's global entries -> (out [T, H, D], probabilities on the picks [T, H, k] or None).
-        One block of queries at a time (engine/model/attention.py query_block)."""
+        source's global entries -> out [T, H, D]. One block of queries at a time
+        (engine/model/attention.py query_block)."""
         from ..model.attention import query_block
         T = q.shape[0]
         pad = max(0, window - 1 - n_cached)
@@ -59,15 +59,10 @@ class Fp32Ops:
         rows, padding = (idx.clamp_min(0), idx < 0) if source is not None else (None, None)
         # empty slots as by position, and before a replay's first key
         key_rows = torch.arange(n_cached, n_cached + T, device=q.device)
-        outs, global_probs = [], []
         block = query_block(q.device)
-        for a in range(0, T, block):
-            b = slice(a, a + block)
-            o, p_glob = self.attend(q[b], key_rows[b], windows[b], sink,
-                                    None if source is None else (rows[b], padding[b]), global_kv, window, scale)
-            outs.append(o)
-            global_probs.append(p_glob)
-        return torch.cat(outs), (torch.cat(global_probs) if source is not None else None)
+        return torch.cat([self.attend(q[b], key_rows[b], windows[b], sink,
+                                      None if source is None else (rows[b], padding[b]), global_kv, window, scale)[0]
+                          for b in (slice(a, a + block) for a in range(0, T, block))])
 
     def index_topk(self, attention, q: torch.Tensor, head_w: torch.Tensor, positions, src, shared):
         """The indexer's picks for rotated queries q [T, Hi, Di] and head weights [T, Hi]
@@ -149,12 +144,13 @@ class Fp32Ops:
         return scores
 
     def attend(self, q: torch.Tensor, positions: torch.Tensor, windows: torch.Tensor, sink: torch.Tensor,
-               idx, global_kv: torch.Tensor | None, window_size: int, scale: float):
+               idx, global_kv: torch.Tensor | None, window_size: int, scale: float, probs: bool = False):
         """Softmax over each query's window (its last W latents) and its selected global entries,
         with exp(sink) added to each head's denominator.
         q: [B, H, D] (unscaled); windows: [B, D, W] (a strided view, oldest first; slots before
         position 0 at the front); idx: (entry ids [B, k] with -1 read as 0, bool [B, k] where they
-        were -1), or None without a global branch -> (out [B, H, D], probs on global [B, H, k] | None)."""
+        were -1), or None without a global branch -> (out [B, H, D], with `probs` the probabilities on
+        the global entries [B, H, k], else None)."""
         w = window_size
         q = q * scale
         parts = [torch.bmm(q, windows)]  # [B, H, W]
@@ -165,11 +161,11 @@ class Fp32Ops:
             gathered = gather_entries(global_kv, idx)
             parts.append(torch.bmm(q, gathered.transpose(1, 2)).masked_fill_(idx[1][:, None, :], NEG_INF))
         parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1))
-        probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)[..., :-1]  # sink: denominator only
-        o = torch.bmm(probs[..., :w], windows.transpose(1, 2))
+        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)[..., :-1]  # sink: denominator only
+        o = torch.bmm(p[..., :w], windows.transpose(1, 2))
         if gathered is None:
             return o, None
-        return torch.baddbmm(o, probs[..., w:], gathered), probs[..., w:]
+        return torch.baddbmm(o, p[..., w:], gathered), (p[..., w:] if probs else None)
 
 
 def window_slot_positions(positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -30,6 +30,11 @@ def to_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+def to_bf16_(x: torch.Tensor) -> torch.Tensor:
+    """`to_bf16` in place, for a tensor the caller owns (no float32 copy)."""
+    return x.copy_(x.to(torch.bfloat16))
+
+
 class ReferenceOps(Fp32Ops):
     name = "reference"
     tops_up_pool = True
@@ -92,17 +97,20 @@ class ReferenceOps(Fp32Ops):
             c.div_(c.sum(0, keepdim=True).add_(hc_eps))
         return pre, post, c.permute(2, 0, 1).contiguous()
 
+    # each product into one reused buffer, then added: the same fp32 operations, no new tensor per term
     def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         out = pre[:, 0, None] * x[:, 0]
+        term = torch.empty_like(out)
         for i in range(1, x.shape[1]):
-            out += pre[:, i, None] * x[:, i]
-        return to_bf16(out)
+            out.add_(torch.mul(pre[:, i, None], x[:, i], out=term))
+        return to_bf16_(out)
 
     def expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
         mixed = comb[:, 0, :, None] * residual[:, 0, None, :]  # [T, hc, dim]: copy 0 into every copy j
+        term = torch.empty_like(mixed)
         for i in range(1, residual.shape[1]):
-            mixed += comb[:, i, :, None] * residual[:, i, None, :]
-        return to_bf16(mixed.add_(post.unsqueeze(-1) * y.unsqueeze(1)))
+            mixed.add_(torch.mul(comb[:, i, :, None], residual[:, i, None, :], out=term))
+        return to_bf16_(mixed.add_(torch.mul(post.unsqueeze(-1), y.unsqueeze(1), out=term)))
 
     def break_ties(self, scores, ranking, visible, n: int, k: int, idx, picked, tied):
         """Rows with ties pick as the reference's `topk(sorted=False)` does: torch's top-k of the bf16
@@ -150,7 +158,7 @@ class ReferenceOps(Fp32Ops):
         return to_bf16(scores)
 
     def attend(self, q: torch.Tensor, positions: torch.Tensor, windows: torch.Tensor, sink: torch.Tensor,
-               idx, global_kv: torch.Tensor | None, window_size: int, scale: float):
+               idx, global_kv: torch.Tensor | None, window_size: int, scale: float, probs: bool = False):
         B, H, D = q.shape
         w = window_size
         if int(positions[0]) < w - 1:
@@ -181,22 +189,23 @@ class ReferenceOps(Fp32Ops):
         running = torch.full((B, H), RUNNING_MAX_FLOOR, device=q.device)
         acc = torch.zeros(B, H, D, device=q.device)
         denom = torch.zeros(B, H, device=q.device)
-        probs = []
+        blocks = []
         for a in range(0, n, ATTN_BLOCK):
             kb = block_keys(a, min(n, a + ATTN_BLOCK))
-            s = torch.bmm(q, kb.transpose(1, 2)).masked_fill_(invalid[:, None, a:a + ATTN_BLOCK], NEG_INF) * scale
+            s = torch.bmm(q, kb.transpose(1, 2)).masked_fill_(invalid[:, None, a:a + ATTN_BLOCK], NEG_INF).mul_(scale)
             new = torch.maximum(running, s.amax(-1))
             rescale = torch.exp(running - new)
-            p = torch.exp(s - new.unsqueeze(-1))
+            p = s.sub_(new.unsqueeze(-1)).exp_()
             denom = denom * rescale + p.sum(-1)
-            pb = to_bf16(p)
-            acc = acc * rescale.unsqueeze(-1) + torch.bmm(pb, kb)
-            probs.append((pb, new))
+            pb = to_bf16_(p)
+            acc.mul_(rescale.unsqueeze(-1)).add_(torch.bmm(pb, kb))
+            if probs:
+                blocks.append((pb, new))
             running = new
         denom = denom + torch.exp(sink.float().view(1, -1) - running)
-        o = to_bf16(acc / denom.unsqueeze(-1))
-        if global_kv is None:
+        o = to_bf16_(acc.div_(denom.unsqueeze(-1)))
+        if global_kv is None or not probs:
             return o, None
         # the probe: each global entry's share of the final softmax
-        share = torch.cat([pb * torch.exp(m - running).unsqueeze(-1) for pb, m in probs], dim=-1)[..., n_win:]
+        share = torch.cat([pb * torch.exp(m - running).unsqueeze(-1) for pb, m in blocks], dim=-1)[..., n_win:]
         return o, share / denom.unsqueeze(-1)

@@ -186,7 +186,7 @@ class TritonOps:
                          window: int, scale: float):
         """Attention of q [T, H, D] (rotated, fp32) over its window (FP8 bytes of the cached + new keys,
         [n_cached + T, D] and [.., D/32]) and the selected global entries (idx [T, k] into the source's
-        packed KV) with sinks [H] -> ([T, H, D], no per-entry probabilities)."""
+        packed KV) with sinks [H] -> [T, H, D]."""
         if not self.active(layer):
             return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
         t, h, d = q.shape
@@ -209,7 +209,7 @@ class TritonOps:
         self._record(layer, "sparse_attn", "window + selected" if source is not None else "window only", args)
         if not self.compute:
             return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
-        return self._kernel("sparse_attn")(*args)[:, :h].float(), None
+        return self._kernel("sparse_attn")(*args)[:, :h].float()
 
     def index_topk(self, attention, q, head_w, positions, src, shared):
         """The indexer's top-k on kernels (engine/model/attention.py `Attention.index_kernels`), or the base op
