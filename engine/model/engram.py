@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import quant
+
 DEAD = -1  # marks a position that takes no part in any n-gram (image span)
 GATE_CLAMP = 1e-6  # |dot| floor before the signed square root
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic below 3.3e24
@@ -301,3 +303,31 @@ def engram_forward(
             raise EngramError(f"token_mask must be [T={n_tok}], got {tuple(token_mask.shape)}")
         gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0.0)
     return (h + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)
+
+
+class Engram:
+    """The Engram of one layer, added to the stream before its block: each position's n-gram rows
+    (ngram_rows, over the compressed ids of the tokens so far) gate one value into each residual copy
+    (engram_forward). `compressed(ids)` maps token ids to compressed ids (the tokenizer's)."""
+
+    def __init__(self, cfg, layer: int, layout: EngramLayout, weights, ops, act_quant: bool, compressed):
+        self.cfg, self.layout, self.weights, self.ops = cfg, layout, weights, ops
+        self.act_quant, self.compressed = act_quant, compressed
+        self.index = cfg.engram_layer_ids.index(layer)
+        self.prefix = f"layers.{layer}.engram."
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor,
+                history: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, hc, dim] -> the stream after Engram; ids/dead [T] this chunk's tokens, history the
+        compressed ids and dead flags of the tokens before it."""
+        history = mark_dead(*history)
+        # hashing is integer work on the CPU; only the gathered rows go to the model's device
+        rows = ngram_rows(self.layout, self.index, self.compressed(ids.cpu()), dead.cpu(), history)
+        p, get = self.prefix, self.weights.get
+        table = self.weights.rows(p + "embed.weight", rows).to(x.device)  # [T, n_rows, head_dim]
+        if self.act_quant:
+            table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
+        ops = self.ops
+        return ops.act(engram_forward(x, table, get(p + "wkv.weight"), get(p + "q_weight"), get(p + "k_weight"),
+                                      self.cfg.norm_eps, token_mask=~dead, act=ops.act,
+                                      gemm=ops.gemm if self.act_quant else None))

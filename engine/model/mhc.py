@@ -57,3 +57,32 @@ def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: to
     # baddbmm, not bmm + add: it gives the same bits for 1 token as for many (prefill == decode);
     # in place on the post * y product, which saves copying it
     return (post.unsqueeze(-1) * y.unsqueeze(1)).baddbmm_(comb.transpose(1, 2), residual)
+
+
+class MHC:
+    """mHC around one block: the stream x [T, hc, dim] is collapsed into the attention's input, updated
+    by the attention's output and collapsed into the FFN's input, then updated by the FFN's output.
+    Each sub-layer's mixes (pre, post, comb) come from the stream entering it; its `pre` collapses the
+    NEXT sub-layer's input (the one-step lag above). The arithmetic is the numerics' (engine/ops), which
+    may fuse an update with the next collapse and mixes (the Triton kernel)."""
+
+    def __init__(self, cfg, layer: int, get, ops):
+        self.layer, self.get, self.ops = layer, get, ops
+        self.prefix = f"layers.{layer}."
+        self.args = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+
+    def _weights(self, part: str):
+        p = self.prefix
+        return self.get(f"{p}hc_{part}_fn"), self.get(f"{p}hc_{part}_scale"), self.get(f"{p}hc_{part}_base")
+
+    def before_attention(self, x: torch.Tensor, pre: torch.Tensor):
+        """-> (the attention's input [T, dim], its pre, post, comb); pre: the previous sub-layer's."""
+        return self.ops.mhc_attention(self.layer, x, pre, *self._weights("attn"), *self.args)
+
+    def before_ffn(self, x: torch.Tensor, y: torch.Tensor, mixes):
+        """The stream updated by the attention's output y with its mixes -> (stream, the FFN's input,
+        the FFN's pre, post, comb)."""
+        return self.ops.mhc_ffn(self.layer, x, (y, *mixes), *self._weights("ffn"), *self.args)
+
+    def after_ffn(self, x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return self.ops.expand(y, x, post, comb)

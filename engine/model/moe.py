@@ -86,28 +86,50 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     return y
 
 
-def moe_forward(cfg: ModelConfig, layer: int, x: torch.Tensor, get, linear, image_mask, probe: dict | None,
-                parallel=None, ops=None):
-    """x: [T, dim] -> [T, dim]. `get(name)` fetches float weights, `linear(x, name)` a quantized GEMM.
-    parallel (engine/serve/parallel.py): each rank adds its own experts' share, then all_reduce.
-    ops (engine/ops): the numerics and the routed experts' op (None: fp32); `linear` already stores
-    its outputs so."""
-    if ops is None:
-        from ..ops.fp32 import Fp32Ops
-        ops = Fp32Ops()
-    act = ops.act
-    n_routed, n_active = cfg.experts_of(layer)
-    prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
-    bias_vl = get(prefix + "gate.bias_vl") if image_mask is not None else None
-    scores, experts, weights = route(x, get(prefix + "gate.weight"), get(prefix + "gate.bias"), bias_vl,
-                                     image_mask, n_active, cfg.route_scale, cfg.score_func)
-    if parallel is None:
-        y = ops.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear)
-    else:
-        owned = parallel.split(n_routed, "routed experts")
-        y = parallel.all_reduce(ops.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear, owned))
-    base = prefix + "shared_experts."
-    y = act(y + linear(act(swiglu(linear(x, base + "w1"), linear(x, base + "w3"), cfg.swiglu_limit)), base + "w2"))
-    if probe is not None:
-        probe["experts"], probe["weights"], probe["scores"] = experts, weights, scores
-    return y
+class Gate:
+    """The router of one layer: a score per expert (sqrt(softplus) of x W_gate^T in the release), the
+    top-k chosen on score + bias (bias_vl at image positions), and the chosen scores renormalized and
+    scaled by route_scale. The bias only steers the choice; the weights are the plain scores."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, get, n_active: int):
+        self.cfg, self.prefix, self.get, self.n_active = cfg, prefix, get, n_active
+
+    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None):
+        """x [T, dim] -> (scores [T, E], experts [T, k], weights [T, k])."""
+        cfg, p = self.cfg, self.prefix
+        bias_vl = self.get(p + "gate.bias_vl") if image_mask is not None else None
+        return route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), bias_vl, image_mask, self.n_active,
+                     cfg.route_scale, cfg.score_func)
+
+
+class MoE:
+    """One layer's FFN: each token's top-k routed experts (FP4 in the release), weighted by the gate,
+    plus one shared expert every token takes. `linear(x, name)` is the model's quantized GEMM;
+    parallel (engine/serve/parallel.py): each rank adds its own experts' share, then all_reduce;
+    ops (engine/ops): the numerics and the routed experts' op (None: fp32)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, get, linear, parallel=None, ops=None):
+        if ops is None:
+            from ..ops.fp32 import Fp32Ops
+            ops = Fp32Ops()
+        self.cfg, self.layer, self.get, self.linear, self.parallel, self.ops = cfg, layer, get, linear, parallel, ops
+        self.prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
+        self.n_routed, n_active = cfg.experts_of(layer)
+        self.gate = Gate(cfg, self.prefix, get, n_active)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, probe: dict | None) -> torch.Tensor:
+        """x [T, dim] (normalized) -> [T, dim]; probe (a dict, or None) receives the routing."""
+        cfg, ops, linear, act = self.cfg, self.ops, self.linear, self.ops.act
+        scores, experts, weights = self.gate(x, image_mask)
+        if self.parallel is None:
+            y = ops.routed_experts(cfg, self.layer, self.prefix, x, experts, weights, self.get, linear)
+        else:
+            owned = self.parallel.split(self.n_routed, "routed experts")
+            y = self.parallel.all_reduce(ops.routed_experts(cfg, self.layer, self.prefix, x, experts, weights,
+                                                            self.get, linear, owned))
+        shared = self.prefix + "shared_experts."
+        y = act(y + linear(act(swiglu(linear(x, shared + "w1"), linear(x, shared + "w3"), cfg.swiglu_limit)),
+                           shared + "w2"))
+        if probe is not None:
+            probe["experts"], probe["weights"], probe["scores"] = experts, weights, scores
+        return y

@@ -14,11 +14,13 @@ import time
 import torch
 
 from .. import quant
-from .attention import Attention, LayerWeights, Shared
 from ..config import ModelConfig
-from .moe import moe_forward
 from ..ops import for_model
 from ..roles import decoder_start, role_plan
+from .attention import Shared
+from .block import Block
+from .engram import Engram, EngramLayout
+
 
 class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
@@ -37,11 +39,8 @@ class Model:
         self.plan = role_plan(cfg)[: cfg.n_layers]
         self.quantized_experts = weights.stored_dtype("layers.0.ffn.experts.0.w1.weight") in ("F8_E4M3", "I8") \
             if weights.has("layers.0.ffn.experts.0.w1.weight") else False
-        self.engram_layout = None
+        self.engram_layout = EngramLayout.from_config(cfg) if cfg.engram_layer_ids else None
         self.compressed_vocab = None
-        if cfg.engram_layer_ids:
-            from . import engram
-            self.engram_layout = engram.EngramLayout.from_config(cfg)
         self.reset()
 
     # -- weights --------------------------------------------------------------------------------
@@ -78,12 +77,17 @@ class Model:
     def reset(self) -> None:
         """Forget every cache: the next forward starts at position 0."""
         self.pos = 0
-        self.attn = [Attention(self.cfg, role, LayerWeights(self.get, f"layers.{role.layer}."),
-                               lambda x, n, L=role.layer: self.linear(x, f"layers.{L}.{n}"), self.parallel,
-                               ops=self.ops)
-                     for role in self.plan]
+        self.blocks = [Block(self.cfg, role, self.get, self.linear, self.ops, self.parallel,
+                             Engram(self.cfg, role.layer, self.engram_layout, self.weights, self.ops, self.act_quant,
+                                    self._compressed) if role.engram else None)
+                       for role in self.plan]
         self.compressed_history = torch.zeros(0, dtype=torch.long)
         self.dead_history = torch.zeros(0, dtype=torch.bool)
+
+    @property
+    def attn(self) -> list:
+        """Each layer's attention (its caches)."""
+        return [block.attn for block in self.blocks]
 
     def cache_bytes(self) -> dict:
         """Bytes held by the caches, measured from the cache tensors: global KV + index keys (FP4),
@@ -94,22 +98,6 @@ class Model:
         return {"global": glob, "window": window, "pending": pending, "total": glob + window + pending}
 
     # -- forward --------------------------------------------------------------------------------
-    def _engram(self, layer: int, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor,
-                history: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        from . import engram
-        cfg = self.cfg
-        index = cfg.engram_layer_ids.index(layer)
-        history = engram.mark_dead(*history)
-        # hashing is integer work on the CPU; only the gathered rows go to the model's device
-        rows = engram.ngram_rows(self.engram_layout, index, self._compressed(ids.cpu()), dead.cpu(), history)
-        p = f"layers.{layer}.engram."
-        table = self.weights.rows(p + "embed.weight", rows).to(x.device)  # [T, n_rows, head_dim]
-        if self.act_quant:
-            table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
-        return self.ops.act(engram.engram_forward(x, table, self.get(p + "wkv.weight"), self.get(p + "q_weight"),
-                                                  self.get(p + "k_weight"), cfg.norm_eps, token_mask=~dead,
-                                                  act=self.ops.act, gemm=self.ops.gemm if self.act_quant else None))
-
     def _compressed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.compressed_vocab is None:
             if self.tokenizer is None:
@@ -185,12 +173,11 @@ class Model:
                 if gate is not None:
                     gate.done(L)
                 continue
-            if role.engram:
-                x = self._engram(L, x, ids, dead, history)
             probe: dict | None = {} if want else None
-            self.attn[L].detail = want and L in probes.detail
-            x, pre = self._block(L, x, pre, positions, shared, image_mask, probe,
-                                 after_attention=None if gate is None else lambda L=L: gate.done(L))
+            block = self.blocks[L]
+            block.attn.detail = want and L in probes.detail
+            x, pre = block.forward(x, pre, positions, shared, (ids, dead, history), image_mask, probe,
+                                   after_attention=None if gate is None else lambda L=L: gate.done(L))
             if want:
                 probe["time_s"] = time.perf_counter() - started
                 probe["residual_norms"] = x.detach().norm(dim=-1)
@@ -205,34 +192,9 @@ class Model:
         reads), and only the rows after them go on; the decoder's windows fill from those rows."""
         attn_in = self.ops.rms_norm(self.ops.collapse(x[:skip], pre[:skip]),
                                     self.get(f"layers.{L}.attn_norm.weight"), self.cfg.norm_eps)
-        self.attn[L].publish(attn_in, positions[:skip])
+        self.blocks[L].attn.publish(attn_in, positions[:skip])
         if self.engram_layout is not None and self.tokenizer is not None:  # n-grams of the skipped tokens
             history = (torch.cat([history[0], self._compressed(ids[:skip].cpu())]),
                        torch.cat([history[1], dead[:skip].cpu()]))
         image_mask = None if image_mask is None else image_mask[skip:]
         return x[skip:], pre[skip:], positions[skip:], ids[skip:], dead[skip:], image_mask, history
-
-    def _block(self, L, x, pre, positions, shared, image_mask, probe, after_attention=None):
-        cfg = self.cfg
-        p = f"layers.{L}."
-        hc_args = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-        attn_in, a_pre, a_post, a_comb = self.ops.mhc_attention(
-            L, x, pre, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"), self.get(p + "hc_attn_base"), *hc_args)
-        attn_probe = {} if probe is not None else None
-        y = self.attn[L].forward(self.ops.rms_norm(attn_in, self.get(p + "attn_norm.weight"), cfg.norm_eps),
-                                 positions, shared, attn_probe)
-        if after_attention is not None:
-            after_attention()
-        x1, ffn_in, f_pre, f_post, f_comb = self.ops.mhc_ffn(
-            L, x, (y, a_pre, a_post, a_comb), self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
-            self.get(p + "hc_ffn_base"), *hc_args)
-        route_probe = {} if probe is not None else None
-        y = moe_forward(cfg, L, self.ops.rms_norm(ffn_in, self.get(p + "ffn_norm.weight"), cfg.norm_eps),
-                        self.get, self.linear, image_mask, route_probe, self.parallel, ops=self.ops)
-        x2 = self.ops.expand(y, x1, f_post, f_comb)
-        if probe is not None:
-            probe.update(attn_probe)
-            probe["routing"] = route_probe
-            probe["mhc"] = {"attn": {"pre": a_pre, "post": a_post, "comb": a_comb},
-                            "ffn": {"pre": f_pre, "post": f_post, "comb": f_comb}}
-        return x2, f_pre

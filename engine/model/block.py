@@ -1,0 +1,53 @@
+"""One layer of the forward (the reference's Block): [Engram] -> mHC collapse -> RMSNorm -> attention ->
+mHC update and collapse -> RMSNorm -> MoE -> mHC update."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..roles import LayerRole
+from .attention import Attention, LayerWeights, Shared
+from .mhc import MHC
+from .moe import MoE
+
+
+class Block:
+    """A layer: its attention (engine/model/attention.py), its MoE, the mHC around both, and its Engram
+    where the config places one. The stream is x [T, hc, dim]; `pre` [T, hc] is the previous
+    sub-layer's collapse weights (mHC's one-step lag). Probes: a plain dict per layer, filled when given."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, get, linear, ops, parallel=None, engram=None):
+        L = role.layer
+        self.cfg, self.layer, self.get, self.ops = cfg, L, get, ops
+        self.attn = Attention(cfg, role, LayerWeights(get, f"layers.{L}."),
+                              lambda x, n: linear(x, f"layers.{L}.{n}"), parallel, ops=ops)
+        self.ffn = MoE(cfg, L, get, linear, parallel, ops)
+        self.hc = MHC(cfg, L, get, ops)
+        self.engram = engram  # engine/model/engram.py Engram, or None
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.get(f"layers.{self.layer}.{name}.weight"), self.cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, shared: Shared, tokens,
+                image_mask: torch.Tensor | None, probe: dict | None, after_attention=None):
+        """-> (the stream after the block, the FFN's pre for the next collapse). tokens: (ids, dead,
+        history) for the Engram; after_attention(): called once the attention (the only part that
+        reads or writes caches) is done (engine/run/pipeline.py)."""
+        if self.engram is not None:
+            x = self.engram.forward(x, *tokens)
+        attn_in, a_pre, a_post, a_comb = self.hc.before_attention(x, pre)
+        attn_probe = {} if probe is not None else None
+        y = self.attn.forward(self._norm(attn_in, "attn_norm"), positions, shared, attn_probe)
+        if after_attention is not None:
+            after_attention()
+        x1, ffn_in, f_pre, f_post, f_comb = self.hc.before_ffn(x, y, (a_pre, a_post, a_comb))
+        route_probe = {} if probe is not None else None
+        y = self.ffn.forward(self._norm(ffn_in, "ffn_norm"), image_mask, route_probe)
+        x2 = self.hc.after_ffn(x1, y, f_post, f_comb)
+        if probe is not None:
+            probe.update(attn_probe)
+            probe["routing"] = route_probe
+            probe["mhc"] = {"attn": {"pre": a_pre, "post": a_post, "comb": a_comb},
+                            "ffn": {"pre": f_pre, "post": f_post, "comb": f_comb}}
+        return x2, f_pre
