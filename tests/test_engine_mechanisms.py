@@ -97,7 +97,7 @@ def test_m2_pooling_matches_float64_loop():
     g = torch.Generator().manual_seed(3)
     T = 7  # three complete pairs and one pending token
     x = torch.randn(T, cfg.dim, generator=g)
-    attn._compress(x, torch.arange(T))
+    attn.compressor.forward(x, torch.arange(T))
     p = "layers.2.attn.compressor."
     wkv, wgate, gain = (w[p + n].double() for n in ("wkv.weight", "wgate.weight", "norm.weight"))
     assert attn.source.n_entries == 3 and attn.source.pending_kv.shape[0] == 1
@@ -116,10 +116,10 @@ def test_m2_pooling_matches_float64_loop():
         assert torch.allclose(attn.source.kv_values[j].double(), expected, atol=1e-4), j
     # the pending token completes the next pair on the next call: same entry as a 2-token prefill
     x2 = torch.randn(1, cfg.dim, generator=g)
-    attn._compress(x2, torch.tensor([T]))
+    attn.compressor.forward(x2, torch.tensor([T]))
     assert attn.source.n_entries == 4 and attn.source.pending_kv is None
     fresh, _ = _attention(cfg, 2)
-    fresh._compress(torch.cat([x, x2]), torch.arange(T + 1))
+    fresh.compressor.forward(torch.cat([x, x2]), torch.arange(T + 1))
     assert torch.allclose(fresh.source.kv_values, attn.source.kv_values, atol=1e-5)
 
 
@@ -131,9 +131,9 @@ def test_indexer_scores_topk_and_visibility():
     x = torch.randn(T, cfg.dim, generator=g)
     qr = torch.randn(T, cfg.q_lora_rank, generator=g)
     positions = torch.arange(T)
-    attn._compress(x, positions)
+    attn.compressor.forward(x, positions)
     shared = Shared(source=attn.source)
-    idx, picked = attn._index(x, qr, positions, attn.source, shared)
+    idx, picked = attn.indexer.forward(x, qr, positions, attn.source, shared)
     keys = attn.source.ik_values.double()
     p = "layers.2.attn.indexer."
     hi, di = cfg.index_n_heads, cfg.index_head_dim

@@ -209,43 +209,17 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_block
     return keep.repeat_interleave(block, dim=-1)[:, :n] & (torch.arange(n, device=scores.device) < visible[:, None])
 
 
-class Attention:
-    """One layer's attention. `forward` takes the normalized input x [T, dim] at `positions` and
-    returns [T, dim]; it reads and updates the layer's caches and the shared hand-down state."""
+class Compressor:
+    """A Full layer's compressor: every `ratio` tokens become one global KV entry (ratio 1: one per
+    token; ratio 2: a softmax-gated pool of the pair, per channel), RMS-normalized and rotated at the
+    group's first position, stored in FP4 with its index key (the indexer's `wk` of the same latent).
+    A group still incomplete waits in the source's pending rows for the next chunk."""
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, parallel=None, ops=None):
-        self.cfg, self.role, self.w, self.linear = cfg, role, weights, linear
-        self.ops = ops if ops is not None else Fp32Ops()  # engine/ops: the numerics (`linear` stores by them too)
-        self.parallel = parallel  # engine/serve/parallel.py; None in one process
-        self.ratio = role.compress_ratio
-        self.freqs = layer_freqs(cfg, self.ratio)
-        self.window = WindowCache()
-        self.source = SourceCache(self.ratio) if role.role == FULL else None
-        self.detail = False  # set per forward (ProbeRequest.detail): runner-ups and recall probes
-        self.runners = None
-        self.ties = (None, None)  # (k-th score [T], tied picks [T, k]) of the last top-k (tie_marks)
+    def __init__(self, cfg: ModelConfig, ratio: int, weights: LayerWeights, ops, freqs: torch.Tensor):
+        self.cfg, self.ratio, self.w, self.ops, self.freqs = cfg, ratio, weights, ops, freqs
+        self.source = SourceCache(ratio)
 
-    # -- the pieces -------------------------------------------------------------------------
-    def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
-        cfg = self.cfg
-        kv = self.ops.rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
-        kv = self.ops.rotate(kv, positions, self.freqs)
-        # bytes only for what the cache keeps (all of the chunk's on the kernel path)
-        q8, s8 = quant.quantize_fp8(kv if keep_bytes else kv[-cfg.window_size:], 32)
-        kv = ste(kv, quant.fp8_roundtrip(kv, 32))
-        win = self.window
-        keys = kv if win.values is None else torch.cat([win.values, kv])
-        # keep only what a later query can still see
-        keep = slice(-cfg.window_size, None)
-        all_q = q8 if win.q is None else torch.cat([win.q, q8])
-        all_s = s8 if win.scale is None else torch.cat([win.scale, s8])
-        # kernel path: the FP8 bytes of every key this chunk's queries see, for sparse attention
-        self.window_bytes = (all_q, all_s) if keep_bytes else None
-        win.q, win.scale = all_q[keep], all_s[keep]
-        win.values = keys[keep].detach()
-        return keys
-
-    def _compress(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """Pool new complete groups of `ratio` tokens into entries and publish them."""
         cfg, src, m = self.cfg, self.source, self.ratio
         ops = self.ops
@@ -271,12 +245,21 @@ class Attention:
                           cfg.norm_eps)
         src.append(ops.rotate(latent, first, self.freqs), ops.rotate(ik, first, self.freqs))
 
-    def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
-        """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,
-        without attending: a CED prefill's prompt rows before the decoder's replay (engine/run/ced.py)."""
-        self._compress(x, positions)
 
-    def _index(self, x, qr, positions, src: SourceCache, shared: Shared):
+class Indexer:
+    """The lightning indexer of a Full or Reindex layer: per query, sum over index heads of
+    w_h relu(q_h . k) against the source's FP4 index keys, and the top-k entries in position order
+    (inside the candidate pool above the candidate source, which publishes that pool). Ties at the
+    k-th score are marked, and broken as the numerics say (engine/ops break_ties)."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, ops, parallel, freqs):
+        self.cfg, self.role, self.w, self.linear, self.ops, self.parallel = cfg, role, weights, linear, ops, parallel
+        self.ratio, self.freqs = role.compress_ratio, freqs
+        self.detail = False  # runner-ups for this forward (ProbeRequest.detail)
+        self.runners = None
+        self.ties = (None, None)  # (k-th score [T], tied picks [T, k]) of the last top-k (tie_marks)
+
+    def forward(self, x, qr, positions, src: SourceCache, shared: Shared):
         """Indexer scores over the source's entries and the top-k per query (position order),
         one block of queries at a time."""
         cfg, m = self.cfg, self.ratio
@@ -379,6 +362,53 @@ class Attention:
         self.last_topk = idx
         return idx, picked
 
+
+class Attention:
+    """One layer's attention. `forward` takes the normalized input x [T, dim] at `positions` and
+    returns [T, dim]; it reads and updates the layer's caches and the shared hand-down state."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, parallel=None, ops=None):
+        self.cfg, self.role, self.w, self.linear = cfg, role, weights, linear
+        self.ops = ops if ops is not None else Fp32Ops()  # engine/ops: the numerics (`linear` stores by them too)
+        self.parallel = parallel  # engine/serve/parallel.py; None in one process
+        self.ratio = role.compress_ratio
+        self.freqs = layer_freqs(cfg, self.ratio)
+        self.window = WindowCache()
+        self.compressor = Compressor(cfg, self.ratio, weights, self.ops, self.freqs) if role.role == FULL else None
+        self.indexer = Indexer(cfg, role, weights, linear, self.ops, parallel, self.freqs) \
+            if role.role in (FULL, REINDEX) else None
+        self.detail = False  # set per forward (ProbeRequest.detail): runner-ups and recall probes
+
+    @property
+    def source(self) -> SourceCache | None:
+        """The global KV and index keys this layer publishes (Full layers)."""
+        return self.compressor.source if self.compressor is not None else None
+
+    # -- the pieces -------------------------------------------------------------------------
+    def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
+        cfg = self.cfg
+        kv = self.ops.rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
+        kv = self.ops.rotate(kv, positions, self.freqs)
+        # bytes only for what the cache keeps (all of the chunk's on the kernel path)
+        q8, s8 = quant.quantize_fp8(kv if keep_bytes else kv[-cfg.window_size:], 32)
+        kv = ste(kv, quant.fp8_roundtrip(kv, 32))
+        win = self.window
+        keys = kv if win.values is None else torch.cat([win.values, kv])
+        # keep only what a later query can still see
+        keep = slice(-cfg.window_size, None)
+        all_q = q8 if win.q is None else torch.cat([win.q, q8])
+        all_s = s8 if win.scale is None else torch.cat([win.scale, s8])
+        # kernel path: the FP8 bytes of every key this chunk's queries see, for sparse attention
+        self.window_bytes = (all_q, all_s) if keep_bytes else None
+        win.q, win.scale = all_q[keep], all_s[keep]
+        win.values = keys[keep].detach()
+        return keys
+
+    def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,
+        without attending: a CED prefill's prompt rows before the decoder's replay (engine/run/ced.py)."""
+        self.compressor.forward(x, positions)
+
     def _attend(self, q, positions, windows, sink, idx, global_kv):
         """`ops.attend` for a q already scaled by 1/sqrt(head_dim) (tests call it so)."""
         return self.ops.attend(q, positions, windows, sink, idx, global_kv, self.cfg.window_size, 1.0)
@@ -398,18 +428,20 @@ class Attention:
         idx = None
         if self.ratio > 0:
             if self.role.role == FULL:
-                self._compress(x, positions)
+                self.compressor.forward(x, positions)
                 shared.source = self.source.snapshot()
             src = shared.source
             if self.role.role in (FULL, REINDEX):
                 if src.n_entries == 0:
                     idx = torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
                     picked = torch.zeros(x.shape[0], 0, device=x.device)
-                    self.ties = (picked.new_full((x.shape[0],), NEG_INF), idx >= 0)
+                    ties = (picked.new_full((x.shape[0],), NEG_INF), idx >= 0)
                 else:
-                    idx, picked = self._index(x, qr, positions, src, shared)
+                    self.indexer.detail = self.detail
+                    idx, picked = self.indexer.forward(x, qr, positions, src, shared)
+                    ties = self.indexer.ties
                 shared.topk, shared.topk_scores = idx, picked
-                shared.topk_kth, shared.topk_tied = self.ties
+                shared.topk_kth, shared.topk_tied = ties
             idx = shared.topk
         source = shared.source if idx is not None and idx.shape[1] > 0 else None  # the global branch
         global_kv = source.kv_values if source is not None else None
@@ -440,8 +472,8 @@ class Attention:
     def _detail_probe(self, probe: dict, q, positions, global_kv, idx) -> None:
         """ProbeRequest.detail: the indexer's best unpicked entries (layers that pick) and the
         selection recall of this layer's own queries (engine/model/selection_probe.py)."""
-        if self.role.role in (FULL, REINDEX) and self.runners is not None:
-            probe["runner_ups"], probe["runner_up_scores"] = self.runners
+        if self.indexer is not None and self.indexer.runners is not None:
+            probe["runner_ups"], probe["runner_up_scores"] = self.indexer.runners
         visible = (positions + 1).div(self.ratio, rounding_mode="floor")
         probe["selection_recall"] = selection_recall(q * self.cfg.head_dim ** -0.5, global_kv, visible, idx,
                                                      self.parallel, self.cfg.n_heads)

@@ -64,10 +64,10 @@ class Fp32Ops:
                                       None if source is None else (rows[b], padding[b]), global_kv, window, scale)[0]
                           for b in (slice(a, a + block) for a in range(0, T, block))])
 
-    def index_topk(self, attention, q: torch.Tensor, head_w: torch.Tensor, positions, src, shared):
+    def index_topk(self, indexer, q: torch.Tensor, head_w: torch.Tensor, positions, src, shared):
         """The indexer's picks for rotated queries q [T, Hi, Di] and head weights [T, Hi]
-        (engine/model/attention.py `Attention.index_picks`)."""
-        return attention.index_picks(q, head_w, positions, src, shared)
+        (engine/model/attention.py `Indexer.index_picks`)."""
+        return indexer.index_picks(q, head_w, positions, src, shared)
 
     def routed_experts(self, cfg, layer: int, prefix: str, x, experts, weights, get, linear, owned=None):
         """sum_e w_e Expert_e(x) over each token's chosen experts (engine/model/moe.py routed_experts)."""

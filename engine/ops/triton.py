@@ -211,12 +211,12 @@ class TritonOps:
             return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
         return self._kernel("sparse_attn")(*args)[:, :h].float()
 
-    def index_topk(self, attention, q, head_w, positions, src, shared):
-        """The indexer's top-k on kernels (engine/model/attention.py `Attention.index_kernels`), or the base op
+    def index_topk(self, indexer, q, head_w, positions, src, shared):
+        """The indexer's top-k on kernels (engine/model/attention.py `Indexer.index_kernels`), or the base op
         where this wrapper only records."""
-        got = attention.index_kernels(self, q, head_w, positions, src, shared) if self.active(attention.role.layer) \
+        got = indexer.index_kernels(self, q, head_w, positions, src, shared) if self.active(indexer.role.layer) \
             else None
-        return got if got is not None else self.base.index_topk(attention, q, head_w, positions, src, shared)
+        return got if got is not None else self.base.index_topk(indexer, q, head_w, positions, src, shared)
 
     def indexer(self, layer: int, q, head_w, packed_keys, visible, pool_mask, pool_block: int, k: int,
                 query_block: int, on_scores=None):
