@@ -40,6 +40,10 @@ st.html("""<style>
   h3 {font-size: 1.08rem !important; margin-top: .4rem !important;}
   [data-testid="stMetricValue"] {font-size: 1.5rem;}
   .muted {color: #6B7280; font-size: .85rem;}
+  /* the layer views below the fold: the browser skips their style, layout and paint while they are
+     out of sight (a click re-renders them all); the last drawn height keeps the scrollbar steady */
+  .st-key-live_views [data-testid="stElementContainer"] {content-visibility: auto;
+                                                           contain-intrinsic-size: auto 300px;}
 </style>""")
 TAB_BY_TITLE = {title: tab for tab, title in TAB_TITLES.items()}
 
@@ -193,7 +197,8 @@ def analysis(cfg, plan, tally, source: str, path: str, text: str, span) -> None:
     with panel:
         guarded("Cannot show the session", session_panel, source, path)
     st.divider()
-    guarded("Cannot draw the layer views", live_views, cfg, plan, run, why)
+    with st.container(key="live_views"):
+        guarded("Cannot draw the layer views", live_views, cfg, plan, run, why)
     guarded("Cannot run the kernel parity check", kernel_parity_panel, source, path, text, plan)
     st.divider()
     guarded("Cannot draw the comparison", compare_section, cfg, plan, run, source, path)

@@ -49,6 +49,10 @@ def test_saved_run_shows_scores_shared_query_and_glossary(tmp_path, monkeypatch)
     assert "picks (" in md and "scored exactly 0" in md
     assert "Runner-ups and selection recall need the model" in text     # a saved run: no engine to ask
     assert any(e.label.startswith("Glossary") for e in at.expander)
+    assert "**selection recall**" not in md          # built only when opened
+    at.session_state["glossary_box"] = True
+    at.run()
+    md = "\n".join(m.value for m in at.markdown)
     assert "**selection recall**" in md and "**comb**" in md
     # release first: config only shows the release and no live column
     assert "(release config)" in md and "live model:" not in md

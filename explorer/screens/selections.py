@@ -151,5 +151,7 @@ def routing_margin_section(r, probe: dict, q: int, n_active: int) -> None:
 
 
 def glossary_expander() -> None:
-    with st.expander("Glossary: the words on this page"):
-        st.markdown(gl.glossary_markdown())
+    """The glossary, built only when opened (a closed expander's text was re-sent on every click)."""
+    box = st.expander("Glossary: the words on this page", key="glossary_box", on_change="rerun")
+    if box.open:
+        box.markdown(gl.glossary_markdown())
