@@ -59,9 +59,13 @@ def test_batched_forward_matches_engine(setup, topk):
     for b in range(2):
         ref, collect = _engine_logits(cfg, tok, trainee, ids[b])
         got = out.logits[b]
-        # float32 sums in another order flip a few FP8/FP4 cache roundings downstream: agreement is
-        # ~1e-4 relative (a wrong mechanism is O(1)); argmax nearly everywhere
-        assert float((got - ref).norm() / ref.norm()) < 3e-3
+        # float32 sums in another order (which the CPU's SIMD width decides) flip a few FP8/FP4 cache
+        # roundings, and a flip moves every later position a little: measured 6e-6 to 1e-2 relative L2
+        # over the whole sequence across AVX2 / AVX-512 / scalar kernels, while the typical position
+        # stays within ~1e-3 of the engine. A wrong mechanism is O(1) at most positions.
+        per_position = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert float(per_position.median()) < 3e-3, per_position
+        assert float((got - ref).norm() / ref.norm()) < 3e-2
         assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.95
         for L in range(cfg.n_layers):
             loads[L] += torch.bincount(collect[L]["routing"]["experts"].flatten(), minlength=cfg.n_routed_experts)

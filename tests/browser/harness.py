@@ -75,3 +75,25 @@ def streamlit_server(env: dict[str, str], log_name: str, script: Path | None = N
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def hover_chart(page, chart: str, fx: float, fy: float, tries: int = 20) -> str:
+    """Move the mouse to the point (fx, fy) of the chart's plot area, as fractions of its width and height,
+    until Plotly shows its hover box; return the box's text. Plotly answers mouse moves only: a single
+    move made while the chart was still being laid out (scrolled into sight just now, or redrawn) shows
+    nothing, however long one waits after it, so the plot area is measured again before every move."""
+    for attempt in range(tries):
+        box = page.evaluate("""(sel) => { const gd = document.querySelector(sel + ' .js-plotly-plot');
+            const r = gd && gd.querySelector('.nsewdrag'); if (!r) return null;
+            const b = r.getBoundingClientRect(); return [b.x, b.y, b.width, b.height]; }""", chart)
+        if box and box[2] > 0 and box[3] > 0:
+            # a move from elsewhere, then onto the point: Plotly ignores a move that does not change it
+            page.mouse.move(box[0] + box[2] * fx + 1 + attempt % 3, box[1] + box[3] * fy + 1)
+            page.mouse.move(box[0] + box[2] * fx, box[1] + box[3] * fy)
+            try:
+                page.wait_for_selector(f"{chart} .hoverlayer .hovertext", timeout=500)
+                return page.locator(f"{chart} .hoverlayer .hovertext").first.text_content()
+            except Exception:      # playwright's TimeoutError: measure and move again
+                pass
+        page.wait_for_timeout(250)
+    raise AssertionError(f"no hover box on {chart} after {tries} mouse moves")

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import ARTIFACTS, REPO, streamlit_server
+from harness import ARTIFACTS, REPO, hover_chart, streamlit_server
 
 WIDTH, HEIGHT = 1600, 1000
 LONG_T = 7068        # the new user's 20,000-character prompt
@@ -153,13 +153,8 @@ def test_long_prompt_no_comparison_unasked_webgl_when_asked_routing_hover_kv_lin
     _shot(page, "1_long_prompt_comparison_webgl")
 
     # item 3: the routing heatmap's hover names a whole token range
-    gd = page.locator(".st-key-routing_map .js-plotly-plot")
-    gd.scroll_into_view_if_needed()
-    box = page.evaluate("""() => { const gd = document.querySelector('.st-key-routing_map .js-plotly-plot');
-        const r = gd.querySelector('.nsewdrag').getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; }""")
-    page.mouse.move(box[0] + box[2] * 0.2, box[1] + box[3] * 0.5)
-    page.wait_for_selector(".st-key-routing_map .hoverlayer .hovertext", timeout=10_000)
-    hover = page.locator(".st-key-routing_map .hoverlayer .hovertext").first.text_content()
+    page.locator(".st-key-routing_map .js-plotly-plot").scroll_into_view_if_needed()
+    hover = hover_chart(page, ".st-key-routing_map", 0.2, 0.5)
     start, end = map(int, re.search(r"tokens (\d+)-(\d+)", hover).groups())
     assert 0 <= start < end < LONG_T, hover
     page.screenshot(path=str(ARTIFACTS / "new_user_3_routing_hover.png"))
