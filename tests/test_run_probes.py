@@ -72,3 +72,13 @@ def test_from_json_reads_an_empty_pick_list_as_long():
     layer = LayerResult.from_json(d)
     assert layer.topk.dtype == torch.long and layer.topk.shape == (2, 0)
     assert layer.topk_tied.dtype == torch.bool and layer.topk_kth.tolist() == [float("-inf")] * 2
+
+
+def test_a_run_stored_before_numerics_reads_back_as_fp32():
+    """Run JSON written before the "numerics" field existed came from the fp32 flow (the only one then),
+    whatever today's default is; a run that names its numerics keeps them."""
+    stored = _run(n_tokens=8).to_json()
+    assert stored["numerics"] == "reference"  # today's default, so the missing case is not a coincidence
+    old = {k: v for k, v in stored.items() if k != "numerics"}
+    assert RunResult.from_json(old).numerics == "fp32"
+    assert RunResult.from_json({**old, "numerics": "reference"}).numerics == "reference"

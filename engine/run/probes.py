@@ -20,6 +20,7 @@ from ..ops import DEFAULT_NUMERICS
 
 ENGINE_VERSION = "0.1.0"
 PROBE_KINDS = ("topk", "mhc", "routing", "norms", "timing")
+STORED_BEFORE_NUMERICS = "fp32"   # what a run JSON without "numerics" was computed in (the only flow before it)
 
 
 @dataclass
@@ -256,13 +257,15 @@ class RunResult:
 
     @classmethod
     def from_json(cls, d: dict) -> RunResult:
-        """The RunResult `to_json` wrote (without logits, which JSON does not carry)."""
+        """The RunResult `to_json` wrote (without logits, which JSON does not carry). A run stored before
+        the JSON had "numerics" (added in 75cedda) was computed in the engine's fp32 flow, the only one
+        there was: it reads back as "fp32", not as today's default."""
         layers = lambda part: {int(k): LayerResult.from_json(v) for k, v in (d.get(part) or {}).items()}
         return cls(tokens=d["tokens"], token_ids=d["token_ids"], image_mask=d["image_mask"], layers=layers("layers"),
                    cache_bytes=d["cache_bytes"], kv_bytes_formula=d["kv_bytes_formula"], time_s=d["time_s"],
                    generated_ids=d.get("generated_ids", []), generated_text=d.get("generated_text", ""),
                    prefill=d.get("prefill", "full"), replay=d.get("replay"), prefill_s=d.get("prefill_s", 0.0),
-                   generated_layers=layers("generated_layers"), numerics=d.get("numerics", DEFAULT_NUMERICS))
+                   generated_layers=layers("generated_layers"), numerics=d.get("numerics", STORED_BEFORE_NUMERICS))
 
 
 def layer_result(cfg, role, probe: dict, kinds: set[str]) -> LayerResult:
