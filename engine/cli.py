@@ -366,6 +366,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a client waits for its run before a 504 (default 600)")
     p.add_argument("--read-timeout", type=float, default=None,
                    help="seconds a connection may stay silent before it is closed (default 30)")
+    p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="reference: the official bf16 dtype flow (default); fp32: float32 between every op")
     p.add_argument("--backend", choices=("nccl", "gloo"), help="torch.distributed backend under torchrun "
                    "(default: nccl with GPUs, gloo without)")
     p.add_argument("--verbose", action="store_true", help="log every request on stderr")
@@ -391,7 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
     parallel = None
     try:
         parallel = Parallel.from_env(args.backend)
-        engine = _load(args.checkpoint, parallel)
+        engine = _load(args.checkpoint, parallel, args.numerics)
     except (EngineError, ParallelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -414,7 +416,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     host, port = server.server_address[:2]
     world = 1 if parallel is None else parallel.world
-    print(f"engine service on http://{host}:{port} ({engine.source}, {world} process{'es' if world > 1 else ''}); "
+    print(f"engine service on http://{host}:{port} ({engine.source}, {engine.numerics} numerics, "
+          f"{world} process{'es' if world > 1 else ''}); "
           "Ctrl-C stops it", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)
     service.start()
@@ -434,10 +437,10 @@ def _interrupt(*_):
     raise KeyboardInterrupt  # SIGTERM stops the service like Ctrl-C
 
 
-def _load(path: str, parallel):
+def _load(path: str, parallel, numerics: str):
     if parallel is None:
-        return load(path)
-    return load(path, parallel=parallel)
+        return load(path, numerics=numerics)
+    return load(path, parallel=parallel, numerics=numerics)
 
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (

@@ -1,7 +1,8 @@
 """Attach the explorer to an engine service (`python -m engine serve`) instead of loading a model.
 
 `RemoteEngine(url)` has the surface the app uses from `engine.api.Engine`: `cfg`, `plan`, `source`,
-`identity`, `encode`, `token_strings`, `run(...) -> result with .to_json() and .layers`. Input errors
+`identity`, `numerics`, `encode`, `token_strings`, `run(...) -> result with .to_json(), .layers and (on
+request) .logits`. Input errors
 come back as `engine.api.EngineError` (the same message as in-process); a service that cannot be
 reached, or that dies during a run, raises `EngineUnreachable` with a message written for the user.
 
@@ -49,7 +50,8 @@ class RunGone(RemoteEngineError):
 
 class RemoteRun:
     """One run's result from the service: `to_json()` is exactly the engine's `RunResult.to_json()`;
-    `layers` maps layer -> LayerResult (tensors), as on the in-process result.
+    `layers` maps layer -> LayerResult (tensors), as on the in-process result; `logits` the prompt's
+    logits [T, vocab] when the run asked for them (None otherwise), as `RunResult.logits`.
 
     A run the service keeps (`run_id`) arrives without its layers' probes: each layer is fetched the
     first time it is asked for, so a click moves one layer's probes, not the whole model's. If the
@@ -57,13 +59,19 @@ class RemoteRun:
 
     def __init__(self, data: dict, queue: dict | None = None, engine: RemoteEngine | None = None,
                  request: dict | None = None):
+        packed = data.pop("logits", None)   # not part of RunResult.to_json()
         self._data = data
         self.queue = queue or {}   # position when queued, wait_s, run_s
         self._engine, self._request = engine, request
         self._probed = [int(v) for v in data.get("probed_layers", [])] if data.get("run_id") else None
         for key in ("tokens", "token_ids", "image_mask", "cache_bytes", "kv_bytes_formula", "time_s",
-                    "generated_ids", "generated_text"):
+                    "generated_ids", "generated_text", "prefill", "replay", "prefill_s", "numerics"):
             setattr(self, key, data.get(key))
+        if packed is not None:
+            from engine.run.probes import unpack_tensor
+            self.logits = unpack_tensor(packed)
+        else:
+            self.logits = None
         self._layers: dict[int, LayerResult] | None = None
 
     def to_json(self, layers=None) -> dict:
@@ -100,29 +108,11 @@ class RemoteRun:
 
 
 def layer_from_json(d: dict) -> LayerResult:
-    """A LayerResult (tensors) from its JSON form."""
-    import torch   # here, not at import: the page draws without torch until a run needs it
+    """A LayerResult (tensors) from its JSON form: the engine's own `LayerResult.from_json`, so every
+    field (first_position of a CED decoder, ties, runner-ups) comes back as in process."""
+    from engine.run.probes import LayerResult   # here, not at import: the page draws without torch
 
-    from engine.run.probes import LayerResult
-    def tensor(v, dtype=None):
-        return None if v is None else torch.tensor(v, dtype=dtype)
-
-    scores = d.get("topk_scores")
-    pool = None
-    if d.get("candidate_pool") is not None:
-        pool = torch.zeros(len(d["candidate_pool"]), d.get("n_entries", 0), dtype=torch.bool)
-        for t, row in enumerate(d["candidate_pool"]):
-            pool[t, row] = True
-    return LayerResult(
-        layer=d["layer"], role=d["role"], label=d["label"], compress_ratio=d["compress_ratio"],
-        kv_source=d["kv_source"], index_source=d["index_source"], window_size=d["window_size"],
-        topk=tensor(d.get("topk"), torch.long),
-        topk_scores=None if scores is None else torch.tensor(
-            [[float("-inf") if v is None else v for v in row] for row in scores]),
-        candidate_pool=pool, n_entries=d.get("n_entries", 0),
-        mhc={part: {k: torch.tensor(v) for k, v in parts.items()} for part, parts in (d.get("mhc") or {}).items()},
-        routing={k: torch.tensor(v) for k, v in (d.get("routing") or {}).items()},
-        residual_norms=tensor(d.get("residual_norms")), time_s=d.get("time_s", 0.0))
+    return LayerResult.from_json(d)
 
 
 class RemoteEngine:
@@ -144,6 +134,7 @@ class RemoteEngine:
         self.identity = f"{self.info.get('identity', '')}@{self.info.get('world_size', 1)}"
         self.source = f"{url} ({self.info.get('source', '')})"
         self.engine_version = self.info.get("engine_version")
+        self.numerics = self.info.get("numerics")   # None: a service from before /info said it
         self.world_size = self.info.get("world_size", 1)
 
     def __repr__(self) -> str:
@@ -157,11 +148,14 @@ class RemoteEngine:
         return self._call("POST", "/token_strings", {"ids": [int(i) for i in ids]}, INFO_TIMEOUT * 6)["tokens"]
 
     def run(self, prompt: str | list[int], layers=None, probes=None, image_spans=(), generate: int = 0,
-            keep: bool | None = None, detail_layers=()) -> RemoteRun:
+            keep: bool | None = None, detail_layers=(), prefill: str = "full", replay: int | None = None,
+            logits: bool = False) -> RemoteRun:
         """Run on the service. A run of every layer (`layers=None`) is kept there by default and its
-        probes come layer by layer as they are asked for (`keep=False`: all at once)."""
+        probes come layer by layer as they are asked for (`keep=False`: all at once). prefill, replay
+        and logits as engine.run (sent only when not the defaults, so an older service still answers)."""
         request = dict(prompt=prompt, layers=layers, probes=probes, image_spans=image_spans, generate=generate,
-                       keep=layers is None if keep is None else keep, detail_layers=detail_layers)
+                       keep=layers is None if keep is None else keep, detail_layers=detail_layers,
+                       prefill=prefill, replay=replay)
         body: dict = {"prompt": prompt} if isinstance(prompt, str) else {"ids": [int(i) for i in prompt]}
         if layers is not None:
             body["layers"] = [int(v) for v in layers]
@@ -172,6 +166,12 @@ class RemoteEngine:
         body["keep"] = request["keep"]
         if detail_layers:
             body["detail_layers"] = [int(v) for v in detail_layers]
+        if prefill != "full":
+            body["prefill"] = prefill
+        if replay is not None:
+            body["replay"] = replay
+        if logits:
+            body["logits"] = True
         reply = self._call("POST", "/run", body, self.timeout, during="the run")
         return RemoteRun(reply["result"], reply.get("queue"), engine=self, request=request)
 

@@ -269,7 +269,7 @@ class GatedEngine:
     def __init__(self):
         self.cfg = tiny_config()
         self.plan = role_plan(self.cfg)
-        self.identity, self.source, self.tokenizer = "gated", "test", None
+        self.identity, self.source, self.tokenizer, self.numerics = "gated", "test", None, "fp32"
         self.order: list[str] = []
         self.gate = threading.Semaphore(0)
 
@@ -285,7 +285,7 @@ class GatedEngine:
     def run(self, prompt, **_):
         self.order.append(f"{prompt[0]}")
         assert self.gate.acquire(timeout=30)
-        return type("R", (), {"to_json": lambda self, layers=None: {"tag": prompt[0]}, "layers": {}})()
+        return type("R", (), {"to_json": lambda self, layers=None: {"tag": prompt[0]}, "layers": {}, "logits": None})()
 
 
 def test_one_client_with_many_runs_does_not_starve_another():
@@ -357,3 +357,64 @@ def test_cli_serve_bad_arguments_are_one_line(checkpoint, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--checkpoint", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no such checkpoint folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- numerics, prefill, replay and logits through the service (issues 15 and 20) ------------------------
+
+def test_info_and_the_client_say_which_numerics_the_service_runs(served, engine):
+    with urllib.request.urlopen(served.url + "/info", timeout=30) as r:
+        info = json.loads(r.read())
+    assert info["numerics"] == engine.numerics == "reference"
+    assert RemoteEngine(served.url).numerics == "reference"
+
+
+def test_ced_prefill_replay_and_logits_pass_through(served, engine):
+    """A CED run asked over HTTP and through the client equals the in-process one: the same JSON
+    (prefill, replay, the decoder's first_position), the same logits bits."""
+    local = engine.run(IDS, layers=[3, 7], prefill="ced", replay=12, generate=2, logits=True)
+    assert local.prefill == "ced" and local.layers[7].first_position == len(IDS) - 12
+    status, reply = post(served.url, "/run", {"ids": IDS, "layers": [3, 7], "prefill": "ced", "replay": 12,
+                                              "generate": 2, "logits": True})
+    assert status == 200
+    packed = reply["result"].pop("logits")
+    assert torch.equal(unpack_tensor(packed), local.logits)
+    assert no_time(reply["result"]) == no_time(local.to_json())
+    client = RemoteEngine(served.url)
+    got = client.run(IDS, layers=[3, 7], prefill="ced", replay=12, generate=2, logits=True)
+    assert got.prefill == "ced" and got.replay == 12 and got.numerics == "reference"
+    assert torch.equal(got.logits, local.logits) and got.logits.shape == (12, engine.cfg.vocab_size)  # ced: the replay's rows
+    assert no_time(got.to_json()) == no_time(local.to_json())
+    assert got.layers[7].first_position == len(IDS) - 12 and got.layers[3].first_position == 0
+    # a kept run (every layer) carries them too; without asking, no logits come
+    kept = client.run(IDS, prefill="ced", replay=12, logits=True)
+    assert torch.equal(kept.logits, local.logits) and kept.to_json()["replay"] == 12
+    assert torch.equal(kept.layers[7].topk, local.layers[7].topk)
+    plain = client.run(IDS, layers=[3])
+    assert plain.logits is None and plain.prefill == "full" and plain.replay is None
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"ids": IDS, "prefill": "half"}, "'prefill' must be one of ['full', 'ced']"),
+    ({"ids": IDS, "prefill": "ced", "replay": 0}, "'replay' must be a whole number"),
+    ({"ids": IDS, "prefill": "ced", "replay": True}, "'replay' must be a whole number"),
+    ({"ids": IDS, "replay": 8}, "'replay' applies only to"),
+    ({"ids": IDS, "logits": "yes"}, "'logits' must be true or false"),
+])
+def test_bad_prefill_replay_or_logits_fields_are_one_clear_message(served, body, message):
+    status, reply = post(served.url, "/run", body)
+    assert status == 400 and reply["kind"] == "EngineError" and message in reply["error"], reply
+
+
+def test_cli_serve_numerics(checkpoint):
+    """`python -m engine serve --numerics fp32` serves fp32 numerics and says so (banner, /info, runs)."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                             "--numerics", "fp32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("engine service on http://127.0.0.1:") and "fp32 numerics" in line, line
+        client = RemoteEngine(line.split()[3])
+        assert client.numerics == "fp32" and client.info["numerics"] == "fp32"
+        assert client.run(IDS[:10], layers=[2]).numerics == "fp32"
+    finally:
+        proc.kill()
+        proc.wait()

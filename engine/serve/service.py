@@ -2,12 +2,15 @@
 an engine running elsewhere (for example the release-size model spread over several GPUs).
 
 Endpoints (JSON in, JSON out; errors are `{"error": message, "kind": ...}` with a 4xx/5xx status):
-- `GET  /info`           engine version, identity, source, config, role plan, world size, tokenizer
+- `GET  /info`           engine version, identity, source, numerics, config, role plan, world size, tokenizer
 - `GET  /health`         liveness and the queue: running, waiting per client
 - `POST /tokenize`       `{"prompt": text | [ids]}` -> `{"ids", "tokens"}`
 - `POST /token_strings`  `{"ids": [...]}` -> `{"tokens"}`
-- `POST /run`            `{"prompt" | "ids", "layers", "probes", "image_spans", "generate", "keep"}` ->
+- `POST /run`            `{"prompt" | "ids", "layers", "probes", "image_spans", "generate", "keep",
+                         "detail_layers", "prefill", "replay", "logits"}` ->
                          `{"result": RunResult.to_json(), "queue": {"position", "wait_s", "run_s"}}`;
+                         `"prefill": "ced"` (and `"replay": R`) as engine.run; with `"logits": true` the
+                         result also holds `"logits"`, the prompt's [T, vocab] logits as `pack_tensor`;
                          with `"keep": true` the result holds no layer probes but a `run_id`, and the
                          service keeps the run (the last KEPT_RUNS of them) for
 - `POST /probes`         `{"run_id", "layers": [...], "packed"}` -> `{"layers": {layer: LayerResult.to_json()}}`
@@ -34,6 +37,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..run.api import ENGINE_VERSION, EngineError
+from ..run.ced import PREFILLS
+from ..run.probes import pack_tensor
 
 MAX_BODY = 4 << 20        # the longest prompt (max_seq_len tokens as text or ids) is well under 1 MB of JSON
 READ_TIMEOUT_S = 30.0     # a connection silent this long is closed (a stalled client holds no thread)
@@ -186,7 +191,8 @@ class FairQueue:
 
 # -- running a request -----------------------------------------------------------------------------
 
-RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate", "keep", "detail_layers"}
+RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate", "keep", "detail_layers",
+            "prefill", "replay", "logits"}
 
 
 def _whole(v) -> bool:
@@ -236,6 +242,18 @@ def run_args(body: dict, max_generate: int | None = None) -> dict:
     args["generate"] = generate
     if not isinstance(body.get("keep", False), bool):
         raise EngineError("'keep' must be true or false")
+    prefill = body.get("prefill", "full")
+    if prefill not in PREFILLS:
+        raise EngineError(f"'prefill' must be one of {list(PREFILLS)}, got {str(prefill)[:40]!r}")
+    replay = body.get("replay")
+    if replay is not None and (not _whole(replay) or replay < 1):
+        raise EngineError("'replay' must be a whole number of prompt tokens >= 1")
+    if replay is not None and prefill != "ced":
+        raise EngineError("'replay' applies only to \"prefill\": \"ced\"")
+    args["prefill"], args["replay"] = prefill, replay
+    if not isinstance(body.get("logits", False), bool):
+        raise EngineError("'logits' must be true or false")
+    args["logits"] = body.get("logits", False)
     return args
 
 
@@ -277,7 +295,7 @@ class EngineService:
     def info(self) -> dict:
         e = self.engine
         return {"engine_version": ENGINE_VERSION, "identity": e.identity, "source": e.source,
-                "config": e.cfg.to_dict(), "plan": [r.to_dict() for r in e.plan],
+                "numerics": e.numerics, "config": e.cfg.to_dict(), "plan": [r.to_dict() for r in e.plan],
                 "world_size": 1 if self.parallel is None else self.parallel.world,
                 "device": "cpu" if self.parallel is None else str(self.parallel.device),
                 "tokenizer": e.tokenizer is not None}
@@ -310,6 +328,8 @@ class EngineService:
                 result = execute(self.engine, args)
                 if not ticket.abandoned:   # nobody waits for an abandoned run's (possibly large) JSON
                     ticket.result = self._keep(result) if ticket.request.get("keep") else result.to_json()
+                    if result.logits is not None:   # JSON numbers would be ~20x the packed bytes
+                        ticket.result["logits"] = pack_tensor(result.logits)
             except EngineError as err:
                 ticket.error = err
             except Exception as err:  # a fault of the engine, not of the request: log it, report one line
