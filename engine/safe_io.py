@@ -27,6 +27,18 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def not_regular(path: str | Path) -> str | None:
+    """What `path` is when it exists but is not a regular file ("a FIFO (named pipe)", "a device", ...),
+    from a stat that follows symlinks and never opens it; None for a regular or a missing file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"not readable ({err.strerror or err})"
+    return None if stat.S_ISREG(mode) else _kind(mode)
+
+
 def open_regular(path: str | Path, what: str, error: type[Exception],
                  missing: str | None = None) -> tuple[BinaryIO, int]:
     """(binary file opened for reading, its size) when `path` is a regular file (symlinks followed);

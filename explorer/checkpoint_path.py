@@ -14,8 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from engine.config import ConfigError, load_config
+from engine.safe_io import not_regular
 
 ROOT_ENV = "EXPLORER_CHECKPOINT_ROOT"
+# the files the app reads from a checkpoint folder (besides its *.safetensors shards)
+CHECKPOINT_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "compressed_vocab.json")
 LOCAL_ADDRESSES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -45,6 +48,9 @@ def checkpoint_problem(path: str, roots: list[Path] | None) -> str | None:
         return f"No folder at {path}."
     if not real.is_dir():
         return f"{path} is a file: enter the checkpoint folder (the one that holds config.json)."
+    problem = odd_file(real, path)
+    if problem:
+        return problem
     if not (real / "config.json").is_file():
         return f"No config.json in {path}: not a checkpoint folder."
     try:
@@ -53,4 +59,15 @@ def checkpoint_problem(path: str, roots: list[Path] | None) -> str | None:
         return f"The config.json in {path} is not a model config this explorer reads."
     except OSError as err:
         return f"Cannot read {path}: {err.strerror or 'not readable'}."
+    return None
+
+
+def odd_file(real: Path, path: str) -> str | None:
+    """The first of the folder's checkpoint files that is there but not a regular file (a FIFO would
+    block the read that opens it, /dev/zero never ends), named in one line; found by stat alone."""
+    shards = sorted(p.name for p in real.glob("*.safetensors"))
+    for name in (*CHECKPOINT_FILES, *shards):
+        kind = not_regular(real / name)
+        if kind:
+            return f"{name} in {path} is {kind}, not a plain file: a checkpoint folder holds regular files only."
     return None
