@@ -12,7 +12,8 @@ import streamlit as st
 
 from engine.config import load_config
 from engine.tally import tally_from_config
-from explorer import layer_views as lv, prompt as pr, remote
+from explorer import glossary as gl, layer_views as lv, prompt as pr, remote
+from explorer.chart_titles import ChartName
 from explorer.components import plotly_chart, png_config
 from explorer.state import ViewState
 
@@ -25,6 +26,12 @@ def chart(fig, key: str, *, tag: str = "", png: str | None = None, on_click=None
     `png` names the file its mode-bar button downloads."""
     config = png_config(png, PLOT_CONFIG) if png else PLOT_CONFIG
     plotly_chart(fig, key=key, static_dir=STATIC_DIR, tag=tag, config=config, on_click=on_click)
+
+
+def named_chart(fig, key: str, name: ChartName, *, tag: str = "", on_click=None) -> None:
+    """A chart that carries its title (drawn, so also in the PNG) and downloads under a file name
+    naming what it shows (explorer/chart_titles.py)."""
+    chart(gl.titled(fig, name.title), key, tag=tag, png=name.file, on_click=on_click)
 
 
 def guarded(what: str, section, *args) -> None:

@@ -7,8 +7,8 @@ import traceback
 
 import streamlit as st
 
-from explorer import run_plan, session_view as sv, token_align
-from explorer.screens.common import cached_engine, chart, cpu_refusal, run_cached, view
+from explorer import chart_titles as ct, run_plan, session_view as sv, token_align
+from explorer.screens.common import cached_engine, cpu_refusal, named_chart, run_cached, view
 from explorer.screens.sessions import cached_store
 from explorer.session_compare import CompareError, compare_layer
 from explorer.sessions import SessionError
@@ -88,12 +88,12 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
     for line in sv.comparison_summary(cmp):
         st.markdown(f"- {sv.md_escape(line)}")
     a, b = st.columns(2)
-    if cmp.has_selections:
-        with a:
-            chart(sv.comparison_figure(cmp, "selections"), "cmp_selections", png="comparison_selections")
-    if cmp.has_routing:
-        with b:
-            chart(sv.comparison_figure(cmp, "routing"), "cmp_routing", png="comparison_routing")
+    model, text = ct.model_label(source, path), (st.session_state.get("_analysis") or {}).get("text")
+    for kind, column, has in (("selections", a, cmp.has_selections), ("routing", b, cmp.has_routing)):
+        if has:
+            with column:
+                named_chart(sv.comparison_figure(cmp, kind), f"cmp_{kind}",
+                            ct.comparison_name(model, kind, label_b, r.layer, text))
     rows = sv.comparison_rows(cmp, only_differences=True)
     if rows:
         st.dataframe(rows, hide_index=True, height=min(320, 38 + 35 * len(rows)))

@@ -8,8 +8,8 @@ import traceback
 
 import streamlit as st
 
-from explorer import glossary as gl, prompt as pr, selection_view as sel
-from explorer.screens.common import cached_engine, chart, view
+from explorer import chart_titles as ct, glossary as gl, prompt as pr, selection_view as sel
+from explorer.screens.common import cached_engine, named_chart
 from explorer.token_strip import strip_html, token_strip
 
 QUERY_KEY = "query_pos"
@@ -54,23 +54,24 @@ def strip(tokens, counts, q, highlight, image, layer: int) -> None:
 
 def model_name() -> str:
     a = st.session_state.get("_analysis") or {}
-    source = a.get("source")
-    if source == pr.SOURCE_PATH:
-        return f"checkpoint {str(a.get('path') or '').rstrip('/').rsplit('/', 1)[-1]}"
-    return "release config" if source == pr.SOURCE_CONFIG else "V4.1-Flash live small model"
+    return ct.model_label(a.get("source"), a.get("path"))
 
 
 def names(what: str, layer: int | None = None, query: int | None = None) -> tuple[str, str]:
     """(file name without extension, chart title) naming model, layer, query and the prompt's hash."""
+    name = chart_name(what, layer, query)
+    return name.file, name.title
+
+
+def chart_name(what: str, layer: int | None = None, query: int | None = None) -> ct.ChartName:
+    """A live view's export name: the model and prompt of the run on screen."""
     text = (st.session_state.get("_analysis") or {}).get("text")
-    kw = dict(model=model_name(), layer=layer, query=query, prompt=text or None)
-    return gl.export_name(what, **kw), gl.export_title(what, **kw)
+    return ct.ChartName(what, model_name(), layer, query, prompt=text or None)
 
 
 def titled_chart(fig, key: str, what: str, layer: int, query: int | None = None, **kw) -> None:
     """A chart whose PNG export carries its title and a file name that says what it shows."""
-    name, title = names(what, layer, query)
-    chart(gl.titled(fig, title), key, png=name, **kw)
+    named_chart(fig, key, chart_name(what, layer, query), **kw)
 
 
 # -- scores behind the picks --------------------------------------------------------------------
