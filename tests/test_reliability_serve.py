@@ -14,6 +14,8 @@ import urllib.request
 
 import pytest
 
+from engine.run.api import load
+from engine.serve.service import EngineService, make_server
 from tests.engine_helpers import write_tiny_checkpoint
 
 LONG_IDS = [0] + [5 + (i * 7) % 290 for i in range(4087)]   # max_seq_len: ~3 s on the tiny model (2 cores)
@@ -196,3 +198,83 @@ def test_no_traceback_in_the_log(service):
     _, _, log = service
     text = log.read_text()
     assert "Traceback" not in text, text[-3000:]
+
+
+# -- internal faults, in process (a real server and engine, one engine method made to fail) ----------
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    """The service's own server and worker threads over a real tiny engine: (url, port, engine)."""
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_rel_fault"), 2, 1, engram_layer_ids=(),
+                                 engram_num_embeddings=())
+    engine = load(ckpt)
+    service = EngineService(engine, max_generate=8, run_timeout=30)
+    service.start()
+    server = make_server(service, port=0, read_timeout=5)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        yield f"http://127.0.0.1:{port}", port, engine
+    finally:
+        server.shutdown()
+        server.server_close()
+        service.stop()
+
+
+def fails_once(real, error: Exception):
+    """`real`, except that its first call raises `error` (a fault, not a bad request)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return real(*args, **kwargs)
+    return wrapped
+
+
+def one_json_line(reply: bytes) -> tuple[int, dict]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"\n" not in body and b"Traceback" not in body and b"File \"" not in body, body
+    status, payload = status_and_json(reply)
+    assert set(payload) == {"error", "kind"}, payload
+    return status, payload
+
+
+def post(port: int, path: str, body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return raw_exchange(port, (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+                               f"\r\nContent-Length: {len(raw)}\r\n\r\n").encode() + raw)
+
+
+def test_a_fault_in_a_handler_is_a_500_of_one_json_line_and_the_next_request_is_answered(in_process, monkeypatch,
+                                                                                           capfd):
+    url, port, engine = in_process
+    monkeypatch.setattr(engine, "token_strings", fails_once(engine.token_strings, KeyError("vocab slot 7")))
+    status, reply = one_json_line(post(port, "/tokenize", {"prompt": [0, 5]}))
+    assert status == 500 and reply["kind"] == "ServerError" and "KeyError" in reply["error"]
+    assert "vocab slot" not in reply["error"]                  # the fault's own words stay in the log
+    got, body = request(url, "/tokenize", {"prompt": [0, 5]})
+    assert got == 200 and body["ids"] == [0, 5]
+    log = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert log == ["engine service: POST /tokenize failed: KeyError: 'vocab slot 7'"], log   # one line, no traceback
+
+
+def test_a_fault_in_a_get_handler_is_a_500_and_the_service_goes_on(in_process, monkeypatch):
+    url, port, engine = in_process
+    monkeypatch.setattr(type(engine.cfg), "to_dict", fails_once(type(engine.cfg).to_dict, ValueError("odd")))
+    status, reply = one_json_line(raw_exchange(port, f"GET /info HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()))
+    assert status == 500 and reply["kind"] == "ServerError"
+    got, info = request(url, "/info")
+    assert got == 200 and info["config"]["n_layers"] == engine.cfg.n_layers
+
+
+def test_a_fault_in_the_engine_run_is_a_500_and_the_worker_runs_the_next(in_process, monkeypatch):
+    url, port, engine = in_process
+    monkeypatch.setattr(engine, "run", fails_once(engine.run, RuntimeError("CUDA error: an illegal memory access")))
+    status, reply = one_json_line(post(port, "/run", {"ids": [0, 5, 6], "layers": [0]}))
+    assert status == 500 and reply["kind"] == "EngineFailed" and "RuntimeError" in reply["error"]
+    got, body = request(url, "/run", {"ids": [0, 5, 6], "layers": [0]})
+    assert got == 200 and body["result"]["token_ids"] == [0, 5, 6]
+    assert request(url, "/health")[1]["queue"]["running"] is False
