@@ -58,6 +58,17 @@ def test_release_tally_is_on_the_first_paint(server, browser):
     metrics = page.locator("[data-testid=stMetric]").all_inner_texts()
     assert any("Release" in m and "763.2B" in m for m in metrics), metrics
     page.screenshot(path=str(ARTIFACTS / "selection_first_paint.png"))
+    # the tally's PNG says whose rows it shows: the release's first, the live model's on request
+    assert _title(page, "tally_chart") == "Parameter tally, total · release config"
+    assert _title(page, "diagram_reindex") == "Layer 24 · block diagram (Reindex) · V4.1-Flash live small model"
+    page.locator(".st-key-tally_chart .js-plotly-plot").hover()
+    with page.expect_download() as download:
+        page.locator(".st-key-tally_chart .modebar-btn[data-title='Download plot as a PNG']").click()
+    assert download.value.suggested_filename == "release-config_tally-total.png"
+    _title_is_drawn(download.value.path().read_bytes())
+    page.locator(".st-key-tally_of").get_by_text("live model", exact=True).click()
+    page.wait_for_function("() => document.querySelector('.st-key-tally_chart .js-plotly-plot')?.layout?.title?.text"
+                           " === 'Parameter tally, total · V4.1-Flash live small model'", timeout=60_000)
     page.close()
 
 
