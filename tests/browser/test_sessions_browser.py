@@ -123,6 +123,12 @@ def test_save_share_open_replay_compare(server, browser):
     panel.get_by_role("button", name="Replay", exact=True).click()
     page.wait_for_selector("text=Replay identical", timeout=RUN_TIMEOUT)
     _idle(page)
+    # the replay compared every token of the prompt once (it once counted ids and texts: "tokens 398"
+    # for a 199-token prompt); the sidebar counts the same prompt with the checkpoint's tokenizer
+    replayed = int(re.search(r"tokens (\d+)", page.locator("text=Replay identical").inner_text()).group(1))
+    prompt_tokens = re.search(r"([\d,]+) tokens \(with BOS\)", page.locator("[data-testid=stSidebar]").inner_text())
+    assert prompt_tokens, "the sidebar shows no token count for the session's prompt"
+    assert replayed == int(prompt_tokens.group(1).replace(",", "")) > 1
     _shot(page, "sessions_replay_identical.png")
 
     # side by side with a second prompt at the same layer
