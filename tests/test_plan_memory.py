@@ -3,6 +3,7 @@ split engine/serve/parallel.py makes."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -61,32 +62,52 @@ def test_one_gpu_holds_the_whole_checkpoint(cfg, tally):
     assert make_plan(cfg, one_gpu(engram="disk"), tally).memory.host_bytes == w["Engram tables"]
 
 
-def _independent_copies(cfg, name: str, kind: str, p: PlanInputs) -> int:
-    """How many copies of a tensor the layout stores, from engine/serve/parallel.py's own split rules."""
+SPLIT_BY_TP = re.compile(r"(embed|head)\.weight|layers\.\d+\.attn\.(wq_b|attn_sink|wo_a|wo_b|indexer\.wq_b"
+                         r"|indexer\.weights_proj)(\.weight|\.scale)?")
+ROUTED = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.")
+TABLE = re.compile(r"layers\.\d+\.engram\.embed\.")
+
+
+@pytest.fixture(scope="module")
+def bytes_by_split(cfg):
+    """The release's bytes by how a layout stores them, from the tensor names alone: routed experts
+    (backbone and DSpark: split by ep), the heads'/vocabulary's tensors (split by tp), Engram tables
+    (rows over every GPU), everything else (a copy on every GPU)."""
+    out = {"experts": 0, "tp": 0, "tables": 0, "replicated": 0}
+    for s in tensor_specs(cfg):
+        what = ("experts" if ROUTED.match(s.name) else "tp" if SPLIT_BY_TP.fullmatch(s.name)
+                else "tables" if TABLE.match(s.name) else "replicated")
+        out[what] += s.nbytes
+    assert sum(out.values()) == RELEASE_BYTES
+    return out
+
+
+def test_the_split_names_are_the_engines(cfg):
+    """The name patterns above are engine/serve/parallel.py's split_of / expert_of for the backbone."""
     from engine.serve.parallel import expert_of, split_of
-    weight = name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name
-    if kind == "engram.embed":
-        return 1                                   # rows spread over every GPU
-    if expert_of(name) is not None or kind.startswith("dspark.ffn.experts."):
-        return p.gpus // p.ep
-    if split_of(name) is not None or split_of(weight) is not None:
-        return p.gpus // p.tp
-    return p.gpus
+    for s in tensor_specs(cfg):
+        if s.name.startswith("layers.") or s.name in ("embed.weight", "head.weight"):
+            weight = s.name[: -len(".scale")] + ".weight" if s.name.endswith(".scale") else s.name
+            assert bool(SPLIT_BY_TP.fullmatch(s.name)) == (split_of(weight) is not None), s.name
+            assert bool(ROUTED.match(s.name)) == (expert_of(s.name) is not None), s.name
 
 
-@pytest.mark.parametrize("gpus,ep,tp", [(8, 8, 8), (8, 4, 2), (4, 4, 1)])
-def test_weights_over_all_gpus_are_the_total_plus_the_replicas(cfg, tally, gpus, ep, tp):
-    """Every GPU holds the same; over all GPUs that is each tensor times its copies: the release total
-    plus exactly the replicated bytes (counted here from engine/serve/parallel.py's split_of / expert_of)."""
-    p = replace(PlanInputs(), gpus=gpus, ep=ep, tp=tp)
-    per_gpu = sum(weights_per_gpu(cfg, tally, p).values())
-    stored = sum(s.nbytes * _independent_copies(cfg, s.name, s.kind, p) for s in tensor_specs(cfg))
-    assert per_gpu * gpus == stored
-    replicated = stored - RELEASE_BYTES
-    everything_replicated = sum(s.nbytes for s in tensor_specs(cfg)
-                                if _independent_copies(cfg, s.name, s.kind, p) == gpus)
-    if ep == tp == gpus:
-        assert replicated == (gpus - 1) * everything_replicated
+@pytest.mark.parametrize("gpus,ep,tp", [(8, 8, 1), (8, 8, 2), (8, 8, 4), (8, 8, 8), (8, 4, 2), (8, 2, 4), (8, 1, 8),
+                                        (8, 1, 1), (4, 4, 1), (4, 2, 4), (2, 2, 2), (16, 16, 8), (16, 8, 2), (1, 1, 1)])
+def test_weights_over_all_gpus_are_the_total_plus_the_replicas(cfg, tally, bytes_by_split, gpus, ep, tp):
+    """Every GPU holds the same; over all GPUs that is the release total plus exactly the replicated
+    copies: gpus/ep - 1 more of the routed experts, gpus/tp - 1 more of the TP-split tensors, gpus - 1
+    more of everything else, none of the Engram tables (their rows are spread); with the tables in host
+    memory, the total without them. DP attention changes no weight."""
+    b = bytes_by_split
+    replicas = (gpus // ep - 1) * b["experts"] + (gpus // tp - 1) * b["tp"] + (gpus - 1) * b["replicated"]
+    assert (replicas == 0) == (gpus == 1)
+    for dp in (False, True):
+        for engram, tables in (("gpu", b["tables"]), ("host", 0)):
+            p = replace(PlanInputs(), gpus=gpus, ep=ep, tp=tp, dp_attention=dp, engram=engram)
+            per_gpu = sum(weights_per_gpu(cfg, tally, p).values())
+            expected = RELEASE_BYTES - b["tables"] + tables + replicas
+            assert per_gpu * gpus == pytest.approx(expected, rel=0, abs=gpus * 1e-3), (dp, engram)
 
 
 def test_tp_boxes_are_the_engines_split_weights(cfg):
