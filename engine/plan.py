@@ -407,7 +407,7 @@ def layer_work(cfg: ModelConfig, role: LayerRole, boxes: list[tuple], p: PlanInp
     # collectives: attention output over the group; the MoE's routed sum or its all-to-all
     w.send("attention all-reduce", _allreduce(tp, t * cfg.dim * ACT_BYTES))
     if p.dp_attention:
-        local = t / tp * cfg.n_activated_experts * (p.gpus - 1) / p.gpus
+        local = t / tp * cfg.n_activated_experts * (p.ep - 1) / p.ep    # 1 in ep: this GPU's experts
         w.send("MoE dispatch (all-to-all)", local * cfg.dim)                  # FP8 tokens out
         w.send("MoE combine (all-to-all)", local * cfg.dim * ACT_BYTES)
         w.send("MoE all-gather in group", (tp - 1) / tp * t * cfg.dim * ACT_BYTES)
@@ -417,7 +417,7 @@ def layer_work(cfg: ModelConfig, role: LayerRole, boxes: list[tuple], p: PlanInp
         rows = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         row_bytes = cfg.engram_head_dim + cfg.engram_head_dim // 32
         if p.engram == "gpu":
-            w.hbm_bytes += t * rows * row_bytes / p.gpus
+            w.hbm_bytes += t * rows * row_bytes / (tp if p.dp_attention else p.gpus)   # groups' own tokens
             w.send("Engram rows (all-to-all)", t * rows * row_bytes * (p.gpus - 1) / p.gpus)
         else:
             w.fetch += t * rows * (row_bytes if p.engram == "host" else DISK_PAGE)

@@ -194,6 +194,30 @@ def test_collectives_by_hand(case, decode):
         "embedding all-reduce": ring * t * d * 2, "logits all-gather": (t if decode else 1) * cfg.vocab_size * 4 / 2},
         rel=1e-12)
 
+    # 4 groups of 1 over 2 copies of the experts: a token's expert is on its own GPU 1 time in 2
+    dp_copies = replace(dp, ep=2, tp=1, batch=4 * BATCH)
+    comm = phase(cfg, tally, dp_copies, decode=decode, position=POSITION).comm
+    local = t * k / 2
+    assert comm == pytest.approx({
+        "MoE dispatch (all-to-all)": n * local * d, "MoE combine (all-to-all)": n * local * d * 2,
+        "Engram rows (all-to-all)": n_engram * t * rows * row_bytes * 3 / 4}, rel=1e-12)
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_engram_rows_read_per_gpu(case, dp):
+    """Rows spread over 4 GPUs (2 groups of 2): without DP attention every GPU asks for the same
+    tokens, so each reads a quarter of them; with it each group asks for its own, so each GPU reads
+    the rows of one group's tokens over the 2 GPUs of a group."""
+    cfg, tally = case
+    p = PlanInputs(gpu="h200", gpus=4, ep=4, tp=2, dp_attention=dp, batch=2 * BATCH, context=POSITION)
+    t = p.sequences_per_gpu()
+    role, boxes = role_plan(cfg)[1], layer_boxes(tally)[1]
+    assert role.engram
+    on_gpu, on_host = (layer_work(cfg, role, boxes, replace(p, engram=where), tokens=t, total_tokens=2 * BATCH,
+                                  sequences=t, position=POSITION, decode=True) for where in ("gpu", "host"))
+    rows = t * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * (cfg.engram_head_dim + cfg.engram_head_dim // 32)
+    assert on_gpu.hbm_bytes - on_host.hbm_bytes == pytest.approx(rows * (2 if dp else 1) / 4, rel=1e-12)
+
 
 def test_doubling_a_width_scales_each_term():
     """Without the hand count: a Reuse m=2 layer's matmul FLOPs are linear in dim except the dim-free
