@@ -19,18 +19,7 @@ the public FP8 logits kernels do), not the activations' own traffic. A layer's r
 longest of FLOPs / rate, bytes / HBM bandwidth and bytes sent / link bandwidth, resources perfectly
 overlapped: every time is a lower bound, every rate an upper bound. Routing is taken as uniform.
 
-Datasheet figures (dense, no sparsity; bandwidths per direction):
-- NVIDIA H100 SXM5 (H100 Tensor Core GPU datasheet): 80 GB HBM3, 3.35 TB/s; BF16 989 TFLOP/s, FP8
-  1,979 TFLOP/s (the sheet's 1,979 / 3,958 are with sparsity); NVLink 900 GB/s both ways; PCIe Gen5
-  128 GB/s both ways.
-- NVIDIA H200 SXM (H200 Tensor Core GPU datasheet): 141 GB HBM3e, 4.8 TB/s; compute and links as H100.
-- NVIDIA B200 (HGX B200 datasheet, per GPU of eight): 180 GB HBM3e, 8 TB/s; BF16 2.25, FP8 4.5, FP4
-  9 PFLOP/s dense (sheet: 36 / 72 / 144 PFLOP/s sparse for eight); NVLink 5 1.8 TB/s both ways; host
-  link taken as PCIe Gen5 x16.
-- AMD Instinct MI300X (MI300X datasheet): 192 GB HBM3, 5.3 TB/s; BF16 1,307.4, FP8 2,614.9 TFLOP/s
-  dense; no FP4; Infinity Fabric 7 links x 128 GB/s both ways; PCIe Gen5 x16.
-GPUs without FP4 tensor cores run FP4 weights at their FP8 rate (unpacked on the fly).
-Disk (not a datasheet: an assumption, one PCIe Gen4 NVMe drive per GPU): 1 M random reads/s, 7 GB/s.
+GPU models and their datasheet figures (cited there): engine/plan_gpus.py.
 """
 
 from __future__ import annotations
@@ -39,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 
 from .config import ModelConfig
+from .plan_gpus import DISK_Bps, DISK_IOPS, DISK_PAGE, GPU, GPUS  # noqa: F401 (engine.plan.GPUS)
 from .roles import FULL, REINDEX, SWA, LayerRole, role_plan
 from .tally import Tally, kv_breakdown, tally_from_config, window_bytes_per_layer
 
@@ -47,31 +37,6 @@ class PlanError(ValueError):
     """Inputs that do not describe a deployment; the message names the input and why."""
 
 
-@dataclass(frozen=True)
-class GPU:
-    key: str
-    name: str
-    hbm_bytes: float
-    hbm_Bps: float
-    bf16_flops: float
-    fp8_flops: float
-    fp4_flops: float          # 0: no FP4 tensor cores (FP4 runs at the FP8 rate)
-    link_Bps: float           # GPU-to-GPU, per direction
-    host_Bps: float           # host link, per direction
-
-    def rate(self, precision: str) -> float:
-        if precision == "fp4":
-            return self.fp4_flops or self.fp8_flops
-        return self.fp8_flops if precision == "fp8" else self.bf16_flops
-
-
-GPUS = {g.key: g for g in (
-    GPU("h100", "NVIDIA H100 SXM", 80e9, 3.35e12, 989e12, 1979e12, 0.0, 450e9, 64e9),
-    GPU("h200", "NVIDIA H200 SXM", 141e9, 4.8e12, 989e12, 1979e12, 0.0, 450e9, 64e9),
-    GPU("b200", "NVIDIA B200 (HGX)", 180e9, 8.0e12, 2250e12, 4500e12, 9000e12, 900e9, 64e9),
-    GPU("mi300x", "AMD Instinct MI300X", 192e9, 5.3e12, 1307.4e12, 2614.9e12, 0.0, 448e9, 64e9),
-)}
-DISK_IOPS, DISK_Bps, DISK_PAGE = 1e6, 7e9, 4096
 ENGRAM_PLACES = ("gpu", "host", "disk")
 MAX_GPUS, MAX_BATCH = 4096, 1_000_000
 ACT_BYTES = 2        # bf16 activations on the wire and in the stream
