@@ -16,6 +16,10 @@ from .style import fmt_tokens
 
 RELEASE_MODEL = "release config"
 SHIPPED_MODEL = "V4.1-Flash live small model"
+TITLE_ROOM, LINE_ROOM = 22, 14       # px above the plot for a one-line title, and for a second line
+TITLE_PAD, SECOND_LINE_LIFT = 4, 9   # px above the title (glossary.titled's pad), and more for two lines
+HALF_WIDTH = 72                      # characters of an 11 px title that fit a half-width chart
+B_CHARS = 32                         # of a side-by-side's B label (a session name) in its title
 
 
 def model_label(source: str | None, path: str | None) -> str:
@@ -51,6 +55,18 @@ class ChartName:
         """The title drawn on the chart (and so in its PNG)."""
         return gl.export_title(self.what, **self._kw())
 
+    def drawn_title(self, width: int | None = None) -> tuple[str, int, int]:
+        """(title text, pixels of room above the plot, title pad above): one line, or, where the title
+        runs past `width` characters (a half-width chart), two: what it shows, then the model and prompt."""
+        one = self.title
+        if width is None or len(one) <= width:
+            return one, TITLE_ROOM, TITLE_PAD
+        parts = one.split(" · ")
+        tail = 2 if self.prompt else 1     # export_title ends with the model, then the prompt's hash
+        # Plotly lifts a two-line title anchored at its top by about half a line (measured in chromium:
+        # its first line was cut off by the chart's top edge): the pad puts it back in the chart
+        return (" · ".join(parts[:-tail]) + "<br>" + " · ".join(parts[-tail:]), TITLE_ROOM + LINE_ROOM,
+                TITLE_PAD + SECOND_LINE_LIFT)
 
 def diagram_name(model: str, tab: str, tab_title: str, role: LayerRole, cfg: ModelConfig) -> ChartName:
     """A block diagram: the layer it draws and its tab, or the DSpark stage it draws."""
@@ -73,7 +89,9 @@ def kv_name(context_len: int) -> ChartName:
 
 
 def comparison_name(model: str, kind: str, label_b: str, layer: int, prompt: str | None) -> ChartName:
-    """A side-by-side chart: run A (on screen, `prompt`) against B at one layer."""
+    """A side-by-side chart: run A (on screen, `prompt`) against B at one layer. B's label (a session
+    name: user text) is escaped, since Plotly reads tags in titles."""
     what = "top-k selections" if kind == "selections" else "routed experts"
-    return ChartName(f"side by side: {what}, A (on screen) vs {label_b}", model, layer, prompt=prompt,
-                     short=f"side by side {kind}")
+    b = label_b if len(label_b) <= B_CHARS else label_b[:B_CHARS - 1] + "…"
+    b = b.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return ChartName(f"{what}, A vs {b}", model, layer, prompt=prompt, short=f"side by side {kind}")

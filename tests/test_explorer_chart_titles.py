@@ -65,10 +65,23 @@ def test_side_by_side_names_layer_b_and_the_prompt_hash():
     text = "def fib(n):\n    return n"
     h = hashlib.sha256(text.encode()).hexdigest()[:8]
     name = ct.comparison_name(ct.SHIPPED_MODEL, "routing", "prompt B", 24, text)
-    assert name.title == (f"Layer 24 · side by side: routed experts, A (on screen) vs prompt B · "
-                          f"V4.1-Flash live small model · prompt {h}")
+    assert name.title == f"Layer 24 · routed experts, A vs prompt B · V4.1-Flash live small model · prompt {h}"
     assert name.file == f"v4-1-flash-live-small-model_layer24_p{h}_side-by-side-routing"
     assert ct.comparison_name("x", "selections", "B", 3, None).file == "x_layer3_side-by-side-selections"
+    # a half-width chart: too long for one line, so what it shows, then the model and the prompt
+    assert len(name.title) > ct.HALF_WIDTH
+    assert name.drawn_title(ct.HALF_WIDTH) == (
+        f"Layer 24 · routed experts, A vs prompt B<br>V4.1-Flash live small model · prompt {h}", 36, 13)
+    assert name.drawn_title(None) == (name.title, 22, 4)
+    short = ct.comparison_name("m", "routing", "B", 2, None)
+    assert short.drawn_title(ct.HALF_WIDTH) == ("Layer 2 · routed experts, A vs B · m", 22, 4)
+
+
+def test_a_session_name_in_the_title_is_shortened_and_not_read_as_tags():
+    name = ct.comparison_name("m", "selections", "Reuse at 29 <b>look</b> and a long tail of words", 29, None)
+    b = name.title.split(", A vs ")[1].rsplit(" · ", 1)[0]
+    assert b == "Reuse at 29 &lt;b&gt;look&lt;/b&gt; and a l…"      # 31 characters of the name, then "…"
+    assert "<b>" not in name.title and name.file == "m_layer29_side-by-side-selections"
 
 
 def _titled(fig, name):

@@ -12,8 +12,7 @@ import streamlit as st
 
 from engine.config import load_config
 from engine.tally import tally_from_config
-from explorer import glossary as gl, layer_views as lv, prompt as pr, remote
-from explorer.chart_titles import ChartName
+from explorer import chart_titles as ct, glossary as gl, layer_views as lv, prompt as pr, remote
 from explorer.components import plotly_chart, png_config
 from explorer.state import ViewState
 
@@ -28,10 +27,14 @@ def chart(fig, key: str, *, tag: str = "", png: str | None = None, on_click=None
     plotly_chart(fig, key=key, static_dir=STATIC_DIR, tag=tag, config=config, on_click=on_click)
 
 
-def named_chart(fig, key: str, name: ChartName, *, tag: str = "", on_click=None) -> None:
+def named_chart(fig, key: str, name: ct.ChartName, *, tag: str = "", on_click=None, width: int | None = None) -> None:
     """A chart that carries its title (drawn, so also in the PNG) and downloads under a file name
-    naming what it shows (explorer/chart_titles.py)."""
-    chart(gl.titled(fig, name.title), key, tag=tag, png=name.file, on_click=on_click)
+    naming what it shows (explorer/chart_titles.py); `width`: the characters one title line holds."""
+    title, room, pad = name.drawn_title(width)
+    fig = gl.titled(fig, title, room)
+    if pad != ct.TITLE_PAD:
+        fig.update_layout(title=dict(pad=dict(t=pad)))
+    chart(fig, key, tag=tag, png=name.file, on_click=on_click)
 
 
 def guarded(what: str, section, *args) -> None:

@@ -93,7 +93,7 @@ def compare_section(cfg, plan, run: dict | None, source: str, path: str) -> None
         if has:
             with column:
                 named_chart(sv.comparison_figure(cmp, kind), f"cmp_{kind}",
-                            ct.comparison_name(model, kind, label_b, r.layer, text))
+                            ct.comparison_name(model, kind, label_b, r.layer, text), width=ct.HALF_WIDTH)
     rows = sv.comparison_rows(cmp, only_differences=True)
     if rows:
         st.dataframe(rows, hide_index=True, height=min(320, 38 + 35 * len(rows)))

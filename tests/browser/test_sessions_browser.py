@@ -145,6 +145,15 @@ def test_save_share_open_replay_compare(server, browser):
     page.locator(".st-key-cmp_routing").scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     _shot(page, "sessions_side_by_side.png")
+    # the side-by-side charts are titled (two lines in a half-width chart, so nothing is cut): layer, B,
+    # the checkpoint and prompt A's hash; the drawn title's lines both fit inside the chart
+    title = page.evaluate("() => document.querySelector('.st-key-cmp_routing .js-plotly-plot').layout.title.text")
+    assert re.fullmatch(rf"Layer {LAYER} · routed experts, A vs prompt B<br>checkpoint tiny_ckpt\d* · prompt [0-9a-f]{{8}}",
+                        title), title
+    fits = page.evaluate("""() => { const gd = document.querySelector('.st-key-cmp_routing .js-plotly-plot');
+        const t = gd.querySelector('.gtitle').getBoundingClientRect(), c = gd.getBoundingClientRect();
+        return t.top >= c.top && t.right <= c.right + 1 && t.height > 20; }""")
+    assert fits, "the side-by-side title runs past its chart"
     assert not page.locator("[data-testid=stException]").count(), "the page shows a traceback"
     ctx2.close()
     print(f"share link opened in {opened_s:.1f} s")
