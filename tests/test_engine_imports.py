@@ -113,3 +113,52 @@ def test_the_checks_see_a_planted_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "ENGINE", pkg)
     assert ("engine.api", False) in imports(pkg / "ops" / "__init__.py")
+
+
+# -- one seam: the forward takes its ops, it does not choose or fall back (issue 15 item 3) -------------
+
+OPS_NAMES = {"ops", "gemm", "act"}  # what carries the numerics and the kernels into the forward
+
+
+def seam_breaches(paths) -> list[str]:
+    """Where forward modules pick arithmetic of their own: an `ops`/`gemm`/`act` tested against None
+    (a fallback when none was given), an import of a particular ops module (engine.ops.fp32, ...), a
+    function named for kernels (kernel specifics belong in engine/ops/triton.py). The model's
+    constructor choosing once through `engine.ops.for_model` is the seam itself and allowed."""
+    bad = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                names = [n for n in [node.left, *node.comparators] if isinstance(n, ast.Name) and n.id in OPS_NAMES]
+                attrs = [n for n in [node.left, *node.comparators] if isinstance(n, ast.Attribute) and n.attr in OPS_NAMES]
+                if names or attrs:
+                    bad.append(f"{where}:{node.lineno} tests {(names or attrs)[0].__class__.__name__} against None")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "kernel" in node.name:
+                bad.append(f"{where}:{node.lineno} def {node.name}")
+        for target, _ in imports(path):
+            if _under(target, ("engine.ops",)) and target != "engine.ops":
+                bad.append(f"{where} imports {target}")
+            if target == "engine.ops" and path.name != "transformer.py":
+                bad.append(f"{where} imports engine.ops (only the Model chooses its ops)")
+    return bad
+
+
+def test_the_forward_takes_its_ops_with_no_fallbacks():
+    assert seam_breaches(sorted((ENGINE / "model").glob("*.py"))) == []
+
+
+def test_the_seam_check_sees_a_planted_fallback(tmp_path, monkeypatch):
+    pkg = tmp_path / "engine" / "model"
+    pkg.mkdir(parents=True)
+    (tmp_path / "engine" / "ops").mkdir()
+    (tmp_path / "engine" / "ops" / "fp32.py").write_text("")
+    (pkg / "attention.py").write_text(
+        "from ..ops.fp32 import Fp32Ops\n"
+        "def f(ops=None, gemm=None):\n    ops = ops if ops is not None else Fp32Ops()\n"
+        "    return 1 if gemm is None else 2\n"
+        "class Indexer:\n    def index_kernels(self):\n        pass\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    bad = seam_breaches([pkg / "attention.py"])
+    assert len(bad) == 4, bad

@@ -11,6 +11,7 @@ from engine.model import mhc
 from engine import quant
 from engine.model.attention import Attention, LayerWeights, Shared, select_candidate_blocks
 from engine.model.moe import route
+from engine.ops.fp32 import Fp32Ops
 from engine.roles import role_plan
 from engine.model.rope import layer_freqs, rotate
 from engine.checkpoint.weights import random_weights
@@ -88,7 +89,7 @@ def _attention(cfg, layer, seed=0):
     w = random_weights(cfg, seed)
     get = w.__getitem__
     linear = lambda x, n: x.float() @ w[f"layers.{layer}.{n}.weight"].t()  # noqa: E731
-    return Attention(cfg, role, LayerWeights(get, f"layers.{layer}."), linear), w
+    return Attention(cfg, role, LayerWeights(get, f"layers.{layer}."), linear, Fp32Ops()), w
 
 
 def test_m2_pooling_matches_float64_loop():

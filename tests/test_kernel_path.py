@@ -45,6 +45,7 @@ def _worker(ckpt: str) -> dict:
     from engine.model.transformer import Model
     from engine.run.probes import ProbeRequest
     from engine.checkpoint.weights import CheckpointWeights
+    from engine.ops.fp32 import Fp32Ops
 
     cfg = _config()
     weights = CheckpointWeights(CheckpointReader(ckpt, cfg))
@@ -77,6 +78,8 @@ def _worker(ckpt: str) -> dict:
         setattr(TritonOps, name, lambda self, *a, _name=name, **k: getattr(self.base, _name)(*a, **k))
     logits, topk, calls = forward(True)
     out["fp32_kernels"] = {**against_ref(logits, topk), "calls": calls}
+    out["ties"] = {name: tie_marks_on_both_routes(cfg, weights, ids, make) for name, make in
+                   (("fp32", Fp32Ops), ("top_up", TopUpFp32Ops))}
     for name, fn in saved.items():
         setattr(TritonOps, name, fn)
     # every kernel
@@ -106,7 +109,7 @@ def _worker(ckpt: str) -> dict:
             # the engine's routing (probe) and no FP8 rounding of the hidden activation (the kernel keeps it)
             no_h_rounding = lambda v, base: v.float() if base is None else model.linear(v, base)
             mine = routed_experts(cfg, "layers.7.ffn.", args[0].float(), route["experts"], route["weights"],
-                                  model.get, no_h_rounding)
+                                  model.get, no_h_rounding, act=plain.act, gemm=plain.gemm)
             got["moe_fp4"] = rel(ref(*args, **kwargs), mine)
         elif kernel == "fp8_linear":
             got[case] = rel(ref(*args).float(), model.linear(args[0], "layers.7." + case))
@@ -115,6 +118,63 @@ def _worker(ckpt: str) -> dict:
     engine = Engine(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size))
     out["parity"] = {str(L): K.layer_parity(engine, ids.tolist(), L) for L in PARITY_LAYERS}
     out["parity_rows"] = K.layer_parity(engine, ids.tolist(), 7, max_rows=4)
+    return out
+
+
+class _TopUp:
+    """fp32 numerics that top a short candidate pool up as `reference` does (engine/ops tops_up_pool):
+    the top-up on both routes without the bf16 scores that make the two routes' scores differ."""
+    tops_up_pool = True
+
+
+def TopUpFp32Ops():
+    from engine.ops.fp32 import Fp32Ops
+    return type("TopUpFp32Ops", (_TopUp, Fp32Ops), {})()
+
+
+def _probed(cfg, weights, ids, ops, kinds=frozenset({"topk"})):
+    """The forward on `ops` (the CPU route, or the kernel route with TritonOps): logits and probes."""
+    from engine.model.transformer import Model
+    from engine.run.probes import ProbeRequest
+
+    model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), kernels=False)
+    model.use_ops(ops)
+    collect: dict = {}
+    with torch.inference_mode():
+        logits = model.forward(ids, probes=ProbeRequest(kinds=set(kinds)), collect=collect)
+    return logits, collect
+
+
+def tie_marks_on_both_routes(cfg, weights, ids, make_ops) -> dict:
+    """Per picking layer: the CPU route's and the kernel route's picks and tie marks (k-th score, tied
+    picks) on the exact-precision kernels (fp32 scores both), and how many picks the pool top-up took
+    from outside the candidate pool."""
+    from engine.ops.triton import TritonOps
+
+    _, cpu = _probed(cfg, weights, ids, make_ops())
+    _, kern = _probed(cfg, weights, ids, TritonOps(make_ops(), weights, "cpu"))
+    out = {}
+    for L, a in cpu.items():
+        if "topk" not in a:
+            continue
+        b = kern[L]
+        marks = b.get("topk_tied") is not None
+        kth_a, kth_b = a["topk_kth"], b.get("topk_kth")
+        finite = torch.isfinite(kth_a)
+        pool = a.get("candidate_pool")
+        outside = 0
+        if pool is not None:  # (a Reindex layer's picks outside its pool: top-ups; the source's own: not)
+            picks = a["topk"]
+            valid = picks >= 0
+            outside = int((valid & ~pool.gather(-1, picks.clamp_min(0))).sum())
+        out[str(L)] = {
+            "picks_same": bool(torch.equal(a["topk"], b["topk"])),
+            "kernel_marks": marks,
+            "tied_same": marks and bool(torch.equal(a["topk_tied"], b["topk_tied"])),
+            # the k-th scores to float32 rounding: the kernel and the CPU sum the same products in other orders
+            "kth_same": marks and bool(torch.equal(finite, torch.isfinite(kth_b)))
+                        and bool(torch.allclose(kth_a[finite], kth_b[finite], rtol=1e-4, atol=1e-5)),
+            "tied": int(a["topk_tied"].sum()), "outside_pool_picks": outside}
     return out
 
 
@@ -149,6 +209,28 @@ def test_fp32_kernels_in_the_forward_match_the_reference(worker):
     assert got["finite"]
     assert got["rel_l2"] < 1e-4, got
     assert all(v == 1.0 for v in got["topk_identical"].values()), got["topk_identical"]
+
+
+def test_the_kernel_route_marks_ties_as_the_cpu_route(worker):
+    """Indexer.settle on the kernels' scores: the same picks, the same tied picks and k-th scores (to
+    float rounding of the scores) as the CPU route, on layers where ties happen (scores tie at 0, after
+    the ReLU); the kernel route used to give no marks at all."""
+    got = worker["ties"]["fp32"]
+    assert set(got) == {"2", "3", "4", "5", "6", "7"}
+    for layer, row in got.items():
+        assert row["kernel_marks"] and row["picks_same"] and row["tied_same"] and row["kth_same"], (layer, row)
+    assert sum(row["tied"] for row in got.values()) > 0, got   # not a case without ties
+
+
+def test_the_kernel_route_tops_up_a_short_pool_as_the_cpu_route(worker):
+    """With the pool top-up on (as `reference` numerics), a Reindex query whose pool holds fewer than
+    index_topk visible entries also takes visible entries outside it, on the kernel route as on the CPU
+    route (the kernels' top-k takes pool entries only: the short rows are re-taken by settle)."""
+    got = worker["ties"]["top_up"]
+    assert got["7"]["outside_pool_picks"] > 0, got["7"]            # the top-up happened
+    assert worker["ties"]["fp32"]["7"]["outside_pool_picks"] == 0  # and only with it on
+    for layer, row in got.items():
+        assert row["kernel_marks"] and row["picks_same"] and row["tied_same"] and row["kth_same"], (layer, row)
 
 
 def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):

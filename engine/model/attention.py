@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import quant
-from ..ops.fp32 import Fp32Ops
 from ..config import ModelConfig
 from ..roles import FULL, REINDEX, LayerRole
 from .rope import layer_freqs, rotate
@@ -250,7 +249,9 @@ class Indexer:
     """The lightning indexer of a Full or Reindex layer: per query, sum over index heads of
     w_h relu(q_h . k) against the source's FP4 index keys, and the top-k entries in position order
     (inside the candidate pool above the candidate source, which publishes that pool). Ties at the
-    k-th score are marked, and broken as the numerics say (engine/ops break_ties)."""
+    k-th score are marked, and broken as the numerics say (engine/ops break_ties). The ops score and
+pick (`ops.index_topk`: `index_picks` here, or the kernels of engine/ops/triton.py); both hand each
+block of scores to `settle` and the outcome to `took`."""
 
     def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, ops, parallel, freqs):
         self.cfg, self.role, self.w, self.linear, self.ops, self.parallel = cfg, role, weights, linear, ops, parallel
@@ -302,23 +303,7 @@ class Indexer:
                 scores = scores.masked_fill(~shared.candidates[b, :width], NEG_INF)
             if width < k:  # early queries: fewer entries than picks, the rest is -1 padding
                 scores = F.pad(scores, (0, k - width), value=NEG_INF)
-            ranking = scores.detach()
-            if self.role.in_candidate_pool and self.ops.tops_up_pool:  # visible entries outside the pool rank last, tied
-                outside = (ranking == NEG_INF) & (entry[None, :ranking.shape[1]] < visible[b, None])
-                ranking = ranking.masked_fill(outside, OUTSIDE_POOL)
-            block_idx, block_picked = topk_in_position_order(ranking, k)
-            block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
-            # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
-            chosen = self.ops.break_ties(scores.detach(), ranking, visible[b], n, k, block_idx, block_picked, block_tied)
-            if chosen[0] is not block_idx:  # re-picked rows: their picks at the old k-th score stay marked tied
-                had = block_tied.any(-1, keepdim=True)
-                block_idx, block_picked = chosen
-                retied = had & (block_picked == block_kth[:, None]) & (block_idx >= 0)
-                block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
-                block_tied = block_tied | retied
-            if self.role.in_candidate_pool and self.ops.tops_up_pool:
-                block_picked = block_picked.masked_fill(block_picked == OUTSIDE_POOL, NEG_INF)
-                block_kth = block_kth.masked_fill(block_kth == OUTSIDE_POOL, NEG_INF)
+            block_idx, block_picked, block_kth, block_tied = self.settle(scores, visible[b], n, k)
             kths.append(block_kth)
             tieds.append(block_tied)
             if self.detail:
@@ -328,48 +313,58 @@ class Indexer:
             if keep_scores:
                 all_scores.append(scores)
         idx, picked = torch.cat(idx), torch.cat(picked)
-        self.ties = (torch.cat(kths), torch.cat(tieds))
-        self.runners = tuple(map(torch.cat, zip(*runners))) if runners else None
-        self.index_scores = torch.cat(all_scores) if keep_scores else None
-        self.last_topk = idx  # kept for the indexer's training loss
+        self.took(idx, (torch.cat(kths), torch.cat(tieds)), tuple(map(torch.cat, zip(*runners))) if runners else None,
+                  torch.cat(all_scores) if keep_scores else None)
         return idx, picked
 
-    def index_kernels(self, kp, q, head_w, positions, src: SourceCache, shared: Shared):
-        """`index_picks` on the kernel ops (engine/ops/triton.py): FP4 queries (the kernels' quantizer)
-        against the packed index keys, scores and top-k by kernels; the candidate pool's block choice
-        stays here. None when the kernel ops only record this layer's inputs."""
-        cfg, m = self.cfg, self.ratio
-        n = src.n_entries
-        visible = (positions + 1).div(m, rounding_mode="floor")
-        block = cfg.candidate_block_size
-        pool = shared.candidates[:, ::block].contiguous() if self.role.in_candidate_pool else None  # per block
-        if self.role.candidate_source:
-            shared.candidates = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
+    def settle(self, scores: torch.Tensor, visible: torch.Tensor, n: int, k: int, picks=None):
+        """One block of queries from its scores [B, N'] (-inf: not visible or outside the pool) to its
+        picks, whichever ops scored them: the top-k in position order (or `picks` = (idx, picked) [B, k]
+        a kernel already took, re-taken only in rows the pool top-up fills), the tie marks (tie_marks),
+        and the numerics' choice among ties (ops.break_ties).
+        -> (idx [B, k], picked [B, k], k-th score [B], tied [B, k])."""
+        ranking = scores.detach()
+        top_up = self.role.in_candidate_pool and self.ops.tops_up_pool
+        if top_up:  # visible entries outside the pool rank last, tied
+            outside = (ranking == NEG_INF) & (torch.arange(ranking.shape[1], device=ranking.device)[None, :] < visible[:, None])
+            ranking = ranking.masked_fill(outside, OUTSIDE_POOL)
+        if picks is None:
+            block_idx, block_picked = topk_in_position_order(ranking, k)
+        else:
+            block_idx, block_picked = picks
+            if top_up:  # a kernel's top-k takes pool entries only: rows with fewer than k visible in the pool
+                short = ((block_idx >= 0).sum(-1) < visible.clamp(max=k)).nonzero().squeeze(1)
+                if short.numel():
+                    block_idx, block_picked = block_idx.clone(), block_picked.clone()
+                    block_idx[short], block_picked[short] = topk_in_position_order(ranking[short], k)
+        block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
+        # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
+        chosen = self.ops.break_ties(scores.detach(), ranking, visible, n, k, block_idx, block_picked, block_tied)
+        if chosen[0] is not block_idx:  # re-picked rows: their picks at the old k-th score stay marked tied
+            had = block_tied.any(-1, keepdim=True)
+            block_idx, block_picked = chosen
+            retied = had & (block_picked == block_kth[:, None]) & (block_idx >= 0)
+            block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
+            block_tied = block_tied | retied
+        if top_up:
+            block_picked = block_picked.masked_fill(block_picked == OUTSIDE_POOL, NEG_INF)
+            block_kth = block_kth.masked_fill(block_kth == OUTSIDE_POOL, NEG_INF)
+        return block_idx, block_picked, block_kth, block_tied
 
-        def pick_pool(b, scores):
-            if self.role.candidate_source:
-                shared.candidates[b] = select_candidate_blocks(scores, visible[b], cfg.candidate_topk_blocks, block)
-
-        _, _, ik_packed, ik_scale = src.packed()
-        got = kp.indexer(self.role.layer, q, head_w, (ik_packed, ik_scale), visible, pool, block,
-                         min(cfg.index_topk, n), QUERY_BLOCK, pick_pool)
-        if got is None:
-            return None
-        idx, picked, scores = got
-        self.ties = (None, None)  # the kernels' top-k does not say where it broke ties
-        self.runners = runner_ups(scores, idx) if self.detail else None
-        self.index_scores = scores if torch.is_grad_enabled() else None
-        self.last_topk = idx
-        return idx, picked
+    def took(self, idx: torch.Tensor, ties, runners, scores: torch.Tensor | None) -> None:
+        """What the last top-k leaves for the probes and training: the picks idx [T, k] (the indexer's
+        training loss), ties (k-th score [T], tied [T, k]), runner-ups (detail probes, or None) and the
+        scores [T, N] (None unless training needs them)."""
+        self.ties, self.runners, self.index_scores, self.last_topk = ties, runners, scores, idx
 
 
 class Attention:
     """One layer's attention. `forward` takes the normalized input x [T, dim] at `positions` and
     returns [T, dim]; it reads and updates the layer's caches and the shared hand-down state."""
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, parallel=None, ops=None):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, ops, parallel=None):
         self.cfg, self.role, self.w, self.linear = cfg, role, weights, linear
-        self.ops = ops if ops is not None else Fp32Ops()  # engine/ops: the numerics (`linear` stores by them too)
+        self.ops = ops  # engine/ops: the numerics and kernels, chosen once (`linear` stores by them too)
         self.parallel = parallel  # engine/serve/parallel.py; None in one process
         self.ratio = role.compress_ratio
         self.freqs = layer_freqs(cfg, self.ratio)

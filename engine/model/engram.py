@@ -252,6 +252,14 @@ def ngram_rows(
     return rows  # [T, n_cols]
 
 
+def _as_computed(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.t()
+
+
 def engram_forward(
     x: torch.Tensor,
     rows_embed: torch.Tensor,
@@ -260,8 +268,8 @@ def engram_forward(
     k_weight: torch.Tensor,
     eps: float,
     token_mask: torch.Tensor | None = None,
-    act=None,
-    gemm=None,
+    act=_as_computed,
+    gemm=_matmul,
 ) -> torch.Tensor:
     """The stream after Engram: x + gate * value per copy, same shape and dtype as x.
 
@@ -269,8 +277,8 @@ def engram_forward(
     wkv: [(hc + 1) * dim, n_rows * head_dim] (keys of copies 0..hc-1, then the value);
     q_weight, k_weight: [hc, dim]; token_mask: optional BoolTensor [T], False = leave untouched.
     Computed in float32 (float64 if x is float64). act (engine/ops): how the wkv GEMM's output is
-    stored (bf16 in the reference's numerics); None keeps it as computed. gemm: x @ w^T in the
-    numerics' order of sums (None: one matmul).
+    stored (bf16 in the reference's numerics); by default as computed. gemm: x @ w^T in the
+    numerics' order of sums (by default one matmul). The model's Engram passes both from its ops.
     """
     if x.dim() != 3:
         raise EngramError(f"x must be [T, hc, dim], got shape {tuple(x.shape)}")
@@ -286,9 +294,7 @@ def engram_forward(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
 
     flat = rows_embed.reshape(n_tok, in_features).to(compute)
-    kv = flat @ wkv.to(compute).T if gemm is None else gemm(flat, wkv.to(compute))  # [T, (hc + 1) * dim]
-    if act is not None:
-        kv = act(kv)
+    kv = act(gemm(flat, wkv.to(compute)))  # [T, (hc + 1) * dim]
     key = kv[:, : hc * dim].reshape(n_tok, hc, dim)
     value = kv[:, hc * dim :]  # [T, dim], shared by every copy
     h = x.to(compute)
@@ -329,5 +335,4 @@ class Engram:
             table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
         ops = self.ops
         return ops.act(engram_forward(x, table, get(p + "wkv.weight"), get(p + "q_weight"), get(p + "k_weight"),
-                                      self.cfg.norm_eps, token_mask=~dead, act=ops.act,
-                                      gemm=ops.gemm if self.act_quant else None))
+                                      self.cfg.norm_eps, token_mask=~dead, act=ops.act, gemm=ops.gemm))

@@ -32,14 +32,6 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: to
     return scores, experts, weights * route_scale
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x @ w.t()
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """The clamps come from training: the gate branch only from above, the up branch both sides."""
     if limit > 0:
@@ -49,7 +41,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                   get, linear, owned: tuple[int, int] | None = None, act=_identity, gemm=None) -> torch.Tensor:
+                   get, linear, owned: tuple[int, int] | None = None, *, act, gemm) -> torch.Tensor:
     """sum_e w_e Expert_e(x) over each token's chosen experts. The (token, expert) slots are sorted
     by expert, so each expert multiplies one contiguous run of rows: no padding, no wasted rows.
     Only the chosen experts' weights are fetched.
@@ -57,7 +49,6 @@ def routed_experts(cfg: ModelConfig, prefix: str, x: torch.Tensor, experts: torc
     act (engine/ops): how each GEMM's output and the weighted SwiGLU output are stored (bf16 in the
     reference's numerics); the sum over a token's experts stays fp32. gemm (engine/ops): x @ w^T in the
     numerics' order of sums."""
-    gemm = gemm or _matmul
     T, k = experts.shape
     slot_experts, slot_weights = experts.flatten(), weights.flatten()   # [T*k]
     slot_token = torch.arange(T * k, device=x.device) // k
@@ -106,12 +97,9 @@ class MoE:
     """One layer's FFN: each token's top-k routed experts (FP4 in the release), weighted by the gate,
     plus one shared expert every token takes. `linear(x, name)` is the model's quantized GEMM;
     parallel (engine/serve/parallel.py): each rank adds its own experts' share, then all_reduce;
-    ops (engine/ops): the numerics and the routed experts' op (None: fp32)."""
+    ops (engine/ops): the numerics and the routed experts' op, chosen once by the model."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, get, linear, parallel=None, ops=None):
-        if ops is None:
-            from ..ops.fp32 import Fp32Ops
-            ops = Fp32Ops()
+    def __init__(self, cfg: ModelConfig, layer: int, get, linear, ops, parallel=None):
         self.cfg, self.layer, self.get, self.linear, self.parallel, self.ops = cfg, layer, get, linear, parallel, ops
         self.prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
         self.n_routed, n_active = cfg.experts_of(layer)

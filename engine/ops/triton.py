@@ -212,19 +212,51 @@ class TritonOps:
         return self._kernel("sparse_attn")(*args)[:, :h].float()
 
     def index_topk(self, indexer, q, head_w, positions, src, shared):
-        """The indexer's top-k on kernels (engine/model/attention.py `Indexer.index_kernels`), or the base op
-        where this wrapper only records."""
-        got = indexer.index_kernels(self, q, head_w, positions, src, shared) if self.active(indexer.role.layer) \
-            else None
-        return got if got is not None else self.base.index_topk(indexer, q, head_w, positions, src, shared)
+        """The indexer's top-k on kernels (the base op where this wrapper only records): FP4 queries by
+        the kernels' quantizer against the source's packed FP4 index keys, scores and top-k by kernels,
+        one block of QUERY_BLOCK queries at a time. The candidate source picks its pool from each
+        block's kernel scores (ops.select_blocks); `indexer.settle` marks the ties, tops up a short pool
+        and lets the numerics break ties, as on the CPU route (engine/model/attention.py Indexer)."""
+        from ..model.attention import QUERY_BLOCK
+        from ..model.selection_probe import runner_ups
 
-    def indexer(self, layer: int, q, head_w, packed_keys, visible, pool_mask, pool_block: int, k: int,
-                query_block: int, on_scores=None):
-        """Indexer top-k over packed FP4 keys (int8 [N, Di/2], e8m0 [N, Di/32]). q [T, Hi, Di] rotated
-        (quantized here with the kernels' quantize_fp4), head_w [T, Hi], visible [T] entry counts,
-        pool_mask bool [T, ceil(N/pool_block)] or None. on_scores(block slice, scores) is called
-        before each block's top-k (the candidate source picks the pool there).
-        Returns (idx long [T, k], picked [T, k], scores [T, N]), or None when only recording."""
+        layer, role, cfg = indexer.role.layer, indexer.role, indexer.cfg
+        if not self.active(layer):
+            return self.base.index_topk(indexer, q, head_w, positions, src, shared)
+        n = src.n_entries
+        k = min(cfg.index_topk, n)
+        visible = (positions + 1).div(indexer.ratio, rounding_mode="floor")  # entries each query may see
+        block = cfg.candidate_block_size
+        pool = shared.candidates[:, ::block].contiguous() if role.in_candidate_pool else None  # per block
+        _, _, ik_packed, ik_scale = src.packed()
+        inputs = self._index_inputs(layer, q, head_w, (ik_packed, ik_scale), visible, pool, block, k)
+        if inputs is None:
+            return self.base.index_topk(indexer, q, head_w, positions, src, shared)
+        qp, qs, w, vis, kp2 = inputs
+        if role.candidate_source:
+            shared.candidates = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
+        scores_fn, topk_fn = self._kernel("indexer_scores"), self._kernel("topk_positions")
+        parts = []
+        for a in range(0, q.shape[0], QUERY_BLOCK):
+            b = slice(a, a + QUERY_BLOCK)
+            scores = scores_fn(qp[b], qs[b], ik_packed, ik_scale, w[b], vis[b],
+                               None if pool is None else pool[b].contiguous(), block)  # [B, N], -inf masked
+            if role.candidate_source:
+                shared.candidates[b] = self.select_blocks(scores, visible[b], cfg.candidate_topk_blocks, block, n)
+            sel = topk_fn(scores, kp2, vis[b])[:, :k].long()
+            got = scores.gather(-1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
+            parts.append((*indexer.settle(scores, visible[b], n, k, picks=(sel, got)), scores))
+        idx, picked, kth, tied, scores = (torch.cat(p) for p in zip(*parts))
+        indexer.took(idx, (kth, tied), runner_ups(scores, idx) if indexer.detail else None,
+                     scores if torch.is_grad_enabled() else None)
+        return idx, picked
+
+    def _index_inputs(self, layer: int, q, head_w, packed_keys, visible, pool_mask, pool_block: int, k: int):
+        """The indexer kernels' operands: q [T, Hi, Di] rotated, quantized here by the kernels'
+        quantize_fp4 (heads zero-padded to MIN_DOT_ROWS), head_w [T, Hi], visible [T] entry counts,
+        pool_mask bool [T, ceil(N/pool_block)] or None; recorded for `capture_layer`.
+        -> (q packed, q scales, weights, visible int32, top-k width: a power of two), or None when
+        only recording."""
         t, hi, di = q.shape
         heads = max(hi, MIN_DOT_ROWS)
         qf = F.pad(q.float(), (0, 0, 0, heads - hi))
@@ -238,20 +270,7 @@ class TritonOps:
                      {"pool_block": pool_block, "topk": kp2})
         if not self.compute:
             return None
-        scores_fn, topk_fn = self._kernel("indexer_scores"), self._kernel("topk_positions")
-        all_scores, idx, picked = [], [], []
-        for a in range(0, t, query_block):
-            b = slice(a, a + query_block)
-            scores = scores_fn(qp[b], qs[b], packed_keys[0], packed_keys[1], w[b], vis[b],
-                               None if pool_mask is None else pool_mask[b].contiguous(), pool_block)
-            if on_scores is not None:
-                on_scores(b, scores)
-            sel = topk_fn(scores, kp2, vis[b])[:, :k].long()
-            got = scores.gather(-1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
-            all_scores.append(scores)
-            idx.append(sel)
-            picked.append(got)
-        return torch.cat(idx), torch.cat(picked), torch.cat(all_scores)
+        return qp, qs, w, vis, kp2
 
     def routed_experts(self, cfg, layer: int, prefix: str, x, experts, weights, get, linear, owned=None):
         """The routed experts from the raw packed FP4 weights: x [T, dim] (rounded for the expert GEMM by
