@@ -82,6 +82,7 @@ def _worker(ckpt: str) -> dict:
                    (("fp32", Fp32Ops), ("top_up", TopUpFp32Ops))}
     for name, fn in saved.items():
         setattr(TritonOps, name, fn)
+    out["reference_kernels"] = reference_on_kernels(cfg, weights, ids)
     # every kernel
     logits, topk, calls = forward(True)
     out["all_kernels"] = {**against_ref(logits, topk), "calls": calls}
@@ -178,6 +179,38 @@ def tie_marks_on_both_routes(cfg, weights, ids, make_ops) -> dict:
     return out
 
 
+def reference_on_kernels(cfg, weights, ids) -> dict:
+    """TritonOps wrapping `reference` numerics against the CPU route of `reference`: with every kernel
+    op handed back to the wrapped ops (bit for bit the same forward), and with every kernel (layer 0's
+    attention mixes see the same bf16 inputs on both routes; later layers drift by the kernels' own
+    precision)."""
+    from engine.ops import ops_for
+    from engine.ops.triton import TritonOps
+
+    kinds = {"topk", "mhc", "routing"}
+    cpu_logits, cpu = _probed(cfg, weights, ids, ops_for("reference"), kinds)
+    wrapped = TritonOps(ops_for("reference"), weights, "cpu")
+    handed_back = ("linear", "sparse_attention", "routed_experts", "index_topk", "mhc_attention", "mhc_ffn")
+    for name in handed_back:  # on the instance: every op the kernels take goes to the wrapped numerics
+        setattr(wrapped, name, getattr(wrapped.base, name))
+    same_logits, same = _probed(cfg, weights, ids, wrapped, kinds)
+    ops = TritonOps(ops_for("reference"), weights, "cpu")
+    logits, kern = _probed(cfg, weights, ids, ops, kinds)
+    mix = kern[0]["mhc"]["attn"]
+    return {
+        "numerics": ops.name, "calls": dict(ops.calls), "finite": bool(torch.isfinite(logits).all()),
+        "handed_back_bits": bool(torch.equal(same_logits, cpu_logits))
+                            and all(torch.equal(same[L]["topk"], cpu[L]["topk"]) for L in cpu if "topk" in cpu[L]),
+        "handed_back_calls": dict(wrapped.calls),
+        "layer0_mixes_rel": max(rel(mix[k], cpu[0]["mhc"]["attn"][k]) for k in ("pre", "post", "comb")),
+        "layer0_experts_same": bool(torch.equal(kern[0]["routing"]["experts"].sort(-1).values,
+                                                cpu[0]["routing"]["experts"].sort(-1).values)),
+        "topk_identical": {str(L): float((kern[L]["topk"] == cpu[L]["topk"]).all(-1).float().mean())
+                           for L in cpu if "topk" in cpu[L]},
+        "kernel_marks": {str(L): kern[L].get("topk_tied") is not None for L in cpu if "topk" in cpu[L]},
+        "logits_rel_l2": rel(logits, cpu_logits)}
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     from engine.checkpoint.writer import write_checkpoint
@@ -231,6 +264,22 @@ def test_the_kernel_route_tops_up_a_short_pool_as_the_cpu_route(worker):
     assert worker["ties"]["fp32"]["7"]["outside_pool_picks"] == 0  # and only with it on
     for layer, row in got.items():
         assert row["kernel_marks"] and row["picks_same"] and row["tied_same"] and row["kth_same"], (layer, row)
+
+
+def test_kernel_ops_wrapping_reference_numerics(worker):
+    """TritonOps over `reference` numerics: with its kernel ops handed back to the wrapped ops it is the
+    CPU reference bit for bit (it adds nothing of its own); with every kernel, layer 0's attention mixes
+    (the same bf16 inputs on both routes) agree to the mHC kernel's tf32x3 precision, layer 0 routes the
+    same, the first Full layer picks the same, and every picking layer carries tie marks."""
+    got = worker["reference_kernels"]
+    assert got["numerics"] == "reference" and got["finite"]
+    assert set(got["calls"]) == {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores",
+                                 "topk_positions"}
+    assert got["handed_back_bits"] and got["handed_back_calls"] == {}, got
+    assert got["layer0_mixes_rel"] < 1e-5, got
+    assert got["layer0_experts_same"], got
+    assert got["topk_identical"]["2"] == 1.0, got["topk_identical"]
+    assert all(got["kernel_marks"].values()), got["kernel_marks"]
 
 
 def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):
