@@ -24,8 +24,8 @@ class Fp32Ops:
 
     name = "fp32"
     # a Reindex layer's pool of fewer than index_topk visible entries: False pads the picks with -1
-    # (the engine's original rule, and the kernel path's); True tops it up with visible entries
-    # outside the pool, tied at -inf, as the reference's topk does
+    # (the engine's original rule); True tops it up with visible entries outside the pool, tied at
+    # -inf, as the reference's topk does (on the kernel route too: engine/model/attention.py settle)
     tops_up_pool = False
     kernels = False  # engine/ops/triton.py: True where Triton kernels compute the hot spots
 
