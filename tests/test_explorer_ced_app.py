@@ -55,3 +55,44 @@ def test_the_switch_compares_the_two_prefills_on_a_live_run(monkeypatch):
     at.number_input(key="ced_replay").set_value(2).run()
     labels = {m.label: m.value for m in at.metric}
     assert "CED prefill (R=2)" in labels and not at.error
+
+
+# -- how the run was computed: numerics and prefill captions over the live views ---------------------
+
+def _loaded_run(tmp_path, monkeypatch, **fields) -> None:
+    """A saved run (RunResult.to_json shape, EXPLORER_RUN_JSON) with these top-level fields."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from explorer_synth import synthetic_layer, synthetic_run
+
+    T = 12
+    run = synthetic_run(T, {24: synthetic_layer(T), 14: synthetic_layer(T, role="full", kv_source=14,
+                                                                         index_source=14)})
+    run.update(fields)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    monkeypatch.setenv("EXPLORER_SOURCE", "config")
+    monkeypatch.setenv("EXPLORER_RUN_JSON", str(path))
+
+
+def test_a_loaded_ced_run_says_its_prefill_and_replay(tmp_path, monkeypatch):
+    _loaded_run(tmp_path, monkeypatch, numerics="reference", prefill="ced", replay=4)
+    captions = _captions(_run({"layer": "14"}))
+    assert "Numerics: reference (the official reference's bf16 dtype flow)" in captions
+    assert any(c.startswith("Prefill: ced, replay 4:") and "last 4 of the 12 prompt tokens" in c for c in captions), captions
+    _loaded_run(tmp_path, monkeypatch, numerics="fp32", prefill="ced", replay=32)
+    captions = _captions(_run({"layer": "24"}))
+    assert "Numerics: fp32 (float32 between ops)" in captions
+    assert any(c.startswith("Prefill: ced, replay 32:") and "same as the full prefill" in c for c in captions), captions
+
+
+def test_a_full_prefill_run_has_no_prefill_caption_and_an_old_run_says_fp32(tmp_path, monkeypatch):
+    _loaded_run(tmp_path, monkeypatch, numerics="reference", prefill="full", replay=None)
+    captions = _captions(_run({"layer": "24"}))
+    assert "Numerics: reference (the official reference's bf16 dtype flow)" in captions
+    assert not any(c.startswith("Prefill:") for c in captions)
+    _loaded_run(tmp_path, monkeypatch)   # stored before runs named their numerics: the fp32 flow
+    captions = _captions(_run({"layer": "24"}))
+    assert any(c.startswith("Numerics: fp32") and "stored before" in c for c in captions), captions

@@ -26,9 +26,8 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
     r = plan[view().layer]
     st.markdown(f"## {dspark_view.stage_heading(r, cfg) if r.is_dspark else lv.layer_heading(r)}")
     st.markdown(f"<span class='muted'>{lv.layer_subheading(r, cfg)}</span>", unsafe_allow_html=True)
-    if run is not None and run.get("numerics"):  # engine/ops: which arithmetic produced these probes
-        st.caption(f"Numerics: {run['numerics']}" + (" (the official reference's bf16 dtype flow)"
-                                                     if run["numerics"] == "reference" else " (float32 between ops)"))
+    for line in run_captions(run) if run is not None else ():   # how the run was computed
+        st.caption(line)
     probe = None
     if run is None:
         st.info(why_no_run or "No run yet.")
@@ -123,6 +122,31 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
         c2.download_button("Download layer CSV", lambda: lv.layer_csv(run, r.layer), f"{name}.csv",
                            "text/csv", on_click="ignore")
     sx.glossary_expander()
+
+
+# engine/run/probes.py STORED_BEFORE_NUMERICS: a run JSON without "numerics" predates the field, when the
+# engine computed only in float32 (not imported: the page draws without torch)
+STORED_BEFORE_NUMERICS = "fp32"
+
+
+def run_captions(run: dict) -> list[str]:
+    """The captions that say how a run (live, stored or loaded) was computed: its numerics (engine/ops)
+    and, for a CED prefill (engine/run/ced.py), the replay its decoder ran on."""
+    numerics = run.get("numerics") or STORED_BEFORE_NUMERICS
+    why = {"reference": " (the official reference's bf16 dtype flow)", "fp32": " (float32 between ops)"}.get(numerics, "")
+    lines = [f"Numerics: {numerics}{why}" + ("; the run was stored before runs named their numerics"
+                                            if not run.get("numerics") else "")]
+    if run.get("prefill") == "ced":
+        replay, n = run.get("replay"), len(run.get("tokens") or [])
+        if not isinstance(replay, int) or isinstance(replay, bool):
+            lines.append("Prefill: ced (the run does not say its replay)")
+        elif replay >= n:
+            lines.append(f"Prefill: ced, replay {replay}: it covers the whole {n}-token prompt, so the decoder "
+                         "layers ran on every prompt token (the same as the full prefill)")
+        else:
+            lines.append(f"Prefill: ced, replay {replay}: the decoder layers ran on the last {replay} of the {n} "
+                         f"prompt tokens only (positions {n - replay}-{n - 1}); the encoder on all of them")
+    return lines
 
 
 def kernel_parity_panel(source: str, path: str, text: str, plan) -> None:
