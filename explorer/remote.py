@@ -149,13 +149,14 @@ class RemoteEngine:
 
     def run(self, prompt: str | list[int], layers=None, probes=None, image_spans=(), generate: int = 0,
             keep: bool | None = None, detail_layers=(), prefill: str = "full", replay: int | None = None,
-            logits: bool = False) -> RemoteRun:
+            logits: bool = False, generated_probes: bool = False, continuation=None) -> RemoteRun:
         """Run on the service. A run of every layer (`layers=None`) is kept there by default and its
-        probes come layer by layer as they are asked for (`keep=False`: all at once). prefill, replay
-        and logits as engine.run (sent only when not the defaults, so an older service still answers)."""
+        probes come layer by layer as they are asked for (`keep=False`: all at once). prefill, replay,
+        logits, generated_probes and continuation as engine.run (sent only when not the defaults, so an
+        older service still answers the rest)."""
         request = dict(prompt=prompt, layers=layers, probes=probes, image_spans=image_spans, generate=generate,
                        keep=layers is None if keep is None else keep, detail_layers=detail_layers,
-                       prefill=prefill, replay=replay)
+                       prefill=prefill, replay=replay, generated_probes=generated_probes, continuation=continuation)
         body: dict = {"prompt": prompt} if isinstance(prompt, str) else {"ids": [int(i) for i in prompt]}
         if layers is not None:
             body["layers"] = [int(v) for v in layers]
@@ -172,6 +173,10 @@ class RemoteEngine:
             body["replay"] = replay
         if logits:
             body["logits"] = True
+        if generated_probes:
+            body["generated_probes"] = True
+        if continuation is not None:
+            body["continuation"] = [int(i) for i in continuation]
         reply = self._call("POST", "/run", body, self.timeout, during="the run")
         return RemoteRun(reply["result"], reply.get("queue"), engine=self, request=request)
 

@@ -418,3 +418,19 @@ def test_cli_serve_numerics(checkpoint):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_serving_prefill_comparison_runs_through_the_client(served, engine):
+    """What the app's serving-prefill switch asks (explorer/screens/serving_prefill.py): a full run probed
+    at its generated tokens, then a CED run teacher-forced on them; through the client as in process."""
+    kw = dict(layers=[7], probes=("topk", "routing"), generated_probes=True)
+    client = RemoteEngine(served.url)
+    full, local_full = client.run(IDS, generate=3, **kw), engine.run(IDS, generate=3, **kw)
+    assert no_time(full.to_json()) == no_time(local_full.to_json()) and full.to_json()["generated_layers"]
+    ced = client.run(IDS, prefill="ced", replay=8, continuation=full.generated_ids, **kw)
+    local = engine.run(IDS, prefill="ced", replay=8, continuation=local_full.generated_ids, **kw)
+    assert no_time(ced.to_json()) == no_time(local.to_json()) and ced.to_json()["generated_layers"]["7"]["topk"]
+    status, reply = post(served.url, "/run", {"ids": IDS, "continuation": "1,2"})
+    assert status == 400 and "'continuation' must be a list of token ids" in reply["error"]
+    status, reply = post(served.url, "/run", {"ids": IDS, "generated_probes": 1})
+    assert status == 400 and "'generated_probes' must be true or false" in reply["error"]

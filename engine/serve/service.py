@@ -7,9 +7,11 @@ Endpoints (JSON in, JSON out; errors are `{"error": message, "kind": ...}` with 
 - `POST /tokenize`       `{"prompt": text | [ids]}` -> `{"ids", "tokens"}`
 - `POST /token_strings`  `{"ids": [...]}` -> `{"tokens"}`
 - `POST /run`            `{"prompt" | "ids", "layers", "probes", "image_spans", "generate", "keep",
-                         "detail_layers", "prefill", "replay", "logits"}` ->
+                         "detail_layers", "prefill", "replay", "logits", "generated_probes",
+                         "continuation"}` ->
                          `{"result": RunResult.to_json(), "queue": {"position", "wait_s", "run_s"}}`;
-                         `"prefill": "ced"` (and `"replay": R`) as engine.run; with `"logits": true` the
+                         `"prefill": "ced"` (and `"replay": R`), `"generated_probes"` and `"continuation"`
+                         (token ids fed after the prompt) as engine.run; with `"logits": true` the
                          result also holds `"logits"`, the prompt's [T, vocab] logits as `pack_tensor`;
                          with `"keep": true` the result holds no layer probes but a `run_id`, and the
                          service keeps the run (the last KEPT_RUNS of them) for
@@ -192,7 +194,7 @@ class FairQueue:
 # -- running a request -----------------------------------------------------------------------------
 
 RUN_KEYS = {"prompt", "ids", "layers", "probes", "image_spans", "generate", "keep", "detail_layers",
-            "prefill", "replay", "logits"}
+            "prefill", "replay", "logits", "generated_probes", "continuation"}
 
 
 def _whole(v) -> bool:
@@ -254,6 +256,17 @@ def run_args(body: dict, max_generate: int | None = None) -> dict:
     if not isinstance(body.get("logits", False), bool):
         raise EngineError("'logits' must be true or false")
     args["logits"] = body.get("logits", False)
+    if not isinstance(body.get("generated_probes", False), bool):
+        raise EngineError("'generated_probes' must be true or false")
+    args["generated_probes"] = body.get("generated_probes", False)
+    continuation = body.get("continuation")
+    if continuation is not None:
+        if not (isinstance(continuation, list) and all(_whole(i) for i in continuation)):
+            raise EngineError("'continuation' must be a list of token ids")
+        if max_generate is not None and len(continuation) > max_generate:
+            raise EngineError(f"'continuation' has {len(continuation)} tokens; this service generates at most "
+                              f"{max_generate} per request (--max-generate)")
+        args["continuation"] = continuation
     return args
 
 

@@ -1,5 +1,5 @@
 """A decoder layer's serving note and the "serving prefill" switch: the generated tokens' views of the
-layer under the reference's full prefill and a CED prefill (engine/ced.py), side by side
+layer under the reference's full prefill and a CED prefill (engine/run/ced.py), side by side
 (explorer/ced_view.py holds the comparison and the figures)."""
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ def serving_prefill_section(cfg, role) -> None:
     engine = cached_engine(str(Path(path)))
     try:
         full, ced = _runs(engine.identity, str(Path(path)), text, role.layer, replay, steps, (span,) if span else ())
-    except TypeError:  # an engine service that predates the prefill switch
-        st.caption("The engine service this app is attached to cannot run a CED prefill; load the model here.")
-        return
     except Exception as err:   # the engine's messages are written for users
-        fail("The serving-prefill runs failed", err)
+        if "unknown fields" in str(err):   # an engine service from before it passed prefill/continuation
+            st.caption("The engine service this app is attached to predates the CED prefill (it refused the "
+                       "request's fields); restart it from this version, or load the model here.")
+        else:
+            fail("The serving-prefill runs failed", err)
         return
     try:
         cmp = ced_view.compare(full, ced, role.layer, token_text=getattr(engine, "token_strings", None))
