@@ -437,6 +437,27 @@ def test_app_unreachable_database_offers_export(app_env, monkeypatch):
     assert at.metric[0].value == "16.13B"
 
 
+def test_the_unsaved_export_is_named_by_model_layer_and_prompt(app_env, monkeypatch):
+    """Without a database the sidebar offers the analysis as JSON, named like the charts (issue 14)."""
+    import hashlib
+
+    from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
+    names: list[str] = []
+    load = MemoryMediaFileStorage.load_and_get_id
+
+    def recorded(self, data, mimetype, kind, filename=None):
+        names.append(filename)
+        return load(self, data, mimetype, kind, filename)
+
+    monkeypatch.setattr(MemoryMediaFileStorage, "load_and_get_id", recorded)
+    monkeypatch.setenv("EXPLORER_DB_URL", "postgresql://127.0.0.1:1/x")
+    at = start()
+    text = at.text_area(key="prompt_text").value
+    assert text.strip()
+    h = hashlib.sha256(text.encode()).hexdigest()[:8]
+    assert f"release-config_layer24_p{h}_analysis.json" in names, names
+
+
 def test_app_delete_needs_confirmation_and_can_be_undone(app_env):
     at = start()
     sid = save_via_sidebar(at, name="To delete")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from explorer import run_plan, session_view as sv
+from explorer import chart_titles as ct, run_plan, session_view as sv
 from explorer.screens.common import cached_engine, cpu_refusal, set_view, view
 from explorer.screens.serving_plan import session_settings as plan_session_settings
 from explorer.session_compare import replay_report
@@ -286,7 +286,7 @@ def sessions_sidebar() -> None:
     store, why = cached_store()
     if store is None:
         st.sidebar.error(sv.md_escape(f"Team sessions are unavailable: {why}"))
-        st.sidebar.download_button("Export this analysis (JSON)", current_export(), "analysis.json",
+        st.sidebar.download_button("Export this analysis (JSON)", current_export(), f"{current_export_name()}.json",
                                    "application/json", key="export_current", on_click="ignore")
         st.sidebar.button("Retry the database", key="store_retry", on_click=open_store.clear)
         return
@@ -315,6 +315,14 @@ def sessions_sidebar() -> None:
         else:
             st.caption("No session matches." if query.strip() else "No sessions saved yet.")
         st.file_uploader("Import a session file", type=["json"], key="session_import", on_change=on_import)
+
+
+def current_export_name() -> str:
+    """The unsaved analysis's file name: model, layer and the prompt's hash (issue 14)."""
+    a = st.session_state.get("_analysis") or {}
+    layer = a["view"].layer if a.get("view") is not None else None
+    return ct.ChartName("analysis", ct.model_label(a.get("source"), a.get("path")), layer,
+                        prompt=a.get("text") or None).file
 
 
 def current_export() -> str:
