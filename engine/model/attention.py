@@ -250,8 +250,8 @@ class Indexer:
     w_h relu(q_h . k) against the source's FP4 index keys, and the top-k entries in position order
     (inside the candidate pool above the candidate source, which publishes that pool). Ties at the
     k-th score are marked, and broken as the numerics say (engine/ops break_ties). The ops score and
-pick (`ops.index_topk`: `index_picks` here, or the kernels of engine/ops/triton.py); both hand each
-block of scores to `settle` and the outcome to `took`."""
+    pick (`ops.index_topk`: `index_picks` here, or the kernels of engine/ops/triton.py); both hand each
+    block of scores to `settle` and the outcome to `took`."""
 
     def __init__(self, cfg: ModelConfig, role: LayerRole, weights: LayerWeights, linear, ops, parallel, freqs):
         self.cfg, self.role, self.w, self.linear, self.ops, self.parallel = cfg, role, weights, linear, ops, parallel
