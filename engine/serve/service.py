@@ -201,6 +201,14 @@ def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _flag(body: dict, name: str) -> bool:
+    """A true/false field of a /run body (false when absent)."""
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise EngineError(f"'{name}' must be true or false")
+    return value
+
+
 def run_args(body: dict, max_generate: int | None = None) -> dict:
     """Check a /run body and turn it into engine.run keyword arguments (EngineError when bad)."""
     if not isinstance(body, dict):
@@ -242,8 +250,7 @@ def run_args(body: dict, max_generate: int | None = None) -> dict:
         raise EngineError(f"'generate' asks for {generate} tokens; this service generates at most {max_generate} "
                           "per request (--max-generate)")
     args["generate"] = generate
-    if not isinstance(body.get("keep", False), bool):
-        raise EngineError("'keep' must be true or false")
+    _flag(body, "keep")   # read by the service itself (a kept run), not by engine.run
     prefill = body.get("prefill", "full")
     if prefill not in PREFILLS:
         raise EngineError(f"'prefill' must be one of {list(PREFILLS)}, got {str(prefill)[:40]!r}")
@@ -253,12 +260,7 @@ def run_args(body: dict, max_generate: int | None = None) -> dict:
     if replay is not None and prefill != "ced":
         raise EngineError("'replay' applies only to \"prefill\": \"ced\"")
     args["prefill"], args["replay"] = prefill, replay
-    if not isinstance(body.get("logits", False), bool):
-        raise EngineError("'logits' must be true or false")
-    args["logits"] = body.get("logits", False)
-    if not isinstance(body.get("generated_probes", False), bool):
-        raise EngineError("'generated_probes' must be true or false")
-    args["generated_probes"] = body.get("generated_probes", False)
+    args["logits"], args["generated_probes"] = _flag(body, "logits"), _flag(body, "generated_probes")
     continuation = body.get("continuation")
     if continuation is not None:
         if not (isinstance(continuation, list) and all(_whole(i) for i in continuation)):
