@@ -68,6 +68,7 @@ class ChartName:
         return (" · ".join(parts[:-tail]) + "<br>" + " · ".join(parts[-tail:]), TITLE_ROOM + LINE_ROOM,
                 TITLE_PAD + SECOND_LINE_LIFT)
 
+
 def diagram_name(model: str, tab: str, tab_title: str, role: LayerRole, cfg: ModelConfig) -> ChartName:
     """A block diagram: the layer it draws and its tab, or the DSpark stage it draws."""
     if role.is_dspark:
