@@ -1,6 +1,6 @@
 """Fused single-pass mHC (manifold-constrained hyper-connections, 4 copies of the stream).
 
-One launch does, per token, in one read of the stream:
+Per token, in one read of the stream (programs split tokens and d; see the kernels' notes below):
   [optional post/comb update]  Xn[j] = post_old[j] * y + sum_i comb_old[i, j] * X[i]   (stored, X's dtype)
   collapse                     x = sum_c pre_prev[c] * Xn[c]                           (X's dtype)
   mixes                        m = (flatten(Xn) @ fn^T) * rsqrt(mean(Xn^2) + norm_eps)   (24 values)
@@ -8,6 +8,10 @@ One launch does, per token, in one read of the stream:
   comb = softmax_rows(m[8:24] s2 + b) + hc_eps, columns / (sum + hc_eps), then 19 rounds rows-then-columns.
 Shapes: X [T, 4, dim], fn float32 [24, 4*dim], scale [3], base [24], pre_prev [T, 4], y [T, dim],
 post_old [T, 4], comb_old [T, 4, 4]. Returns (Xn or None, x [T, dim], pre [T, 4], post [T, 4], comb [T, 4, 4]).
+Mixes to fp32 accuracy without fp32 tensor-core emulation of X: a bf16 stream is exact in bf16, so
+fn is cut into 3 bf16 pieces and each piece is one bf16 dot (fp32 streams: one tf32x3 dot); below 16
+tokens plain fp32 FMAs. 1 token: 160 programs over d + a finishing launch (latency); 4K tokens: 64-token
+blocks x ~4 d splits (HBM-bound: X, y read once, X' and x written once, fn re-read from L2 per block).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels._formats import dot_dtype
 
 
 def _check(x, fn, scale, base, pre_prev, y, post_old, comb_old):
@@ -61,95 +67,36 @@ def mhc_reference(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=
     return xn, collapse, pre.float(), post.float(), comb.float()
 
 
+# -- kernels --------------------------------------------------------------------------------------
+# Work split: programs own (a block of BT tokens) x (a contiguous run of BD-wide d chunks). The update
+# and the collapse are elementwise in d, so each program stores its slice of X' and x directly; only
+# the 24 mixes and the sum of squares need the whole 4*dim row. With one d split the program finishes
+# the token itself (RMS, sigmoid/softmax, Sinkhorn in registers); with several, each writes its partial
+# sums to a [splits, T, 32] workspace and a second small launch reduces them and finishes.
+# Workspace / accumulator columns: pp = [mixes 0..7 (pre, post), sum of squares, 7 zeros],
+# cb = [mixes 8..23 (comb)] -- two 16-wide accumulators so that no mix column is padding but 7.
+
+
 @triton.jit
-def _mhc_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_ptr, combo_ptr,
-                xn_ptr, xc_ptr, pre_ptr, post_ptr, comb_ptr, T, norm_eps, hc_eps,
-                DIM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ITERS: tl.constexpr,
-                HAS_POST: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)
-    tm = t < T
-    t64 = t.to(tl.int64)
-    q0 = tl.load(prep_ptr + t * 4 + 0, mask=tm, other=0.0)
-    q1 = tl.load(prep_ptr + t * 4 + 1, mask=tm, other=0.0)
-    q2 = tl.load(prep_ptr + t * 4 + 2, mask=tm, other=0.0)
-    q3 = tl.load(prep_ptr + t * 4 + 3, mask=tm, other=0.0)
-    r16 = tl.arange(0, 16)
-    acc_a = tl.zeros([BT, 16], tl.float32)  # mixes 0..7 (pre, post), 8 padding columns
-    acc_c = tl.zeros([BT, 16], tl.float32)  # mixes 8..23 (comb)
-    sumsq = tl.zeros([BT], tl.float32)
-    for d0 in range(0, DIM, BD):
-        d = d0 + tl.arange(0, BD)
-        xoff = t64[:, None] * (4 * DIM) + d[None, :]
-        m2 = tm[:, None]
-        x0 = tl.load(x_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + xoff + DIM, mask=m2, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + xoff + 2 * DIM, mask=m2, other=0.0).to(tl.float32)
-        x3 = tl.load(x_ptr + xoff + 3 * DIM, mask=m2, other=0.0).to(tl.float32)
-        if HAS_POST:
-            yv = tl.load(y_ptr + t64[:, None] * DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            n0 = tl.load(posto_ptr + t * 4 + 0, mask=tm, other=0.0)[:, None] * yv
-            n1 = tl.load(posto_ptr + t * 4 + 1, mask=tm, other=0.0)[:, None] * yv
-            n2 = tl.load(posto_ptr + t * 4 + 2, mask=tm, other=0.0)[:, None] * yv
-            n3 = tl.load(posto_ptr + t * 4 + 3, mask=tm, other=0.0)[:, None] * yv
-            for i in tl.static_range(4):
-                if i == 0:
-                    xi = x0
-                elif i == 1:
-                    xi = x1
-                elif i == 2:
-                    xi = x2
-                else:
-                    xi = x3
-                n0 += tl.load(combo_ptr + t * 16 + i * 4 + 0, mask=tm, other=0.0)[:, None] * xi
-                n1 += tl.load(combo_ptr + t * 16 + i * 4 + 1, mask=tm, other=0.0)[:, None] * xi
-                n2 += tl.load(combo_ptr + t * 16 + i * 4 + 2, mask=tm, other=0.0)[:, None] * xi
-                n3 += tl.load(combo_ptr + t * 16 + i * 4 + 3, mask=tm, other=0.0)[:, None] * xi
-            # round to the stream's dtype first: the mixes and the collapse see the stored stream
-            x0 = n0.to(xn_ptr.dtype.element_ty)
-            x1 = n1.to(xn_ptr.dtype.element_ty)
-            x2 = n2.to(xn_ptr.dtype.element_ty)
-            x3 = n3.to(xn_ptr.dtype.element_ty)
-            tl.store(xn_ptr + xoff, x0, mask=m2)
-            tl.store(xn_ptr + xoff + DIM, x1, mask=m2)
-            tl.store(xn_ptr + xoff + 2 * DIM, x2, mask=m2)
-            tl.store(xn_ptr + xoff + 3 * DIM, x3, mask=m2)
-            x0 = x0.to(tl.float32)
-            x1 = x1.to(tl.float32)
-            x2 = x2.to(tl.float32)
-            x3 = x3.to(tl.float32)
-        sumsq += tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1)
-        col = q0[:, None] * x0 + q1[:, None] * x1 + q2[:, None] * x2 + q3[:, None] * x3
-        tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], col.to(xc_ptr.dtype.element_ty), mask=m2)
-        for c in tl.static_range(4):
-            if c == 0:
-                xc = x0
-            elif c == 1:
-                xc = x1
-            elif c == 2:
-                xc = x2
-            else:
-                xc = x3
-            # [16, BD] tiles, contiguous along d (coalesced); transposed for the dot
-            fa = tl.load(fn_ptr + r16[:, None] * (4 * DIM) + c * DIM + d[None, :], mask=r16[:, None] < 8,
-                         other=0.0)
-            fc = tl.load(fn_ptr + (8 + r16[:, None]) * (4 * DIM) + c * DIM + d[None, :])
-            acc_a += tl.dot(xc, tl.trans(fa), input_precision=PREC)
-            acc_c += tl.dot(xc, tl.trans(fc), input_precision=PREC)
+def _finish(acc_pp, acc_cb, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+            DIM: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr):
+    """acc_pp, acc_cb [BT, 16] fp32 (columns as above) -> pre, post [T, 4] and comb [T, 4, 4] stored."""
+    c16 = tl.arange(0, 16)
+    sumsq = tl.sum(tl.where(c16[None, :] == 8, acc_pp, 0.0), axis=1)
     rs = 1.0 / tl.sqrt(sumsq / (4 * DIM) + norm_eps)
     s0 = tl.load(scale_ptr + 0)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    ma = tl.reshape(acc_a * rs[:, None], (BT, 4, 4))  # row 0: pre, row 1: post
     r4 = tl.arange(0, 4)
-    b_pre = tl.load(base_ptr + r4)
-    b_post = tl.load(base_ptr + 4 + r4)
+    ma = tl.reshape(acc_pp * rs[:, None], (BT, 4, 4))  # row 0: pre, row 1: post, row 2: sumsq (unused)
     m_pre = tl.sum(tl.where(r4[None, :, None] == 0, ma, 0.0), axis=1)  # [BT, 4]
     m_post = tl.sum(tl.where(r4[None, :, None] == 1, ma, 0.0), axis=1)
+    b_pre = tl.load(base_ptr + r4)
+    b_post = tl.load(base_ptr + 4 + r4)
     pre = 1.0 / (1.0 + tl.exp(-(m_pre * s0 + b_pre[None, :]))) + hc_eps
     post = 2.0 / (1.0 + tl.exp(-(m_post * s1 + b_post[None, :])))
     b_comb = tl.load(base_ptr + 8 + r4[:, None] * 4 + r4[None, :])  # [4, 4]
-    z = tl.reshape(acc_c * rs[:, None], (BT, 4, 4)) * s2 + b_comb[None, :, :]
+    z = tl.reshape(acc_cb * rs[:, None], (BT, 4, 4)) * s2 + b_comb[None, :, :]
     z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
     cm = z / tl.sum(z, axis=2)[:, :, None] + hc_eps
     cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
@@ -163,24 +110,253 @@ def _mhc_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_ptr, 
     tl.store(comb_ptr + o16, cm, mask=tm[:, None, None])
 
 
-def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=None,
-               norm_eps=1e-20, hc_eps=1e-6, iters=20, block_t: int = 16, block_d: int = 128,
-               precision: str = "tf32x3", num_warps: int = 4):
-    t, dim = _check(x, fn, scale, base, pre_prev, y, post_old, comb_old)
+@triton.jit
+def _mix(acc, a, f, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """acc [BT, 16] += a [BT, BD] (fp32 values) @ f [16, BD]^T (fp32), to fp32 accuracy.
+
+    FMA path: broadcast products and a row sum. Dot path, SPLIT=0: one fp32 dot at PREC (tf32x3 for fp32
+    streams). SPLIT=2/3: `a` holds bf16 values (exact as bf16), f is cut into 2-3 bf16 pieces
+    f = hi + mid (+ lo) (each residual exact in fp32), one bf16 dot per piece: error 2^-17 / 2^-25 of |f|."""
+    if not USE_DOT:
+        acc += tl.sum(a[:, None, :] * f[None, :, :], axis=2)
+    elif SPLIT == 0:
+        acc = tl.dot(a, tl.trans(f), acc, input_precision=PREC)
+    else:
+        av = a.to(DOT_DT)
+        hi = f.to(tl.bfloat16)
+        r = f - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        if SPLIT == 3:
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(av, tl.trans(lo.to(DOT_DT)), acc)
+        acc = tl.dot(av, tl.trans(mid.to(DOT_DT)), acc)
+        acc = tl.dot(av, tl.trans(hi.to(DOT_DT)), acc)
+    return acc
+
+
+@triton.jit
+def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_ptr, combo_ptr,
+                     xn_ptr, xc_ptr, part_ptr, pre_ptr, post_ptr, comb_ptr, T, CPS, norm_eps, hc_eps,
+                     DIM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ITERS: tl.constexpr,
+                     HAS_POST: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr,
+                     DOT_DT: tl.constexpr, PREC: tl.constexpr, FINISH: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t = pid_t * BT + tl.arange(0, BT)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    r16 = tl.arange(0, 16)
+    # per-token coefficients, loaded once for the whole d range
+    q0 = tl.load(prep_ptr + t * 4 + 0, mask=tm, other=0.0)
+    q1 = tl.load(prep_ptr + t * 4 + 1, mask=tm, other=0.0)
+    q2 = tl.load(prep_ptr + t * 4 + 2, mask=tm, other=0.0)
+    q3 = tl.load(prep_ptr + t * 4 + 3, mask=tm, other=0.0)
+    if HAS_POST:
+        p0 = tl.load(posto_ptr + t * 4 + 0, mask=tm, other=0.0)
+        p1 = tl.load(posto_ptr + t * 4 + 1, mask=tm, other=0.0)
+        p2 = tl.load(posto_ptr + t * 4 + 2, mask=tm, other=0.0)
+        p3 = tl.load(posto_ptr + t * 4 + 3, mask=tm, other=0.0)
+        c00 = tl.load(combo_ptr + t * 16 + 0, mask=tm, other=0.0)  # c_ij: from stream i to stream j
+        c01 = tl.load(combo_ptr + t * 16 + 1, mask=tm, other=0.0)
+        c02 = tl.load(combo_ptr + t * 16 + 2, mask=tm, other=0.0)
+        c03 = tl.load(combo_ptr + t * 16 + 3, mask=tm, other=0.0)
+        c10 = tl.load(combo_ptr + t * 16 + 4, mask=tm, other=0.0)
+        c11 = tl.load(combo_ptr + t * 16 + 5, mask=tm, other=0.0)
+        c12 = tl.load(combo_ptr + t * 16 + 6, mask=tm, other=0.0)
+        c13 = tl.load(combo_ptr + t * 16 + 7, mask=tm, other=0.0)
+        c20 = tl.load(combo_ptr + t * 16 + 8, mask=tm, other=0.0)
+        c21 = tl.load(combo_ptr + t * 16 + 9, mask=tm, other=0.0)
+        c22 = tl.load(combo_ptr + t * 16 + 10, mask=tm, other=0.0)
+        c23 = tl.load(combo_ptr + t * 16 + 11, mask=tm, other=0.0)
+        c30 = tl.load(combo_ptr + t * 16 + 12, mask=tm, other=0.0)
+        c31 = tl.load(combo_ptr + t * 16 + 13, mask=tm, other=0.0)
+        c32 = tl.load(combo_ptr + t * 16 + 14, mask=tm, other=0.0)
+        c33 = tl.load(combo_ptr + t * 16 + 15, mask=tm, other=0.0)
+    acc_pp = tl.zeros([BT, 16], tl.float32)
+    acc_cb = tl.zeros([BT, 16], tl.float32)
+    sumsq = tl.zeros([BT], tl.float32)
+    m2 = tm[:, None]
+    pp_rows = r16[:, None] < 8
+    c_lo = pid_k * CPS
+    c_hi = tl.minimum(c_lo + CPS, DIM // BD)
+    for ci in range(c_lo, c_hi):
+        d = ci * BD + tl.arange(0, BD)
+        xoff = t64[:, None] * (4 * DIM) + d[None, :]
+        # every load of the chunk issued before any use: X, y and the 8 fn tiles (fp32, L2-resident)
+        x0 = tl.load(x_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + xoff + DIM, mask=m2, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + xoff + 2 * DIM, mask=m2, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + xoff + 3 * DIM, mask=m2, other=0.0).to(tl.float32)
+        if HAS_POST:
+            yv = tl.load(y_ptr + t64[:, None] * DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        fo = r16[:, None] * (4 * DIM) + d[None, :]
+        fa0 = tl.load(fn_ptr + fo, mask=pp_rows, other=0.0)
+        fa1 = tl.load(fn_ptr + fo + DIM, mask=pp_rows, other=0.0)
+        fa2 = tl.load(fn_ptr + fo + 2 * DIM, mask=pp_rows, other=0.0)
+        fa3 = tl.load(fn_ptr + fo + 3 * DIM, mask=pp_rows, other=0.0)
+        fc0 = tl.load(fn_ptr + fo + 8 * (4 * DIM))
+        fc1 = tl.load(fn_ptr + fo + 8 * (4 * DIM) + DIM)
+        fc2 = tl.load(fn_ptr + fo + 8 * (4 * DIM) + 2 * DIM)
+        fc3 = tl.load(fn_ptr + fo + 8 * (4 * DIM) + 3 * DIM)
+        col = tl.zeros([BT, BD], tl.float32)
+        for j in tl.static_range(4):
+            if j == 0:
+                xj = x0
+                qj = q0
+                fa = fa0
+                fc = fc0
+            elif j == 1:
+                xj = x1
+                qj = q1
+                fa = fa1
+                fc = fc1
+            elif j == 2:
+                xj = x2
+                qj = q2
+                fa = fa2
+                fc = fc2
+            else:
+                xj = x3
+                qj = q3
+                fa = fa3
+                fc = fc3
+            if HAS_POST:
+                if j == 0:
+                    nj = p0[:, None] * yv + c00[:, None] * x0 + c10[:, None] * x1 + c20[:, None] * x2 \
+                        + c30[:, None] * x3
+                elif j == 1:
+                    nj = p1[:, None] * yv + c01[:, None] * x0 + c11[:, None] * x1 + c21[:, None] * x2 \
+                        + c31[:, None] * x3
+                elif j == 2:
+                    nj = p2[:, None] * yv + c02[:, None] * x0 + c12[:, None] * x1 + c22[:, None] * x2 \
+                        + c32[:, None] * x3
+                else:
+                    nj = p3[:, None] * yv + c03[:, None] * x0 + c13[:, None] * x1 + c23[:, None] * x2 \
+                        + c33[:, None] * x3
+                # round to the stream's dtype first: the mixes and the collapse see the stored stream
+                nq = nj.to(xn_ptr.dtype.element_ty)
+                tl.store(xn_ptr + xoff + j * DIM, nq, mask=m2)
+                xj = nq.to(tl.float32)
+            sumsq += tl.sum(xj * xj, axis=1)
+            col += qj[:, None] * xj
+            acc_pp = _mix(acc_pp, xj, fa, USE_DOT, SPLIT, DOT_DT, PREC)
+            acc_cb = _mix(acc_cb, xj, fc, USE_DOT, SPLIT, DOT_DT, PREC)
+        tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], col.to(xc_ptr.dtype.element_ty), mask=m2)
+    acc_pp = tl.where(r16[None, :] == 8, sumsq[:, None], acc_pp)
+    if FINISH:
+        _finish(acc_pp, acc_cb, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+                DIM, BT, ITERS)
+    else:
+        po = (pid_k * T + t64)[:, None] * 32 + r16[None, :]
+        tl.store(part_ptr + po, acc_pp, mask=m2)
+        tl.store(part_ptr + po + 16, acc_cb, mask=m2)
+
+
+@triton.jit
+def _mhc_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, KS, norm_eps, hc_eps,
+                       DIM: tl.constexpr, BT: tl.constexpr, KSB: tl.constexpr, ITERS: tl.constexpr):
+    """Sums the [KS, T, 32] partials of BT tokens (KSB splits per vector load) and finishes them."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    r16 = tl.arange(0, 16)
+    rk = tl.arange(0, KSB)
+    acc_pp = tl.zeros([BT, 16], tl.float32)
+    acc_cb = tl.zeros([BT, 16], tl.float32)
+    for s0 in range(0, KS, KSB):
+        s = s0 + rk
+        po = (s.to(tl.int64)[:, None, None] * T + t64[None, :, None]) * 32 + r16[None, None, :]
+        m3 = (s[:, None, None] < KS) & tm[None, :, None]
+        acc_pp += tl.sum(tl.load(part_ptr + po, mask=m3, other=0.0), axis=0)
+        acc_cb += tl.sum(tl.load(part_ptr + po + 16, mask=m3, other=0.0), axis=0)
+    _finish(acc_pp, acc_cb, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+            DIM, BT, ITERS)
+
+
+# -- launch ---------------------------------------------------------------------------------------
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(dev) -> int:
+    if dev.type != "cuda":
+        return 132  # the H200's, for the same split choices under the interpreter
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SM_COUNT[dev]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def mhc_plan(t: int, dim: int, device, block_d: int = 32, token_block: int | None = None,
+             split_k: int | None = None, waves: float = 2.0):
+    """The launch shape for T tokens: (token block, FMA or dot, d block, d splits, chunks per split).
+
+    Below 16 tokens the mixes are fp32 FMAs over a small token block (the dot's 16 rows would be mostly
+    padding); from 16 tokens they are tensor-core dots over 16-64 tokens. The d range is split until
+    about `waves` programs per SM exist (1 token: one 32-wide chunk per program, 160 programs at
+    dim 5120), each split's partial sums finished by the second launch."""
     bd = min(block_d, dim)
-    if dim % bd:
-        raise ValueError(f"dim {dim} must be a multiple of the d block {bd}")
+    if dim % bd or bd & (bd - 1):
+        raise ValueError(f"dim {dim} must be a multiple of the d block {bd} (a power of two)")
+    if token_block is None:
+        token_block = _pow2_at_least(t) if t < 16 else (16 if t < 512 else 32 if t < 2048 else 64)
+    bt = max(2, _pow2_at_least(token_block))
+    use_dot = bt >= 16
+    nch = dim // bd
+    tblocks = triton.cdiv(t, bt)
+    if split_k is None:
+        split_k = triton.cdiv(int(waves * _sm_count(torch.device(device))), tblocks)
+    cps = triton.cdiv(nch, max(1, min(int(split_k), nch)))
+    return bt, use_dot, bd, triton.cdiv(nch, cps), cps
+
+
+def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=None,
+               norm_eps=1e-20, hc_eps=1e-6, iters=20, block_t: int | None = None, block_d: int = 32,
+               precision: str = "tf32x3", num_warps: int | None = None, *, token_block: int | None = None,
+               split_k: int | None = None, split: int | None = None, num_stages: int | None = None,
+               finish_block_t: int | None = None, waves: float = 2.0):
+    """The fused mHC (see the module docstring); the outputs of `mhc_reference`.
+
+    Tuning: token_block (tokens per program), block_d (d chunk), split_k (programs along d; with >1 a
+    second launch finishes), split (bf16 streams: 3 or 2 bf16 pieces of fn per dot; 0: one fp32 dot at
+    `precision`), num_warps, num_stages, waves (auto split_k: programs per SM). `block_t` is the
+    obsolete name of token_block from the one-launch kernel and is ignored (the block follows T)."""
+    del block_t
+    t, dim = _check(x, fn, scale, base, pre_prev, y, post_old, comb_old)
     dev = x.device
     xc = torch.empty(t, dim, dtype=x.dtype, device=dev)
     xn = torch.empty_like(x) if y is not None else None
     pre = torch.empty(t, 4, dtype=torch.float32, device=dev)
     post = torch.empty(t, 4, dtype=torch.float32, device=dev)
     comb = torch.empty(t, 4, 4, dtype=torch.float32, device=dev)
+    if t == 0:
+        return xn, xc, pre, post, comb
+    bt, use_dot, bd, ks, cps = mhc_plan(t, dim, dev, block_d, token_block, split_k, waves)
+    dot_dt = dot_dtype()
+    if split is None:
+        split = 3 if (x.dtype == torch.bfloat16 and dot_dt == tl.bfloat16) else 0
+    if split not in (0, 2, 3):
+        raise ValueError(f"split must be 0, 2 or 3 bf16 pieces, got {split}")
+    if split and x.dtype != torch.bfloat16:
+        raise ValueError("the bf16 split of fn needs a bf16 stream (its values are exact bf16 dot operands)")
+    part = torch.empty(ks, t, 32, dtype=torch.float32, device=dev) if ks > 1 else pre
     f32 = lambda v: v.float().contiguous()
-    _mhc_kernel[(triton.cdiv(t, block_t),)](
-        x.contiguous(), f32(fn), f32(scale), f32(base), f32(pre_prev),
+    scale32, base32 = f32(scale), f32(base)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    nw = num_warps if num_warps is not None else (8 if use_dot and bt >= 64 else 4)
+    _mhc_main_kernel[(triton.cdiv(t, bt), ks)](
+        x.contiguous(), f32(fn), scale32, base32, f32(pre_prev),
         y.contiguous() if y is not None else x, f32(post_old) if y is not None else pre,
-        f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, pre, post, comb,
-        t, float(norm_eps), float(hc_eps), DIM=dim, BT=block_t, BD=bd, ITERS=iters,
-        HAS_POST=y is not None, PREC=precision, num_warps=num_warps)
+        f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, pre, post, comb,
+        t, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
+        USE_DOT=use_dot, SPLIT=split, DOT_DT=dot_dt, PREC=precision, FINISH=ks == 1, num_warps=nw, **extra)
+    if ks > 1:
+        fbt = finish_block_t or min(64, max(2, _pow2_at_least(t)))
+        ksb = min(_pow2_at_least(ks), max(1, 8192 // (fbt * 16)))
+        _mhc_finish_kernel[(triton.cdiv(t, fbt),)](
+            part, scale32, base32, pre, post, comb, t, ks, float(norm_eps), float(hc_eps),
+            DIM=dim, BT=fbt, KSB=ksb, ITERS=iters, num_warps=4)
     return xn, xc, pre, post, comb

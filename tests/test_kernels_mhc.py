@@ -1,0 +1,118 @@
+"""The split-K / FMA / bf16-split paths of the fused mHC kernel, on the CPU under TRITON_INTERPRET=1.
+
+Each launch shape (FMA or dot mixes, one program per token block or d split across programs with the
+finishing launch) is checked against the float64 reference at small shapes; outputs the kernel
+allocates (the partial-sum workspace included) are NaN-poisoned so an unwritten element fails.
+"""
+
+import importlib
+import os
+import random
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+
+import pytest
+import torch
+
+import kernels._formats
+import kernels.mhc
+
+for _m in (kernels._formats, kernels.mhc):  # re-create the jit functions if imported without the interpreter
+    importlib.reload(_m)
+
+from kernels import mhc  # noqa: E402
+
+_empty, _empty_like = torch.empty, torch.empty_like
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    nan = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(_empty_like(*a, **k)))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(random.randrange(2**31))
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    assert not torch.isnan(b).any(), "NaN in the kernel's output (unwritten or invalid)"
+    return ((a - b).norm() / a.norm()).item()
+
+
+def _inputs(gen, t, dim, dtype, with_post):
+    x = torch.randn(t, 4, dim, generator=gen).to(dtype)
+    fn = torch.randn(24, 4 * dim, generator=gen) * 0.05
+    scale, base = torch.rand(3, generator=gen) + 0.5, torch.randn(24, generator=gen) * 0.5
+    pre_prev = torch.rand(t, 4, generator=gen)
+    extra = ()
+    if with_post:
+        extra = (torch.randn(t, dim, generator=gen).to(dtype), torch.rand(t, 4, generator=gen) * 2,
+                 torch.softmax(torch.randn(t, 4, 4, generator=gen), -1))
+    return (x, fn, scale, base, pre_prev, *extra)
+
+
+# (tokens, dim, kwargs, expected plan: token block, dot?, d splits)
+SHAPES = [
+    (1, 128, {}, (2, False, 4)),                                   # decode: one 32-wide chunk per program
+    (3, 64, {"split_k": 1}, (4, False, 1)),                        # FMA mixes, finished in the same program
+    (20, 64, {"token_block": 16, "split_k": 1}, (16, True, 1)),    # dot mixes, one launch
+    (40, 128, {"token_block": 16, "split_k": 3}, (16, True, 2)),   # dot mixes, uneven splits -> 2 of 2 chunks
+    (7, 256, {"split_k": 3}, (8, False, 3)),                       # 8 chunks over 3 splits (3, 3, 2)
+]
+
+
+@pytest.mark.parametrize("t,dim,kw,plan", SHAPES)
+@pytest.mark.parametrize("with_post", [False, True])
+def test_mhc_paths_match_the_fp64_reference(poisoned, gen, t, dim, kw, plan, with_post):
+    args = _inputs(gen, t, dim, torch.float32, with_post)
+    bt, use_dot, _, ks, _ = mhc.mhc_plan(t, dim, "cpu", 32, kw.get("token_block"), kw.get("split_k"))
+    assert (bt, use_dot, ks) == plan
+    want = mhc.mhc_reference(*args)
+    got = mhc.mhc_triton(*args, **kw)
+    for name, a, b in zip(("xn", "collapse", "pre", "post", "comb"), want, got):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert _rel(a, b) < 1e-6, (name, gen.initial_seed())
+    assert torch.allclose(got[4].sum(-2), torch.ones(t, 4), atol=1e-4)  # doubly stochastic columns
+
+
+@pytest.mark.parametrize("t,kw", [(20, {"token_block": 16, "split_k": 2}), (3, {})])
+def test_mhc_bf16_stream_fn_split_pieces(poisoned, gen, t, kw):
+    """A bf16 stream (exact bf16 values, no update so no rounding of X'): fn cut into 3 bf16 pieces gives
+    fp32 accuracy, 2 pieces about 2^-17 of |fn|; the FMA path (3 tokens) ignores the split."""
+    args = _inputs(gen, t, 128, torch.bfloat16, False)
+    want = mhc.mhc_reference(*args)
+    err = {}
+    for split in (0, 2, 3):
+        got = mhc.mhc_triton(*args, split=split, **kw)
+        err[split] = max(_rel(a, b) for a, b in zip(want[2:], got[2:]))
+    assert err[3] < 1e-6 and err[0] < 1e-6, (err, gen.initial_seed())
+    if kw.get("token_block"):
+        assert 1e-7 < err[2] < 3e-5, (err, gen.initial_seed())   # the third piece is doing work
+    else:
+        assert err[2] < 1e-6, err
+
+
+def test_mhc_plan_at_release_shapes():
+    """dim 5120: 1 token -> 160 FMA programs of one 32-wide chunk; 4K tokens -> 64-token dot blocks x
+    5 d splits (320 programs, ~2.4 per SM of 132)."""
+    assert mhc.mhc_plan(1, 5120, "cpu") == (2, False, 32, 160, 1)
+    assert mhc.mhc_plan(4096, 5120, "cpu") == (64, True, 32, 5, 32)
+    assert mhc.mhc_plan(4096, 5120, "cpu", split_k=1)[3] == 1
+
+
+def test_mhc_bad_shapes_and_options(gen):
+    args = _inputs(gen, 2, 96, torch.float32, False)
+    with pytest.raises(ValueError, match="multiple of the d block"):
+        mhc.mhc_triton(*args, block_d=64)
+    with pytest.raises(ValueError, match="bf16 stream"):
+        mhc.mhc_triton(*_inputs(gen, 2, 64, torch.float32, False), split=3)
+    with pytest.raises(ValueError, match="split must be"):
+        mhc.mhc_triton(*_inputs(gen, 2, 64, torch.bfloat16, False), split=1)
+    x, *rest = _inputs(gen, 2, 64, torch.float32, False)
+    out = mhc.mhc_triton(x[:0], rest[0], rest[1], rest[2], rest[3][:0])
+    assert out[0] is None and out[1].shape == (0, 64) and out[4].shape == (0, 4, 4)
