@@ -73,14 +73,15 @@ def mhc_reference(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=
 # the 24 mixes and the sum of squares need the whole 4*dim row. With one d split the program finishes
 # the token itself (RMS, sigmoid/softmax, Sinkhorn in registers); with several, each writes its partial
 # sums to a [splits, T, 32] workspace and a second small launch reduces them and finishes.
-# Workspace / accumulator columns: pp = [mixes 0..7 (pre, post), sum of squares, 7 zeros],
-# cb = [mixes 8..23 (comb)] -- two 16-wide accumulators so that no mix column is padding but 7.
+# Workspace / accumulator columns (32): [mixes 0..7 (pre, post), sum of squares, 7 zeros, mixes 8..23
+# (comb)], i.e. two 16-wide halves pp and cb.
 
 
 @triton.jit
-def _finish(acc_pp, acc_cb, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+def _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
             DIM: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr):
-    """acc_pp, acc_cb [BT, 16] fp32 (columns as above) -> pre, post [T, 4] and comb [T, 4, 4] stored."""
+    """acc [BT, 32] fp32 (columns as above) -> pre, post [T, 4] and comb [T, 4, 4] stored."""
+    acc_pp, acc_cb = tl.split(tl.permute(tl.reshape(acc, (BT, 2, 16)), (0, 2, 1)))
     c16 = tl.arange(0, 16)
     sumsq = tl.sum(tl.where(c16[None, :] == 8, acc_pp, 0.0), axis=1)
     rs = 1.0 / tl.sqrt(sumsq / (4 * DIM) + norm_eps)
@@ -111,145 +112,128 @@ def _finish(acc_pp, acc_cb, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_
 
 
 @triton.jit
-def _mix(acc, a, f, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """acc [BT, 16] += a [BT, BD] (fp32 values) @ f [16, BD]^T (fp32), to fp32 accuracy.
+def _mix_dot(acc_t, xq, fa, piece, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """acc_t [MR, BT] += pieces of fa [MR, BD] (fp32, fn rows stacked per piece) @ xq [BT, BD]^T.
 
-    FMA path: broadcast products and a row sum. Dot path, SPLIT=0: one fp32 dot at PREC (tf32x3 for fp32
-    streams). SPLIT=2/3: `a` holds bf16 values (exact as bf16), f is cut into 2-3 bf16 pieces
-    f = hi + mid (+ lo) (each residual exact in fp32), one bf16 dot per piece: error 2^-17 / 2^-25 of |f|."""
-    if not USE_DOT:
-        acc += tl.sum(a[:, None, :] * f[None, :, :], axis=2)
-    elif SPLIT == 0:
-        acc = tl.dot(a, tl.trans(f), acc, input_precision=PREC)
+    Tokens are the dot's N side, so the stream tile is the B operand (shared memory on Hopper) and the
+    update arithmetic stays in the load layout. SPLIT=2/3: row block `piece` holds the hi / mid / lo bf16
+    piece of fn (fn = hi + mid + lo, each residual exact in fp32: error 2^-17 / 2^-25 of |fn|) and xq is
+    a bf16 stream tile (exact); SPLIT=0: one fp32 dot at PREC (tf32x3 for fp32 streams)."""
+    if SPLIT == 0:
+        acc_t = tl.dot(fa, tl.trans(xq.to(tl.float32)), acc_t, input_precision=PREC)
     else:
-        av = a.to(DOT_DT)
-        hi = f.to(tl.bfloat16)
-        r = f - hi.to(tl.float32)
-        mid = r.to(tl.bfloat16)
-        if SPLIT == 3:
-            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(av, tl.trans(lo.to(DOT_DT)), acc)
-        acc = tl.dot(av, tl.trans(mid.to(DOT_DT)), acc)
-        acc = tl.dot(av, tl.trans(hi.to(DOT_DT)), acc)
-    return acc
+        hi = fa.to(tl.bfloat16).to(tl.float32)
+        r = fa - hi
+        mid = r.to(tl.bfloat16).to(tl.float32)
+        pa = tl.where(piece == 0, hi, tl.where(piece == 1, mid, r - mid)).to(tl.bfloat16)
+        acc_t = tl.dot(pa.to(DOT_DT), tl.trans(xq.to(DOT_DT)), acc_t)
+    return acc_t
 
 
 @triton.jit
 def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_ptr, combo_ptr,
                      xn_ptr, xc_ptr, part_ptr, pre_ptr, post_ptr, comb_ptr, T, CPS, norm_eps, hc_eps,
                      DIM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ITERS: tl.constexpr,
-                     HAS_POST: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_POST: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, MR: tl.constexpr,
                      DOT_DT: tl.constexpr, PREC: tl.constexpr, FINISH: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)
     tm = t < T
     t64 = t.to(tl.int64)
-    r16 = tl.arange(0, 16)
-    # per-token coefficients, loaded once for the whole d range
+    # collapse weights, loaded once for the whole d range
     q0 = tl.load(prep_ptr + t * 4 + 0, mask=tm, other=0.0)
     q1 = tl.load(prep_ptr + t * 4 + 1, mask=tm, other=0.0)
     q2 = tl.load(prep_ptr + t * 4 + 2, mask=tm, other=0.0)
     q3 = tl.load(prep_ptr + t * 4 + 3, mask=tm, other=0.0)
-    if HAS_POST:
-        p0 = tl.load(posto_ptr + t * 4 + 0, mask=tm, other=0.0)
-        p1 = tl.load(posto_ptr + t * 4 + 1, mask=tm, other=0.0)
-        p2 = tl.load(posto_ptr + t * 4 + 2, mask=tm, other=0.0)
-        p3 = tl.load(posto_ptr + t * 4 + 3, mask=tm, other=0.0)
-        c00 = tl.load(combo_ptr + t * 16 + 0, mask=tm, other=0.0)  # c_ij: from stream i to stream j
-        c01 = tl.load(combo_ptr + t * 16 + 1, mask=tm, other=0.0)
-        c02 = tl.load(combo_ptr + t * 16 + 2, mask=tm, other=0.0)
-        c03 = tl.load(combo_ptr + t * 16 + 3, mask=tm, other=0.0)
-        c10 = tl.load(combo_ptr + t * 16 + 4, mask=tm, other=0.0)
-        c11 = tl.load(combo_ptr + t * 16 + 5, mask=tm, other=0.0)
-        c12 = tl.load(combo_ptr + t * 16 + 6, mask=tm, other=0.0)
-        c13 = tl.load(combo_ptr + t * 16 + 7, mask=tm, other=0.0)
-        c20 = tl.load(combo_ptr + t * 16 + 8, mask=tm, other=0.0)
-        c21 = tl.load(combo_ptr + t * 16 + 9, mask=tm, other=0.0)
-        c22 = tl.load(combo_ptr + t * 16 + 10, mask=tm, other=0.0)
-        c23 = tl.load(combo_ptr + t * 16 + 11, mask=tm, other=0.0)
-        c30 = tl.load(combo_ptr + t * 16 + 12, mask=tm, other=0.0)
-        c31 = tl.load(combo_ptr + t * 16 + 13, mask=tm, other=0.0)
-        c32 = tl.load(combo_ptr + t * 16 + 14, mask=tm, other=0.0)
-        c33 = tl.load(combo_ptr + t * 16 + 15, mask=tm, other=0.0)
-    acc_pp = tl.zeros([BT, 16], tl.float32)
-    acc_cb = tl.zeros([BT, 16], tl.float32)
     sumsq = tl.zeros([BT], tl.float32)
     m2 = tm[:, None]
-    pp_rows = r16[:, None] < 8
+    # accumulator column k holds mix k (k < 8), the sum of squares (k = 8, added at the end), zero
+    # (9..15), mix k - 8 (k >= 16): fn row of column k, rows 8..15 masked
+    r32 = tl.arange(0, 32)
+    f_row = tl.where(r32 < 16, r32, r32 - 8)
+    f_live = (r32[:, None] < 8) | (r32[:, None] >= 16)
+    if USE_DOT:
+        # dot path: the transposed accumulator, MR // 32 row blocks (one per fn piece, summed at the end)
+        acc_t = tl.zeros([MR, BT], tl.float32)
+        rm = tl.arange(0, MR)
+        piece = (rm // 32)[:, None]
+        fa_row = tl.where(rm % 32 < 16, rm % 32, rm % 32 - 8)
+        fa_live = ((rm[:, None] % 32 < 8) | (rm[:, None] % 32 >= 16)) & (piece < tl.maximum(SPLIT, 1))
+    else:
+        acc = tl.zeros([BT, 32], tl.float32)
     c_lo = pid_k * CPS
     c_hi = tl.minimum(c_lo + CPS, DIM // BD)
     for ci in range(c_lo, c_hi):
         d = ci * BD + tl.arange(0, BD)
         xoff = t64[:, None] * (4 * DIM) + d[None, :]
-        # every load of the chunk issued before any use: X, y and the 8 fn tiles (fp32, L2-resident)
-        x0 = tl.load(x_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + xoff + DIM, mask=m2, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + xoff + 2 * DIM, mask=m2, other=0.0).to(tl.float32)
-        x3 = tl.load(x_ptr + xoff + 3 * DIM, mask=m2, other=0.0).to(tl.float32)
+        x0q = tl.load(x_ptr + xoff, mask=m2, other=0.0)
+        x1q = tl.load(x_ptr + xoff + DIM, mask=m2, other=0.0)
+        x2q = tl.load(x_ptr + xoff + 2 * DIM, mask=m2, other=0.0)
+        x3q = tl.load(x_ptr + xoff + 3 * DIM, mask=m2, other=0.0)
         if HAS_POST:
             yv = tl.load(y_ptr + t64[:, None] * DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        fo = r16[:, None] * (4 * DIM) + d[None, :]
-        fa0 = tl.load(fn_ptr + fo, mask=pp_rows, other=0.0)
-        fa1 = tl.load(fn_ptr + fo + DIM, mask=pp_rows, other=0.0)
-        fa2 = tl.load(fn_ptr + fo + 2 * DIM, mask=pp_rows, other=0.0)
-        fa3 = tl.load(fn_ptr + fo + 3 * DIM, mask=pp_rows, other=0.0)
-        fc0 = tl.load(fn_ptr + fo + 8 * (4 * DIM))
-        fc1 = tl.load(fn_ptr + fo + 8 * (4 * DIM) + DIM)
-        fc2 = tl.load(fn_ptr + fo + 8 * (4 * DIM) + 2 * DIM)
-        fc3 = tl.load(fn_ptr + fo + 8 * (4 * DIM) + 3 * DIM)
+        if not USE_DOT:
+            fo = f_row[:, None] * (4 * DIM) + d[None, :]
+            f0 = tl.load(fn_ptr + fo, mask=f_live, other=0.0)
+            f1 = tl.load(fn_ptr + fo + DIM, mask=f_live, other=0.0)
+            f2 = tl.load(fn_ptr + fo + 2 * DIM, mask=f_live, other=0.0)
+            f3 = tl.load(fn_ptr + fo + 3 * DIM, mask=f_live, other=0.0)
+        x0 = x0q.to(tl.float32)
+        x1 = x1q.to(tl.float32)
+        x2 = x2q.to(tl.float32)
+        x3 = x3q.to(tl.float32)
         col = tl.zeros([BT, BD], tl.float32)
         for j in tl.static_range(4):
             if j == 0:
-                xj = x0
+                xq = x0q
                 qj = q0
-                fa = fa0
-                fc = fc0
             elif j == 1:
-                xj = x1
+                xq = x1q
                 qj = q1
-                fa = fa1
-                fc = fc1
             elif j == 2:
-                xj = x2
+                xq = x2q
                 qj = q2
-                fa = fa2
-                fc = fc2
             else:
-                xj = x3
+                xq = x3q
                 qj = q3
-                fa = fa3
-                fc = fc3
             if HAS_POST:
-                if j == 0:
-                    nj = p0[:, None] * yv + c00[:, None] * x0 + c10[:, None] * x1 + c20[:, None] * x2 \
-                        + c30[:, None] * x3
-                elif j == 1:
-                    nj = p1[:, None] * yv + c01[:, None] * x0 + c11[:, None] * x1 + c21[:, None] * x2 \
-                        + c31[:, None] * x3
-                elif j == 2:
-                    nj = p2[:, None] * yv + c02[:, None] * x0 + c12[:, None] * x1 + c22[:, None] * x2 \
-                        + c32[:, None] * x3
-                else:
-                    nj = p3[:, None] * yv + c03[:, None] * x0 + c13[:, None] * x1 + c23[:, None] * x2 \
-                        + c33[:, None] * x3
+                # the coefficients are re-read per chunk (L1 hits): 20 [BT] vectors held across the
+                # loop would cost more registers than the tiles
+                cb = combo_ptr + t * 16 + j
+                nj = tl.load(posto_ptr + t * 4 + j, mask=tm, other=0.0)[:, None] * yv \
+                    + tl.load(cb, mask=tm, other=0.0)[:, None] * x0 \
+                    + tl.load(cb + 4, mask=tm, other=0.0)[:, None] * x1 \
+                    + tl.load(cb + 8, mask=tm, other=0.0)[:, None] * x2 \
+                    + tl.load(cb + 12, mask=tm, other=0.0)[:, None] * x3
                 # round to the stream's dtype first: the mixes and the collapse see the stored stream
-                nq = nj.to(xn_ptr.dtype.element_ty)
-                tl.store(xn_ptr + xoff + j * DIM, nq, mask=m2)
-                xj = nq.to(tl.float32)
+                xq = nj.to(xn_ptr.dtype.element_ty)
+                tl.store(xn_ptr + xoff + j * DIM, xq, mask=m2)
+            xj = xq.to(tl.float32)
             sumsq += tl.sum(xj * xj, axis=1)
             col += qj[:, None] * xj
-            acc_pp = _mix(acc_pp, xj, fa, USE_DOT, SPLIT, DOT_DT, PREC)
-            acc_cb = _mix(acc_cb, xj, fc, USE_DOT, SPLIT, DOT_DT, PREC)
+            if USE_DOT:
+                fa = tl.load(fn_ptr + fa_row[:, None] * (4 * DIM) + j * DIM + d[None, :], mask=fa_live, other=0.0)
+                acc_t = _mix_dot(acc_t, xq, fa, piece, SPLIT, DOT_DT, PREC)
+            else:
+                if j == 0:
+                    fj = f0
+                elif j == 1:
+                    fj = f1
+                elif j == 2:
+                    fj = f2
+                else:
+                    fj = f3
+                acc += tl.sum(xj[:, None, :] * fj[None, :, :], axis=2)
         tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], col.to(xc_ptr.dtype.element_ty), mask=m2)
-    acc_pp = tl.where(r16[None, :] == 8, sumsq[:, None], acc_pp)
+    if USE_DOT:
+        acc = tl.trans(tl.sum(tl.reshape(acc_t, (MR // 32, 32, BT)), axis=0))
+    acc = tl.where(r32[None, :] == 8, sumsq[:, None], acc)
     if FINISH:
-        _finish(acc_pp, acc_cb, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+        _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
                 DIM, BT, ITERS)
     else:
-        po = (pid_k * T + t64)[:, None] * 32 + r16[None, :]
-        tl.store(part_ptr + po, acc_pp, mask=m2)
-        tl.store(part_ptr + po + 16, acc_cb, mask=m2)
+        tl.store(part_ptr + (pid_k * T + t64)[:, None] * 32 + r32[None, :], acc, mask=m2)
 
 
 @triton.jit
@@ -259,17 +243,15 @@ def _mhc_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_pt
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < T
     t64 = t.to(tl.int64)
-    r16 = tl.arange(0, 16)
+    r32 = tl.arange(0, 32)
     rk = tl.arange(0, KSB)
-    acc_pp = tl.zeros([BT, 16], tl.float32)
-    acc_cb = tl.zeros([BT, 16], tl.float32)
+    acc = tl.zeros([BT, 32], tl.float32)
     for s0 in range(0, KS, KSB):
         s = s0 + rk
-        po = (s.to(tl.int64)[:, None, None] * T + t64[None, :, None]) * 32 + r16[None, None, :]
+        po = (s.to(tl.int64)[:, None, None] * T + t64[None, :, None]) * 32 + r32[None, None, :]
         m3 = (s[:, None, None] < KS) & tm[None, :, None]
-        acc_pp += tl.sum(tl.load(part_ptr + po, mask=m3, other=0.0), axis=0)
-        acc_cb += tl.sum(tl.load(part_ptr + po + 16, mask=m3, other=0.0), axis=0)
-    _finish(acc_pp, acc_cb, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+        acc += tl.sum(tl.load(part_ptr + po, mask=m3, other=0.0), axis=0)
+    _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
             DIM, BT, ITERS)
 
 
@@ -352,10 +334,10 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
         y.contiguous() if y is not None else x, f32(post_old) if y is not None else pre,
         f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, pre, post, comb,
         t, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
-        USE_DOT=use_dot, SPLIT=split, DOT_DT=dot_dt, PREC=precision, FINISH=ks == 1, num_warps=nw, **extra)
+        USE_DOT=use_dot, SPLIT=split, MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision, FINISH=ks == 1, num_warps=nw, **extra)
     if ks > 1:
         fbt = finish_block_t or min(64, max(2, _pow2_at_least(t)))
-        ksb = min(_pow2_at_least(ks), max(1, 8192 // (fbt * 16)))
+        ksb = min(_pow2_at_least(ks), max(1, 8192 // (fbt * 32)))
         _mhc_finish_kernel[(triton.cdiv(t, fbt),)](
             part, scale32, base32, pre, post, comb, t, ks, float(norm_eps), float(hc_eps),
             DIM=dim, BT=fbt, KSB=ksb, ITERS=iters, num_warps=4)
