@@ -1,0 +1,534 @@
+"""One release-size layer of each role on one GPU, against its roofline floor; random weights, no download.
+
+    python benches/release_layer.py [--out DIR] [--roles swa,reuse] [--budget-s 170] [--weights stored|fp32]
+    TRITON_INTERPRET=1 python benches/release_layer.py --tiny      # the CPU smoke test (tests/test_release_layer.py)
+
+Roles (engine/roles.role_plan over the release config): SWA-only, SWA + Engram, Full m=2, Reuse,
+Full m=1 (the candidate source), Reindex (inside the candidate pool). Each runs as the engine runs
+it (engine/model/block.py Block.forward on engine/ops, the Triton kernel ops on CUDA), over weights
+generated in the stored formats of engine/checkpoint/layout.py tensor_specs (E4M3 + E8M0 32x32 for
+the FP8 linears, packed FP4 + E8M0 per 32 for the routed experts, BF16/F32 the rest; Engram rows
+made on demand). A Reuse or Reindex layer first runs its source layers (untimed), as in the model.
+
+Per role: a prefill of --tokens tokens with every probe, then one decode step of --decode tokens
+(a chunk of one sequence standing in for that many sequences: the weights are read once either way;
+the floor counts each sequence's own caches). Time is synchronized wall time of the layer's
+Block.forward, second pass (the first compiles). Floor = max(FLOPs / FP8 rate, bytes / HBM rate) with
+both rates measured here (torch._scaled_mm E4M3 GEMM, a large device copy); FLOPs and bytes are those
+of ideal kernels (`layer_work`). Peak memory is torch's peak allocation during the layer.
+
+--weights stored (default): engine/ops/stored.py StoredWeights, the stored bytes only; fp32: what
+engine.run.api.load's DeviceWeights does today (every weight `get` asks for kept dequantized fp32).
+Each role is tried on its own (a failure is a row, the rest still run); the table is rewritten after
+every role; --budget-s skips what would not finish in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+RELEASE_CONFIG = Path("/work/shared/spec/inference_config.json")
+ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
+TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
+          "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
+GOAL_RATIO = 3.0
+
+
+# -- which layers ---------------------------------------------------------------------------------
+
+def pick_layers(cfg) -> dict[str, int]:
+    """The first layer of each role in the config's plan (a role the config lacks is left out)."""
+    from engine.roles import FULL, REINDEX, REUSE, SWA, role_plan
+    plan = role_plan(cfg)[: cfg.n_layers]
+    tests = {
+        "swa": lambda r: r.role == SWA and not r.engram,
+        "swa_engram": lambda r: r.role == SWA and r.engram,
+        "full_m2": lambda r: r.role == FULL and r.compress_ratio > 1,
+        "reuse": lambda r: r.role == REUSE,
+        "full_m1": lambda r: r.role == FULL and r.compress_ratio == 1 and r.candidate_source,
+        "reindex": lambda r: r.role == REINDEX and r.in_candidate_pool,
+    }
+    fallback = {"full_m1": lambda r: r.role == FULL and r.compress_ratio == 1,
+                "reindex": lambda r: r.role == REINDEX}
+    out = {}
+    for key in ROLES:
+        hit = next((r.layer for r in plan if tests[key](r)), None)
+        if hit is None and key in fallback:
+            hit = next((r.layer for r in plan if fallback[key](r)), None)
+        if hit is not None:
+            out[key] = hit
+    return out
+
+
+def chain(cfg, layer: int) -> list[int]:
+    """The layers to run, in order, for `layer` to see what it reads: its KV, top-k and index-key
+    sources and the candidate source of its pool, then itself."""
+    from engine.roles import role_plan
+    role = role_plan(cfg)[layer]
+    deps = {s for s in (role.kv_source, role.index_source, role.index_key_source) if s is not None}
+    if role.in_candidate_pool:
+        deps.add(cfg.candidate_source_layer)
+    deps.discard(layer)
+    return sorted(deps) + [layer]
+
+
+# -- the roofline ---------------------------------------------------------------------------------
+
+def layer_work(cfg, role, positions: list[int], sequences: int, touched_experts: int) -> dict:
+    """FLOPs and HBM bytes of ideal kernels for one layer over queries at `positions` (a prefill:
+    0..T-1 of one sequence; a decode step: `sequences` sequences, each one query at its position).
+    Bytes: the layer's stored weights (routed experts: only the `touched_experts` used), the bf16
+    stream in and out, the Engram rows, and the caches: a prefill writes its window, entries and index
+    keys and reads each once; a decode step reads each sequence's window, picks and index keys.
+    -> {"flops", "bytes", and their parts}."""
+    from engine.checkpoint.layout import tensor_specs
+    T, d, H, hd = len(positions), cfg.dim, cfg.n_heads, cfg.head_dim
+    m, W = role.compress_ratio, cfg.window_size
+    ih, ihd, hc = cfg.index_n_heads, cfg.index_head_dim, cfg.hc_mult
+    flops: dict[str, float] = {}
+    flops["linears"] = 2 * T * (d * cfg.q_lora_rank + cfg.q_lora_rank * H * hd + d * hd
+                                + H * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d)
+    visible = [(p + 1) // m if m else 0 for p in positions]           # global entries each query may see
+    has_global = m > 0
+    selected = [min(cfg.index_topk, v) if has_global else 0 for v in visible]
+    flops["attention"] = 4 * H * hd * sum(min(W, p + 1) + s for p, s in zip(positions, selected))
+    new_entries = sum((p + 1) // m - p // m for p in positions) if role.role == "full" else 0
+    if role.role == "full":
+        flops["compressor"] = 2 * T * d * hd * (2 if m > 1 else 1) + 2 * new_entries * hd * ihd
+    if role.role in ("full", "reindex"):
+        flops["indexer"] = 2 * T * cfg.q_lora_rank * ih * ihd + 2 * T * d * ih + 2 * ih * ihd * sum(visible)
+    mix = (2 + hc) * hc
+    flops["mhc"] = 2 * 2 * T * hc * d * mix
+    n_experts, k = cfg.experts_of(role.layer)
+    flops["moe"] = 2 * T * d * n_experts + 3 * 2 * T * d * cfg.moe_inter_dim * (cfg.n_shared_experts + k)
+    lookup = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
+    if role.engram:
+        flops["engram"] = 2 * T * lookup * d * (hc + 1)
+
+    nbytes: dict[str, float] = {}
+    weights = expert = 0
+    for s in tensor_specs(cfg):
+        if s.layer != role.layer or s.stage is not None or s.kind.endswith("engram.embed"):
+            continue
+        if s.expert is not None:
+            if s.expert == 0:
+                expert += s.nbytes  # one expert's w1, w2, w3 and scales
+        else:
+            weights += s.nbytes
+    nbytes["weights"] = weights + touched_experts * expert
+    nbytes["stream"] = 2 * T * hc * d * 2
+    if role.engram:
+        nbytes["engram_rows"] = T * lookup * (1 + 1 / 32)
+    window_row = hd + hd // 32                       # FP8 + E8M0 per 32
+    entry_row = hd // 2 + hd // 16                   # FP4 + E4M3 per 16
+    key_row = ihd // 2 + ihd // 32                   # FP4 + E8M0 per 32
+    if sequences == 1 and T > 1:  # a prefill: every cache written (or read) once
+        n_entries = visible[-1] if has_global else 0
+        nbytes["window"] = T * window_row
+        if has_global:
+            nbytes["global_kv"] = n_entries * entry_row * (2 if role.role == "full" else 1)
+        if role.role in ("full", "reindex"):
+            nbytes["index_keys"] = n_entries * key_row * (2 if role.role == "full" else 1)
+    else:  # a decode step: each sequence reads its own caches
+        nbytes["window"] = T * W * window_row
+        if has_global:
+            nbytes["global_kv"] = sum(selected) * entry_row + new_entries * (entry_row + key_row)
+        if role.role in ("full", "reindex"):
+            nbytes["index_keys"] = sum(visible) * key_row
+    return {"flops": float(sum(flops.values())), "bytes": float(sum(nbytes.values())),
+            "flops_parts": flops, "bytes_parts": nbytes}
+
+
+def floor_of(work: dict, rates: dict) -> tuple[float, str]:
+    """(seconds, limit): the roofline floor of `work` at the measured rates."""
+    t_flops = work["flops"] / rates["fp8_flops"]
+    t_bytes = work["bytes"] / rates["hbm_Bps"]
+    return (t_flops, "FP8") if t_flops >= t_bytes else (t_bytes, "HBM")
+
+
+# -- rates measured in this run -------------------------------------------------------------------
+
+def _timed(fn, device, reps: int) -> float:
+    """Median seconds of fn() over reps (after one warm-up call), synchronized."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_rates(device, small: bool) -> dict:
+    """FP8 GEMM rate (torch._scaled_mm, E4M3 x E4M3 -> bf16) and copy bandwidth (read + write)."""
+    n = 128 if small else 8192  # the CPU's FP8 GEMM is emulated (slow)
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    t = _timed(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device,
+               3 if small else 20)
+    fp8 = 2 * n ** 3 / t
+    del a, b
+    size = (16 << 20) if small else (2 << 30)
+    src = torch.empty(size, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    t = _timed(lambda: dst.copy_(src), device, 3 if small else 20)
+    del src, dst
+    return {"fp8_flops": fp8, "hbm_Bps": 2 * size / t, "fp8_gemm_n": n, "copy_bytes": size}
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- weights in the stored formats ----------------------------------------------------------------
+
+class ModuloTokenizer:
+    """Random ids stand in for text: the Engram's compressed id is the id modulo its size."""
+
+    def __init__(self, cfg):
+        self.size, self.vocab, self.eos_id = cfg.engram_compressed_vocab_size, cfg.vocab_size, 1
+
+    def compressed_vocab(self):
+        return [i % self.size for i in range(self.vocab)], self.size
+
+
+class Generated:
+    """Stored-format tensors of the layers asked for, made on the device (`add_layer` / `drop_layer`),
+    behind an engine/ops/stored.py TensorReader; experts are generated stacked."""
+
+    def __init__(self, cfg, device, seed: int = 0):
+        from engine.checkpoint.layout import tensor_specs
+        from engine.ops.stored import TensorReader
+        self.cfg, self.device, self.seed = cfg, torch.device(device), seed
+        self.specs = {s.name: s for s in tensor_specs(cfg) if s.stage is None and s.group != "vision"}
+        self.reader = TensorReader({})
+        self.layers: set[int] = set()
+
+    def add_layer(self, layer: int) -> float:
+        """Generate one layer's tensors; returns the seconds it took."""
+        from engine import quant
+        from engine.checkpoint.weights import init_weight
+        if layer in self.layers:
+            return 0.0
+        started = time.perf_counter()
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1000 + layer)
+        prefix = f"layers.{layer}."
+        new = {}
+        for name, s in self.specs.items():
+            if s.layer != layer or s.part != "weight" or s.expert is not None or s.kind.endswith("engram.embed"):
+                continue
+            with torch.device(self.device):
+                value = init_weight(name, tuple(s.logical_shape), gen)
+            if s.dtype == "F8_E4M3":
+                new[name], new[name[: -len('.weight')] + ".scale"] = quant.quantize_fp8_weight(value, 32)
+            elif s.dtype == "BF16":
+                new[name] = value.to(torch.bfloat16)
+            else:
+                new[name] = value.float()
+        self.reader.tensors.update(new)
+        self.reader.experts[prefix + "ffn."] = self._experts(gen)
+        self.reader.__init__(self.reader.tensors, self.reader.experts)  # expert views by name
+        self.layers.add(layer)
+        _sync(self.device)
+        return time.perf_counter() - started
+
+    def _experts(self, gen):
+        """Random packed FP4 codes (every code is a valid E2M1 value) with E8M0 scales near 1/(rms * sqrt(fan_in))."""
+        cfg = self.cfg
+        e, d, inter = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+
+        def fp4(rows, fan_in):
+            packed = torch.randint(-128, 128, (e, rows, fan_in // 2), dtype=torch.int8, device=self.device,
+                                   generator=gen)
+            level = 127 - round(math.log2(2.9 * math.sqrt(fan_in)))  # FP4 codes have rms ~2.9
+            scale = torch.randint(level - 1, level + 1, (e, rows, fan_in // 32), dtype=torch.uint8,
+                                  device=self.device, generator=gen).view(torch.float8_e8m0fnu)
+            return packed, scale
+        w1, w3, w2 = fp4(inter, d), fp4(inter, d), fp4(d, inter)
+        return (*w1, *w3, *w2)
+
+    def drop_layer(self, layer: int) -> None:
+        prefix = f"layers.{layer}."
+        self.reader.tensors = {n: t for n, t in self.reader.tensors.items() if not n.startswith(prefix)}
+        self.reader.experts.pop(prefix + "ffn.", None)
+        self.layers.discard(layer)
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Engram table rows [*index.shape, head_dim]: about N(0, 1), FP8-rounded per 32 as stored."""
+        from engine import quant
+        cols = self.specs[name].logical_shape[-1]
+        g = torch.Generator(device=self.device).manual_seed(int(index.numel()) + self.seed)
+        values = torch.randn(index.numel(), cols, device=self.device, generator=g)
+        return quant.fp8_roundtrip(values, 32).view(*index.shape, cols)
+
+
+def weight_source(gen: Generated, mode: str):
+    """The engine's weight source over the generated bytes: StoredWeights (mode "stored"), or the
+    fp32-kept source of today's GPU load (mode "fp32")."""
+    from engine.ops.stored import StoredWeights
+
+    class BenchWeights(StoredWeights):
+        # which tensors exist and how they are stored: the whole config's contract
+        def has(self, name):
+            return name in gen.specs
+
+        def stored_dtype(self, name):
+            return gen.specs[name].dtype
+
+        def forget(self, prefix: str) -> None:
+            for d in (self._stored, self._float):
+                for n in [n for n in d if n.startswith(prefix)]:
+                    del d[n]
+
+    class Fp32Kept(BenchWeights):
+        """DeviceWeights' behaviour: every float value `get` makes is kept (no stored_name_of match)."""
+        def get(self, name):
+            hit = self._float.get(name)
+            if hit is None:
+                hit = self._float[name] = super().get(name)
+                self._handed.clear()
+            return hit
+
+        def stored_name_of(self, value):
+            return None
+
+        def stacked_experts(self, prefix, n_experts):
+            return None  # today's ops stack the per-expert tensors themselves
+
+    cls = Fp32Kept if mode == "fp32" else BenchWeights
+    return cls(reader=gen.reader, device=gen.device, rows=gen.rows)
+
+
+# -- one role -------------------------------------------------------------------------------------
+
+def _peak_reset(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, detail: bool) -> dict:
+    """One pass: reset the caches, prefill `layers` in order, then one decode chunk; the last layer is
+    timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode"}."""
+    from engine.model.attention import Shared
+    target = layers[-1]
+    model.reset()
+    g = torch.Generator(device=device).manual_seed(7)
+    ids = torch.randint(5, cfg.vocab_size, (tokens + decode,), device=device, generator=g)
+    x0 = model.ops.act(torch.randn(tokens + decode, cfg.hc_mult, cfg.dim, device=device, generator=g))
+    pre0 = torch.full((tokens + decode, cfg.hc_mult), 1.0 / cfg.hc_mult, device=device)
+    out = {}
+    history = (model.compressed_history, model.dead_history)
+    for phase, rows in (("prefill", slice(0, tokens)), ("decode", slice(tokens, tokens + decode))):
+        shared = Shared()
+        positions = torch.arange(rows.start, rows.stop, device=device)
+        chunk_ids = ids[rows]
+        dead = torch.zeros(chunk_ids.shape[0], dtype=torch.bool, device=device)
+        for L in layers:
+            block = model.blocks[L]
+            probe = {} if L == target else None
+            block.attn.detail = detail and L == target and phase == "prefill"
+            x, pre = x0[rows].clone(), pre0[rows].clone()
+            _sync(device)
+            if L == target:
+                _peak_reset(device)
+            started = time.perf_counter()
+            block.forward(x, pre, positions, shared, (chunk_ids, dead, history), None, probe)
+            _sync(device)
+            if L == target:
+                out[f"{phase}_s"] = time.perf_counter() - started
+                out[f"peak_{phase}"] = _peak(device)
+                experts = probe.get("routing", {}).get("experts")
+                out[f"touched_{phase}"] = int(torch.unique(experts).numel()) if experts is not None else None
+        history = model.history_after(chunk_ids, dead)
+    return out
+
+
+def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadline) -> list[dict]:
+    """Both phases of one role -> two table rows (or one error row)."""
+    from engine.roles import role_plan
+    role = role_plan(cfg)[layer]
+    layers = chain(cfg, layer)
+    gen_s = sum(gen.add_layer(L) for L in layers)
+    passes, times, first_pass = [], [], None
+    for attempt in range(args.passes):
+        started = time.perf_counter()
+        got = run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail)
+        took = time.perf_counter() - started
+        times.append(took)
+        passes.append(got)
+        if attempt == 0:
+            first_pass = took
+            if attempt + 1 < args.passes and time.perf_counter() + took > deadline:
+                break  # no time for a warm pass: report the first (compiles included)
+    got = passes[-1]
+    warm = len(passes) > 1
+    rows = []
+    for phase in ("prefill", "decode"):
+        if phase == "prefill":
+            positions, sequences = list(range(args.tokens)), 1
+        else:
+            positions, sequences = [args.tokens] * args.decode, args.decode
+        touched = got.get(f"touched_{phase}") or min(cfg.n_routed_experts, len(positions) * cfg.n_activated_experts)
+        work = layer_work(cfg, role, positions, sequences, touched)
+        floor_s, limit = floor_of(work, rates)
+        t = got[f"{phase}_s"]
+        rows.append({"role": key, "title": TITLES[key], "layer": layer, "phase": phase,
+                     "queries": len(positions), "time_s": t, "flops": work["flops"], "bytes": work["bytes"],
+                     "flops_parts": work["flops_parts"], "bytes_parts": work["bytes_parts"],
+                     "floor_s": floor_s, "limit": limit, "ratio": t / floor_s,
+                     "goal_met": t / floor_s <= GOAL_RATIO, "touched_experts": touched,
+                     "peak_bytes": got.get(f"peak_{phase}"), "warm": warm, "chain": layers,
+                     "generate_s": gen_s, "pass_s": [round(x, 3) for x in times], "status": "ok"})
+    return rows
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+def table(report: dict) -> str:
+    r = report["rates"]
+    lines = [f"# Release-size layers, {report['device']}",
+             "",
+             f"{report['config']}; prefill {report['tokens']} tokens with every probe, decode step "
+             f"{report['decode']} tokens; weights: {report['weights']}; ops: {report['ops']}. "
+             f"Rates measured in this run: FP8 GEMM (torch._scaled_mm {r['fp8_gemm_n']}^3) "
+             f"{r['fp8_flops'] / 1e12:.4g} TFLOP/s, copy {r['hbm_Bps'] / 1e12:.4g} TB/s. "
+             f"Floor = max(FLOPs / FP8 rate, bytes / copy rate); goal: time within {GOAL_RATIO:g}x of it.",
+             "",
+             "| role | layer | phase | time (ms) | GFLOP | MB | floor (ms) | limit | x floor | goal | peak (GB) | experts | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['title']} | {row.get('layer', '-')} | - | - | - | - | - | - | - | - | - | - | "
+                         f"{row['status']}: {row.get('error', '')[:160]} |")
+            continue
+        peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 1e9:.1f}"
+        note = ("" if row["warm"] else "first pass (compiles included); ") + f"chain {row['chain']}"
+        lines.append(f"| {row['title']} | {row['layer']} | {row['phase']} {row['queries']} | {row['time_s'] * 1e3:.2f} | "
+                     f"{row['flops'] / 1e9:.4g} | {row['bytes'] / 1e6:.4g} | {row['floor_s'] * 1e3:.4g} | {row['limit']} | "
+                     f"{row['ratio']:.1f} | {'met' if row['goal_met'] else 'missed'} | {peak} | {row['touched_experts']} | {note} |")
+    lines += ["", f"Total wall time {report['wall_s']:.1f} s (budget {report['budget_s']:g} s)."]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "release-layer.md").write_text(table(report))
+    (out / "release-layer.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(RELEASE_CONFIG), help="inference config (default: the release's)")
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny config (CPU smoke test)")
+    p.add_argument("--tokens", type=int, default=None, help="prefill length (default 4096; --tiny 24)")
+    p.add_argument("--decode", type=int, default=None, help="decode step width (default 64; --tiny 4)")
+    p.add_argument("--roles", default=",".join(ROLES), help=f"comma-separated subset of {','.join(ROLES)}")
+    p.add_argument("--budget-s", type=float, default=170.0, help="stop starting roles past this wall time")
+    p.add_argument("--weights", choices=("stored", "fp32"), default="stored")
+    p.add_argument("--numerics", default="reference", choices=("reference", "fp32"))
+    p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
+                   help="the Triton kernel ops (auto: on; on the CPU only under TRITON_INTERPRET=1)")
+    p.add_argument("--passes", type=int, default=2, help="passes per role; the last is reported (the first compiles)")
+    p.add_argument("--detail", action="store_true", help="also the detail probes (runner-ups, recall)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    args.tokens = args.tokens or (24 if args.tiny else 4096)
+    args.decode = args.decode or (4 if args.tiny else 64)
+    args.roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    bad = [r for r in args.roles if r not in ROLES]
+    if bad:
+        p.error(f"unknown roles {bad}; choose from {', '.join(ROLES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    started = time.perf_counter()
+    deadline = started + args.budget_s
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.tiny:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from engine_helpers import tiny_config
+        cfg, cfg_name = tiny_config(), "tests' tiny config"
+    else:
+        from engine.config import load_config
+        cfg, cfg_name = load_config(args.config), f"config {args.config}"
+    from engine.model.transformer import Model
+    kernels = {"auto": True if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else False,
+               "on": True, "off": False}[args.kernels]
+    out = Path(args.out)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+              "config": cfg_name, "tokens": args.tokens, "decode": args.decode, "weights": args.weights,
+              "budget_s": args.budget_s, "rows": [], "torch": torch.__version__}
+    rates = measure_rates(device, small=device.type != "cuda")
+    report["rates"] = rates
+    gen = Generated(cfg, device)
+    weights = weight_source(gen, args.weights)
+    with torch.inference_mode():
+        model = Model(cfg, weights, ModuloTokenizer(cfg), numerics=args.numerics, kernels=kernels, device=device)
+    report["ops"] = type(model.ops).__name__ + f" over {args.numerics}"
+    picks = pick_layers(cfg)
+    todo = [k for k in args.roles if k in picks]
+    for key in args.roles:
+        if key not in picks:
+            report["rows"].append({"role": key, "title": TITLES[key], "status": "absent",
+                                   "error": "the config has no such layer"})
+    for i, key in enumerate(todo):
+        layer = picks[key]
+        if time.perf_counter() > deadline:
+            report["rows"].append({"role": key, "title": TITLES[key], "layer": layer, "status": "skipped",
+                                   "error": f"past the {args.budget_s:g} s budget"})
+            continue
+        try:
+            with torch.inference_mode():
+                rows = bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadline)
+            report["rows"] += rows
+            for row in rows:
+                print(f"[{row['title']}] layer {layer} {row['phase']}: {row['time_s'] * 1e3:.2f} ms, floor "
+                      f"{row['floor_s'] * 1e3:.3f} ms ({row['limit']}), {row['ratio']:.1f}x", flush=True)
+        except Exception as err:  # noqa: BLE001 -- one role's failure must not lose the others
+            report["rows"].append({"role": key, "title": TITLES[key], "layer": layer, "status": "error",
+                                   "error": f"{type(err).__name__}: {err}".replace("\n", " "),
+                                   "traceback": traceback.format_exc()[-3000:]})
+            print(f"[{TITLES[key]}] failed: {err!r}", flush=True)
+        # free layers no later role needs
+        later = {L for k in todo[i + 1:] for L in chain(cfg, picks[k])}
+        for L in sorted(gen.layers - later):
+            gen.drop_layer(L)
+            weights.forget(f"layers.{L}.")
+            for cache in (getattr(model.ops, "_raw", {}), getattr(model.ops, "_experts", {})):
+                for name in [n for n in cache if n.startswith(f"layers.{L}.")]:
+                    del cache[name]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report["wall_s"] = time.perf_counter() - started
+        write(report, out)
+    report["wall_s"] = time.perf_counter() - started
+    write(report, out)
+    print(table(report))
+    return 0 if all(r["status"] in ("ok", "absent") for r in report["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

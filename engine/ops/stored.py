@@ -1,0 +1,176 @@
+"""Weights on one device in their stored formats: the kernel path's weight source (no fp32 copies).
+
+`StoredWeights` replaces `DeviceWeights` (engine/checkpoint/weights.py) on the GPU: each tensor is
+moved to the device once in the dtype the checkpoint stores (E4M3 + E8M0 scales for the FP8 linears,
+packed FP4 + E8M0 for the routed experts, BF16/F32 for the rest) and kept so. The kernels read those
+bytes (`stored`, `stacked_experts`, engine/ops/triton.py). What still asks for a float value (`get`):
+- a BF16/F32 weight (norms, gate, compressor, mHC, sinks: ~20 MB a release layer) is widened to
+  float32 once and kept;
+- an FP8/FP4 weight is dequantized on the device for that call only (not kept) and remembered by
+  its storage, so the kernel ops recognise it (`stored_name_of`) and run on its stored bytes instead
+  (wo_a's grouped GEMM, the Engram's wkv); the float value is then dropped with the caller's reference.
+
+`TensorReader` is a checkpoint reader over tensors already in memory (generated weights, tests).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from .. import quant
+
+QUANTIZED = ("F8_E4M3", "I8")  # stored dtypes with a scale tensor beside them
+_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
+                torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16"}
+
+
+class StoredEntry(NamedTuple):
+    name: str
+    dtype: str              # safetensors dtype name
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class TensorReader:
+    """The reader surface the kernel ops use (`name in r`, `r.entry(name).dtype`, `r.tensor(name)`,
+    `r.names()`) over a dict of stored-dtype tensors. Stacked routed experts may be given whole
+    (`experts[prefix] = (w1, w1_scale, w3, w3_scale, w2, w2_scale)`, each [E, ...]): expert e's
+    tensors are then views of the stacks, and `stacked_experts` hands the stacks out without a copy."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], experts: dict[str, tuple] | None = None):
+        self.tensors = dict(tensors)
+        self.experts = dict(experts or {})
+        for prefix, stack in self.experts.items():
+            for i, (w, leaf) in enumerate((("w1", "weight"), ("w1", "scale"), ("w3", "weight"), ("w3", "scale"),
+                                           ("w2", "weight"), ("w2", "scale"))):
+                for e in range(stack[i].shape[0]):
+                    self.tensors[f"{prefix}experts.{e}.{w}.{leaf}"] = stack[i][e]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def entry(self, name: str) -> StoredEntry:
+        t = self.tensors[name]
+        return StoredEntry(name, _DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape), t.numel() * t.element_size())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"weight '{name}' is missing") from None
+
+    __getitem__ = tensor
+
+    def stacked_experts(self, prefix: str, n_experts: int):
+        stack = self.experts.get(prefix)
+        return stack if stack is not None and stack[0].shape[0] == n_experts else None
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 value of a stored FP8 (32x32 blocks, or per-row groups of 32 for tables) or packed FP4
+    weight, computed where the bytes are."""
+    if w.dtype == torch.int8:
+        return quant.dequantize_fp4_weight(w, scale, w.shape[-1] * 2 // scale.shape[-1])
+    if w.dim() == 2 and tuple(scale.shape) == (w.shape[0], w.shape[1] // 32) and w.shape[0] > 1 \
+            and scale.shape[0] != -(-w.shape[0] // 32):
+        return quant.dequantize_fp8(w, scale, 32)
+    return quant.dequantize_fp8_weight(w, scale, 32)
+
+
+class StoredWeights:
+    """A weight source (get/rows/has/stored_dtype, engine/checkpoint/weights.py) whose tensors live on
+    `device` in their stored dtypes. inner: a checkpoint's weights (CheckpointWeights: `.reader` and
+    `.rows`) or None with `reader` given (a TensorReader)."""
+
+    def __init__(self, inner=None, device="cpu", reader=None, rows=None):
+        if inner is None and reader is None:
+            raise ValueError("StoredWeights needs a checkpoint's weights or a reader")
+        self.inner = inner
+        self.reader = reader if reader is not None else inner.reader
+        self.device = torch.device(device)
+        self._rows = rows  # rows(name, index) for tables never held whole (the Engram's); default: inner's
+        self._stored: dict[str, torch.Tensor] = {}
+        self._float: dict[str, torch.Tensor] = {}
+        self._handed: dict[int, tuple] = {}  # storage pointer -> (weakref to the value's storage, name)
+
+    # -- the stored bytes --------------------------------------------------------------------------
+    def stored(self, name: str) -> torch.Tensor | None:
+        """The tensor on the device in its stored dtype (moved there once), or None if not stored."""
+        hit = self._stored.get(name)
+        if hit is None:
+            if name not in self.reader:
+                return None
+            hit = self._stored[name] = self.reader.tensor(name).to(self.device)
+        return hit
+
+    def stacked_experts(self, prefix: str, n_experts: int):
+        """(w1, w1_scale, w3, w3_scale, w2, w2_scale) stacked over experts, when the reader holds them
+        stacked (no copy); None otherwise (the kernel ops then stack the per-expert tensors)."""
+        fn = getattr(self.reader, "stacked_experts", None)
+        stack = fn(prefix, n_experts) if fn is not None else None
+        return None if stack is None else tuple(t.to(self.device) for t in stack)
+
+    def stored_bytes(self) -> int:
+        """Bytes held on the device: stored tensors plus the widened BF16/F32 weights."""
+        seen, total = set(), 0
+        for t in list(self._stored.values()) + list(self._float.values()):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def stored_name_of(self, value: torch.Tensor) -> str | None:
+        """The name of the FP8/FP4 weight whose dequantized value `value` is (or is a view of), if it
+        was handed out by `get` and is still alive; else None."""
+        try:
+            storage = value.untyped_storage()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+        hit = self._handed.get(storage.data_ptr())
+        if hit is None or hit[0]() is not storage:
+            return None
+        return hit[1]
+
+    # -- the WeightSource surface ---------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self.reader
+
+    def stored_dtype(self, name: str) -> str:
+        return self.reader.entry(name).dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        """float32 value (see the module docstring: quantized weights are not kept as floats)."""
+        hit = self._float.get(name)
+        if hit is not None:
+            return hit
+        w = self.stored(name)
+        if w is None:
+            raise KeyError(f"weight '{name}' is missing")
+        scale = self.stored(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+        if self.stored_dtype(name) in QUANTIZED and scale is not None:
+            value = dequantize(w, scale)
+            self._remember(value, name)
+            return value
+        value = self._float[name] = w.float()
+        return value
+
+    def _remember(self, value: torch.Tensor, name: str) -> None:
+        # the storage, not the tensor: a view made under inference_mode does not keep its base alive
+        storage = value.untyped_storage()
+        self._handed = {p: h for p, h in self._handed.items() if h[0]() is not None}
+        self._handed[storage.data_ptr()] = (weakref.ref(storage), name)
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        if self._rows is not None:
+            return self._rows(name, index)
+        if self.inner is not None:
+            return self.inner.rows(name, index.cpu()).to(self.device)
+        table = self.get(name)
+        return table[index.to(table.device)]

@@ -1,0 +1,95 @@
+"""benches/release_layer.py as a CPU smoke test at the tiny config: every role's two rows through the kernel
+ops (engine/ops/triton.py over the stored bytes; on the CPU without the interpreter they call the kernels'
+references), the Triton versions under TRITON_INTERPRET=1 for the roles without a top-k (the interpreted
+radix top-k takes minutes even at tiny shapes), and floors that follow from FLOPs and bytes counted by
+hand for one layer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
+TOKENS, DECODE = 16, 2
+
+
+def run_bench(out: Path, interpret: bool, *extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, str(ROOT / "benches" / "release_layer.py"), "--tiny", "--passes", "1",
+                           "--kernels", "on", "--tokens", str(TOKENS), "--decode", str(DECODE), "--out", str(out),
+                           *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    data = json.loads((out / "release-layer.json").read_text())
+    data["_stdout"], data["_rc"], data["_md"] = done.stdout + done.stderr, done.returncode, \
+        (out / "release-layer.md").read_text()
+    return data
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return run_bench(tmp_path_factory.mktemp("release_layer"), False)
+
+
+def test_triton_versions_under_the_interpreter(tmp_path):
+    got = run_bench(tmp_path, True, "--roles", "swa,swa_engram")
+    assert [(r["role"], r["phase"], r["status"]) for r in got["rows"]] == \
+        [(role, phase, "ok") for role in ("swa", "swa_engram") for phase in ("prefill", "decode")], got["_stdout"][-2000:]
+    assert got["ops"].startswith("TritonOps") and got["_rc"] == 0
+
+
+def test_every_role_has_a_prefill_and_a_decode_row(report):
+    failed = [(r["role"], r.get("error")) for r in report["rows"] if r["status"] != "ok"]
+    assert not failed, failed
+    got = [(r["role"], r["phase"]) for r in report["rows"]]
+    assert got == [(role, phase) for role in ROLES for phase in ("prefill", "decode")]
+    assert report["ops"].startswith("TritonOps")  # the kernel ops ran (under the interpreter)
+    layers = {r["role"]: r["layer"] for r in report["rows"]}
+    assert layers == {"swa": 0, "swa_engram": 1, "full_m2": 2, "reuse": 3, "full_m1": 5, "reindex": 7}
+    chains = {r["role"]: r["chain"] for r in report["rows"]}
+    assert chains["reuse"] == [2, 3] and chains["reindex"] == [5, 7]  # their sources run first
+    md = report["_md"]
+    assert sum(line.startswith("|") for line in md.splitlines()) == 2 + 2 * len(ROLES)  # header, rule, 2 per role
+    assert report["_rc"] == 0, report["_stdout"][-2000:]
+
+
+def test_swa_layer_floor_from_a_hand_count(report):
+    """Layer 0 of the tiny config (dim 64, 4 heads of 64, q rank 32, 2 groups of rank 32, window 8,
+    8 experts of 32, top-6 + 1 shared, 4 copies), prefill of 16 tokens."""
+    row = next(r for r in report["rows"] if r["role"] == "swa" and r["phase"] == "prefill")
+    linears = 2 * 16 * (64 * 32 + 32 * 256 + 64 * 64 + 256 * 32 + 64 * 64)   # wq_a wq_b wkv wo_a wo_b
+    attention = 4 * 4 * 64 * (sum(range(1, 9)) + 8 * 8)                      # window min(8, p + 1)
+    mhc = 2 * 2 * 16 * 256 * 24
+    moe = 2 * 16 * 64 * 8 + 6 * 16 * 64 * 32 * 7                             # gate, 3 GEMMs x (1 + 6)
+    assert row["flops"] == linears + attention + mhc + moe == 2740224
+    # stored bytes of layer 0 without experts: norms 336, FP8 linears with scales 26650, FFN norm + gate
+    # + biases 1216, shared expert 6150, mHC 2 x 24684; each expert 3 x 1088
+    weights = 336 + 26650 + 1216 + 6150 + 2 * 24684
+    assert weights == 83720
+    touched = row["touched_experts"]
+    assert 1 <= touched <= 8
+    stream, window = 2 * 16 * 4 * 64 * 2, 16 * (64 + 2)
+    assert row["bytes"] == weights + touched * 3264 + stream + window
+    rates = report["rates"]
+    want = max(row["flops"] / rates["fp8_flops"], row["bytes"] / rates["hbm_Bps"])
+    assert row["floor_s"] == pytest.approx(want, rel=1e-12)
+    assert row["limit"] == ("FP8" if row["flops"] / rates["fp8_flops"] >= row["bytes"] / rates["hbm_Bps"] else "HBM")
+    assert row["ratio"] == pytest.approx(row["time_s"] / want, rel=1e-9)
+
+
+def test_decode_counts_each_sequence_cache(report):
+    """A decode step of 2 sequences at position 16 in the Full m=2 layer: each reads its window
+    (8 rows of FP8 + scales), its 8 picks of the 8 visible entries and the 8 index keys, and writes
+    one new entry (16 // 2 -> 17 // 2 does not complete a group: none)."""
+    row = next(r for r in report["rows"] if r["role"] == "full_m2" and r["phase"] == "decode")
+    parts = row["bytes_parts"]
+    assert parts["window"] == 2 * 8 * (64 + 2)
+    assert parts["global_kv"] == 2 * 8 * (32 + 4)
+    assert parts["index_keys"] == 2 * 8 * (16 + 1)
+    assert row["flops_parts"]["attention"] == 4 * 4 * 64 * 2 * (8 + 8)
