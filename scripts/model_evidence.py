@@ -30,10 +30,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from engine.run.api import DEFAULT_CHECKPOINT, load  # noqa: E402
-from engine.checkpoint.reader import CheckpointReader  # noqa: E402
 from engine.model.engram import EngramLayout  # noqa: E402
 from engine.train.eval import token_losses  # noqa: E402
-from engine.checkpoint.layout import tensor_specs  # noqa: E402
 from engine.run.probes import ProbeRequest  # noqa: E402
 from engine.roles import FULL, REINDEX  # noqa: E402
 from engine.train.batched import BatchedForward, StepOptions  # noqa: E402
@@ -101,9 +99,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     eng = load(args.checkpoint)
     cfg = eng.model.cfg
-    reader = CheckpointReader(Path(args.checkpoint), cfg)
-    tensors = {s.name: reader.dequantized(s.name).float() for s in tensor_specs(cfg) if s.part != "scale"}
-    trainee = Trainee.from_tensors(cfg, tensors)
+    trainee = Trainee.from_checkpoint(cfg, args.checkpoint)
     lookup = torch.tensor(eng.tokenizer.compressed_vocab()[0], dtype=torch.long)
     fwd = BatchedForward(cfg, trainee.get, EngramLayout.from_config(cfg), lookup)
     report: dict = {"checkpoint": str(args.checkpoint), "domains": {}, "continuations": []}

@@ -9,6 +9,7 @@ WORK=${WORK:-/tmp/v41train}
 BUDGET=${BUDGET:-620}
 MAX_TOKENS=${MAX_TOKENS:-60000000}
 PACK=${PACK:-build/corpus_pack/prose.txt.xz}
+# DENSE_FRAC, LR and TRAIN_ARGS (e.g. "--init assets/model" to continue the shipped model) pass through;
 # the H200 settings; a CPU smoke passes e.g. SHAPE="--cpu --tiny --batch 2 --seq 256 --max-steps 3 --smoke --eval-seq 256 --eval-windows 1"
 SHAPE=${SHAPE:---bf16 --compile --checkpoint --batch 24 --seq 4096 --dense-batch 32 --dense-seq 1024}
 mkdir -p "$WORK"
@@ -27,7 +28,7 @@ extra=()
 heldout=()
 for h in "$D"/heldout_*.npy; do heldout+=(--heldout "$(basename "$h" .npy | sed 's/^heldout_//')=$h"); done
 python3 -m engine.train train --train "$code" "${extra[@]}" \
-  --budget-s "$BUDGET" --dense-frac 0.12 --quant-frac 0.2 --lr 3e-3 --warmup 30 --log-every 10 \
-  "${heldout[@]}" --eval-windows 8 $SHAPE \
+  --budget-s "$BUDGET" --dense-frac "${DENSE_FRAC:-0.12}" --quant-frac 0.2 --lr "${LR:-3e-3}" --warmup 30 --log-every 10 \
+  "${heldout[@]}" --eval-windows 8 $SHAPE ${TRAIN_ARGS:-} \
   --out "$WORK/out" > "$WORK/train.log" 2>&1
 echo done > "$WORK/DONE"

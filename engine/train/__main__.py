@@ -45,7 +45,8 @@ def build(args, device):
                           n_activated_experts=2, window_size=8, index_topk=8, candidate_topk_blocks=4)
     tok = load_tokenizer(TOKENIZER)
     lookup = torch.tensor(tok.compressed_vocab()[0], dtype=torch.long)
-    trainee = Trainee(cfg, device, args.seed)
+    init = getattr(args, "init", "")
+    trainee = Trainee.from_checkpoint(cfg, init, device) if init else Trainee(cfg, device, args.seed)
     return cfg, Run(cfg, trainee, lookup, args, device)
 
 
@@ -141,6 +142,7 @@ def main(argv=None) -> None:
         p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")
         if cmd == "train":
             p.add_argument("--out", required=True)
+            p.add_argument("--init", default="", help="continue from this exported checkpoint (dequantized)")
             p.add_argument("--extra", default="", help="comma-separated token files of a second stream (prose)")
             p.add_argument("--extra-share", type=float, default=0.0, help="share of each batch from --extra")
             p.add_argument("--heldout", action="append", default=[], help="name=tokens.npy, measured at the end")

@@ -100,8 +100,11 @@ class Run:
         step = tokens = 0
         mark_t, mark_tokens = t0, 0
         loads_ema = None
+        # The budget clock leaves out each phase's first step: with --compile that step compiles for
+        # minutes, and counted in, it would eat the dense warm-up's whole share of the budget.
+        first_steps_s, started = 0.0, set()
         while True:
-            frac = (time.time() - t0) / a.budget_s
+            frac = (time.time() - t0 - first_steps_s) / a.budget_s
             if frac >= 1.0 or (a.max_steps and step >= a.max_steps):
                 break
             name = "dense" if frac < a.dense_frac else ("sparse" if frac < 1 - a.quant_frac else "quant")
@@ -113,8 +116,16 @@ class Run:
             ids = sample_batch(stream, phase.batch - n_extra, phase.seq, gen)
             if n_extra:
                 ids = torch.cat([ids, sample_batch(extra, n_extra, phase.seq, gen)])
+            first = name not in started
+            step_t0 = time.time()
             try:
                 out, gnorm = self.step(phase, ids, lr)
+                if first:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    started.add(name)
+                    first_steps_s += time.time() - step_t0
+                    self.note(event="first_step", phase=name, seconds=round(time.time() - step_t0, 1))
             except torch.OutOfMemoryError:
                 self.opt.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
@@ -144,8 +155,10 @@ class Run:
                           mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if self.device.type == "cuda" else 0,
                           tok_s=round(tok_s))
         train_s = time.time() - t0
-        self.log.update(steps=step, tokens_seen=tokens, train_s=round(train_s, 1))
+        self.log.update(steps=step, tokens_seen=tokens, train_s=round(train_s, 1),
+                        first_steps_s=round(first_steps_s, 1))
         self.note(event="trained", steps=step, tokens=tokens, train_s=round(train_s, 1),
+                  first_steps_s=round(first_steps_s, 1),
                   tok_s=round(tokens / max(train_s, 1e-9)))
 
     @torch.no_grad()

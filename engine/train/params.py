@@ -3,10 +3,13 @@ per layer and part), the routing biases, initialization and export."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..config import ModelConfig
 from ..checkpoint.layout import tensor_specs
+from ..checkpoint.reader import CheckpointReader
 
 EXPERT_PARTS = ("w1", "w2", "w3")
 
@@ -86,6 +89,14 @@ class Trainee:
             if name in trainee.biases:
                 trainee.biases[name] = b.float().to(device)
         return trainee
+
+    @classmethod
+    def from_checkpoint(cls, cfg: ModelConfig, path, device="cpu") -> "Trainee":
+        """From a checkpoint in the release layout, its weights dequantized to float32 (a run that
+        continues training an exported model starts from exactly what the engine serves)."""
+        reader = CheckpointReader(Path(path), cfg)
+        tensors = {s.name: reader.dequantized(s.name).float() for s in tensor_specs(cfg) if s.part != "scale"}
+        return cls.from_tensors(cfg, tensors, device)
 
     def decay_groups(self) -> tuple[list, list]:
         """(matrices with weight decay, the rest: embeddings, Engram tables, vectors)."""

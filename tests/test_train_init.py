@@ -1,0 +1,27 @@
+"""Continuing training from an exported checkpoint: the trainee starts from exactly the weights the
+engine serves (dequantized), experts stacked per layer, routing biases kept."""
+
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint.reader import CheckpointReader
+from engine.config import load_config
+from engine.train.params import Trainee
+
+MODEL = Path(__file__).resolve().parent.parent / "assets" / "model"
+
+
+def test_from_checkpoint_holds_the_served_weights():
+    cfg = load_config(MODEL / "config.json")
+    reader = CheckpointReader(MODEL, cfg)
+    trainee = Trainee.from_checkpoint(cfg, MODEL)
+    for name in ("embed.weight", "layers.3.attn.wq_a.weight", "layers.20.attn.indexer.wq_b.weight"):
+        assert torch.equal(trainee.get(name).detach(), reader.dequantized(name).float()), name
+    stacked = trainee.get("layers.7.ffn.experts.w2").detach()
+    assert stacked.shape[0] == cfg.n_routed_experts
+    for e in (0, cfg.n_routed_experts - 1):
+        assert torch.equal(stacked[e], reader.dequantized(f"layers.7.ffn.experts.{e}.w2.weight").float())
+    bias = reader.dequantized("layers.39.ffn.gate.bias").float()
+    assert bias.abs().sum() > 0  # a trained model's balancing biases are not the zeros of a fresh one
+    assert torch.equal(trainee.get("layers.39.ffn.gate.bias"), bias)
