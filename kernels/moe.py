@@ -7,6 +7,19 @@ Shapes (release: E = 384 experts, dim = 5120, I = 2304, top-6):
   topk_ids      int32 [T, k]         topk_weights float32 [T, k] (already normalized and scaled)
 out[t] = sum_k w[t,k] * W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L)), e = topk_ids[t,k], L = 10;
 float32 [T, dim]. Weights are decoded from FP4 in registers; activations stay bf16.
+
+Two paths (moe_fp4_triton picks by the number of (token, expert) pairs P = T * k):
+- few pairs (decode): GEMV on CUDA cores, one program per (pair, block of weight rows), full K per
+  program, 16-byte loads of packed words; gate/up kernel writes h [P, I] fp32, down kernel adds into out.
+- many pairs (prefill): grouped tensor-core GEMM per expert block of tokens (moe_align), the weight tile
+  decoded once per program and K step.
+FP4 decode ("bit assembly"): an int32 word holds 8 nibbles; for A = 0..3 one shift-and-mask pair builds
+two fp16 bit patterns at once (nibble A in the low half, nibble A+4 in the high half):
+  half = (n & 7) << 9 | (n & 8) << 12  ->  fp16 value = E2M1 value * 2^-14 exactly
+(the E2M1 subnormal 0.5 lands on an fp16 subnormal, which fp16 hardware never flushes); the fp16 ->
+fp32 convert is exact and the E8M0 scale (times 2^14) is one fp32 multiply, all normal numbers.
+The tensor-core path orders K inside each 8-group as NIB = (0, 2, 1, 3, 4, 6, 5, 7) (the joins' order),
+so x is permuted the same way once on the host and h is stored permuted by the gate/up kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +30,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import dot_dtype, e8m0_value, fp4_value
+from kernels._formats import dot_dtype
 
 
 def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
@@ -83,25 +96,135 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     return order, expert, begin.to(torch.int32), end.to(torch.int32)
 
 
+# -- FP4 decode ------------------------------------------------------------------------------------
+
 @triton.jit
-def _fp4_weight_tile(w_ptr, s_ptr, n_idx, n_mask, k0, KDIM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    """[BN, BK] tile of an FP4 (E8M0 per 32) weight [N, KDIM], decoded to DT."""
-    j = tl.arange(0, BK // 2)
-    b = tl.load(w_ptr + n_idx[:, None].to(tl.int64) * (KDIM // 2) + (k0 // 2 + j)[None, :],
-                mask=n_mask[:, None], other=0).to(tl.int32)
-    sc = e8m0_value(tl.load(s_ptr + n_idx[:, None].to(tl.int64) * (KDIM // 32) + ((k0 // 2 + j) // 16)[None, :],
-                            mask=n_mask[:, None], other=127).to(tl.int32))
-    lo = fp4_value(b & 15) * sc
-    hi = fp4_value((b >> 4) & 15) * sc
-    return tl.join(lo, hi).reshape(b.shape[0], BK).to(DT)
+def _nibble_pair(wd, A: tl.constexpr):
+    """int32 words -> (nibble A, nibble A+4) of each word as float32 E2M1 value * 2^-14 (exact)."""
+    if A == 3:
+        mag = (wd >> 3) & 0x0E000E00
+    else:
+        mag = (wd << (9 - 4 * A)) & 0x0E000E00
+    # -2147450880 = 0x80008000 as an int32: the two sign bits
+    bits = mag | ((wd << (12 - 4 * A)) & -2147450880)
+    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _scale_words(s_ptr, row_off, kw, mask):
+    """E8M0 scale of each word's 32-group (4 words a group) times 2^14, float32 [R, W]."""
+    byte = tl.load(s_ptr + row_off[:, None] + (kw // 4)[None, :], mask=mask, other=127).to(tl.int32)
+    # 2^(byte - 127) * 2^14 straight from the exponent bits: normal for every byte, even 0
+    return ((byte + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """[BR, BK] tile of an FP4 weight [N, KDIM] (int32 words, 8 nibbles each) decoded to DT, K in NIB
+    order within each 8-group (see the module docstring)."""
+    KW: tl.constexpr = KDIM // 8
+    kw = k0 // 8 + tl.arange(0, BK // 8)
+    r64 = rows.to(tl.int64)
+    wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=rmask[:, None], other=0)
+    sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+    a0, b0 = _nibble_pair(wd, 0)
+    a1, b1 = _nibble_pair(wd, 1)
+    a2, b2 = _nibble_pair(wd, 2)
+    a3, b3 = _nibble_pair(wd, 3)
+    p0 = tl.join((a0 * sc).to(DT), (b0 * sc).to(DT))
+    p1 = tl.join((a1 * sc).to(DT), (b1 * sc).to(DT))
+    p2 = tl.join((a2 * sc).to(DT), (b2 * sc).to(DT))
+    p3 = tl.join((a3 * sc).to(DT), (b3 * sc).to(DT))
+    # [BR, BK/8, half, A & 1, A >> 1] -> position half * 4 + (A & 1) * 2 + (A >> 1), nibble A + 4 * half
+    t = tl.join(tl.join(p0, p1), tl.join(p2, p3))
+    return tl.reshape(t, (rows.shape[0], BK))
+
+
+@triton.jit
+def _nib_position(n):
+    """Column of original K index n in NIB order (swap of the two low bits; NIB is its own inverse)."""
+    return (n & -4) | ((n & 1) << 1) | ((n >> 1) & 1)
+
+
+# -- decode path: GEMV -------------------------------------------------------------------------------
+
+@triton.jit
+def _gemv_rows(w_ptr, s_ptr, v_ptr, rows, rmask, KDIM: tl.constexpr, BKW: tl.constexpr):
+    """sum_k W[rows, k] * v[k] for an FP4 weight [N, KDIM] and a float32 vector v [KDIM] -> fp32 [BR]."""
+    KW: tl.constexpr = KDIM // 8
+    r64 = rows.to(tl.int64)
+    acc = tl.zeros([rows.shape[0], BKW], tl.float32)
+    for kw0 in range(0, KW, BKW):
+        kw = kw0 + tl.arange(0, BKW)
+        kmask = kw < KW
+        m2 = rmask[:, None] & kmask[None, :]
+        wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=m2, other=0)
+        sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw, m2)
+        part = tl.zeros([rows.shape[0], BKW], tl.float32)
+        for A in tl.static_range(4):
+            lo, hi = _nibble_pair(wd, A)
+            xlo = tl.load(v_ptr + kw * 8 + A, mask=kmask, other=0.0).to(tl.float32)
+            xhi = tl.load(v_ptr + kw * 8 + A + 4, mask=kmask, other=0.0).to(tl.float32)
+            part += lo * xlo[None, :] + hi * xhi[None, :]
+        acc += part * sc
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, h_ptr, limit,
+                         DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+                         BN: tl.constexpr, BKW: tl.constexpr):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    rows = nb * BN + tl.arange(0, BN)
+    rmask = rows < INTER
+    grow = e * INTER + rows
+    xv = x_ptr + (p // TOPK).to(tl.int64) * DIM
+    g = tl.minimum(_gemv_rows(w1_ptr, s1_ptr, xv, grow, rmask, DIM, BKW), limit)
+    u = _gemv_rows(w3_ptr, s3_ptr, xv, grow, rmask, DIM, BKW)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + p.to(tl.int64) * INTER + rows, h, mask=rmask)
+
+
+@triton.jit
+def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
+                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+                      BN: tl.constexpr, BKW: tl.constexpr):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    rows = nb * BN + tl.arange(0, BN)
+    rmask = rows < DIM
+    y = _gemv_rows(w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask, INTER, BKW)
+    tw = tl.load(tw_ptr + p)
+    tl.atomic_add(out_ptr + (p // TOPK).to(tl.int64) * DIM + rows, y * tw, mask=rmask)
+
+
+# -- prefill path: grouped tensor-core GEMM ----------------------------------------------------------
+
+@triton.jit
+def _block_ids(NBM, NBN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (token block, N block): GROUP_M consecutive token blocks (mostly one expert) sweep
+    all N blocks together, so each weight tile is fetched from HBM about once and their x stays in L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * NBN
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(NBM - first, GROUP_M)
+    mb = first + (pid % per_group) % size
+    nb = (pid % per_group) // size
+    return mb, nb
 
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
-                        limit, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    mb = tl.program_id(0)
-    nb = tl.program_id(1)
+                        limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    mb, nb = _block_ids(NBM, (INTER + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
         return
@@ -112,32 +235,32 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     tok = tl.load(order_ptr + rows, mask=rmask, other=0) // TOPK
     n_idx = nb * BN + tl.arange(0, BN)
     n_mask = n_idx < INTER
-    w_off = e.to(tl.int64) * INTER
+    grow = e.to(tl.int64) * INTER + n_idx
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc3 = tl.zeros([BM, BN], tl.float32)
     kk = tl.arange(0, BK)
     for k0 in range(0, DIM, BK):
+        # x is in NIB order (permuted on the host), like the decoded tiles
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
-        a = _fp4_weight_tile(w1_ptr + w_off * (DIM // 2), s1_ptr + w_off * (DIM // 32), n_idx, n_mask, k0,
-                             DIM, BK, DT)
+        a = _fp4_tile(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, DT)
         acc1 += tl.dot(xt, tl.trans(a))
-        b = _fp4_weight_tile(w3_ptr + w_off * (DIM // 2), s3_ptr + w_off * (DIM // 32), n_idx, n_mask, k0,
-                             DIM, BK, DT)
+        b = _fp4_tile(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, DT)
         acc3 += tl.dot(xt, tl.trans(b))
     g = tl.minimum(acc1, limit)
     u = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * INTER + n_idx[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=rmask[:, None] & n_mask[None, :])
+    # stored in NIB order along I: the down kernel's decoded w2 tiles expect it
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * INTER + _nib_position(n_idx)[None, :],
+             h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr,
+def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, NBM,
                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    mb = tl.program_id(0)
-    nb = tl.program_id(1)
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    mb, nb = _block_ids(NBM, (DIM + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
         return
@@ -149,46 +272,77 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
     tok = pair // TOPK
     n_idx = nb * BN + tl.arange(0, BN)
     n_mask = n_idx < DIM
-    w_off = e.to(tl.int64) * DIM
+    grow = e.to(tl.int64) * DIM + n_idx
     acc = tl.zeros([BM, BN], tl.float32)
     kk = tl.arange(0, BK)
     for k0 in range(0, INTER, BK):
         ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * INTER + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
-        w = _fp4_weight_tile(w2_ptr + w_off * (INTER // 2), s2_ptr + w_off * (INTER // 32), n_idx, n_mask, k0,
-                             INTER, BK, DT)
+        w = _fp4_tile(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, DT)
         acc += tl.dot(ht, tl.trans(w))
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * DIM + n_idx[None, :], acc * tw[:, None],
                   mask=rmask[:, None] & n_mask[None, :])
 
 
+def _nib_order(a: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R, K] with K in NIB order inside each 8-group (swap of the two low index bits)."""
+    r, kdim = a.shape
+    return a.reshape(r, kdim // 8, 2, 2, 2).transpose(-1, -2).reshape(r, kdim)
+
+
+def _words(w: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 bytes [..., K/2] seen as int32 words [..., K/8] (8 nibbles each, no copy)."""
+    w = w.contiguous()
+    return w.view(torch.int32)
+
+
 def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                    swiglu_limit: float = 10.0, block_m: int | None = None, block_n: int | None = None,
-                   block_k: int = 64, num_warps: int = 4, num_stages: int = 3):
+                   block_k: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 4,
+                   gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
+                   gemv_num_warps: int = 4):
+    """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
+    (gemv_* knobs); otherwise the grouped GEMM (block_m tokens x block_n rows x block_k, group_m)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
+    if dim % 32 or inter % 32:
+        raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
+    u8 = torch.uint8
+    w1w, w3w, w2w = _words(w1), _words(w3), _words(w2)
+    s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
+    tw = topk_weights.float().contiguous()
+    out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
+    if p <= gemv_max_pairs:
+        ids = topk_ids.to(torch.int32).contiguous()
+        h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
+        bkw1 = min(gemv_block_kw, triton.next_power_of_2(dim // 8))
+        bkw2 = min(gemv_block_kw, triton.next_power_of_2(inter // 8))
+        _gemv_gate_up_kernel[(p, triton.cdiv(inter, gemv_block_n))](
+            x.contiguous(), w1w, s1, w3w, s3, ids, h, float(swiglu_limit), DIM=dim, INTER=inter, TOPK=k,
+            BN=gemv_block_n, BKW=bkw1, num_warps=gemv_num_warps)
+        _gemv_down_kernel[(p, triton.cdiv(dim, gemv_block_n))](
+            h, w2w, s2, ids, tw, out, DIM=dim, INTER=inter, TOPK=k, BN=gemv_block_n, BKW=bkw2,
+            num_warps=gemv_num_warps)
+        return out
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64
     if block_n is None:
         block_n = 32 if block_m == 16 else 128
-    if block_m == 16 and block_k == 64:
-        block_k = 256  # decode streams weights: longer rows per load
     bk = min(block_k, inter, dim)
     if dim % bk or inter % bk or bk % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the K block {bk} (a multiple of 32)")
     order, bexp, bbeg, bend = moe_align(topk_ids, e, block_m)
     dt = dot_dtype()
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
-    out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
-    nb = bexp.numel()
-    u8 = torch.uint8
-    _moe_gate_up_kernel[(nb, triton.cdiv(inter, block_n))](
-        x.contiguous(), w1, w1_scale.view(u8), w3, w3_scale.view(u8), order, bexp, bbeg, bend, h,
-        float(swiglu_limit), DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt,
+    nbm = bexp.numel()
+    xp = _nib_order(x.contiguous())
+    _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
+        xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
+        DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages)
-    _moe_down_kernel[(nb, triton.cdiv(dim, block_n))](
-        h, w2, w2_scale.view(u8), order, bexp, bbeg, bend, topk_weights.float().contiguous(), out,
-        DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt,
+    _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
+        h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
+        DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages)
     return out

@@ -1,0 +1,89 @@
+"""The FP4 MoE kernels (kernels/moe.py), both paths, on the CPU under TRITON_INTERPRET=1, against the
+float64 reference: the decode-time GEMV path and the grouped tensor-core path with its NIB K order."""
+
+import importlib
+import os
+import random
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+
+import pytest
+import torch
+
+import kernels._formats
+import kernels.moe
+
+for _m in (kernels._formats, kernels.moe):
+    importlib.reload(_m)
+
+from engine import quant as Q  # noqa: E402
+from kernels import moe  # noqa: E402
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    assert not torch.isnan(b).any()
+    return ((a - b).norm() / a.norm()).item()
+
+
+def _weights(gen, e, inter, dim, every_byte=False):
+    wq = lambda o, i: Q.quantize_fp4(torch.randn(e, o, i, generator=gen), 32)
+    w1, s1 = wq(inter, dim)
+    w3, s3 = wq(inter, dim)
+    w2, s2 = wq(dim, inter)
+    if every_byte:
+        # every FP4 byte (both nibbles: zeros, -0, the subnormal +-0.5, 6) and scale bytes down to 2^-127
+        w1 = torch.arange(256, dtype=torch.int32).repeat(w1.numel() // 256 + 1)[: w1.numel()].reshape(w1.shape)
+        w1 = w1.to(torch.uint8).view(torch.int8)
+        s1 = (s1.view(torch.uint8).long() - torch.randint(0, 3, s1.shape, generator=gen)).clamp(0, 254)
+        s1 = s1.to(torch.uint8).view(torch.float8_e8m0fnu)
+    return w1, s1, w3, s3, w2, s2
+
+
+def _case(gen, t, e=6, inter=64, dim=128, k=3, every_byte=False):
+    x = torch.randn(t, dim, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    tw = torch.rand(t, k, generator=gen)
+    return (x, *_weights(gen, e, inter, dim, every_byte), ids, tw)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(random.randrange(2**31))
+
+
+def test_nib_order_is_the_decoders_order():
+    a = torch.arange(16.0).reshape(1, 16)
+    got = moe._nib_order(a)[0].tolist()
+    assert got == [0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15]
+    assert torch.equal(moe._nib_order(moe._nib_order(a)), a)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_gemv_path(gen, t):
+    args = _case(gen, t)
+    got = moe.moe_fp4_triton(*args, gemv_block_n=32, gemv_block_kw=8)  # several K steps
+    assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
+
+
+def test_gemv_path_every_fp4_byte(gen):
+    args = _case(gen, 1, every_byte=True)
+    got = moe.moe_fp4_triton(*args, gemv_block_n=64)
+    assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
+
+
+@pytest.mark.parametrize("block_k,group_m", [(32, 1), (64, 2)])
+def test_grouped_path(gen, block_k, group_m):
+    args = _case(gen, 13, e=4, k=2, every_byte=True)  # 26 pairs: several token blocks per expert
+    got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=32, block_k=block_k, group_m=group_m)
+    assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
+
+
+def test_no_limit_and_both_paths_agree(gen):
+    args = _case(gen, 2)
+    args = ((args[0].float() * 4).to(torch.bfloat16), *args[1:])  # well past the clamps
+    want = moe.moe_fp4_reference(*args, swiglu_limit=3e38)
+    a = moe.moe_fp4_triton(*args, swiglu_limit=3e38)
+    b = moe.moe_fp4_triton(*args, swiglu_limit=3e38, gemv_max_pairs=0, block_m=16, block_n=32)
+    assert _rel(want, a) < 1e-5 and _rel(want, b) < 1e-5, gen.initial_seed()
+    assert _rel(moe.moe_fp4_reference(*args), want) > 1e-3  # the limit matters at these scales
