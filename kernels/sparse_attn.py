@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import dot_dtype, e4m3_value, e8m0_value, fp4_value
+from kernels._formats import dot_dtype
 
 
 def _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink):
@@ -56,75 +56,211 @@ def sparse_attn_reference(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, 
     return out.to(torch.bfloat16).to(q.device)
 
 
+
+_LOG2E = 1.4426950408889634
+# Decoded entries are kept at 2^-8 of their value (kv' = kv / 256): the FP4 multiplier scale * 2^118 then
+# stays finite for every E4M3 scale; S and the output take the 256 back as constants.
+_FOLD = 256.0
+
+
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kvp_ptr, kvs_ptr, idx_ptr, win_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
-                        n_sel, n_win, qk_scale_log2, H: tl.constexpr, D: tl.constexpr,
-                        BH: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
+def _fp4_lane(x, k: tl.constexpr):
+    """Nibble k (dim 4j + k) of each int16 group (sign-extended in int32 lanes) -> float32 whose value
+    is the E2M1 value * 2^-126: the three magnitude bits land on exponent bits 0-1 and the top mantissa
+    bit (codes 0/1 become the subnormals 0 and 2^-127), the sign bit on bit 31."""
+    mag = (x << (22 - 4 * k)) & 0x01C00000
+    sgn = (x << (28 - 4 * k)) & -2147483648
+    return (mag | sgn).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_lane(x, k: tl.constexpr):
+    """Byte k (dim 4j + k) of each int32 word -> its E4M3 value (native conversion), float32."""
+    return ((x >> (8 * k)) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _join4(v0, v1, v2, v3, BN: tl.constexpr, D: tl.constexpr):
+    # joins add in-thread axes only: [BN, D/4, 2, 2] flattens to dim 4j + 2a + b
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BN, D))
+
+
+@triton.jit
+def _raw_tile(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr):
+    """Raw bytes of the entries `ent` ([BN], -1 = none) as int32 lanes [BN, D/4] of 4 values each (FP4:
+    int16 groups; window: E4M3 words) and one scale byte per lane (FP4: E4M3 per 16 values; window:
+    E8M0 per 32). Both loads are issued, one fully masked (no branch: layouts stay unified)."""
+    ok = ent >= 0
+    row = tl.where(ok, ent, 0).to(tl.int64)
+    jw = tl.arange(0, D // 4)
+    okw = (ok & is_win)[:, None]
+    okf = (ok & (not is_win))[:, None]
+    x = tl.load(winw_ptr + row[:, None] * (D // 4) + jw[None, :], mask=okw, other=0) \
+        | tl.load(kvh_ptr + row[:, None] * (D // 4) + jw[None, :], mask=okf, other=0).to(tl.int32)
+    s = tl.load(wins_ptr + row[:, None] * (D // 32) + jw[None, :] // 8, mask=okw, other=0) \
+        | tl.load(kvs_ptr + row[:, None] * (D // 16) + jw[None, :] // 4, mask=okf, other=0)
+    return x, s
+
+
+@triton.jit
+def _fp4_decode(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+    """FP4 lanes + E4M3 scale bytes -> kv' = kv / 256 [BN, D], natural dim order, DT."""
+    m = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622794e+35  # scale * 2^118
+    return _join4((_fp4_lane(x, 0) * m).to(DT), (_fp4_lane(x, 1) * m).to(DT), (_fp4_lane(x, 2) * m).to(DT),
+                  (_fp4_lane(x, 3) * m).to(DT), BN, D)
+
+
+@triton.jit
+def _win_decode(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+    """E4M3 words + E8M0 bytes -> kv' = kv / 256 [BN, D], natural order, DT (scales below 2^-118 are
+    taken as 2^-118)."""
+    m = ((tl.maximum(s.to(tl.int32), 9) - 8) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) / 256
+    return _join4((_e4m3_lane(x, 0) * m).to(DT), (_e4m3_lane(x, 1) * m).to(DT), (_e4m3_lane(x, 2) * m).to(DT),
+                  (_e4m3_lane(x, 3) * m).to(DT), BN, D)
+
+
+@triton.jit
+def _tile_ent(idx_row, widx_row, i, n_st, lo_s, hi_s, lo_w, hi_w, ar):
+    """Entry indices [BN] of this program's tile i: selected tiles first, then window tiles; -1 past
+    the end."""
+    BN: tl.constexpr = ar.shape[0]
+    sel = i < n_st
+    start = tl.where(sel, lo_s + i * BN, lo_w + (i - n_st) * BN)
+    end = tl.where(sel, hi_s, hi_w)
+    base = tl.where(sel, idx_row, widx_row)
+    return tl.load(base + start + ar, mask=start + ar < end, other=-1)
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
+                        po_ptr, pm_ptr, pl_ptr, T, n_sel, n_win, sel_per_split, win_per_split, qk2,
+                        H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                        DT: tl.constexpr, SPLIT: tl.constexpr):
+    """One program: token t, heads [hb*BH, +BH), split sp's share of the selected and of the window
+    entries, as one loop over tiles (selected first). The next tile's raw bytes (and the indices of the
+    one after) are loaded before the current tile is decoded, so the gathers overlap the dots.
+    SPLIT: write (acc, max, sum) partials for _merge_kernel; else the output with the sink."""
     t = tl.program_id(0)
-    hb = tl.program_id(1)
+    sp = tl.program_id(1)
+    hb = tl.program_id(2)
     heads = hb * BH + tl.arange(0, BH)
     dcol = tl.arange(0, D)
+    ar = tl.arange(0, BN)
     q = tl.load(q_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :]).to(DT)  # [BH, D]
     m_i = tl.full([BH], -1.0e30, tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    jh = tl.arange(0, D // 2)
-    # global FP4 entries (E4M3 scale per 16 values = per 8 bytes)
-    for start in range(0, n_sel, BN):
-        offs = start + tl.arange(0, BN)
-        ent = tl.load(idx_ptr + t.to(tl.int64) * n_sel + offs, mask=offs < n_sel, other=-1)
-        ok = ent >= 0
-        row = tl.where(ok, ent, 0).to(tl.int64)
-        b = tl.load(kvp_ptr + row[:, None] * (D // 2) + jh[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        sc = e4m3_value(tl.load(kvs_ptr + row[:, None] * (D // 16) + jh[None, :] // 8, mask=ok[:, None],
-                                other=0).to(tl.int32))
-        lo = fp4_value(b & 15) * sc
-        hi = fp4_value((b >> 4) & 15) * sc
-        kv = tl.join(lo, hi).reshape(BN, D).to(DT)  # [BN, D]
-        s = tl.dot(q, tl.trans(kv)) * qk_scale_log2  # [BH, BN], log2 units
-        s = tl.where(ok[None, :], s, float("-inf"))
+    acc = tl.zeros([BH, D], tl.float32)  # kv' units (1/256)
+
+    lo_s = sp * sel_per_split
+    hi_s = tl.minimum(lo_s + sel_per_split, n_sel)
+    lo_w = sp * win_per_split
+    hi_w = tl.minimum(lo_w + win_per_split, n_win)
+    n_st = tl.cdiv(tl.maximum(hi_s - lo_s, 0), BN)
+    n_t = n_st + tl.cdiv(tl.maximum(hi_w - lo_w, 0), BN)
+    idx_row = idx_ptr + t.to(tl.int64) * n_sel
+    widx_row = widx_ptr + t.to(tl.int64) * n_win
+    e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar)
+    e2 = _tile_ent(idx_row, widx_row, 1, n_st, lo_s, hi_s, lo_w, hi_w, ar)
+    x1, s1 = _raw_tile(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D)
+    for i in range(0, n_t):
+        ec, xc, sc = e1, x1, s1
+        e1 = e2
+        e2 = _tile_ent(idx_row, widx_row, i + 2, n_st, lo_s, hi_s, lo_w, hi_w, ar)
+        x1, s1 = _raw_tile(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D)
+        if i < n_st:
+            kv = _fp4_decode(xc, sc, BN, D, DT)
+        else:
+            kv = _win_decode(xc, sc, BN, D, DT)
+        s = tl.dot(q, tl.trans(kv)) * qk2  # [BH, BN], log2 units
+        s = tl.where((ec >= 0)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DT), kv)
         m_i = m_new
-    # window FP8 entries (E8M0 scale per 32 values)
-    for start in range(0, n_win, BN):
-        offs = start + tl.arange(0, BN)
-        ent = tl.load(widx_ptr + t.to(tl.int64) * n_win + offs, mask=offs < n_win, other=-1)
-        ok = ent >= 0
-        row = tl.where(ok, ent, 0).to(tl.int64)
-        v8 = tl.load(win_ptr + row[:, None] * D + dcol[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        sc = e8m0_value(tl.load(wins_ptr + row[:, None] * (D // 32) + dcol[None, :] // 32, mask=ok[:, None],
-                                other=127).to(tl.int32))
-        kv = (e4m3_value(v8) * sc).to(DT)
-        s = tl.dot(q, tl.trans(kv)) * qk_scale_log2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DT), kv)
-        m_i = m_new
+
+    if SPLIT:
+        row = (sp * T + t).to(tl.int64) * H + heads  # [BH] rows of the [S, T, H] partials
+        tl.store(po_ptr + row[:, None] * D + dcol[None, :], acc)
+        tl.store(pm_ptr + row, m_i)
+        tl.store(pl_ptr + row, l_i)
+    else:
+        sink = tl.load(sink_ptr + heads) * 1.4426950408889634
+        mm = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - mm)
+        den = l_i * alpha + tl.exp2(sink - mm)
+        out = acc * (alpha * 256.0 / den)[:, None]
+        tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], out.to(tl.bfloat16))
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr, H: tl.constexpr,
+                  D: tl.constexpr, BH: tl.constexpr):
+    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink)."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    dcol = tl.arange(0, D)
     sink = tl.load(sink_ptr + heads) * 1.4426950408889634
-    l_i += tl.exp2(sink - m_i)
-    out = acc / l_i[:, None]
+    mm = sink
+    for s in tl.static_range(S):
+        mm = tl.maximum(mm, tl.load(pm_ptr + (s * T + t).to(tl.int64) * H + heads))
+    den = tl.exp2(sink - mm)
+    num = tl.zeros([BH, D], tl.float32)
+    for s in tl.static_range(S):
+        row = (s * T + t).to(tl.int64) * H + heads
+        wgt = tl.exp2(tl.load(pm_ptr + row) - mm)
+        den += wgt * tl.load(pl_ptr + row)
+        num += wgt[:, None] * tl.load(po_ptr + row[:, None] * D + dcol[None, :])
+    out = num * (256.0 / den)[:, None]
     tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], out.to(tl.bfloat16))
 
 
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
-                       block_h: int = 16, block_n: int = 32, num_warps: int = 4, num_stages: int = 1):
+                       block_h: int = 64, block_n: int = 32, num_warps: int = 8, num_stages: int = 1,
+                       split: int | None = None, merge_heads: int = 8):
+    """Triton sparse attention; same inputs and output as sparse_attn_reference.
+
+    block_h heads share each program (the dots' M; 64 fills a Hopper warpgroup MMA), block_n entries
+    per tile, split = programs per (token, head block) over the entry lists (None: enough to fill the
+    SMs once, 1 for prefill), merged by a second kernel that also adds the sink."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
+    if d % 64 or d & (d - 1):
+        raise ValueError(f"sparse attention: head dim {d} must be a power of two >= 64")
     scale = d ** -0.5 if scale is None else scale
     bh = min(block_h, h)
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
+    n_sel, n_win = idx.shape[1], win_idx.shape[1]
+    tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
+    if split is None:
+        split = max(1, _num_sms(q.device) // max(1, t * (h // bh)))
+    split = max(1, min(int(split), tiles))
+    sel_per = triton.cdiv(triton.cdiv(n_sel, block_n), split) * block_n
+    win_per = triton.cdiv(triton.cdiv(n_win, block_n), split) * block_n
     out = torch.empty_like(q, dtype=torch.bfloat16)
-    _sparse_attn_kernel[(t, h // bh)](
-        q.contiguous(), kv_packed.contiguous(), kv_scale.contiguous().view(torch.uint8),
-        idx.to(torch.int32).contiguous(), win.contiguous().view(torch.uint8),
+    if split > 1:
+        po = torch.empty(split, t, h, d, dtype=torch.float32, device=q.device)
+        pm = torch.empty(split, t, h, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        po = pm = pl = out  # unused
+    kvh = kv_packed.contiguous().view(torch.int16)
+    _sparse_attn_kernel[(t, split, h // bh)](
+        q.contiguous(), kvh, kv_scale.contiguous().view(torch.uint8), idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
         win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous(),
-        sink.float().contiguous(), out, idx.shape[1], win_idx.shape[1], scale * math.log2(math.e),
-        H=h, D=d, BH=bh, BN=block_n, DT=dot_dtype(), num_warps=num_warps, num_stages=num_stages)
+        sink.float().contiguous(), out, po, pm, pl, t, n_sel, n_win, sel_per, win_per,
+        scale * math.log2(math.e) * _FOLD,
+        H=h, D=d, BH=bh, BN=block_n, DT=dot_dtype(), SPLIT=split > 1, num_warps=num_warps,
+        num_stages=num_stages)
+    if split > 1:
+        mh = min(merge_heads, h)
+        _merge_kernel[(t, h // mh)](po, pm, pl, sink.float().contiguous(), out, t, S=split, H=h, D=d, BH=mh,
+                                    num_warps=4)
     return out

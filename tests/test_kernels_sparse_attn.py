@@ -1,0 +1,139 @@
+"""Sparse attention kernel (kernels/sparse_attn.py) under TRITON_INTERPRET=1: the in-register decoders
+bit for bit against engine.quant, and the split-KV path (partials + merge with the sink) against the
+float64 reference."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("these tests run the kernels under TRITON_INTERPRET=1", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import kernels._formats  # noqa: E402
+import kernels.sparse_attn  # noqa: E402
+
+for _m in (kernels._formats, kernels.sparse_attn):  # jit functions made without the interpreter
+    importlib.reload(_m)
+
+from engine import quant as Q  # noqa: E402
+from kernels import sparse_attn as A  # noqa: E402
+
+_empty, _empty_like = torch.empty, torch.empty_like
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """New buffers hold NaN / 0xA5 bytes, so an unwritten partial shows in the output."""
+    def poison(t):
+        if t.is_floating_point() and t.dtype.itemsize >= 2:
+            return t.fill_(float("nan"))
+        return t.view(torch.uint8).fill_(0xA5).view(t.dtype) if t.numel() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(_empty_like(*a, **k)))
+
+
+@triton.jit
+def _fp4_probe(kvh_ptr, kvs_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr):
+    ent = tl.load(ent_ptr + tl.arange(0, BN))
+    x, s = A._raw_tile(kvh_ptr, kvs_ptr, kvh_ptr, kvs_ptr, ent, False, D)
+    kv = A._fp4_decode(x, s, BN, D, tl.float32)
+    tl.store(out_ptr + tl.arange(0, BN)[:, None] * D + tl.arange(0, D)[None, :], kv)
+
+
+@triton.jit
+def _win_probe(winw_ptr, wins_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr):
+    ent = tl.load(ent_ptr + tl.arange(0, BN))
+    x, s = A._raw_tile(winw_ptr, wins_ptr, winw_ptr, wins_ptr, ent, True, D)
+    kv = A._win_decode(x, s, BN, D, tl.float32)
+    tl.store(out_ptr + tl.arange(0, BN)[:, None] * D + tl.arange(0, D)[None, :], kv)
+
+
+def test_fp4_decode_every_code_and_scale():
+    """All 256 packed bytes against all 256 E4M3 scale bytes (NaN scales excepted), incl. subnormal
+    scales and the E2M1 codes 0/1 that go through float32 subnormals: exact, at 2^-8 of the value."""
+    d, n = 64, 64
+    packed = torch.arange(n * d // 2, dtype=torch.int64).remainder(256).to(torch.uint8)
+    packed = packed[torch.randperm(packed.numel(), generator=torch.Generator().manual_seed(1))]
+    packed = packed.view(n, d // 2).view(torch.int8)
+    sc = torch.arange(n * d // 16, dtype=torch.int64).remainder(256).to(torch.uint8).view(n, d // 16)
+    sc = torch.where((sc & 0x7F) == 0x7F, torch.full_like(sc, 0x38), sc)  # E4M3 NaN codes -> 1.0
+    scale = sc.view(torch.float8_e4m3fn)
+    assert set(sc.flatten().tolist()) >= set(range(0, 0x7F)) | set(range(0x80, 0xFF))
+    ent = torch.tensor(list(range(n - 1, -1, -1)), dtype=torch.int32)  # rows out of order
+    ent[5] = -1  # a skipped slot decodes to zeros
+    out = torch.empty(n, d)
+    _fp4_probe[(1,)](packed.view(torch.int16), sc, ent, out, BN=n, D=d)
+    want = Q.dequantize_fp4(packed, scale, 16).float()[ent.clamp_min(0).long()]
+    want[5] = 0
+    assert torch.equal(out * 256, want)
+
+
+def test_window_decode_every_byte():
+    """All 256 E4M3 bytes but NaN, E8M0 scales 2^-118 .. 2^8: exact, at 2^-8 of the value."""
+    d, n = 64, 64
+    b = torch.arange(n * d, dtype=torch.int64).remainder(256).to(torch.uint8)
+    b = torch.where((b & 0x7F) == 0x7F, torch.zeros_like(b), b).view(n, d)
+    s = (torch.arange(n * d // 32, dtype=torch.int64).remainder(127) + 9).to(torch.uint8).view(n, d // 32)
+    ent = torch.arange(n, dtype=torch.int32).flip(0)
+    out = torch.empty(n, d)
+    _win_probe[(1,)](b.view(torch.int32), s, ent, out, BN=n, D=d)
+    want = Q.dequantize_fp8(b.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), 32).float()
+    assert torch.equal(out * 256, want[ent.long()])
+
+
+def _inputs(g, t, h, d, n, w, k, wn, q_scale=2.0):
+    q = (torch.randn(t, h, d, generator=g) * q_scale).to(torch.bfloat16)
+    kvp, kvs = Q.quantize_fp4(torch.randn(n, d, generator=g), 16, "e4m3")
+    w8, ws = Q.quantize_fp8(torch.randn(w, d, generator=g))
+    idx = torch.randint(-1, n, (t, k), generator=g, dtype=torch.int32)
+    widx = torch.randint(-1, w, (t, wn), generator=g, dtype=torch.int32)
+    sink = torch.randn(h, generator=g)
+    return [q, kvp, kvs, idx, w8, ws, widx, sink]
+
+
+def _rel(a, b):
+    assert not torch.isnan(b).any(), "NaN in the kernel's output (unwritten or invalid)"
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / a.norm()).item()
+
+
+@pytest.mark.parametrize("split,block_h", [(1, 16), (2, 16), (3, 8), (None, 16)])
+def test_split_kv_matches_reference(poisoned, split, block_h):
+    """Selected tiles 0..2 and window tiles 0..1 (block 16) shared over 1-3 splits and two head blocks;
+    split 3 leaves the last split without window tiles. Last row: nothing selected -> zeros."""
+    g = torch.Generator().manual_seed(7 + (split or 0))
+    args = _inputs(g, t=3, h=16, d=64, n=50, w=30, k=40, wn=20)
+    args[3][-1], args[6][-1] = -1, -1
+    want = A.sparse_attn_reference(*args)
+    got = A.sparse_attn_triton(*args, block_h=block_h, block_n=16, num_warps=4, split=split)
+    assert _rel(want, got) < 1e-2  # bf16 output; the interpreter truncates to bf16
+    assert (got[-1] == 0).all()
+
+
+def test_split_with_only_window_work_and_dominant_sink(poisoned):
+    """One selected tile over 3 splits: splits 1-2 hold window tiles only. Head 0's sink is huge, so its
+    output must vanish (the merge adds the sink once, not once per split)."""
+    g = torch.Generator().manual_seed(3)
+    args = _inputs(g, t=2, h=16, d=64, n=20, w=60, k=16, wn=48, q_scale=0.5)
+    args[7][0] = 30.0
+    want = A.sparse_attn_reference(*args)
+    one = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=1)
+    got = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=3)
+    assert _rel(want, got) < 1e-2 and _rel(want, one) < 1e-2
+    assert got[:, 0].abs().max() < 1e-6 < got[:, 1].abs().max()
+
+
+def test_rejects_bad_head_dim():
+    g = torch.Generator().manual_seed(0)
+    args = _inputs(g, t=1, h=16, d=96, n=8, w=8, k=4, wn=4)
+    with pytest.raises(ValueError, match="head dim"):
+        A.sparse_attn_triton(*args)
