@@ -93,3 +93,37 @@ def test_decode_counts_each_sequence_cache(report):
     assert parts["global_kv"] == 2 * 8 * (32 + 4)
     assert parts["index_keys"] == 2 * 8 * (16 + 1)
     assert row["flops_parts"]["attention"] == 4 * 4 * 64 * 2 * (8 + 8)
+
+
+def test_stored_weights_keep_no_float_copy_and_feed_the_fp8_kernel():
+    """StoredWeights hands out an FP8 weight's value for the call only, recognises it (and its views)
+    afterwards, and TritonOps.gemm then runs the FP8 linear on the stored bytes."""
+    import torch
+    from engine import quant
+    from engine.ops import ops_for
+    from engine.ops.stored import StoredWeights, TensorReader
+    from engine.ops.triton import TritonOps
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) / 10
+    q, s = quant.quantize_fp8_weight(w, 32)
+    src = StoredWeights(reader=TensorReader({"layers.0.engram.wkv.weight": q, "layers.0.engram.wkv.scale": s,
+                                             "layers.0.norm.weight": torch.ones(8, dtype=torch.bfloat16)}))
+    value = src.get("layers.0.engram.wkv.weight")
+    assert torch.equal(value, quant.dequantize_fp8_weight(q, s, 32))
+    assert src.stored_name_of(value) == "layers.0.engram.wkv.weight"
+    assert src.stored_name_of(value.view(2, 32, 96)) == "layers.0.engram.wkv.weight"
+    assert src.stored_name_of(value.clone()) is None
+    assert src.get("layers.0.norm.weight").dtype == torch.float32
+    assert src.stored_bytes() == 64 * 96 + 2 * 3 + 8 * 2 + 8 * 4  # stored bytes + the one widened BF16 weight
+    ops = TritonOps(ops_for("fp32"), src, "cpu")
+    x = quant.fp8_roundtrip(torch.randn(5, 96, generator=g), 32)
+    got = ops.gemm(x, value)
+    assert ops.calls["fp8_linear"] == 1
+    want = x.double() @ value.double().t()
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2  # bf16 output of the FP8 kernel
+    assert torch.equal(ops.gemm(x, value.clone()), x @ value.clone().t())  # any other tensor: the base op
+    del value
+    import gc
+    gc.collect()
+    assert not [h for h in src._handed.values() if h[0]() is not None]  # nothing kept alive

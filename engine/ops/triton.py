@@ -20,6 +20,11 @@ differ from the wrapped ops where the kernels' design does: q and the MoE activa
 reference keeps fp32 and rounds the experts' hidden activation to FP8), bf16 outputs of attention and
 the linears; the wrapped numerics' `act` stores what the kernels return.
 
+Weights: the raw bytes come from the weight source's own device copy where it keeps one
+(engine/ops/stored.py StoredWeights: `stored`, `stacked_experts`, no fp32 copies), else from its
+reader. An FP8 weight the model asks for as a float (wo_a, the Engram's wkv) is recognised by
+`stored_name_of` and run on its stored bytes (`grouped_out`, `gemm`).
+
 `compute=False` with `capture_layer=L` only records the kernels' inputs at layer L (the wrapped ops
 compute): engine/run/parity.py compares each kernel with its reference on them.
 """
@@ -143,23 +148,37 @@ class TritonOps:
             name, scale = base + ".weight", base + ".scale"
             hit = None
             if name in self.reader and scale in self.reader and self.reader.entry(name).dtype == "F8_E4M3":
-                w, s = self.reader.tensor(name), self.reader.tensor(scale)
+                w, s = self._stored(name), self._stored(scale)
                 if w.dim() == 2 and tuple(s.shape) == (-(-w.shape[0] // 32), w.shape[1] // 32) and w.shape[1] % 32 == 0:
-                    hit = (w.to(self.device), s.to(self.device))
+                    hit = (w, s)
             self._raw[base] = hit
         return self._raw[base]
+
+    def _stored(self, name: str) -> torch.Tensor:
+        """A tensor in its stored dtype on the device: the weight source's own copy where it keeps one
+        (engine/ops/stored.py StoredWeights), else read and moved here."""
+        stored = getattr(self.weights, "stored", None)
+        hit = stored(name) if stored is not None else None
+        return hit if hit is not None else self.reader.tensor(name).to(self.device)
+
+    def forget(self, prefix: str) -> None:
+        """Drop the device weights of names starting with `prefix` (a bench freeing a layer)."""
+        for cache in (self._raw, self._experts):
+            for name in [n for n in cache if n.startswith(prefix)]:
+                del cache[name]
 
     def _expert_weights(self, prefix: str, n_experts: int):
         """Stacked packed FP4 experts of one layer: w1, w1_scale, w3, w3_scale, w2, w2_scale, or None."""
         if prefix not in self._experts:
-            hit = None
+            stacked = getattr(self.weights, "stacked_experts", None)
+            hit = stacked(prefix, n_experts) if stacked is not None else None  # held stacked: no copy
             first = f"{prefix}experts.0.w1.weight"
-            if first in self.reader and self.reader.entry(first).dtype == "I8":
+            if hit is None and first in self.reader and self.reader.entry(first).dtype == "I8":
                 parts = []
                 for w in ("w1", "w3", "w2"):
                     for leaf in ("weight", "scale"):
-                        parts.append(torch.stack([self.reader.tensor(f"{prefix}experts.{e}.{w}.{leaf}")
-                                                  for e in range(n_experts)]).to(self.device))
+                        parts.append(torch.stack([self._stored(f"{prefix}experts.{e}.{w}.{leaf}")
+                                                  for e in range(n_experts)]))
                 hit = tuple(parts)
             self._experts[prefix] = hit
         return self._experts[prefix]
@@ -178,6 +197,34 @@ class TritonOps:
             if self.compute:
                 return self.act(self._kernel("fp8_linear")(*args).float().view(*x.shape[:-1], -1))
         return self.base.linear(x, base, weights, act_quant, round_input)
+
+    def _stored_fp8(self, w: torch.Tensor):
+        """(name, raw) when `w` is the dequantized value of a stored FP8 weight the weight source handed
+        out (engine/ops/stored.py stored_name_of), so its stored bytes can be used instead; else None."""
+        lookup = getattr(self.weights, "stored_name_of", None)
+        name = lookup(w) if lookup is not None else None
+        if name is None or not name.endswith(".weight"):
+            return None
+        raw = self._fp8_weight(name[: -len(".weight")])
+        return None if raw is None else (name, raw)
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T; for a stored FP8 weight (the Engram's wkv) on its E4M3 bytes by `fp8_linear` (x, already
+        E4M3-rounded per 32 by the caller, re-quantizes exactly), else the base op."""
+        hit = self._stored_fp8(w) if self.compute and self.act_quant and x.dim() == 2 else None
+        if hit is None or hit[1][0].shape != w.shape:
+            return self.base.gemm(x, w)
+        return self._kernel("fp8_linear")(x.float().contiguous(), *hit[1]).float()
+
+    def grouped_out(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection o [T, g, d] x wo_a [g, r, d] -> [T, g, r]. On CUDA with the
+        reference's numerics and a stored FP8 wo_a: one bf16 batched GEMM with fp32 accumulation (the
+        reference's bf16 GEMM; the FP8 values are exact in bf16), instead of an fp32 einsum."""
+        if self.device.type == "cuda" and self.compute and getattr(self.base, "name", "") == "reference" \
+                and self._stored_fp8(wo_a) is not None:
+            out = torch.bmm(o.transpose(0, 1).to(torch.bfloat16), wo_a.to(torch.bfloat16).transpose(1, 2))
+            return self.act(out.transpose(0, 1).float())
+        return self.base.grouped_out(o, wo_a)
 
     def keeps_window_bytes(self, layer: int) -> bool:
         return self.active(layer)
