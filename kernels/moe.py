@@ -291,6 +291,13 @@ def _nib_order(a: torch.Tensor) -> torch.Tensor:
     return a.reshape(r, kdim // 8, 2, 2, 2).transpose(-1, -2).reshape(r, kdim)
 
 
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
 def _words(w: torch.Tensor) -> torch.Tensor:
     """Packed FP4 bytes [..., K/2] seen as int32 words [..., K/8] (8 nibbles each, no copy)."""
     w = w.contiguous()
@@ -316,8 +323,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     if p <= gemv_max_pairs:
         ids = topk_ids.to(torch.int32).contiguous()
         h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
-        bkw1 = min(gemv_block_kw, triton.next_power_of_2(dim // 8))
-        bkw2 = min(gemv_block_kw, triton.next_power_of_2(inter // 8))
+        # K step: the largest power of two <= gemv_block_kw dividing the row's words (no masked tail)
+        bkw1, bkw2 = (_pow2_divisor(dim // 8, gemv_block_kw), _pow2_divisor(inter // 8, gemv_block_kw))
         _gemv_gate_up_kernel[(p, triton.cdiv(inter, gemv_block_n))](
             x.contiguous(), w1w, s1, w3w, s3, ids, h, float(swiglu_limit), DIM=dim, INTER=inter, TOPK=k,
             BN=gemv_block_n, BKW=bkw1, num_warps=gemv_num_warps)
