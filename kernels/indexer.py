@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import dot_dtype, e8m0_value, fp4_value
-from kernels.topk import topk_positions_reference, topk_positions_triton
+from kernels._formats import e4m3_value, e8m0_value, fp4_value
+from kernels.topk import _pow2, select_from_maxima, topk_positions_reference
 
 
 def _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block):
@@ -56,81 +56,186 @@ def indexer_topk_reference(q_packed, q_scale, k_packed, k_scale, weights, n_visi
     return topk_positions_reference(scores, topk)
 
 
-@triton.jit
-def _decode_fp4_tile(p_ptr, s_ptr, rows, row_mask, HALF: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
-    """Rows of packed FP4 (E8M0 per 32) -> DT [R, D] (bf16 is exact for these values)."""
-    j = tl.arange(0, HALF)
-    b = tl.load(p_ptr + rows[:, None] * HALF + j[None, :], mask=row_mask[:, None], other=0).to(tl.int32)
-    sc = e8m0_value(tl.load(s_ptr + rows[:, None] * (D // 32) + (j[None, :] // 16),
-                            mask=row_mask[:, None], other=127).to(tl.int32))
-    lo = fp4_value(b & 15) * sc
-    hi = fp4_value((b >> 4) & 15) * sc
-    return tl.join(lo, hi).reshape(lo.shape[0], D).to(DT)
+_E4M3_ASM = """
+{
+.reg .b32 a<2>;
+and.b32 a0, $2, 0x08080808;
+shl.b32 a0, a0, 4;
+and.b32 a1, $2, 0x07070707;
+shl.b32 a1, a1, 2;
+or.b32 $0, a0, a1;
+and.b32 a0, $2, 0x80808080;
+shr.b32 a1, $2, 2;
+and.b32 a1, a1, 0x1c1c1c1c;
+or.b32 $1, a0, a1;
+}
+"""
 
 
 @triton.jit
-def _indexer_scores_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, out_ptr,
-                           T, N, n_pool_cols, stride_out, POOL_BLOCK: tl.constexpr,
-                           H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                           HAS_POOL: tl.constexpr, DT: tl.constexpr, NLOOP: tl.constexpr):
+def _fp4_bytes_to_e4m3(b, ASM: tl.constexpr):
+    """Packed FP4 bytes (uint8 [R, C]) -> E4M3 bytes (uint8 [R, 2C]) worth value * 2^-6, exact: the E2M1
+    code's sign goes to bit 7 and its 3 magnitude bits to bits 4..2 (code 1, 0.5, lands on the E4M3
+    subnormal 2^-7). ASM: four bytes per 32-bit lane in PTX; else plain uint8 lanes."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8),
+                                           is_pure=True, pack=4)
+    else:
+        lo = ((b & 8) << 4) | ((b & 7) << 2)
+        hi = (b & 0x80) | ((b >> 2) & 0x1C)
+    return tl.join(lo, hi).reshape(b.shape[0], 2 * b.shape[1])
+
+
+@triton.jit
+def _key_group(kp_ptr, ks_ptr, cols, kmask, g: tl.constexpr, HALF: tl.constexpr, NGRP: tl.constexpr,
+               FP8: tl.constexpr, ASM: tl.constexpr):
+    """Keys' group g (32 values) -> (operand [BN, 32] worth value * 2^-6 / scale, fp32 scale * 2^6 [BN])."""
+    j = tl.arange(0, 16)
+    b = tl.load(kp_ptr + cols[:, None].to(tl.int64) * HALF + g * 16 + j[None, :], mask=kmask[:, None], other=0)
+    e = _fp4_bytes_to_e4m3(b.to(tl.uint8, bitcast=True), ASM)
+    if FP8:
+        k = e.to(tl.float8e4nv, bitcast=True)
+    else:  # interpreter: exact fp32 values of the same E4M3 bytes
+        k = e4m3_value(e.to(tl.int32))
+    sc = tl.load(ks_ptr + cols.to(tl.int64) * NGRP + g, mask=kmask, other=127).to(tl.int32)
+    return k, e8m0_value(sc) * 64.0
+
+
+@triton.jit
+def _query_group(qp_ptr, qs_ptr, rows, rmask, qmax, g: tl.constexpr, HALF: tl.constexpr, NGRP: tl.constexpr,
+                 FP8: tl.constexpr):
+    """Queries' group g -> operand [32, NQ]: value * 2^(group exponent - row's max exponent + 6), exact in
+    E4M3 while a row's group exponents span at most 14 (beyond that the smallest groups round)."""
+    j = tl.arange(0, 16)
+    b = tl.load(qp_ptr + rows[:, None].to(tl.int64) * HALF + g * 16 + j[None, :], mask=rmask[:, None],
+                other=0).to(tl.int32)
+    ex = tl.load(qs_ptr + rows.to(tl.int64) * NGRP + g, mask=rmask, other=127).to(tl.int32) - qmax + 133
+    f = tl.where(ex > 0, tl.maximum(ex, 1) << 23, 0).to(tl.float32, bitcast=True)  # 2^(exp - qmax + 6)
+    v = tl.join(fp4_value(b & 15), fp4_value((b >> 4) & 15)).reshape(b.shape[0], 32) * f[:, None]
+    if FP8:
+        v = v.to(tl.float8e4nv)
+    return tl.trans(v)
+
+
+@triton.jit
+def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, out_ptr, max_ptr, cnt_ptr,
+                    T, N, n_pool_cols, stride_out, n_groups, chunk, POOL_BLOCK: tl.constexpr,
+                    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr,
+                    HAS_POOL: tl.constexpr, WRITE_MAX: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
+    """Scores of BT queries x `chunk` entries: per 32-wide group one dot (keys [BN, 32] x queries
+    [32, BT*H], E4M3 operands, exact products), the key's group scale applied to the fp32 result.
+    WRITE_MAX: also the maxima of groups of GM entries (GM >= BN) and zeroed top-k counters."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
+    NQ: tl.constexpr = BT * H
+    NGRP: tl.constexpr = D // 32
+    HALF: tl.constexpr = D // 2
+    r = pid_t * NQ + tl.arange(0, NQ)  # query-head rows
+    rmask = r < T * H
     t = pid_t * BT + tl.arange(0, BT)
     t_mask = t < T
     n_vis = tl.load(nvis_ptr + t, mask=t_mask, other=0)
-    qrows = t[:, None] * H + tl.arange(0, H)[None, :]  # [BT, H]
-    qrows = tl.reshape(qrows, (BT * H,))
-    qrow_mask = qrows < T * H
-    q = _decode_fp4_tile(qp_ptr, qs_ptr, qrows, qrow_mask, D // 2, D, DT)  # [BT*H, D], reused NLOOP times
-    w = tl.load(w_ptr + qrows, mask=qrow_mask, other=0.0)
-    for it in range(NLOOP):
-        _indexer_scores_tile(q, w, kp_ptr, ks_ptr, pool_ptr, out_ptr, t, t_mask, n_vis, (pid_n * NLOOP + it) * BN,
-                             N, n_pool_cols, stride_out, POOL_BLOCK, H, D, BT, BN, HAS_POOL, DT)
+    if WRITE_MAX and pid_n == 0:
+        tl.store(cnt_ptr + t, tl.zeros([BT], tl.int32), mask=t_mask)
+    gi = tl.arange(0, NGRP)
+    qmax = tl.max(tl.load(qs_ptr + r[:, None].to(tl.int64) * NGRP + gi[None, :], mask=rmask[:, None],
+                          other=0).to(tl.int32), axis=1)
+    # the rows' common factor 2^(qmax - 133) folded into the head weights (relu commutes with it)
+    wq = tl.load(w_ptr + r, mask=rmask, other=0.0) * e8m0_value(qmax) * 0.015625
+    q0 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 0, HALF, NGRP, FP8)
+    if NGRP > 1:
+        q1 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 1, HALF, NGRP, FP8)
+    if NGRP > 2:
+        q2 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 2, HALF, NGRP, FP8)
+        q3 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 3, HALF, NGRP, FP8)
+    vis_max = tl.max(n_vis, axis=0)
+    n_start = pid_n * chunk
+    for g0 in range(n_start, tl.minimum(n_start + chunk, N), GM):
+        gmax = tl.full([BT], float("-inf"), tl.float32)
+        for n0 in range(g0, g0 + GM, BN):
+            cols = n0 + tl.arange(0, BN)
+            out_ptrs = out_ptr + t[None, :].to(tl.int64) * stride_out + cols[:, None]
+            store_mask = t_mask[None, :] & (cols[:, None] < N)
+            if n0 >= vis_max:  # nothing visible to any query of this tile: skip the keys
+                tl.store(out_ptrs, tl.full([BN, BT], float("-inf"), tl.float32), mask=store_mask)
+            else:
+                kmask = cols < N
+                k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 0, HALF, NGRP, FP8, ASM)
+                acc = tl.dot(k, q0) * ksc[:, None]  # [BN, NQ]
+                if NGRP > 1:
+                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 1, HALF, NGRP, FP8, ASM)
+                    acc += tl.dot(k, q1) * ksc[:, None]
+                if NGRP > 2:
+                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 2, HALF, NGRP, FP8, ASM)
+                    acc += tl.dot(k, q2) * ksc[:, None]
+                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 3, HALF, NGRP, FP8, ASM)
+                    acc += tl.dot(k, q3) * ksc[:, None]
+                s = tl.maximum(acc, 0.0) * wq[None, :]
+                score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
+                allowed = cols[:, None] < n_vis[None, :]
+                if HAS_POOL:
+                    pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK,
+                                 mask=store_mask, other=0)
+                    allowed &= pm != 0
+                score = tl.where(allowed & store_mask, score, float("-inf"))
+                tl.store(out_ptrs, score, mask=store_mask)
+                if WRITE_MAX:
+                    gmax = tl.maximum(gmax, tl.max(score, axis=0))
+        if WRITE_MAX:
+            tl.store(max_ptr + t.to(tl.int64) * n_groups + g0 // GM, gmax, mask=t_mask)
 
 
-@triton.jit
-def _indexer_scores_tile(q, w, kp_ptr, ks_ptr, pool_ptr, out_ptr, t, t_mask, n_vis, n0, N, n_pool_cols, stride_out,
-                         POOL_BLOCK: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                         BN: tl.constexpr, HAS_POOL: tl.constexpr, DT: tl.constexpr):
-    cols = n0 + tl.arange(0, BN)
-    out_ptrs = out_ptr + t[:, None].to(tl.int64) * stride_out + cols[None, :]
-    store_mask = t_mask[:, None] & (cols[None, :] < N)
-    if n0 >= tl.max(n_vis, axis=0):  # nothing visible to any query of this tile: skip the keys
-        tl.store(out_ptrs, tl.full([BT, BN], float("-inf"), tl.float32), mask=store_mask)
-    else:
-        kmask = cols < N
-        k = _decode_fp4_tile(kp_ptr, ks_ptr, cols, kmask, D // 2, D, DT)  # [BN, D]
-        s = tl.dot(q, tl.trans(k))  # [BT*H, BN], exact products, fp32 sums
-        s = tl.maximum(s, 0.0) * w[:, None]
-        score = tl.sum(tl.reshape(s, (BT, H, BN)), axis=1)  # [BT, BN]
-        allowed = cols[None, :] < n_vis[:, None]
-        if HAS_POOL:
-            pm = tl.load(pool_ptr + t[:, None] * n_pool_cols + cols[None, :] // POOL_BLOCK,
-                         mask=store_mask, other=0)
-            allowed &= pm != 0
-        tl.store(out_ptrs, tl.where(allowed, score, float("-inf")), mask=store_mask)
+def _interpreted() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
+            block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=2048):
+    """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None)."""
+    t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
+    if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
+        raise ValueError(f"indexer kernel takes D in (32, 64, 128) and a power-of-two head count, got {d}, {h}")
+    dev = q_packed.device
+    interp = _interpreted()
+    decode = t < 16
+    bt = block_t or (1 if decode else max(1, 128 // h))
+    bt = max(bt, 16 // h)  # the dot's N is at least 16
+    bn = block_n or (128 if decode else 64)
+    gm = bn
+    if topk is not None:
+        gm = max(bn, _pow2(-(-n // max(groups, 2 * topk))))
+    if chunk is None:  # decode: ~512 programs; prefill: 4K entries per program (keys stay in L2)
+        chunk = max(gm, _pow2(-(-n // 512))) if decode else 4096
+    chunk = -(-max(chunk, gm) // gm) * gm
+    n_groups = triton.cdiv(n, gm)
+    out = torch.empty(t, n, dtype=torch.float32, device=dev)
+    maxima = torch.empty(t, n_groups, dtype=torch.float32, device=dev) if topk is not None else out
+    counts = torch.empty(t, dtype=torch.int32, device=dev) if topk is not None else out
+    pool = pool_mask.contiguous().view(torch.uint8) if pool_mask is not None else out
+    _indexer_kernel[(triton.cdiv(t, bt), triton.cdiv(n, chunk))](
+        q_packed.contiguous(), q_scale.contiguous().view(torch.uint8), k_packed.contiguous(),
+        k_scale.contiguous().view(torch.uint8), weights.float().contiguous(),
+        n_visible.to(torch.int32).contiguous(), pool, out, maxima, counts, t, n,
+        pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), n_groups, chunk,
+        POOL_BLOCK=pool_block, H=h, D=d, BT=bt, BN=bn, GM=gm, HAS_POOL=pool_mask is not None,
+        WRITE_MAX=topk is not None, FP8=not interp, ASM=(not interp) if key_asm is None else key_asm,
+        num_warps=num_warps or 4)
+    return out, (maxima if topk is not None else None), (counts if topk is not None else None)
 
 
 def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
-                          pool_mask=None, pool_block: int = 8) -> torch.Tensor:
-    t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
-    out = torch.empty(t, n, dtype=torch.float32, device=q_packed.device)
-    bt = 1 if t < 16 else max(1, 128 // h)
-    bn = 128
-    nloop = 1 if t < 16 else 4
-    pool = pool_mask.contiguous().view(torch.uint8) if pool_mask is not None else out
-    _indexer_scores_kernel[(triton.cdiv(t, bt), triton.cdiv(n, bn * nloop))](
-        q_packed.contiguous(), q_scale.contiguous().view(torch.uint8), k_packed.contiguous(),
-        k_scale.contiguous().view(torch.uint8), weights.float().contiguous(),
-        n_visible.to(torch.int32).contiguous(), pool, out, t, n,
-        pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), POOL_BLOCK=pool_block,
-        H=h, D=d, BT=bt, BN=bn, HAS_POOL=pool_mask is not None, DT=dot_dtype(), NLOOP=nloop, num_warps=4)
-    return out
+                          pool_mask=None, pool_block: int = 8, **tune) -> torch.Tensor:
+    """float32 [T, N] scores, -inf where masked. tune: block_t, block_n, chunk, num_warps, key_asm."""
+    return _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, **tune)[0]
 
 
 def indexer_topk_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
-                        pool_mask=None, topk: int = 512, pool_block: int = 8) -> torch.Tensor:
-    """Scores in one launch (keys read once per query tile), then the radix top-k (see kernels.topk)."""
-    scores = indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
-                                   pool_mask, pool_block)
-    return topk_positions_triton(scores, topk, n_visible)
+                        pool_mask=None, topk: int = 512, pool_block: int = 8, cap: int = 2048,
+                        **tune) -> torch.Tensor:
+    """Scores with their group maxima in one launch, then the filter and resolve stages of
+    kernels.topk (the logits are read once more, by the filter only)."""
+    scores, maxima, counts = _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
+                                     pool_block, topk=topk, **tune)
+    vis = n_visible.to(device=scores.device, dtype=torch.int32).contiguous()
+    return select_from_maxima(scores, topk, vis, maxima, counts, cap=cap)
