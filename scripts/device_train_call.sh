@@ -9,14 +9,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder that comes back}"
 WORK=${WORK:-/tmp/v41train}
-export WORK BUDGET=${BUDGET:-430} MAX_TOKENS=${MAX_TOKENS:-160000000}
+export WORK BUDGET=${BUDGET:-300} MAX_TOKENS=${MAX_TOKENS:-160000000}
 timeout "${TRAIN_TIMEOUT:-560}" bash scripts/train_on_device.sh
-echo "train_on_device exit $?" > "$OUT/call.txt"
-for f in train.log corpus.log out/train_log.json corpus/index.json; do
-  [[ -f "$WORK/$f" ]] && gzip -c "$WORK/$f" > "$OUT/$(basename "$f").gz"
-done
+echo "train_on_device exit $?" > "$WORK/call.txt"
+# $OUT returns at most 8 files: the logs travel as one archive, train_log.json beside it (the installer
+# copies it to assets/training/), then the sums and at most 5 parts of 15 MiB (the 64 MiB budget fits).
+[[ -f "$WORK/out/train_log.json" ]] && gzip -c "$WORK/out/train_log.json" > "$OUT/train_log.json.gz"
 if [[ -f "$WORK/out/model/model.safetensors.index.json" ]]; then
   (cd "$WORK/out" && tar cf - model | split -b 15M - "$OUT/model.tar.part-")
   (cd "$WORK/out/model" && sha256sum -- *) > "$OUT/model.sha256"
 fi
-ls -l "$OUT" >> "$OUT/call.txt"
+ls -l "$OUT" >> "$WORK/call.txt"
+logs=()
+for f in call.txt train.log corpus.log corpus/index.json; do [[ -f "$WORK/$f" ]] && logs+=("$f"); done
+tar czf "$OUT/logs.tar.gz" -C "$WORK" "${logs[@]}"
