@@ -78,55 +78,116 @@ def mhc_reference(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=
 
 
 @triton.jit
-def _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
-            DIM: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr):
-    """acc [BT, 32] fp32 (columns as above) -> pre, post [T, 4] and comb [T, 4, 4] stored."""
-    acc_pp, acc_cb = tl.split(tl.permute(tl.reshape(acc, (BT, 2, 16)), (0, 2, 1)))
-    c16 = tl.arange(0, 16)
-    sumsq = tl.sum(tl.where(c16[None, :] == 8, acc_pp, 0.0), axis=1)
-    rs = 1.0 / tl.sqrt(sumsq / (4 * DIM) + norm_eps)
-    s0 = tl.load(scale_ptr + 0)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    r4 = tl.arange(0, 4)
-    ma = tl.reshape(acc_pp * rs[:, None], (BT, 4, 4))  # row 0: pre, row 1: post, row 2: sumsq (unused)
-    m_pre = tl.sum(tl.where(r4[None, :, None] == 0, ma, 0.0), axis=1)  # [BT, 4]
-    m_post = tl.sum(tl.where(r4[None, :, None] == 1, ma, 0.0), axis=1)
-    b_pre = tl.load(base_ptr + r4)
-    b_post = tl.load(base_ptr + 4 + r4)
-    pre = 1.0 / (1.0 + tl.exp(-(m_pre * s0 + b_pre[None, :]))) + hc_eps
-    post = 2.0 / (1.0 + tl.exp(-(m_post * s1 + b_post[None, :])))
-    b_comb = tl.load(base_ptr + 8 + r4[:, None] * 4 + r4[None, :])  # [4, 4]
-    z = tl.reshape(acc_cb * rs[:, None], (BT, 4, 4)) * s2 + b_comb[None, :, :]
-    z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-    cm = z / tl.sum(z, axis=2)[:, :, None] + hc_eps
-    cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
-    for _ in tl.static_range(ITERS - 1):
-        cm = cm / (tl.sum(cm, axis=2)[:, :, None] + hc_eps)
-        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + hc_eps)
-    o4 = t[:, None] * 4 + r4[None, :]
-    tl.store(pre_ptr + o4, pre, mask=tm[:, None])
-    tl.store(post_ptr + o4, post, mask=tm[:, None])
-    o16 = t[:, None, None] * 16 + r4[None, :, None] * 4 + r4[None, None, :]
-    tl.store(comb_ptr + o16, cm, mask=tm[:, None, None])
+def _col(acc, K: tl.constexpr):
+    """Column K of acc [BT, 32] as a [BT] vector."""
+    return tl.sum(tl.where(tl.arange(0, 32)[None, :] == K, acc, 0.0), axis=1)
 
 
 @triton.jit
-def _mix_dot(acc_t, xq, fa, piece, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """acc_t [MR, BT] += pieces of fa [MR, BD] (fp32, fn rows stacked per piece) @ xq [BT, BD]^T.
+def _scaled(acc, K: tl.constexpr, rs, s, base_ptr, B: tl.constexpr):
+    """The pre-activation of mix B (accumulator column K): mix * rsqrt-norm * scale + base."""
+    return _col(acc, K) * rs * s + tl.load(base_ptr + B)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    inv = 1.0 / (a + b + c + d + eps)
+    return a * inv, b * inv, c * inv, d * inv
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - m)
+    b = tl.exp(b - m)
+    c = tl.exp(c - m)
+    d = tl.exp(d - m)
+    inv = 1.0 / (a + b + c + d)
+    return a * inv + eps, b * inv + eps, c * inv + eps, d * inv + eps
+
+
+@triton.jit
+def _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+            DIM: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr):
+    """acc [BT, 32] fp32 (columns as above) -> pre, post [T, 4] and comb [T, 4, 4] stored.
+
+    Every value is a [BT] vector (one per matrix entry), so the 20 Sinkhorn rounds are in-thread
+    adds and multiplies along each token's dependency chain, no cross-lane reductions."""
+    rs = 1.0 / tl.sqrt(_col(acc, 8) / (4 * DIM) + norm_eps)
+    s0 = tl.load(scale_ptr + 0)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    for j in tl.static_range(4):
+        zp = _scaled(acc, j, rs, s0, base_ptr, j)
+        zq = _scaled(acc, 4 + j, rs, s1, base_ptr, 4 + j)
+        tl.store(pre_ptr + t * 4 + j, 1.0 / (1.0 + tl.exp(-zp)) + hc_eps, mask=tm)
+        tl.store(post_ptr + t * 4 + j, 2.0 / (1.0 + tl.exp(-zq)), mask=tm)
+    # comb[i][j] = mix 8 + 4i + j (accumulator column 16 + 4i + j): softmax over j, then columns
+    c00, c01, c02, c03 = _softmax4(_scaled(acc, 16, rs, s2, base_ptr, 8), _scaled(acc, 17, rs, s2, base_ptr, 9),
+                                   _scaled(acc, 18, rs, s2, base_ptr, 10), _scaled(acc, 19, rs, s2, base_ptr, 11),
+                                   hc_eps)
+    c10, c11, c12, c13 = _softmax4(_scaled(acc, 20, rs, s2, base_ptr, 12), _scaled(acc, 21, rs, s2, base_ptr, 13),
+                                   _scaled(acc, 22, rs, s2, base_ptr, 14), _scaled(acc, 23, rs, s2, base_ptr, 15),
+                                   hc_eps)
+    c20, c21, c22, c23 = _softmax4(_scaled(acc, 24, rs, s2, base_ptr, 16), _scaled(acc, 25, rs, s2, base_ptr, 17),
+                                   _scaled(acc, 26, rs, s2, base_ptr, 18), _scaled(acc, 27, rs, s2, base_ptr, 19),
+                                   hc_eps)
+    c30, c31, c32, c33 = _softmax4(_scaled(acc, 28, rs, s2, base_ptr, 20), _scaled(acc, 29, rs, s2, base_ptr, 21),
+                                   _scaled(acc, 30, rs, s2, base_ptr, 22), _scaled(acc, 31, rs, s2, base_ptr, 23),
+                                   hc_eps)
+    for it in tl.static_range(ITERS):
+        if it > 0:  # rows (the first round's row step is the softmax)
+            c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+            c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+            c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+            c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    o = comb_ptr + t * 16
+    tl.store(o + 0, c00, mask=tm)
+    tl.store(o + 1, c01, mask=tm)
+    tl.store(o + 2, c02, mask=tm)
+    tl.store(o + 3, c03, mask=tm)
+    tl.store(o + 4, c10, mask=tm)
+    tl.store(o + 5, c11, mask=tm)
+    tl.store(o + 6, c12, mask=tm)
+    tl.store(o + 7, c13, mask=tm)
+    tl.store(o + 8, c20, mask=tm)
+    tl.store(o + 9, c21, mask=tm)
+    tl.store(o + 10, c22, mask=tm)
+    tl.store(o + 11, c23, mask=tm)
+    tl.store(o + 12, c30, mask=tm)
+    tl.store(o + 13, c31, mask=tm)
+    tl.store(o + 14, c32, mask=tm)
+    tl.store(o + 15, c33, mask=tm)
+
+
+@triton.jit
+def _mix_dot(acc_t, xq, f, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """acc_t [MR, BT] += A @ xq [BT, BD]^T, A = the pieces of f [32, BD] (fp32 fn rows) stacked by rows.
 
     Tokens are the dot's N side, so the stream tile is the B operand (shared memory on Hopper) and the
-    update arithmetic stays in the load layout. SPLIT=2/3: row block `piece` holds the hi / mid / lo bf16
-    piece of fn (fn = hi + mid + lo, each residual exact in fp32: error 2^-17 / 2^-25 of |fn|) and xq is
-    a bf16 stream tile (exact); SPLIT=0: one fp32 dot at PREC (tf32x3 for fp32 streams)."""
+    update arithmetic stays in the load layout. SPLIT=2/3: row block p of A is piece p of fn
+    (fn = hi + mid [+ lo] in bf16, each residual exact in fp32: error 2^-18 / 2^-26 of |fn|), xq a bf16
+    stream tile (exact); SPLIT=0: A = [f; 0], one fp32 dot at PREC (tf32x3 for fp32 streams). Blocks
+    are summed after the loop; M = 64 (128 for 3 pieces) is the wgmma's row count."""
+    zero = tl.zeros_like(f)
     if SPLIT == 0:
-        acc_t = tl.dot(fa, tl.trans(xq.to(tl.float32)), acc_t, input_precision=PREC)
+        a = tl.reshape(tl.permute(tl.join(f, zero), (2, 0, 1)), (64, f.shape[1]))
+        acc_t = tl.dot(a, tl.trans(xq.to(tl.float32)), acc_t, input_precision=PREC)
     else:
-        hi = fa.to(tl.bfloat16).to(tl.float32)
-        r = fa - hi
-        mid = r.to(tl.bfloat16).to(tl.float32)
-        pa = tl.where(piece == 0, hi, tl.where(piece == 1, mid, r - mid)).to(tl.bfloat16)
-        acc_t = tl.dot(pa.to(DOT_DT), tl.trans(xq.to(DOT_DT)), acc_t)
+        hi = f.to(tl.bfloat16)
+        r = f - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        if SPLIT == 2:
+            a = tl.reshape(tl.permute(tl.join(hi, mid), (2, 0, 1)), (64, f.shape[1]))
+        else:
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            j4 = tl.join(tl.join(hi, mid), tl.join(lo, zero.to(tl.bfloat16)))  # [32, BD, a, b]: piece a + 2b
+            a = tl.reshape(tl.permute(j4, (3, 2, 0, 1)), (128, f.shape[1]))
+        acc_t = tl.dot(a.to(DOT_DT), tl.trans(xq.to(DOT_DT)), acc_t)
     return acc_t
 
 
@@ -146,7 +207,7 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
     q1 = tl.load(prep_ptr + t * 4 + 1, mask=tm, other=0.0)
     q2 = tl.load(prep_ptr + t * 4 + 2, mask=tm, other=0.0)
     q3 = tl.load(prep_ptr + t * 4 + 3, mask=tm, other=0.0)
-    sumsq = tl.zeros([BT], tl.float32)
+    sq = tl.zeros([BT, BD], tl.float32)  # squares and FMA products are reduced once, after the loop
     m2 = tm[:, None]
     # accumulator column k holds mix k (k < 8), the sum of squares (k = 8, added at the end), zero
     # (9..15), mix k - 8 (k >= 16): fn row of column k, rows 8..15 masked
@@ -154,14 +215,9 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
     f_row = tl.where(r32 < 16, r32, r32 - 8)
     f_live = (r32[:, None] < 8) | (r32[:, None] >= 16)
     if USE_DOT:
-        # dot path: the transposed accumulator, MR // 32 row blocks (one per fn piece, summed at the end)
-        acc_t = tl.zeros([MR, BT], tl.float32)
-        rm = tl.arange(0, MR)
-        piece = (rm // 32)[:, None]
-        fa_row = tl.where(rm % 32 < 16, rm % 32, rm % 32 - 8)
-        fa_live = ((rm[:, None] % 32 < 8) | (rm[:, None] % 32 >= 16)) & (piece < tl.maximum(SPLIT, 1))
+        acc_t = tl.zeros([MR, BT], tl.float32)  # transposed; MR // 32 row blocks, one per fn piece
     else:
-        acc = tl.zeros([BT, 32], tl.float32)
+        acc3 = tl.zeros([BT, 32, BD], tl.float32)
     c_lo = pid_k * CPS
     c_hi = tl.minimum(c_lo + CPS, DIM // BD)
     for ci in range(c_lo, c_hi):
@@ -173,8 +229,8 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         x3q = tl.load(x_ptr + xoff + 3 * DIM, mask=m2, other=0.0)
         if HAS_POST:
             yv = tl.load(y_ptr + t64[:, None] * DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        fo = f_row[:, None] * (4 * DIM) + d[None, :]
         if not USE_DOT:
-            fo = f_row[:, None] * (4 * DIM) + d[None, :]
             f0 = tl.load(fn_ptr + fo, mask=f_live, other=0.0)
             f1 = tl.load(fn_ptr + fo + DIM, mask=f_live, other=0.0)
             f2 = tl.load(fn_ptr + fo + 2 * DIM, mask=f_live, other=0.0)
@@ -210,11 +266,12 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
                 xq = nj.to(xn_ptr.dtype.element_ty)
                 tl.store(xn_ptr + xoff + j * DIM, xq, mask=m2)
             xj = xq.to(tl.float32)
-            sumsq += tl.sum(xj * xj, axis=1)
+            sq += xj * xj
             col += qj[:, None] * xj
             if USE_DOT:
-                fa = tl.load(fn_ptr + fa_row[:, None] * (4 * DIM) + j * DIM + d[None, :], mask=fa_live, other=0.0)
-                acc_t = _mix_dot(acc_t, xq, fa, piece, SPLIT, DOT_DT, PREC)
+                # fn tile loaded at its use: four held across the update cost registers the tiles need
+                fj = tl.load(fn_ptr + fo + j * DIM, mask=f_live, other=0.0)
+                acc_t = _mix_dot(acc_t, xq, fj, SPLIT, DOT_DT, PREC)
             else:
                 if j == 0:
                     fj = f0
@@ -224,11 +281,13 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
                     fj = f2
                 else:
                     fj = f3
-                acc += tl.sum(xj[:, None, :] * fj[None, :, :], axis=2)
+                acc3 += xj[:, None, :] * fj[None, :, :]
         tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], col.to(xc_ptr.dtype.element_ty), mask=m2)
     if USE_DOT:
         acc = tl.trans(tl.sum(tl.reshape(acc_t, (MR // 32, 32, BT)), axis=0))
-    acc = tl.where(r32[None, :] == 8, sumsq[:, None], acc)
+    else:
+        acc = tl.sum(acc3, axis=2)
+    acc = tl.where(r32[None, :] == 8, tl.sum(sq, axis=1)[:, None], acc)
     if FINISH:
         _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
                 DIM, BT, ITERS)
@@ -273,24 +332,26 @@ def _pow2_at_least(n: int) -> int:
 
 
 def mhc_plan(t: int, dim: int, device, block_d: int = 32, token_block: int | None = None,
-             split_k: int | None = None, waves: float = 2.0):
+             split_k: int | None = None, waves: float | None = None):
     """The launch shape for T tokens: (token block, FMA or dot, d block, d splits, chunks per split).
 
-    Below 16 tokens the mixes are fp32 FMAs over a small token block (the dot's 16 rows would be mostly
-    padding); from 16 tokens they are tensor-core dots over 16-64 tokens. The d range is split until
-    about `waves` programs per SM exist (1 token: one 32-wide chunk per program, 160 programs at
-    dim 5120), each split's partial sums finished by the second launch."""
+    Below 9 tokens the mixes are fp32 FMAs over a small token block (a dot's 16+ rows would be mostly
+    padding) and d is split as finely as `waves` (default 4) programs per SM allow: 1 token at dim 5120
+    is 160 programs of one 32-wide chunk. From 9 tokens they are tensor-core dots over 16/32/64-token
+    blocks, and d is split only to fill `waves` (default 1: at 64 tokens a program holds one SM) waves;
+    4K tokens: 64 blocks x 2 splits = 128 programs of 80 chunks."""
     bd = min(block_d, dim)
     if dim % bd or bd & (bd - 1):
         raise ValueError(f"dim {dim} must be a multiple of the d block {bd} (a power of two)")
     if token_block is None:
-        token_block = _pow2_at_least(t) if t < 16 else (16 if t < 512 else 32 if t < 2048 else 64)
+        token_block = t if t < 16 else (16 if t < 512 else 32 if t < 2048 else 64)
     bt = max(2, _pow2_at_least(token_block))
     use_dot = bt >= 16
     nch = dim // bd
     tblocks = triton.cdiv(t, bt)
     if split_k is None:
-        split_k = triton.cdiv(int(waves * _sm_count(torch.device(device))), tblocks)
+        w = waves if waves is not None else (1.0 if use_dot else 4.0)
+        split_k = max(1, int(w * _sm_count(torch.device(device))) // tblocks)
     cps = triton.cdiv(nch, max(1, min(int(split_k), nch)))
     return bt, use_dot, bd, triton.cdiv(nch, cps), cps
 
@@ -299,12 +360,13 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
                norm_eps=1e-20, hc_eps=1e-6, iters=20, block_t: int | None = None, block_d: int = 32,
                precision: str = "tf32x3", num_warps: int | None = None, *, token_block: int | None = None,
                split_k: int | None = None, split: int | None = None, num_stages: int | None = None,
-               finish_block_t: int | None = None, waves: float = 2.0):
+               finish_block_t: int | None = None, waves: float | None = None):
     """The fused mHC (see the module docstring); the outputs of `mhc_reference`.
 
-    Tuning: token_block (tokens per program), block_d (d chunk), split_k (programs along d; with >1 a
-    second launch finishes), split (bf16 streams: 3 or 2 bf16 pieces of fn per dot; 0: one fp32 dot at
-    `precision`), num_warps, num_stages, waves (auto split_k: programs per SM). `block_t` is the
+    Tuning: token_block (tokens per program), block_d (d chunk), split_k (programs along d), waves
+    (auto split_k: programs per SM), split (bf16 streams: 3 or 2 bf16 pieces of fn per dot; 0: one fp32
+    dot at `precision`), num_warps, num_stages, finish_block_t. The FMA path with one d split finishes
+    in the same launch; otherwise a second launch sums the partials and finishes. `block_t` is the
     obsolete name of token_block from the one-launch kernel and is ignored (the block follows T)."""
     del block_t
     t, dim = _check(x, fn, scale, base, pre_prev, y, post_old, comb_old)
@@ -324,19 +386,20 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
         raise ValueError(f"split must be 0, 2 or 3 bf16 pieces, got {split}")
     if split and x.dtype != torch.bfloat16:
         raise ValueError("the bf16 split of fn needs a bf16 stream (its values are exact bf16 dot operands)")
-    part = torch.empty(ks, t, 32, dtype=torch.float32, device=dev) if ks > 1 else pre
+    fused = ks == 1 and not use_dot  # the dot path's [BT] epilogue vectors spill at 64 tokens
+    part = pre if fused else torch.empty(ks, t, 32, dtype=torch.float32, device=dev)
     f32 = lambda v: v.float().contiguous()
     scale32, base32 = f32(scale), f32(base)
-    extra = {} if num_stages is None else {"num_stages": num_stages}
-    nw = num_warps if num_warps is not None else (8 if use_dot and bt >= 64 else 4)
+    ns = num_stages if num_stages is not None else (3 if use_dot else 1)
+    nw = num_warps if num_warps is not None else (8 if use_dot and bt >= 32 else 4)
     _mhc_main_kernel[(triton.cdiv(t, bt), ks)](
         x.contiguous(), f32(fn), scale32, base32, f32(pre_prev),
         y.contiguous() if y is not None else x, f32(post_old) if y is not None else pre,
         f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, pre, post, comb,
         t, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
-        USE_DOT=use_dot, SPLIT=split, MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision, FINISH=ks == 1, num_warps=nw, **extra)
-    if ks > 1:
-        fbt = finish_block_t or min(64, max(2, _pow2_at_least(t)))
+        USE_DOT=use_dot, SPLIT=split, MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision, FINISH=fused, num_warps=nw, num_stages=ns)
+    if not fused:
+        fbt = finish_block_t or min(32, max(2, _pow2_at_least(t)))
         ksb = min(_pow2_at_least(ks), max(1, 8192 // (fbt * 32)))
         _mhc_finish_kernel[(triton.cdiv(t, fbt),)](
             part, scale32, base32, pre, post, comb, t, ks, float(norm_eps), float(hc_eps),

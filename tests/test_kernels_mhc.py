@@ -99,10 +99,11 @@ def test_mhc_bf16_stream_fn_split_pieces(poisoned, gen, t, kw):
 
 def test_mhc_plan_at_release_shapes():
     """dim 5120: 1 token -> 160 FMA programs of one 32-wide chunk; 4K tokens -> 64-token dot blocks x
-    5 d splits (320 programs, ~2.4 per SM of 132)."""
+    2 d splits (128 programs of 80 chunks, one wave of 132 SMs)."""
     assert mhc.mhc_plan(1, 5120, "cpu") == (2, False, 32, 160, 1)
-    assert mhc.mhc_plan(4096, 5120, "cpu") == (64, True, 32, 5, 32)
+    assert mhc.mhc_plan(4096, 5120, "cpu") == (64, True, 32, 2, 80)
     assert mhc.mhc_plan(4096, 5120, "cpu", split_k=1)[3] == 1
+    assert mhc.mhc_plan(64, 5120, "cpu")[:4] == (16, True, 32, 32)  # a decode batch: 4 blocks x 32 splits
 
 
 def test_mhc_bad_shapes_and_options(gen):
