@@ -65,7 +65,6 @@ def sparse_attn_reference(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, 
 
 
 
-_LOG2E = 1.4426950408889634
 # Decoded entries are kept at 2^-8 of their value (kv' = kv / 256): the FP4 multiplier scale * 2^118 then
 # stays finite for every E4M3 scale; S and the output take the 256 back as constants.
 _FOLD = 256.0
