@@ -73,8 +73,8 @@ def mhc_reference(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=
 # the 24 mixes and the sum of squares need the whole 4*dim row. With one d split the program finishes
 # the token itself (RMS, sigmoid/softmax, Sinkhorn in registers); with several, each writes its partial
 # sums to a [splits, T, 32] workspace and a second small launch reduces them and finishes.
-# Workspace / accumulator columns (32): [mixes 0..7 (pre, post), sum of squares, 7 zeros, mixes 8..23
-# (comb)], i.e. two 16-wide halves pp and cb.
+# Workspace / accumulator columns (32): [mixes 0..7 (pre, post), sum of squares, 7 unused, mixes 8..23
+# (comb)].
 
 
 @triton.jit
@@ -173,20 +173,16 @@ def _mix_dot(acc_t, xq, f, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.c
     (fn = hi + mid [+ lo] in bf16, each residual exact in fp32: error 2^-18 / 2^-26 of |fn|), xq a bf16
     stream tile (exact); SPLIT=0: A = [f; 0], one fp32 dot at PREC (tf32x3 for fp32 streams). Blocks
     are summed after the loop; M = 64 (128 for 3 pieces) is the wgmma's row count."""
-    zero = tl.zeros_like(f)
     if SPLIT == 0:
-        a = tl.reshape(tl.permute(tl.join(f, zero), (2, 0, 1)), (64, f.shape[1]))
+        a = tl.reshape(tl.where(tl.arange(0, 2)[:, None, None] == 0, f[None, :, :], 0.0), (64, f.shape[1]))
         acc_t = tl.dot(a, tl.trans(xq.to(tl.float32)), acc_t, input_precision=PREC)
     else:
-        hi = f.to(tl.bfloat16)
-        r = f - hi.to(tl.float32)
-        mid = r.to(tl.bfloat16)
-        if SPLIT == 2:
-            a = tl.reshape(tl.permute(tl.join(hi, mid), (2, 0, 1)), (64, f.shape[1]))
-        else:
-            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-            j4 = tl.join(tl.join(hi, mid), tl.join(lo, zero.to(tl.bfloat16)))  # [32, BD, a, b]: piece a + 2b
-            a = tl.reshape(tl.permute(j4, (3, 2, 0, 1)), (128, f.shape[1]))
+        hi = f.to(tl.bfloat16).to(tl.float32)
+        r = f - hi
+        mid = r.to(tl.bfloat16).to(tl.float32)
+        p = tl.arange(0, 2 if SPLIT == 2 else 4)[:, None, None]
+        a3 = tl.where(p == 0, hi[None, :, :], tl.where(p == 1, mid[None, :, :], tl.where(p == 2, (r - mid)[None, :, :], 0.0)))
+        a = tl.reshape(a3.to(tl.bfloat16), (a3.shape[0] * 32, f.shape[1]))
         acc_t = tl.dot(a.to(DOT_DT), tl.trans(xq.to(DOT_DT)), acc_t)
     return acc_t
 
@@ -202,18 +198,39 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
     t = pid_t * BT + tl.arange(0, BT)
     tm = t < T
     t64 = t.to(tl.int64)
-    # collapse weights, loaded once for the whole d range
+    # per-token coefficients, loaded once for the whole d range
     q0 = tl.load(prep_ptr + t * 4 + 0, mask=tm, other=0.0)
     q1 = tl.load(prep_ptr + t * 4 + 1, mask=tm, other=0.0)
     q2 = tl.load(prep_ptr + t * 4 + 2, mask=tm, other=0.0)
     q3 = tl.load(prep_ptr + t * 4 + 3, mask=tm, other=0.0)
+    if HAS_POST:
+        p0 = tl.load(posto_ptr + t * 4 + 0, mask=tm, other=0.0)
+        p1 = tl.load(posto_ptr + t * 4 + 1, mask=tm, other=0.0)
+        p2 = tl.load(posto_ptr + t * 4 + 2, mask=tm, other=0.0)
+        p3 = tl.load(posto_ptr + t * 4 + 3, mask=tm, other=0.0)
+        c00 = tl.load(combo_ptr + t * 16 + 0, mask=tm, other=0.0)  # c_ij: from stream i to stream j
+        c01 = tl.load(combo_ptr + t * 16 + 1, mask=tm, other=0.0)
+        c02 = tl.load(combo_ptr + t * 16 + 2, mask=tm, other=0.0)
+        c03 = tl.load(combo_ptr + t * 16 + 3, mask=tm, other=0.0)
+        c10 = tl.load(combo_ptr + t * 16 + 4, mask=tm, other=0.0)
+        c11 = tl.load(combo_ptr + t * 16 + 5, mask=tm, other=0.0)
+        c12 = tl.load(combo_ptr + t * 16 + 6, mask=tm, other=0.0)
+        c13 = tl.load(combo_ptr + t * 16 + 7, mask=tm, other=0.0)
+        c20 = tl.load(combo_ptr + t * 16 + 8, mask=tm, other=0.0)
+        c21 = tl.load(combo_ptr + t * 16 + 9, mask=tm, other=0.0)
+        c22 = tl.load(combo_ptr + t * 16 + 10, mask=tm, other=0.0)
+        c23 = tl.load(combo_ptr + t * 16 + 11, mask=tm, other=0.0)
+        c30 = tl.load(combo_ptr + t * 16 + 12, mask=tm, other=0.0)
+        c31 = tl.load(combo_ptr + t * 16 + 13, mask=tm, other=0.0)
+        c32 = tl.load(combo_ptr + t * 16 + 14, mask=tm, other=0.0)
+        c33 = tl.load(combo_ptr + t * 16 + 15, mask=tm, other=0.0)
     sq = tl.zeros([BT, BD], tl.float32)  # squares and FMA products are reduced once, after the loop
     m2 = tm[:, None]
-    # accumulator column k holds mix k (k < 8), the sum of squares (k = 8, added at the end), zero
-    # (9..15), mix k - 8 (k >= 16): fn row of column k, rows 8..15 masked
+    # accumulator column k holds mix k (k < 8), mix k - 8 (k >= 16); columns 8..15 repeat mixes 0..7
+    # (fn rows loaded unmasked, so the loads stay 16-byte vectors) and are unused but column 8, which
+    # is replaced by the sum of squares after the loop
     r32 = tl.arange(0, 32)
-    f_row = tl.where(r32 < 16, r32, r32 - 8)
-    f_live = (r32[:, None] < 8) | (r32[:, None] >= 16)
+    f_row = tl.where(r32 < 8, r32, r32 - 8)
     if USE_DOT:
         acc_t = tl.zeros([MR, BT], tl.float32)  # transposed; MR // 32 row blocks, one per fn piece
     else:
@@ -231,10 +248,10 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
             yv = tl.load(y_ptr + t64[:, None] * DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
         fo = f_row[:, None] * (4 * DIM) + d[None, :]
         if not USE_DOT:
-            f0 = tl.load(fn_ptr + fo, mask=f_live, other=0.0)
-            f1 = tl.load(fn_ptr + fo + DIM, mask=f_live, other=0.0)
-            f2 = tl.load(fn_ptr + fo + 2 * DIM, mask=f_live, other=0.0)
-            f3 = tl.load(fn_ptr + fo + 3 * DIM, mask=f_live, other=0.0)
+            f0 = tl.load(fn_ptr + fo)
+            f1 = tl.load(fn_ptr + fo + DIM)
+            f2 = tl.load(fn_ptr + fo + 2 * DIM)
+            f3 = tl.load(fn_ptr + fo + 3 * DIM)
         x0 = x0q.to(tl.float32)
         x1 = x1q.to(tl.float32)
         x2 = x2q.to(tl.float32)
@@ -254,14 +271,18 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
                 xq = x3q
                 qj = q3
             if HAS_POST:
-                # the coefficients are re-read per chunk (L1 hits): 20 [BT] vectors held across the
-                # loop would cost more registers than the tiles
-                cb = combo_ptr + t * 16 + j
-                nj = tl.load(posto_ptr + t * 4 + j, mask=tm, other=0.0)[:, None] * yv \
-                    + tl.load(cb, mask=tm, other=0.0)[:, None] * x0 \
-                    + tl.load(cb + 4, mask=tm, other=0.0)[:, None] * x1 \
-                    + tl.load(cb + 8, mask=tm, other=0.0)[:, None] * x2 \
-                    + tl.load(cb + 12, mask=tm, other=0.0)[:, None] * x3
+                if j == 0:
+                    nj = p0[:, None] * yv + c00[:, None] * x0 + c10[:, None] * x1 + c20[:, None] * x2 \
+                        + c30[:, None] * x3
+                elif j == 1:
+                    nj = p1[:, None] * yv + c01[:, None] * x0 + c11[:, None] * x1 + c21[:, None] * x2 \
+                        + c31[:, None] * x3
+                elif j == 2:
+                    nj = p2[:, None] * yv + c02[:, None] * x0 + c12[:, None] * x1 + c22[:, None] * x2 \
+                        + c32[:, None] * x3
+                else:
+                    nj = p3[:, None] * yv + c03[:, None] * x0 + c13[:, None] * x1 + c23[:, None] * x2 \
+                        + c33[:, None] * x3
                 # round to the stream's dtype first: the mixes and the collapse see the stored stream
                 xq = nj.to(xn_ptr.dtype.element_ty)
                 tl.store(xn_ptr + xoff + j * DIM, xq, mask=m2)
@@ -270,7 +291,7 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
             col += qj[:, None] * xj
             if USE_DOT:
                 # fn tile loaded at its use: four held across the update cost registers the tiles need
-                fj = tl.load(fn_ptr + fo + j * DIM, mask=f_live, other=0.0)
+                fj = tl.load(fn_ptr + fo + j * DIM)
                 acc_t = _mix_dot(acc_t, xq, fj, SPLIT, DOT_DT, PREC)
             else:
                 if j == 0:
@@ -345,7 +366,7 @@ def mhc_plan(t: int, dim: int, device, block_d: int = 32, token_block: int | Non
         raise ValueError(f"dim {dim} must be a multiple of the d block {bd} (a power of two)")
     if token_block is None:
         token_block = t if t < 16 else (16 if t < 512 else 32 if t < 2048 else 64)
-    bt = max(2, _pow2_at_least(token_block))
+    bt = _pow2_at_least(token_block)
     use_dot = bt >= 16
     nch = dim // bd
     tblocks = triton.cdiv(t, bt)
@@ -399,7 +420,7 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
         t, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
         USE_DOT=use_dot, SPLIT=split, MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision, FINISH=fused, num_warps=nw, num_stages=ns)
     if not fused:
-        fbt = finish_block_t or min(32, max(2, _pow2_at_least(t)))
+        fbt = finish_block_t or min(32, _pow2_at_least(t))
         ksb = min(_pow2_at_least(ks), max(1, 8192 // (fbt * 32)))
         _mhc_finish_kernel[(triton.cdiv(t, fbt),)](
             part, scale32, base32, pre, post, comb, t, ks, float(norm_eps), float(hc_eps),

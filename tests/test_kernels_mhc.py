@@ -57,7 +57,7 @@ def _inputs(gen, t, dim, dtype, with_post):
 
 # (tokens, dim, kwargs, expected plan: token block, dot?, d splits)
 SHAPES = [
-    (1, 128, {}, (2, False, 4)),                                   # decode: one 32-wide chunk per program
+    (1, 128, {}, (1, False, 4)),                                   # decode: one 32-wide chunk per program
     (3, 64, {"split_k": 1}, (4, False, 1)),                        # FMA mixes, finished in the same program
     (20, 64, {"token_block": 16, "split_k": 1}, (16, True, 1)),    # dot mixes, one launch
     (40, 128, {"token_block": 16, "split_k": 3}, (16, True, 2)),   # dot mixes, uneven splits -> 2 of 2 chunks
@@ -100,7 +100,7 @@ def test_mhc_bf16_stream_fn_split_pieces(poisoned, gen, t, kw):
 def test_mhc_plan_at_release_shapes():
     """dim 5120: 1 token -> 160 FMA programs of one 32-wide chunk; 4K tokens -> 64-token dot blocks x
     2 d splits (128 programs of 80 chunks, one wave of 132 SMs)."""
-    assert mhc.mhc_plan(1, 5120, "cpu") == (2, False, 32, 160, 1)
+    assert mhc.mhc_plan(1, 5120, "cpu") == (1, False, 32, 160, 1)
     assert mhc.mhc_plan(4096, 5120, "cpu") == (64, True, 32, 2, 80)
     assert mhc.mhc_plan(4096, 5120, "cpu", split_k=1)[3] == 1
     assert mhc.mhc_plan(64, 5120, "cpu")[:4] == (16, True, 32, 32)  # a decode batch: 4 blocks x 32 splits
