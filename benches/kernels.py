@@ -184,8 +184,10 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
     return (torch.einsum("thj,tjd->thd", p, e) / den[..., None]).bfloat16()
 
 
-ATTN_CFGS = [dict(block_h=16, block_n=32, num_warps=4), dict(block_h=16, block_n=32, num_warps=8),
-             dict(block_h=32, block_n=32, num_warps=8), dict(block_h=64, block_n=16, num_warps=8)]
+ATTN_CFGS = [dict(block_h=64, block_n=16, num_warps=8), dict(block_h=64, block_n=32, num_warps=8),
+             dict(block_h=32, block_n=32, num_warps=8), dict(block_h=64, block_n=16, num_warps=8, split=1)]
+# decode: the split-KV share per program (split) against the tile width
+ATTN_DECODE_CFGS = [dict(block_h=64, block_n=bn, num_warps=8, split=s) for bn in (16, 32) for s in (1, 2, 4)]
 
 
 def case_attn(bw, mm):
@@ -215,7 +217,7 @@ def case_attn(bw, mm):
     out = sparse_attn.sparse_attn_triton(*a, **cfg)
     chk = f"rel {rel(attn_eager(*a), out):.1e}"
     dt = {}
-    for c2 in ATTN_CFGS[:3]:
+    for c2 in ATTN_DECODE_CFGS:
         try:
             dt[str(c2)] = bench(lambda: sparse_attn.sparse_attn_triton(*a, **c2), graph=True)
         except Exception as e:  # noqa: BLE001
@@ -271,7 +273,8 @@ def case_moe(bw, mm):
     te = (time.perf_counter() - t0) * 1e6
     cfgs = [dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
             dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
-            dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)]
+            dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+            dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8)]
     times = {}
     for cfg in cfgs:
         try:

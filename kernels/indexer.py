@@ -56,7 +56,8 @@ def indexer_topk_reference(q_packed, q_scale, k_packed, k_scale, weights, n_visi
     return topk_positions_reference(scores, topk)
 
 
-_E4M3_ASM = """
+# a jit function reads module globals only as constexpr (else: NameError at compile time on the GPU)
+_E4M3_ASM = tl.constexpr("""
 {
 .reg .b32 a<2>;
 and.b32 a0, $2, 0x08080808;
@@ -69,7 +70,7 @@ shr.b32 a1, $2, 2;
 and.b32 a1, a1, 0x1c1c1c1c;
 or.b32 $1, a0, a1;
 }
-"""
+""")
 
 
 @triton.jit

@@ -1,0 +1,209 @@
+"""Compile every Triton kernel for the H200 (sm_90) on a machine without a GPU; registers, spills, shared memory.
+
+    python benches/compile_sm90.py [--out DIR]   (prints a markdown table; writes compile-sm90.md into DIR)
+
+A stand-in for a device call where none is lent: each kernel's public entry point is called at the
+release's widths (fewer tokens, fewer experts: the same compile-time constants) on CPU tensors, with
+Triton's driver replaced by one that names an sm_90 target and with every launch turned into a
+compile (`warmup`): nothing runs, so outputs are garbage and host code reading them may stop a case
+early (reported). The PTX of each distinct compile goes through the ptxas that Triton ships
+(`-arch=sm_90a -v`). What it shows: that the kernel compiles for Hopper with this Triton, its
+registers per thread, spill bytes, shared memory and whether it got warpgroup MMAs. What it cannot
+show: time. Triton's version here may differ from the device image's (3.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # before triton: kernels must be compiled, not interpreted
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver as triton_driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+class Sm90Driver:
+    """Just enough of a Triton driver to compile for sm_90 with host tensors as arguments."""
+
+    def get_current_target(self):
+        return TARGET
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def is_active(self):
+        return True
+
+
+COMPILED: list[dict] = []
+_SEEN: set = set()
+CASE = {"name": ""}
+
+
+def ptxas_stats(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(src), "-o", str(src.with_suffix(".o"))],
+                             capture_output=True, text=True)
+    text = run.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill stores", text)
+    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(int(s) for s in spills),
+            "ptxas_ok": run.returncode == 0, "ptxas_error": "" if run.returncode == 0 else text[-300:]}
+
+
+def compile_only(self, *args, grid, warmup, **kwargs):
+    """JITFunction.run with every launch made a compile; records each distinct kernel once."""
+    compiled = _ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
+    consts = {k: v for k, v in kwargs.items() if k.isupper()}
+    key = (self.fn.__name__, tuple(sorted((k, str(v)) for k, v in consts.items())),
+           kwargs.get("num_warps"), kwargs.get("num_stages"))
+    if key not in _SEEN:
+        _SEEN.add(key)
+        md = compiled.metadata
+        ttgir = compiled.asm.get("ttgir", "")
+        COMPILED.append({"case": CASE["name"], "kernel": self.fn.__name__, "consts": consts,
+                         "num_warps": md.num_warps, "num_stages": md.num_stages, "shared": md.shared,
+                         "wgmma": "warp_group_dot" in ttgir, **ptxas_stats(compiled.asm["ptx"])})
+    return compiled
+
+
+_ORIGINAL_RUN = JITFunction.run
+
+
+def rand_fp4(shape, block, kind="e8m0"):
+    packed = torch.randint(-128, 128, (*shape[:-1], shape[-1] // 2), dtype=torch.int8)
+    if kind == "e8m0":
+        return packed, torch.randint(118, 130, (*shape[:-1], shape[-1] // block), dtype=torch.uint8).view(
+            torch.float8_e8m0fnu)
+    return packed, (torch.rand(*shape[:-1], shape[-1] // block) * 0.5 + 0.01).to(torch.float8_e4m3fn)
+
+
+def cases():
+    """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
+    from kernels import fp8_linear, indexer, mhc, moe, quant, sparse_attn, topk
+
+    def quantizers():
+        quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
+        quant.quantize_fp4_triton(torch.randn(256, 128).bfloat16(), 32, "e8m0")
+        quant.quantize_fp8_triton(torch.randn(256, 512).bfloat16())
+
+    def linear(m):
+        w = (torch.randn(5120, 8192) * 30).to(torch.float8_e4m3fn)
+        ws = torch.randint(118, 124, (160, 256), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        return lambda: fp8_linear.fp8_linear_triton(torch.randn(m, 8192).bfloat16(), w, ws)
+
+    def index(tq, n, fused):
+        qp, qs = rand_fp4((tq, 32, 128), 32)
+        kp, ks = rand_fp4((n, 128), 32)
+        w = torch.randn(tq, 32) * 0.02
+        nv = torch.full((tq,), n, dtype=torch.int32)
+        fn = indexer.indexer_topk_triton if fused else indexer.indexer_scores_triton
+        return lambda: fn(qp, qs, kp, ks, w, nv)
+
+    def top512():
+        topk.topk_positions_triton(torch.randn(64, 65536), 512)
+
+    def attention(tq):
+        q = torch.randn(tq, 64, 512).bfloat16()
+        kvp, kvs = rand_fp4((4096, 512), 16, "e4m3")
+        w8 = (torch.randn(256, 512) * 50).to(torch.float8_e4m3fn)
+        ws = torch.randint(118, 122, (256, 16), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        idx = torch.randint(0, 4096, (tq, 512), dtype=torch.int32)
+        widx = torch.randint(0, 256, (tq, 128), dtype=torch.int32)
+        return lambda: sparse_attn.sparse_attn_triton(q, kvp, kvs, idx, w8, ws, widx, torch.randn(64))
+
+    def experts(tokens, **cfg):
+        e, inter, dim, k = 8, 2304, 5120, 6
+        w1, s1 = rand_fp4((e, inter, dim), 32)
+        w3, s3 = rand_fp4((e, inter, dim), 32)
+        w2, s2 = rand_fp4((e, dim, inter), 32)
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)]).int()
+        tw = torch.softmax(torch.randn(tokens, k), -1)
+        x = torch.randn(tokens, dim).bfloat16()
+        return lambda: moe.moe_fp4_triton(x, w1, s1, w3, s3, w2, s2, ids, tw, **cfg)
+
+    def mixing(tq):
+        dim = 5120
+        args = (torch.randn(tq, 4, dim).bfloat16(), torch.randn(24, 4 * dim) * 0.01, torch.rand(3) + 0.5,
+                torch.randn(24) * 0.5, torch.rand(tq, 4), torch.randn(tq, dim).bfloat16(), torch.rand(tq, 4) * 2,
+                torch.softmax(torch.randn(tq, 4, 4), -1))
+        return lambda: mhc.mhc_triton(*args)
+
+    return [("quantizers", quantizers), ("fp8 linear 128x5120x8192", linear(128)),
+            ("fp8 linear 64x5120x8192", linear(64)), ("indexer + top-512 decode", index(1, 1 << 16, True)),
+            ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
+            ("sparse attention decode b64", attention(64)), ("sparse attention prefill 4K", attention(4096)),
+            ("MoE decode 1 token", experts(1)),
+            ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+            ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1))]
+
+
+def table(rows: list[dict], errors: dict) -> str:
+    lines = [f"# Triton kernels compiled for sm_90 (no GPU), triton {triton.__version__}, torch {torch.__version__}",
+             "", "| case | kernel | constants | warps | stages | regs | spill B | smem B | wgmma | ptxas |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        consts = ", ".join(f"{k}={v}" for k, v in r["consts"].items())
+        lines.append(f"| {r['case']} | {r['kernel']} | {consts} | {r['num_warps']} | {r['num_stages']} | "
+                     f"{r['regs']} | {r['spill_bytes']} | {r['shared']} | {'yes' if r['wgmma'] else 'no'} | "
+                     f"{'ok' if r['ptxas_ok'] else 'FAILED ' + r['ptxas_error']} |")
+    if errors:
+        lines += ["", "Cases stopped (after the kernels listed for them compiled, or before any):"]
+        lines += [f"- {name}: {err}" for name, err in errors.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    args = ap.parse_args(argv)
+    if not PTXAS.exists():
+        raise SystemExit(f"error: Triton's ptxas is not at {PTXAS}")
+    triton_driver.set_active(Sm90Driver())
+    JITFunction.run = compile_only
+    errors = {}
+    for name, thunk in cases():
+        if args.only and args.only not in name:
+            continue
+        CASE["name"] = name
+        try:
+            thunk()
+        except Exception as err:  # a compile error is the finding; report it and go on
+            errors[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
+        print(f"{name}: {len([r for r in COMPILED if r['case'] == name])} kernels"
+              f"{' / ' + errors[name] if name in errors else ''}", flush=True)
+    out = table(COMPILED, errors)
+    print(out)
+    if args.out:
+        Path(args.out, "compile-sm90.md").write_text(out + "\n")
+    return 1 if errors or any(not r["ptxas_ok"] for r in COMPILED) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
