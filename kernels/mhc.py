@@ -8,10 +8,11 @@ Per token, in one read of the stream (programs split tokens and d; see the kerne
   comb = softmax_rows(m[8:24] s2 + b) + hc_eps, columns / (sum + hc_eps), then 19 rounds rows-then-columns.
 Shapes: X [T, 4, dim], fn float32 [24, 4*dim], scale [3], base [24], pre_prev [T, 4], y [T, dim],
 post_old [T, 4], comb_old [T, 4, 4]. Returns (Xn or None, x [T, dim], pre [T, 4], post [T, 4], comb [T, 4, 4]).
-Mixes to fp32 accuracy without fp32 tensor-core emulation of X: a bf16 stream is exact in bf16, so
-fn is cut into 3 bf16 pieces and each piece is one bf16 dot (fp32 streams: one tf32x3 dot); below 16
-tokens plain fp32 FMAs. 1 token: 160 programs over d + a finishing launch (latency); 4K tokens: 64-token
-blocks x ~4 d splits (HBM-bound: X, y read once, X' and x written once, fn re-read from L2 per block).
+Mixes to fp32 accuracy: a bf16 stream is exact in bf16, so fn is cut into 3 bf16 pieces stacked as the
+rows of one bf16 tensor-core dot with the tokens as its N side (fp32 streams: one tf32x3 dot); below 9
+tokens plain fp32 FMAs. 1 token: 160 programs over d + a finishing launch (latency-bound); 4K tokens:
+64-token blocks x 2 d splits (HBM-bound: X, y read once, X' and x written once, fn re-read from L2 per
+block) + the finishing launch. Launch shapes: `mhc_plan`.
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def _mix_dot(acc_t, xq, f, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.c
         r = f - hi
         mid = r.to(tl.bfloat16).to(tl.float32)
         p = tl.arange(0, 2 if SPLIT == 2 else 4)[:, None, None]
-        a3 = tl.where(p == 0, hi[None, :, :], tl.where(p == 1, mid[None, :, :], tl.where(p == 2, (r - mid)[None, :, :], 0.0)))
+        lo = tl.where(p == 2, (r - mid)[None, :, :], 0.0)
+        a3 = tl.where(p == 0, hi[None, :, :], tl.where(p == 1, mid[None, :, :], lo))  # [pieces, 32, BD]
         a = tl.reshape(a3.to(tl.bfloat16), (a3.shape[0] * 32, f.shape[1]))
         acc_t = tl.dot(a.to(DOT_DT), tl.trans(xq.to(DOT_DT)), acc_t)
     return acc_t
@@ -418,7 +420,8 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
         y.contiguous() if y is not None else x, f32(post_old) if y is not None else pre,
         f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, pre, post, comb,
         t, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
-        USE_DOT=use_dot, SPLIT=split, MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision, FINISH=fused, num_warps=nw, num_stages=ns)
+        USE_DOT=use_dot, SPLIT=split, MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision, FINISH=fused,
+        num_warps=nw, num_stages=ns)
     if not fused:
         fbt = finish_block_t or min(32, _pow2_at_least(t))
         ksb = min(_pow2_at_least(ks), max(1, 8192 // (fbt * 32)))
