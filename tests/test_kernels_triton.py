@@ -22,6 +22,7 @@ import kernels.moe
 import kernels.mhc
 import kernels.fp8_linear
 import kernels.dispatch
+from tests.test_kernels_mhc import _inputs as mhc_inputs
 
 # if another test imported the kernels without the interpreter, re-create the jit functions
 for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.moe,
@@ -177,15 +178,8 @@ def test_moe_swiglu_clamps_are_active(gen):
 
 @pytest.mark.parametrize("dtype,with_post", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
 def test_mhc(poisoned, gen, dtype, with_post):
-    t, dim = 5, 64
-    x = torch.randn(t, 4, dim, generator=gen).to(dtype)
-    fn = torch.randn(24, 4 * dim, generator=gen) * 0.05
-    scale, base = torch.rand(3, generator=gen) + 0.5, torch.randn(24, generator=gen) * 0.5
-    pre_prev = torch.rand(t, 4, generator=gen)
-    extra = ()
-    if with_post:
-        extra = (torch.randn(t, dim, generator=gen).to(dtype), torch.rand(t, 4, generator=gen) * 2,
-                 torch.softmax(torch.randn(t, 4, 4, generator=gen), -1))
+    t = 5
+    x, fn, scale, base, pre_prev, *extra = mhc_inputs(gen, t, 64, dtype, with_post)
     want = mhc.mhc_reference(x, fn, scale, base, pre_prev, *extra)
     got = mhc.mhc_triton(x, fn, scale, base, pre_prev, *extra, block_d=32)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
