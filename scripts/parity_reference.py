@@ -8,7 +8,8 @@ the engine's CPU `reference` numerics. One command, re-runnable whenever the che
 The official reference (tenstorrent/tt-metal models/demos/deepseek_v3_d_p/reference/deepseek_v41:
 model.py, kernel_cpu.py, engram.py, plus stubs for its image_processor/vision imports) is NOT part of
 this repository: save it as a package `deepseek_v41` under --reference-dir (default /tmp/ref). It runs
-on the CPU with its own CPU kernels and bf16 as torch's default dtype, as its generate.py does; this
+on the CPU with its own CPU kernels and bf16 as torch's default dtype, as its generate.py does, on one
+torch thread (as the engine side); this
 script only builds its classes, loads our checkpoint's tensors into them and listens with hooks.
 
 Per layer: top-k Jaccard of each query's selected entries (all rows; and with rows whose only
@@ -74,6 +75,10 @@ def official_capture(reference_dir: str, checkpoint: str, ids: list[int]) -> dic
     # the compressed vocabulary from our tokenizer (the reference builds it from a HF tokenizer object)
     ref_engram.build_compressed_token_map = lambda _tokenizer: engine.tokenizer.compressed_vocab()
     torch.set_default_dtype(torch.bfloat16)  # as the reference's generate.py
+    # one thread, as the engine side: on 2 threads the reference's GEMMs split differently and it
+    # disagrees with itself (measured on 200 tokens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         model = ref.Transformer(args, tokenizer=None)
         _load_official(model, Path(checkpoint), safe_open)
@@ -88,6 +93,7 @@ def official_capture(reference_dir: str, checkpoint: str, ids: list[int]) -> dic
         capture["seconds"] = time.perf_counter() - started
     finally:
         torch.set_default_dtype(torch.float32)
+        torch.set_num_threads(threads)
     capture["logits"] = logits[0].float()
     capture["label"] = "official reference (CPU kernels, bf16 activations)"
     plan = role_plan(cfg)

@@ -6,6 +6,13 @@ Engram update, the MoE's output, the sparse attention's output. What is fp32 the
 mHC mixes and Sinkhorn, the router, the compressor's pooling (ratio > 1), SwiGLU, the expert sum,
 the softmaxes, the logits.
 
+GEMMs run as the reference's do, down to the last bit on this CPU (where the same product on
+differently laid-out operands, or as an fp32 GEMM rounded instead of a bf16 GEMM, can differ in the
+last bit, and the model amplifies one flipped bit into different picks and routes):
+- FP8/FP4 GEMMs sum K in blocks of 32 in order (`gemm`), as the reference's CPU kernel;
+- the bf16 GEMMs (wo_a, the index scores, weights_proj, wk) are torch bf16 GEMMs, not fp32 sums;
+- the attention's window keys stay row-major [entries, D], as the reference gathers them.
+
 Two hot spots differ by more than a final rounding:
 - the indexer's scores are bf16 tensors: each head's q.k is rounded, its product with the head
   weight is rounded, and the sum over heads (accumulated in fp32) is rounded. Many scores tie.
@@ -22,6 +29,7 @@ import torch
 from .fp32 import NEG_INF, Fp32Ops, gather_entries
 
 ATTN_BLOCK = 64  # entries per step of the reference's sparse attention (its online softmax)
+GEMM_BLOCK_K = 32  # the reference's FP8/FP4 GEMMs add one fp32 partial per 32 of K (kernel_cpu.py)
 RUNNING_MAX_FLOOR = -1e30  # the reference's running max starts here, not at -inf
 
 
@@ -69,14 +77,34 @@ class ReferenceOps(Fp32Ops):
             table = self._rope_tables[key] = torch.polar(torch.ones_like(angles), angles).to(device)
         return table
 
-    # the reference's bf16 GEMMs: the small ones (weights_proj, wk, the ratio-1 compressor) run as torch
-    # bf16 GEMMs (the same kernel, the same bits); wo_a and the index scores as an fp32 sum rounded to
-    # bf16, which differs from that kernel in rare last bits (torch's bf16 GEMM costs ~10x here)
+    # the reference's bf16 GEMMs run as torch bf16 GEMMs here too (the same kernel, the same bits; an fp32
+    # sum rounded to bf16 differs from it in rare last bits, enough to move picks downstream)
     def grouped_out(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-        return to_bf16(torch.einsum("tgd,grd->tgr", o, wo_a))
+        """o [T, g, d] x wo_a [g, r, d] -> [T, g, r], the reference's bf16 einsum (values bf16 already)."""
+        return torch.einsum("tgd,grd->tgr", o.bfloat16(), wo_a.bfloat16()).float()
 
     def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x.bfloat16() @ w.bfloat16().t()).float()
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w [N, K]^T as the reference's CPU FP8/FP4 kernel sums it: one fp32 GEMM per block
+        of 32 along K, the partials added in K order. Scales are powers of two, so the dequantized
+        operands give the same partials as the reference's codes scaled afterwards. All blocks in one
+        batched GEMM (each block's bits as its own mm), then the ordered sum."""
+        M, K = x.shape
+        full = K - K % GEMM_BLOCK_K
+        nb = full // GEMM_BLOCK_K
+        if nb == 0:
+            return x @ w.t()
+        xb = x[:, :full].unflatten(1, (nb, GEMM_BLOCK_K)).transpose(0, 1)       # [nb, M, 32], strided
+        wb = w[:, :full].unflatten(1, (nb, GEMM_BLOCK_K)).permute(1, 2, 0)      # [nb, 32, N], strided
+        parts = torch.bmm(xb, wb)                                                # [nb, M, N]
+        acc = parts[0].add_(0.0)  # as the reference's zeros + first partial (-0 becomes +0)
+        for b in range(1, nb):
+            acc += parts[b]
+        if full < K:  # a tail shorter than a block (small test configs only)
+            acc += x[:, full:] @ w[:, full:].t()
+        return acc  # a view of `parts`: the callers store it (act) at once
 
     # mHC in the reference's order of fp32 operations, so the bf16 stream rounds the same way:
     # products rounded one by one and summed over the copies in order (a BLAS dot would fuse them)
@@ -149,10 +177,11 @@ class ReferenceOps(Fp32Ops):
 
     def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         B, H, D = q.shape
-        # one bf16 GEMM over every (query, head) row, as the reference's einsum runs
+        # the reference's bf16 einsum, one head at a time ([B, N], never [B, H, N]); values are bf16 already
+        qb, kt = q.bfloat16(), keys.bfloat16().t()
         scores = None
-        for h in range(H):  # one head at a time: [B, N]
-            per_head = to_bf16(torch.mm(q[:, h], keys.t())).relu_()
+        for h in range(H):
+            per_head = torch.mm(qb[:, h], kt).float().relu_()
             weighted = to_bf16(per_head.mul_(head_w[:, h:h + 1]))
             scores = weighted if scores is None else scores.add_(weighted)
         return to_bf16(scores)
@@ -164,15 +193,18 @@ class ReferenceOps(Fp32Ops):
         if int(positions[0]) < w - 1:
             # the reference lists an early query's window valid slots first (slot j = position j):
             # roll those rows so the blocks of 64 hold the same entries
+            # roll those rows so the blocks of 64 hold the same entries. Gathered row-major [B, W, D], as the
+            # reference gathers its keys: the QK GEMM's last bits depend on the keys' layout on this CPU
             shift = (w - 1 - positions).clamp_min(0)
             cols = (torch.arange(w, device=q.device)[None, :] + shift[:, None]) % w  # [B, W]
-            windows = windows.gather(-1, cols[:, None, :].expand(-1, windows.shape[1], -1))
+            win_rows = windows.transpose(1, 2).gather(1, cols[:, :, None].expand(-1, -1, windows.shape[1]))
             empty = torch.arange(w, device=q.device)[None, :] > positions[:, None]
         else:
+            win_rows = windows.transpose(1, 2)  # [B, W, D], a row-major view of the unfolded keys
             empty = torch.zeros(B, w, dtype=torch.bool, device=q.device)
         # a prompt shorter than the window lists only its own length of slots
         n_win = min(w, int(positions[-1]) + 1)
-        win_keys = windows[..., :n_win].transpose(1, 2)  # [B, n_win, D] (a view)
+        win_keys = win_rows[:, :n_win]  # [B, n_win, D]
         gathered = gather_entries(global_kv, idx) if global_kv is not None else win_keys[:, :0]
         invalid = torch.cat([empty[:, :n_win], idx[1]] if global_kv is not None else [empty[:, :n_win]], dim=1)
         n = n_win + gathered.shape[1]  # each query's entries in the reference's order: window, then picks
