@@ -92,7 +92,7 @@ class ReferenceOps(Fp32Ops):
         dequantized operands give the same partials as the reference's codes scaled afterwards.
         Each block is one addmm_ (the block's whole product, then + acc, rounded once: the same bits as
         the reference's `acc += partial`, checked on this CPU) with the operands' layouts as the
-        reference slices them: ~1.3-1.5x one GEMM, where a batched GEMM of the partials and separate
+        reference slices them: ~1.2-1.6x one GEMM, where a batched GEMM of the partials and separate
         adds cost 2-6x (memory traffic)."""
         acc = x.new_zeros(x.shape[0], w.shape[0])  # [M, N]
         for a in range(0, x.shape[1], GEMM_BLOCK_K):
