@@ -4,6 +4,7 @@ not Triton's compiler, so a kernel can pass them and still fail to build on the 
 read inside a kernel without `tl.constexpr` did). benches/compile_sm90.py does the compiling (no GPU
 needed: ptxas ships with Triton); it runs in a child process because it replaces Triton's driver."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -12,12 +13,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PTXAS = None
-try:
-    import triton
-    PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-except ImportError:
-    pass
+# found without importing triton: importing it here, before the interpreter tests set
+# TRITON_INTERPRET=1 at their import, would leave their kernels compiled-mode functions
+_SPEC = importlib.util.find_spec("triton")
+PTXAS = Path(_SPEC.origin).parent / "backends" / "nvidia" / "bin" / "ptxas" if _SPEC and _SPEC.origin else None
 
 
 @pytest.mark.skipif(PTXAS is None or not PTXAS.exists(), reason="Triton's ptxas is not installed")
