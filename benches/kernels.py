@@ -389,6 +389,7 @@ def main():
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     cases = dict(quant=case_quant, mhc=case_mhc, attn=case_attn, indexer=case_indexer, moe=case_moe,
                  linear=case_linear)
+    table = ""
     for name, fn in cases.items():
         if args.only and name not in args.only.split(","):
             continue
@@ -400,6 +401,13 @@ def main():
             print(f"[error] {name}\n{traceback.format_exc()[-1500:]}", flush=True)
         LOG.setdefault("case_s", {})[name] = round(time.time() - t0, 1)
         torch.cuda.empty_cache()
+        table = write_results(args.out, bw, mm)  # after every case: a run cut off keeps what it measured
+    print(json.dumps({k: v for k, v in LOG.items() if k not in ("rows",)}, default=str)[:3000])
+    print(table)
+
+
+def write_results(out: str, bw: float, mm: float) -> str:
+    """kernels-table.md and kernels-log.json in `out` from LOG so far; returns the table."""
     lines = [f"# Kernel benchmarks, {LOG['device']}, {LOG['date']}", "",
              f"{LOG['versions']}. Ceilings measured in this run: HBM copy {bw / 1e12:.2f} TB/s (read+write), "
              f"bf16 matmul (8192^3) {mm / 1e12:.0f} TFLOP/s. Times are medians (do_bench; decode rows "
@@ -414,13 +422,12 @@ def main():
     if LOG["errors"]:
         lines += ["", "Errors:"] + [f"- {e.splitlines()[-1] if e else e}" for e in LOG["errors"]]
     table = "\n".join(lines)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kernels-table.md"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "kernels-table.md"), "w") as f:
         f.write(table + "\n")
-    with open(os.path.join(args.out, "kernels-log.json"), "w") as f:
+    with open(os.path.join(out, "kernels-log.json"), "w") as f:
         json.dump(LOG, f, indent=1, default=str)
-    print(json.dumps({k: v for k, v in LOG.items() if k not in ("rows",)}, default=str)[:3000])
-    print(table)
+    return table
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
-    parity) timeout 240 python3 scripts/parity_reference.py --against engine-cpu --device cuda --tokens 1000 \
+    parity) timeout 100 python3 scripts/parity_reference.py --against engine-cpu --device cuda --tokens 1000 \
               --out "$R/parity-gpu.md" --json "$R/parity-gpu.json" > "$R/parity.log" 2>&1 ;;
     ced) timeout 240 python3 benches/ced_prefill.py --device cuda --tokens 1024 4096 8000 --prompts 1 --repeat 5 \
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
-    kernels) timeout 240 python3 benches/kernels.py --out "$R" > "$R/kernels.log" 2>&1 ;;
-    release) timeout 240 python3 benches/release_layer.py --out "$R" --budget-s 200 > "$R/release.log" 2>&1 ;;
+    kernels) timeout 280 python3 benches/kernels.py --out "$R" > "$R/kernels.log" 2>&1 ;;
+    release) timeout 200 python3 benches/release_layer.py --out "$R" --budget-s 150 > "$R/release.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "$step exit $? in $(( $(date +%s) - start )) s" | tee -a "$R/steps.txt"
