@@ -25,3 +25,20 @@ def test_from_checkpoint_holds_the_served_weights():
     bias = reader.dequantized("layers.39.ffn.gate.bias").float()
     assert bias.abs().sum() > 0  # a trained model's balancing biases are not the zeros of a fresh one
     assert torch.equal(trainee.get("layers.39.ffn.gate.bias"), bias)
+
+
+def test_phase_schedule():
+    """Dense warm-up, sparse, quantization-aware by the budget's share; --dense-every mixes dense
+    steps into the sparse phase only; --smoke splits the steps evenly."""
+    from types import SimpleNamespace
+
+    from engine.train.loop import phase_name
+
+    a = SimpleNamespace(smoke=False, max_steps=0, dense_frac=0.2, quant_frac=0.25, dense_every=0)
+    assert [phase_name(f, 7, a) for f in (0.0, 0.19, 0.2, 0.74, 0.75, 0.99)] == \
+        ["dense", "dense", "sparse", "sparse", "quant", "quant"]
+    a.dense_every = 4
+    assert [phase_name(0.5, s, a) for s in range(8)] == ["sparse"] * 3 + ["dense"] + ["sparse"] * 3 + ["dense"]
+    assert phase_name(0.9, 3, a) == "quant" and phase_name(0.1, 1, a) == "dense"
+    a.smoke, a.max_steps = True, 6
+    assert [phase_name(0.0, s, a) for s in range(6)] == ["dense"] * 2 + ["sparse"] * 2 + ["quant"] * 2

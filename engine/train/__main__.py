@@ -137,6 +137,7 @@ def main(argv=None) -> None:
         p.add_argument("--max-steps", type=int, default=0)
         p.add_argument("--dense-frac", type=float, default=0.15)
         p.add_argument("--quant-frac", type=float, default=0.2)
+        p.add_argument("--dense-every", type=int, default=0, help="in the sparse phase, every N-th step dense (0: none)")
         p.add_argument("--warmup", type=int, default=50)
         p.add_argument("--log-every", type=int, default=25)
         p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")

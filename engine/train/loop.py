@@ -29,6 +29,21 @@ from .batched import BatchedForward, StepOptions
 from .params import Trainee
 
 
+def phase_name(frac: float, step: int, a) -> str:
+    """The phase of a step, from the share of the budget spent: the dense warm-up, then sparse, then
+    the quantization-aware end. With `dense_every` N > 0, every N-th sparse step runs dense too,
+    so the layers keep attending every entry (what the selection-recall probe measures) while the
+    indexer's picks train. `smoke` splits `max_steps` evenly over the three phases."""
+    if a.smoke:
+        return ("dense", "sparse", "quant")[min(step * 3 // max(a.max_steps, 3), 2)]
+    if frac < a.dense_frac:
+        return "dense"
+    if frac < 1 - a.quant_frac:
+        every = getattr(a, "dense_every", 0)
+        return "dense" if every and step % every == every - 1 else "sparse"
+    return "quant"
+
+
 @dataclass
 class Phase:
     name: str
@@ -107,9 +122,7 @@ class Run:
             frac = (time.time() - t0 - first_steps_s) / a.budget_s
             if frac >= 1.0 or (a.max_steps and step >= a.max_steps):
                 break
-            name = "dense" if frac < a.dense_frac else ("sparse" if frac < 1 - a.quant_frac else "quant")
-            if a.smoke:
-                name = ("dense", "sparse", "quant")[min(step * 3 // max(a.max_steps, 3), 2)]
+            name = phase_name(frac, step, a)
             phase = phases[name]
             lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
             n_extra = round(phase.batch * extra_share) if extra is not None else 0
