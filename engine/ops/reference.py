@@ -185,7 +185,6 @@ class ReferenceOps(Fp32Ops):
         w = window_size
         if int(positions[0]) < w - 1:
             # the reference lists an early query's window valid slots first (slot j = position j):
-            # roll those rows so the blocks of 64 hold the same entries
             # roll those rows so the blocks of 64 hold the same entries. Gathered row-major [B, W, D], as the
             # reference gathers its keys: the QK GEMM's last bits depend on the keys' layout on this CPU
             shift = (w - 1 - positions).clamp_min(0)

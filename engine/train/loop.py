@@ -39,7 +39,7 @@ def phase_name(frac: float, step: int, a) -> str:
     if frac < a.dense_frac:
         return "dense"
     if frac < 1 - a.quant_frac:
-        every = getattr(a, "dense_every", 0)
+        every = a.dense_every
         return "dense" if every and step % every == every - 1 else "sparse"
     return "quant"
 
