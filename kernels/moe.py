@@ -173,14 +173,19 @@ def _gemv_rows(w_ptr, s_ptr, v_ptr, rows, rmask, KDIM: tl.constexpr, BKW: tl.con
 
 
 @triton.jit
+def _gemv_pair_rows(ids_ptr, BN: tl.constexpr, N: tl.constexpr):
+    """This program's (token, expert) pair p, its expert e and its block of BN output rows of N."""
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    return p, e, rows, rows < N
+
+
+@triton.jit
 def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, h_ptr, limit,
                          DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                          BN: tl.constexpr, BKW: tl.constexpr):
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    rows = nb * BN + tl.arange(0, BN)
-    rmask = rows < INTER
+    p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, INTER)
     grow = e * INTER + rows
     xv = x_ptr + (p // TOPK).to(tl.int64) * DIM
     g = tl.minimum(_gemv_rows(w1_ptr, s1_ptr, xv, grow, rmask, DIM, BKW), limit)
@@ -194,11 +199,7 @@ def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, h_ptr, 
 def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
                       DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                       BN: tl.constexpr, BKW: tl.constexpr):
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    rows = nb * BN + tl.arange(0, BN)
-    rmask = rows < DIM
+    p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, DIM)
     y = _gemv_rows(w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask, INTER, BKW)
     tw = tl.load(tw_ptr + p)
     tl.atomic_add(out_ptr + (p // TOPK).to(tl.int64) * DIM + rows, y * tw, mask=rmask)
