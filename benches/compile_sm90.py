@@ -96,11 +96,10 @@ _ORIGINAL_RUN = JITFunction.run
 
 
 def rand_fp4(shape, block, kind="e8m0"):
-    packed = torch.randint(-128, 128, (*shape[:-1], shape[-1] // 2), dtype=torch.int8)
-    if kind == "e8m0":
-        return packed, torch.randint(118, 130, (*shape[:-1], shape[-1] // block), dtype=torch.uint8).view(
-            torch.float8_e8m0fnu)
-    return packed, (torch.rand(*shape[:-1], shape[-1] // block) * 0.5 + 0.01).to(torch.float8_e4m3fn)
+    """benches/kernels.py's random packed FP4 with scales, made on the host."""
+    from benches import kernels as kernel_bench
+    kernel_bench.DEV = "cpu"
+    return kernel_bench.rand_fp4(shape, block, kind)
 
 
 def cases():
