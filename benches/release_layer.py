@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-RELEASE_CONFIG = Path("/work/shared/spec/inference_config.json")
+RELEASE_CONFIG = ROOT / "assets" / "configs" / "v41-flash.json"  # the release inference config, shipped
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
