@@ -283,6 +283,8 @@ def case_moe(bw, mm):
         except Exception as ex:  # noqa: BLE001
             LOG["errors"].append(f"moe cfg {cfg}: {ex!r}"[:400])
     LOG["moe_cfgs"] = times
+    if not times:
+        raise RuntimeError("no MoE prefill configuration compiled (see the errors above)")
     best = min(times, key=lambda c: times[c][0])
     t, r = times[best]
     flops = 2.0 * tq * k * 3 * inter * dim
