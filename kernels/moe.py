@@ -12,7 +12,12 @@ Two paths (moe_fp4_triton picks by the number of (token, expert) pairs P = T * k
 - few pairs (decode): GEMV on CUDA cores, one program per (pair, block of weight rows), full K per
   program, 16-byte loads of packed words; gate/up kernel writes h [P, I] fp32, down kernel adds into out.
 - many pairs (prefill): grouped tensor-core GEMM per expert block of tokens (moe_align), the weight tile
-  decoded once per program and K step.
+  decoded once per program and K step. Swap-AB: the decoded weight tile [BN rows, BK] is the wgmma's
+  register A operand (M = weight rows) and the token tile the shared-memory B operand (N = tokens), so
+  the decoded (joined/reshaped) tile never needs an NVMMA shared layout: on triton 3.6 the plain
+  orientation (decoded tile as the transposed B operand) fails in TritonGPUOptimizeDotOperands with
+  "Illegal shared layout ... collapsedTmaShape [2, 2048]" (the joins' [.., 2] shape given an MMA
+  shared layout).
 FP4 decode ("bit assembly"): an int32 word holds 8 nibbles; for A = 0..3 one shift-and-mask pair builds
 two fp16 bit patterns at once (nibble A in the low half, nibble A+4 in the high half):
   half = (n & 7) << 9 | (n & 8) << 12  ->  fp16 value = E2M1 value * 2^-14 exactly
@@ -237,23 +242,25 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     n_idx = nb * BN + tl.arange(0, BN)
     n_mask = n_idx < INTER
     grow = e.to(tl.int64) * INTER + n_idx
-    acc1 = tl.zeros([BM, BN], tl.float32)
-    acc3 = tl.zeros([BM, BN], tl.float32)
+    # swap-AB: the decoded weight tile is the register A operand (M = BN weight rows), the token tile
+    # the shared-memory B operand (N = BM tokens); accumulators are [BN, BM]
+    acc1 = tl.zeros([BN, BM], tl.float32)
+    acc3 = tl.zeros([BN, BM], tl.float32)
     kk = tl.arange(0, BK)
     for k0 in range(0, DIM, BK):
         # x is in NIB order (permuted on the host), like the decoded tiles
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
         a = _fp4_tile(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, DT)
-        acc1 += tl.dot(xt, tl.trans(a))
+        acc1 = tl.dot(a, tl.trans(xt), acc1)
         b = _fp4_tile(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, DT)
-        acc3 += tl.dot(xt, tl.trans(b))
+        acc3 = tl.dot(b, tl.trans(xt), acc3)
     g = tl.minimum(acc1, limit)
     u = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
     # stored in NIB order along I: the down kernel's decoded w2 tiles expect it
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * INTER + _nib_position(n_idx)[None, :],
-             h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & n_mask[None, :])
+    tl.store(h_ptr + rows[None, :].to(tl.int64) * INTER + _nib_position(n_idx)[:, None],
+             h.to(h_ptr.dtype.element_ty), mask=rmask[None, :] & n_mask[:, None])
 
 
 @triton.jit
@@ -274,16 +281,16 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
     n_idx = nb * BN + tl.arange(0, BN)
     n_mask = n_idx < DIM
     grow = e.to(tl.int64) * DIM + n_idx
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN, BM], tl.float32)  # swap-AB as in the gate/up kernel: [weight rows, tokens]
     kk = tl.arange(0, BK)
     for k0 in range(0, INTER, BK):
         ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * INTER + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
         w = _fp4_tile(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, DT)
-        acc += tl.dot(ht, tl.trans(w))
+        acc = tl.dot(w, tl.trans(ht), acc)
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
-    tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * DIM + n_idx[None, :], acc * tw[:, None],
-                  mask=rmask[:, None] & n_mask[None, :])
+    tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
+                  mask=rmask[None, :] & n_mask[:, None])
 
 
 def _nib_order(a: torch.Tensor) -> torch.Tensor:
@@ -336,7 +343,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64
     if block_n is None:
-        block_n = 32 if block_m == 16 else 128
+        block_n = 64 if block_m == 16 else 128  # weight rows are the wgmma M: at least 64
     bk = min(block_k, inter, dim)
     if dim % bk or inter % bk or bk % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the K block {bk} (a multiple of 32)")
