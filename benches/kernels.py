@@ -172,7 +172,13 @@ def _attn_inputs(tq, n_pool, n_win):
 
 
 def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
-    kv = fp4_dev(kvp, kvs, 16)
+    # FP4 decoded by arithmetic on the device, not with fp4_dev: its table comes from the host on every
+    # call (setdefault evaluates the .to() each time), which a CUDA graph capture refuses
+    b = kvp.view(torch.uint8)
+    c = torch.stack([b & 15, b >> 4], -1).flatten(-2).to(torch.int32)  # [N, D] E2M1 codes
+    ex, m = (c & 7) >> 1, (c & 1).float()
+    v = torch.where(ex == 0, 0.5 * m, torch.exp2((ex - 1).float()) * (1 + 0.5 * m))
+    kv = (torch.where(c >= 8, -v, v).unflatten(-1, (-1, 16)) * kvs.float().unsqueeze(-1)).flatten(-2)
     wv = (w8.float().unflatten(-1, (-1, 32)) * ws.float().unsqueeze(-1)).flatten(-2)
     e = torch.cat([kv[idx.clamp_min(0).long()], wv[widx.clamp_min(0).long()]], 1)  # [T, 640, D]
     valid = torch.cat([idx >= 0, widx >= 0], 1)

@@ -137,3 +137,70 @@ def test_rejects_bad_head_dim():
     args = _inputs(g, t=1, h=16, d=96, n=8, w=8, k=4, wn=4)
     with pytest.raises(ValueError, match="head dim"):
         A.sparse_attn_triton(*args)
+
+
+class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op that touches a host tensor or reads a value back to the host while the inputs
+    live on the 'meta' device (a stand-in for CUDA: shapes without data). Either one breaks a CUDA
+    graph capture (a host->device copy of a fresh tensor, a .item() sync)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = torch.utils._pytree.tree_leaves((args, kwargs, out))
+        if func is torch.ops.aten._local_scalar_dense.default or any(
+                isinstance(x, torch.Tensor) and x.device.type != "meta" for x in flat):
+            self.seen.append(str(func))
+        return out
+
+
+class _Recorder:
+    """Stands in for a jit kernel: `kernel[grid](*args)` records the launch instead of running it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, args, kw))
+
+
+def _host_use_of(fn, args):
+    spy, kern, merge = _HostTraffic(), _Recorder(), _Recorder()
+    meta = [x.to("meta") for x in args]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A, "_sparse_attn_kernel", kern)
+        mp.setattr(A, "_merge_kernel", merge)
+        with spy:
+            fn(*meta)
+    host_args = [f"host tensor handed to a kernel: {tuple(a.shape)}"
+                 for _, a_, _ in kern.launches + merge.launches for a in a_
+                 if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+    return spy.seen + host_args, kern.launches, merge.launches
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_wrapper_keeps_everything_on_the_device(split):
+    """The decode path under CUDA-graph rules: with the inputs on a device, no host tensor is made,
+    copied or handed to a kernel and nothing is read back, for one split and for partials + merge."""
+    g = torch.Generator().manual_seed(5)
+    args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
+    bad, kern, merge = _host_use_of(
+        lambda *a: A.sparse_attn_triton(*a, block_n=32, split=split), args)
+    assert bad == []
+    assert len(kern) == 1 and len(merge) == (split > 1)
+
+
+def test_host_traffic_check_catches_a_host_constant():
+    """Negative control for the check above: a wrapper that makes its scale a host tensor per call
+    (the pattern that broke graph capture) is flagged."""
+    g = torch.Generator().manual_seed(5)
+    args = _inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
+
+    def leaky(q, *rest):
+        return A.sparse_attn_triton(q, *rest[:-1], rest[-1] * torch.tensor(1.0).to(q.device))
+    bad, _, _ = _host_use_of(leaky, args)
+    assert bad
