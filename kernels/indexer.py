@@ -18,7 +18,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import e4m3_value, e8m0_value, fp4_value
-from kernels.topk import _pow2, select_from_maxima, topk_positions_reference
+from kernels.topk import _pow2, default_groups, select_from_maxima, topk_positions_reference
 
 
 def _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block):
@@ -125,7 +125,8 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                     HAS_POOL: tl.constexpr, WRITE_MAX: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
     """Scores of BT queries x `chunk` entries: per 32-wide group one dot (keys [BN, 32] x queries
     [32, BT*H], E4M3 operands, exact products), the key's group scale applied to the fp32 result.
-    WRITE_MAX: also the maxima of groups of GM entries (GM >= BN) and zeroed top-k counters."""
+    WRITE_MAX: also the maxima of groups of GM entries (powers of two, GM < BN or a multiple of BN)
+    and zeroed top-k counters."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     NQ: tl.constexpr = BT * H
@@ -151,14 +152,20 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
         q3 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 3, HALF, NGRP, FP8)
     vis_max = tl.max(n_vis, axis=0)
     n_start = pid_n * chunk
-    for g0 in range(n_start, tl.minimum(n_start + chunk, N), GM):
+    STEP: tl.constexpr = GM if GM > BN else BN
+    for g0 in range(n_start, tl.minimum(n_start + chunk, N), STEP):
         gmax = tl.full([BT], float("-inf"), tl.float32)
-        for n0 in range(g0, g0 + GM, BN):
+        for n0 in range(g0, g0 + STEP, BN):
             cols = n0 + tl.arange(0, BN)
             out_ptrs = out_ptr + t[None, :].to(tl.int64) * stride_out + cols[:, None]
             store_mask = t_mask[None, :] & (cols[:, None] < N)
             if n0 >= vis_max:  # nothing visible to any query of this tile: skip the keys
                 tl.store(out_ptrs, tl.full([BN, BT], float("-inf"), tl.float32), mask=store_mask)
+                if WRITE_MAX and GM < BN:
+                    sg = n0 // GM + tl.arange(0, BN // GM)
+                    tl.store(max_ptr + t[None, :].to(tl.int64) * n_groups + sg[:, None],
+                             tl.full([BN // GM, BT], float("-inf"), tl.float32),
+                             mask=t_mask[None, :] & (sg[:, None] < n_groups))
             else:
                 kmask = cols < N
                 k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 0, HALF, NGRP, FP8, ASM)
@@ -181,8 +188,14 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                 score = tl.where(allowed & store_mask, score, float("-inf"))
                 tl.store(out_ptrs, score, mask=store_mask)
                 if WRITE_MAX:
-                    gmax = tl.maximum(gmax, tl.max(score, axis=0))
-        if WRITE_MAX:
+                    if GM < BN:  # several groups per tile: their maxima stored with the tile
+                        sg = n0 // GM + tl.arange(0, BN // GM)
+                        tl.store(max_ptr + t[None, :].to(tl.int64) * n_groups + sg[:, None],
+                                 tl.max(tl.reshape(score, (BN // GM, GM, BT)), axis=1),
+                                 mask=t_mask[None, :] & (sg[:, None] < n_groups))
+                    else:
+                        gmax = tl.maximum(gmax, tl.max(score, axis=0))
+        if WRITE_MAX and GM >= BN:
             tl.store(max_ptr + t.to(tl.int64) * n_groups + g0 // GM, gmax, mask=t_mask)
 
 
@@ -192,7 +205,7 @@ def _interpreted() -> bool:
 
 
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
-            block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=2048):
+            block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None):
     """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None)."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
@@ -205,10 +218,12 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     bn = block_n or (128 if decode else 64)
     gm = bn
     if topk is not None:
-        gm = max(bn, _pow2(-(-n // max(groups, 2 * topk))))
+        gm = _pow2(-(-n // max(_pow2(groups or default_groups(t)), 2 * topk)))
+        gm = gm if gm < bn else max(gm, bn)
+    step = max(gm, bn)
     if chunk is None:  # decode: ~512 programs; prefill: 4K entries per program (keys stay in L2)
-        chunk = max(gm, _pow2(-(-n // 512))) if decode else 4096
-    chunk = -(-max(chunk, gm) // gm) * gm
+        chunk = max(step, _pow2(-(-n // 512))) if decode else 4096
+    chunk = -(-max(chunk, step) // step) * step
     n_groups = triton.cdiv(n, gm)
     out = torch.empty(t, n, dtype=torch.float32, device=dev)
     maxima = torch.empty(t, n_groups, dtype=torch.float32, device=dev) if topk is not None else out
@@ -233,10 +248,10 @@ def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visib
 
 def indexer_topk_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
                         pool_mask=None, topk: int = 512, pool_block: int = 8, cap: int = 2048,
-                        **tune) -> torch.Tensor:
-    """Scores with their group maxima in one launch, then the filter and resolve stages of
-    kernels.topk (the logits are read once more, by the filter only)."""
+                        rows_path: bool | None = None, **tune) -> torch.Tensor:
+    """Scores with their group maxima in one launch, then kernels.topk.select_from_maxima: only the
+    ~topk groups whose maximum reaches the bound are read again (tune: groups, and the scores' knobs)."""
     scores, maxima, counts = _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
                                      pool_block, topk=topk, **tune)
     vis = n_visible.to(device=scores.device, dtype=torch.int32).contiguous()
-    return select_from_maxima(scores, topk, vis, maxima, counts, cap=cap)
+    return select_from_maxima(scores, topk, vis, maxima, counts, cap=cap, rows_path=rows_path)

@@ -5,16 +5,23 @@
 positions of the min(k, #finite) largest scores, ascending, then -1. Ties at the threshold go to the
 earliest positions.
 
-The Triton version (three launches, one HBM read of the row for the bound, one for the filter):
-  1. group maxima: the row is cut into ~`groups` groups of G entries; their maxima go to a small
-     buffer (the indexer's scoring kernel writes these itself, so its logits are never re-read here).
-  2. filter: the k-th largest group maximum t1 is a lower bound of the row's k-th largest value
-     (k groups hold an entry >= t1), so every winner is >= t1; those candidates (about 1.15 k for
-     2048 groups, whatever the row length) are appended, value and position, to a per-row buffer
-     through one atomic counter per row.
-  3. resolve: one program per row sorts the candidates' (ordered value key, inverted position) as one
-     64-bit key, keeps the first k and sorts their positions. More than `cap` candidates (many exact
-     ties, or fewer than k finite groups) fall back to the exact radix select over the row.
+The Triton version never sorts (Triton's tl.sort of 2048 keys costs tens of microseconds in one
+program). Both paths start from group maxima: the row is cut into groups of G entries (a power of
+two); the k-th largest group maximum t1 is a lower bound of the row's k-th largest value (k groups
+hold an entry >= t1), so every winner lies in a group whose maximum is >= t1: about k groups, so
+only ~k*G entries are read again. The k-th largest key of a set is found by counting: 16 steps of
+three counts each fix the 32-bit ordered key two bits at a time (`_kth_largest_key`).
+  rows path (R >= ROWS_MIN, prefill): one program per row does it all: group maxima (unless the
+     indexer's scoring kernel wrote them), t1, the qualifying groups' entries >= t1 appended in
+     position order to a per-row buffer, the exact k-th value among them, and the winners written by
+     a running count (they are already in position order).
+  split path (few long rows, decode): the group maxima (from the scoring kernel or _group_max_kernel),
+     then _filter_kernel (each program takes a range of groups, reads only qualifying ones, appends
+     candidates through one atomic counter per row), then _resolve_kernel (each program takes a slice
+     of the candidates, finds the k-th value and the tie cut by counting, and each winner's output slot
+     as the number of winners at smaller positions).
+More than `cap` candidates (many exact ties) fall back to the exact radix select over the row.
+No host tensor is made or copied per call: the entry points can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -135,74 +142,183 @@ def _group_max_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_p
 
 
 @triton.jit
-def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, chunk, cnt_ptr, cval_ptr, cidx_ptr,
-                   K: tl.constexpr, NGP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   HAS_LEN: tl.constexpr, SORT: tl.constexpr):
-    """t1 = the K-th largest group maximum of the row; entries >= t1 (finite) are appended to the row's
-    candidate buffer (values, positions) at slots taken from its atomic counter."""
+def _kth_largest_key(key, valid, need):
+    """The need-th largest (1 <= need <= #valid) of the uint32 keys where valid: two bits per step,
+    each the largest digit keeping #(key >= prefix) >= need."""
+    prefix = tl.zeros([], dtype=tl.uint32)
+    for step in tl.static_range(16):
+        unit = tl.full([], 1, tl.uint32) << (30 - 2 * step)
+        c1 = prefix | unit
+        c2 = prefix | (unit << 1)
+        c3 = c1 | (unit << 1)
+        n1 = tl.sum((valid & (key >= c1)).to(tl.int32), axis=0)
+        n2 = tl.sum((valid & (key >= c2)).to(tl.int32), axis=0)
+        n3 = tl.sum((valid & (key >= c3)).to(tl.int32), axis=0)
+        prefix = tl.where(n3 >= need, c3, tl.where(n2 >= need, c2, tl.where(n1 >= need, c1, prefix)))
+    return prefix
+
+
+@triton.jit
+def _candidate_bound(mx, K: tl.constexpr):
+    """Group maxima [NGP] -> the ordered key an entry must reach to be a candidate: the K-th largest
+    finite maximum's key, or 0 (every finite entry) when fewer than K groups are finite."""
+    fin = mx > float("-inf")
+    n_fin = tl.sum(fin.to(tl.int32), axis=0)
+    t1 = _kth_largest_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1))
+    return tl.where(n_fin >= K, t1, 0)
+
+
+@triton.jit
+def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
+                   K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
+                   CAP: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Program (row, c) takes groups [c*GPP, (c+1)*GPP): reads the entries of those whose maximum reaches
+    the bound (GB columns at a time), appends the candidates to the row's buffer via its counter."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     length = n_cols
     if HAS_LEN:
         length = tl.minimum(length, tl.load(len_ptr + row))
+    mrow = max_ptr + row.to(tl.int64) * n_groups
     gi = tl.arange(0, NGP)
-    mx = tl.load(max_ptr + row.to(tl.int64) * n_groups + gi, mask=gi < n_groups, other=float("-inf"))
-    if SORT:
-        srt = tl.sort(mx, descending=True)
-        t1 = tl.max(tl.where(gi == K - 1, srt, float("-inf")), axis=0)
-    else:  # the interpreter's tl.sort is very slow: the K-th largest by counting, O(NGP^2)
-        n_ge = tl.sum((mx[None, :] >= mx[:, None]).to(tl.int32), axis=1)
-        t1 = tl.max(tl.where(n_ge >= K, mx, float("-inf")), axis=0)
-    base = v_ptr + row.to(tl.int64) * stride_v
-    offs = tl.arange(0, BLOCK)
-    for start in range(c * chunk, tl.minimum(c * chunk + chunk, length), BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < length, other=float("-inf"))
-        cand = (x >= t1) & (x > float("-inf"))
-        n_c = tl.sum(cand.to(tl.int32), axis=0)
-        if n_c > 0:
-            slot0 = tl.atomic_add(cnt_ptr + row, n_c)
-            slot = slot0 + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-            ok = cand & (slot < CAP)
-            tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, x, mask=ok)
-            tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, idx, mask=ok)
+    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K)
+    g = c * GPP + tl.arange(0, GPP)
+    mo = tl.load(mrow + g, mask=g < n_groups, other=float("-inf"))
+    qual = (mo > float("-inf")) & (_ordered_key(mo) >= t1)
+    if tl.sum(qual.to(tl.int32), axis=0) > 0:
+        base = v_ptr + row.to(tl.int64) * stride_v
+        for j0 in tl.static_range(0, G, GB):
+            idx = g[:, None] * G + j0 + tl.arange(0, GB)[None, :]  # [GPP, GB]
+            ok = qual[:, None] & (idx < length)
+            x = tl.load(base + idx, mask=ok, other=float("-inf"))
+            cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
+            cand = tl.reshape(cand, (GPP * GB,))
+            n_c = tl.sum(cand.to(tl.int32), axis=0)
+            if n_c > 0:
+                slot = tl.atomic_add(cnt_ptr + row, n_c) + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                ok2 = cand & (slot < CAP)
+                tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (GPP * GB,)), mask=ok2)
+                tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (GPP * GB,)), mask=ok2)
 
 
 @triton.jit
 def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_ptr, out_ptr,
-                    K: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                    HAS_LEN: tl.constexpr, SORT: tl.constexpr):
-    """The exact top-K of the row's candidates (value desc, then position asc) in position order."""
+                    K: tl.constexpr, CAP: tl.constexpr, SL: tl.constexpr, BLOCK: tl.constexpr,
+                    BITS: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Program (row, s): the winners among candidate slots [s*SL, (s+1)*SL) of the row's (unordered)
+    buffer, each written at its rank by position among all winners. Winners: value desc, then position
+    asc; the K-th value and the tie cut found by counting over the whole buffer."""
     row = tl.program_id(0)
+    sl = tl.program_id(1)
     n_cand = tl.load(cnt_ptr + row)
     out_row = out_ptr + row.to(tl.int64) * K
+    n_sel = tl.minimum(n_cand, K)
     if n_cand <= CAP:
-        s = tl.arange(0, CAP)
-        ok = s < n_cand
-        x = tl.load(cval_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=float("-inf"))
-        p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
-        inv = (p ^ -1).to(tl.uint32, bitcast=True).to(tl.uint64)
-        key = tl.where(ok, (_ordered_key(x).to(tl.uint64) << 32) | inv, 0)
-        slots = tl.arange(0, K)
-        n_sel = tl.minimum(n_cand, K)
-        if SORT:
-            key = tl.sort(key, descending=True)
-            first = tl.arange(0, CAP // K)[:, None] == 0
-            top = tl.max(tl.where(first, tl.reshape(key, (CAP // K, K)), 0), axis=0)  # [K], best first
-            pos = ((top & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32, bitcast=True)
-            pos = tl.sort(tl.where(slots < n_sel, pos, 2147483647))
-            tl.store(out_row + slots, tl.where(slots < n_sel, pos, -1))
-        else:  # interpreter: ranks by counting (keys are distinct), O(CAP^2)
-            rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)
-            sel = ok & (rank < K)
-            slot = tl.sum(((p[None, :] < p[:, None]) & sel[None, :]).to(tl.int32), axis=1)
-            tl.store(out_row + slot, p, mask=sel)
+        if sl == 0:
+            slots = tl.arange(0, K)
             tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
-    else:
+        if sl * SL < n_cand:
+            s = tl.arange(0, CAP)
+            ok = s < n_cand
+            x = tl.load(cval_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=float("-inf"))
+            p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
+            key = _ordered_key(x)
+            inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
+            thr = _kth_largest_key(key, ok, tl.maximum(n_sel, 1))
+            gt = ok & (key > thr)
+            eq = ok & (key == thr)
+            need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
+            cut = tl.zeros([], dtype=tl.uint32)
+            if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
+                cut = _kth_largest_key(inv, eq, need_eq)
+            sel = gt | (eq & (inv >= cut))
+            m = sl * SL + tl.arange(0, SL)
+            okm = m < n_cand
+            xm = tl.load(cval_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=float("-inf"))
+            pm = tl.load(cidx_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=0)
+            km = _ordered_key(xm)
+            selm = okm & ((km > thr) | ((km == thr) & ((pm ^ -1).to(tl.uint32, bitcast=True) >= cut)))
+            slot = tl.sum((sel[None, :] & (p[None, :] < pm[:, None])).to(tl.int32), axis=1)
+            tl.store(out_row + slot, pm, mask=selm)
+    elif sl == 0:
         length = n_cols
         if HAS_LEN:
             length = tl.minimum(length, tl.load(len_ptr + row))
         _radix_select_row(v_ptr + row.to(tl.int64) * stride_v, tl.maximum(length, 0), out_row, K, BLOCK, BITS)
+
+
+@triton.jit
+def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr,
+                       out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                       CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr):
+    """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
+    their candidates appended in position order, the exact top-K among them written in order.
+    Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]."""
+    row = tl.program_id(0)
+    length = n_cols
+    if HAS_LEN:
+        length = tl.minimum(length, tl.load(len_ptr + row))
+    base = v_ptr + row.to(tl.int64) * stride_v
+    mrow = max_ptr + row.to(tl.int64) * n_groups
+    offs = tl.arange(0, BLOCK)
+    if not HAS_MAX:
+        gl = tl.arange(0, BLOCK // G)
+        for start in range(0, n_cols, BLOCK):
+            idx = start + offs
+            x = tl.load(base + idx, mask=idx < length, other=float("-inf"))
+            g = start // G + gl
+            tl.store(mrow + g, tl.max(tl.reshape(x, (BLOCK // G, G)), axis=1), mask=g < n_groups)
+        tl.debug_barrier()  # the maxima are read back by other threads of this program
+    gi = tl.arange(0, NGP)
+    mx = tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf"))
+    t1 = _candidate_bound(mx, K)
+    qual = (mx > float("-inf")) & (_ordered_key(mx) >= t1)
+    n_q = tl.sum(qual.to(tl.int32), axis=0)
+    grow = glist_ptr + row.to(tl.int64) * CAP
+    qslot = tl.cumsum(qual.to(tl.int32), axis=0) - 1
+    tl.store(grow + qslot, gi, mask=qual & (qslot < CAP))
+    tl.debug_barrier()
+    crow = row.to(tl.int64) * CAP
+    count = 0
+    if n_q <= CAP:  # else each qualifying group holds a candidate: overflow for sure
+        gsub = offs // G
+        within = offs % G
+        for q0 in range(0, n_q, BLOCK // G):
+            qi = q0 + gsub
+            gq = tl.load(grow + qi, mask=qi < n_q, other=0)
+            idx = gq * G + within
+            ok = (qi < n_q) & (idx < length)
+            x = tl.load(base + idx, mask=ok, other=float("-inf"))
+            cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
+            pos = count + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+            keep = cand & (pos < CAP)
+            tl.store(cval_ptr + crow + pos, x, mask=keep)
+            tl.store(cidx_ptr + crow + pos, idx, mask=keep)
+            count += tl.sum(cand.to(tl.int32), axis=0)
+        tl.debug_barrier()
+    out_row = out_ptr + row.to(tl.int64) * K
+    if (n_q <= CAP) & (count <= CAP):
+        s = tl.arange(0, CAP)
+        ok = s < count
+        x = tl.load(cval_ptr + crow + s, mask=ok, other=float("-inf"))
+        p = tl.load(cidx_ptr + crow + s, mask=ok, other=0)
+        key = _ordered_key(x)
+        n_sel = tl.minimum(count, K)
+        thr = _kth_largest_key(key, ok, tl.maximum(n_sel, 1))
+        gt = ok & (key > thr)
+        eq = ok & (key == thr)
+        need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)
+        # the buffer is in position order: ties by their running rank, winners by their running count
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
+        slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(out_row + slot, p, mask=sel)
+        slots = tl.arange(0, K)
+        tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
+    else:
+        _radix_select_row(base, tl.maximum(length, 0), out_row, K, BLOCK, BITS)
+
+
+ROWS_MIN = 64  # rows at or above this: one program per row (prefill); below: split path (decode)
 
 
 def _pow2(x: int) -> int:
@@ -214,48 +330,61 @@ def group_size(n: int, groups: int = 2048) -> int:
     return _pow2(max(1, -(-n // groups)))
 
 
+def default_groups(rows: int) -> int:
+    """Group maxima per row: more groups, fewer entries re-read (~k groups qualify), dearer bound."""
+    return 4096 if rows >= ROWS_MIN else 8192
+
+
 def _interpreted() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int = 1024,
-                       bits: int = 8, chunk: int | None = None, sort: bool | None = None) -> torch.Tensor:
-    """Stages 2 and 3 on values [R, L] given maxima [R, n_groups] (group maxima, any group size) and
-    counts int32 [R] already zeroed. -> int32 [R, k]. sort: tl.sort (the GPU's way) or, by default
-    under the interpreter, counting ranks."""
+def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int = 4096,
+                       bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
+                       num_warps: int = 8) -> torch.Tensor:
+    """Top-k of values [R, L] given maxima [R, n_groups] of groups of G = ceil-pow2(L / n_groups)
+    entries, and counts int32 [R] already zeroed (split path). -> int32 [R, k].
+    The maxima buffer is scratch afterwards (the rows path lists group ids over it)."""
     r, n = values.shape
     dev = values.device
-    ngp = _pow2(maxima.shape[1])
+    n_groups = maxima.shape[1]
+    g = _pow2(-(-n // n_groups))
+    if triton.cdiv(n, g) != n_groups:
+        raise ValueError(f"{n_groups} group maxima do not tile a row of {n} in power-of-two groups")
+    ngp = _pow2(n_groups)
     cap = max(min(_pow2(cap), _pow2(n)), k)  # a row never has more candidates than entries
-    sort = not _interpreted() if sort is None else sort
-    if not sort:  # counting ranks is O(n^2) in one tensor: keep it under Triton's 2^20 elements
-        cap = min(cap, max(1024, k))
-        if ngp > 1024:
-            raise ValueError(f"counting ranks takes at most 1024 group maxima, got {ngp}")
-    if chunk is None:  # enough programs to fill the machine, not so many that the maxima sort dominates
-        per_row = max(1, min(n // 4096, -(-512 // r)))
-        chunk = -(-n // per_row)
-    chunk = -(-max(chunk, 1) // block) * block
+    rows_path = r >= ROWS_MIN if rows_path is None else rows_path
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
     lens = lengths if lengths is not None else dummy
     cval = torch.empty(r, cap, dtype=torch.float32, device=dev)
     cidx = torch.empty(r, cap, dtype=torch.int32, device=dev)
-    _filter_kernel[(r, triton.cdiv(n, chunk))](values, values.stride(0), n, lens, maxima, maxima.shape[1],
-                                               chunk, counts, cval, cidx, K=k, NGP=ngp, BLOCK=block, CAP=cap,
-                                               HAS_LEN=lengths is not None, SORT=sort)
     out = torch.empty(r, k, dtype=torch.int32, device=dev)
-    _resolve_kernel[(r,)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
-                          BLOCK=block, BITS=bits, HAS_LEN=lengths is not None, SORT=sort)
+    if rows_path:
+        glist = torch.empty(r, cap, dtype=torch.int32, device=dev)
+        _row_select_kernel[(r,)](values, values.stride(0), n, lens, maxima, n_groups, glist, cval, cidx, out,
+                                 K=k, NGP=ngp, G=g, BLOCK=max(block, g), CAP=cap, BITS=bits,
+                                 HAS_LEN=lengths is not None, HAS_MAX=True, num_warps=num_warps)
+        return out
+    gb = min(g, block)
+    gpp = max(1, block // g)
+    _filter_kernel[(r, triton.cdiv(n_groups, gpp))](values, values.stride(0), n, lens, maxima, n_groups, counts,
+                                                    cval, cidx, K=k, NGP=ngp, G=g, GPP=gpp, GB=gb, CAP=cap,
+                                                    HAS_LEN=lengths is not None, num_warps=num_warps)
+    sl = min(slice_len, cap)
+    _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
+                                    SL=sl, BLOCK=block, BITS=bits, HAS_LEN=lengths is not None,
+                                    num_warps=num_warps)
     return out
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
-                          chunk: int | None = None, block: int = 1024, bits: int = 8,
-                          cap: int = 2048, groups: int = 2048, sort: bool | None = None) -> torch.Tensor:
+                          block: int = 4096, bits: int = 8, cap: int = 2048, groups: int | None = None,
+                          rows_path: bool | None = None, chunk: int | None = None, **tune) -> torch.Tensor:
     """Triton twin of `topk_positions_reference`. values [R, L] float32 (row stride may exceed L).
     Knobs: block (entries per tile), cap (candidate buffer per row), groups (group maxima per row),
-    chunk (entries per filter program), bits (the radix fallback's digit width)."""
+    bits (the radix fallback's digit width), rows_path (force a path), chunk (entries per group-maxima
+    program on the split path). tune: slice_len, num_warps."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
     if k & (k - 1):
@@ -263,18 +392,30 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     r, n = values.shape
     dev = values.device
     lens = lengths.to(device=dev, dtype=torch.int32).contiguous() if lengths is not None else None
-    if sort is False or (sort is None and _interpreted()):
-        groups = min(groups, 1024)
-    groups = max(_pow2(groups), 2 * k)
+    rows_path = r >= ROWS_MIN if rows_path is None else rows_path
+    groups = max(_pow2(groups or default_groups(r)), 2 * k)
     g = group_size(n, groups)
-    block = max(block, g)
     n_groups = triton.cdiv(n, g)
     maxima = torch.empty(r, n_groups, dtype=torch.float32, device=dev)
     counts = torch.empty(r, dtype=torch.int32, device=dev)
-    mchunk = block * max(1, triton.cdiv(n, block * max(1, triton.cdiv(512, r))))
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
-    _group_max_kernel[(r, triton.cdiv(n, mchunk))](values, values.stride(0), n, lens if lens is not None else dummy,
-                                                   maxima, n_groups, counts, mchunk, G=g, BLOCK=block,
-                                                   HAS_LEN=lens is not None)
-    return select_from_maxima(values, k, lens, maxima, counts, cap=cap, block=block, bits=bits, chunk=chunk,
-                              sort=sort)
+    if rows_path:
+        cap = max(min(_pow2(cap), _pow2(n)), k)
+        cval = torch.empty(r, cap, dtype=torch.float32, device=dev)
+        cidx = torch.empty(r, cap, dtype=torch.int32, device=dev)
+        glist = torch.empty(r, cap, dtype=torch.int32, device=dev)
+        out = torch.empty(r, k, dtype=torch.int32, device=dev)
+        _row_select_kernel[(r,)](values, values.stride(0), n, lens if lens is not None else dummy, maxima,
+                                 n_groups, glist, cval, cidx, out, K=k, NGP=_pow2(n_groups), G=g,
+                                 BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
+                                 HAS_MAX=False, num_warps=tune.get("num_warps", 8))
+        return out
+    mblock = max(min(block, 1024), g)
+    if chunk is None:  # ~512 programs over all rows
+        chunk = mblock * max(1, triton.cdiv(n, mblock * max(1, triton.cdiv(512, r))))
+    chunk = -(-max(chunk, mblock) // mblock) * mblock
+    _group_max_kernel[(r, triton.cdiv(n, chunk))](values, values.stride(0), n, lens if lens is not None else dummy,
+                                                  maxima, n_groups, counts, chunk, G=g, BLOCK=mblock,
+                                                  HAS_LEN=lens is not None)
+    return select_from_maxima(values, k, lens, maxima, counts, cap=cap, block=block, bits=bits, rows_path=False,
+                              **tune)

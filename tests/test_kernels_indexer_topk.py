@@ -34,24 +34,123 @@ def _ties(gen, rows, n):
     return v
 
 
-@pytest.mark.parametrize("cap,sort", [(2048, False), (16, False), (64, True)])
-def test_topk_stages_exact(gen, cap, sort):
-    """cap 16 forces the radix fallback; sort=True runs the GPU's tl.sort path."""
+@pytest.mark.parametrize("rows_path", [False, True])
+@pytest.mark.parametrize("cap", [2048, 16])
+def test_topk_paths_exact(gen, cap, rows_path):
+    """Both paths (split: filter + resolve kernels; rows: one program per row); cap 16 forces the radix
+    fallback (the run of 1.5 ties gives more candidates than slots)."""
     v = _ties(gen, 3, 500)
     lengths = torch.tensor([500, 450, 7], dtype=torch.int32)
     k = 32
-    got = topk.topk_positions_triton(v, k, lengths, block=64, cap=cap, groups=64, sort=sort)
+    got = topk.topk_positions_triton(v, k, lengths, block=64, cap=cap, groups=64, rows_path=rows_path)
     assert torch.equal(got, topk.topk_positions_reference(v, k, lengths)), gen.initial_seed()
     assert (got[2, 7:] == -1).all()
 
 
-def test_topk_wide_groups_and_all_ties(gen):
+@pytest.mark.parametrize("rows_path", [False, True])
+def test_topk_tie_cut_without_fallback(gen, rows_path):
+    """Exact ties at the k-th value, few enough to stay in the buffer: the earliest positions of the tied
+    value win (the split path's counted cut, the rows path's running rank); a row of under k finite."""
+    v = torch.randn(2, 900, generator=gen) * 0.1
+    top = torch.randperm(900, generator=gen)
+    v[0, top[:20]] = 2.0
+    v[0, top[20:50]] = 1.5  # 20 + 12 of these 30 make the top 32
+    v[1, :] = float("-inf")
+    v[1, top[:9]] = torch.randn(9, generator=gen)
+    got = topk.topk_positions_triton(v, 32, block=128, groups=128, rows_path=rows_path)
+    assert torch.equal(got, topk.topk_positions_reference(v, 32)), gen.initial_seed()
+    tied = torch.sort(top[20:50]).values[:12]
+    assert set(got[0].tolist()) == set(top[:20].tolist()) | set(tied.tolist())
+    assert (got[1, 9:] == -1).all()
+
+
+@pytest.mark.parametrize("rows_path", [False, True])
+def test_topk_wide_groups_and_all_ties(gen, rows_path):
     """Groups wider than the tile, and a row of equal values: the earliest positions win."""
     v = torch.randn(2, 3000, generator=gen)
     v[1] = 0.0
-    got = topk.topk_positions_triton(v, 16, block=32, groups=32)
+    got = topk.topk_positions_triton(v, 16, block=32, groups=32, rows_path=rows_path)
     assert torch.equal(got, topk.topk_positions_reference(v, 16)), gen.initial_seed()
     assert torch.equal(got[1], torch.arange(16, dtype=torch.int32))
+
+
+def test_kth_largest_key_by_counting():
+    """The counting search against torch's sort, with duplicates and a validity mask."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, m_ptr, need_ptr, o_ptr):
+        i = tl.arange(0, 256)
+        key = topk._ordered_key(tl.load(x_ptr + i))
+        o = topk._kth_largest_key(key, tl.load(m_ptr + i) != 0, tl.load(need_ptr))
+        tl.store(o_ptr, o.to(tl.int32, bitcast=True))
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-5, 6, (256,), generator=g).float() * torch.rand(256, generator=g).round(decimals=1)
+    valid = torch.rand(256, generator=g) > 0.3
+    for need in (1, 7, 64, int(valid.sum())):
+        o = torch.zeros(1, dtype=torch.int32)
+        k[(1,)](x, valid.to(torch.int8), torch.tensor([need], dtype=torch.int32), o)
+        want = torch.sort(x[valid], descending=True).values[need - 1]
+        bits = want.view(torch.int32).item()
+        key = (bits & 0xFFFFFFFF) ^ (0xFFFFFFFF if bits < 0 else 0x80000000)  # the order-preserving map
+        assert (o.item() & 0xFFFFFFFF) == key, need
+
+
+class _Launches:
+    """Stands in for a @triton.jit kernel: records the tensors of each launch instead of running it."""
+
+    def __init__(self, name, seen):
+        self.name, self.seen = name, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen += [(self.name, a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return launch
+
+
+def test_entry_points_capturable_in_a_cuda_graph(monkeypatch):
+    """No host tensor and no host sync per call (either breaks CUDA-graph capture): with every input on
+    the meta device and the kernels stubbed, no op may touch a non-meta tensor, read a value back
+    (.item() on meta raises), and every launched tensor must be on the inputs' device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bad = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flat = [*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else [out])]
+            if any(isinstance(a, torch.Tensor) and a.device.type != "meta" for a in flat):
+                self.bad.append(str(func))
+            return out
+
+    seen = []
+    for mod, name in [(topk, "_group_max_kernel"), (topk, "_filter_kernel"), (topk, "_resolve_kernel"),
+                      (topk, "_row_select_kernel"), (indexer, "_indexer_kernel")]:
+        monkeypatch.setattr(mod, name, _Launches(name, seen))
+    meta = torch.device("meta")
+    h, d = 32, 128
+    with HostOps() as mode:
+        for rows, n in ((1, 1 << 20), (2, 5000), (128, 65536)):
+            v = torch.empty(rows, n, device=meta)
+            topk.topk_positions_triton(v, 512, torch.empty(rows, dtype=torch.int32, device=meta))
+            topk.topk_positions_triton(v, 512)
+            args = (torch.empty(rows, h, d // 2, dtype=torch.int8, device=meta),
+                    torch.empty(rows, h, d // 32, dtype=torch.float8_e8m0fnu, device=meta),
+                    torch.empty(n, d // 2, dtype=torch.int8, device=meta),
+                    torch.empty(n, d // 32, dtype=torch.float8_e8m0fnu, device=meta),
+                    torch.empty(rows, h, device=meta), torch.empty(rows, dtype=torch.int32, device=meta))
+            indexer.indexer_topk_triton(*args, topk=512)
+            indexer.indexer_scores_triton(*args)
+    assert mode.bad == [], mode.bad
+    names = {name for name, _ in seen}
+    assert names == {"_group_max_kernel", "_filter_kernel", "_resolve_kernel", "_row_select_kernel",
+                     "_indexer_kernel"}, names
+    assert all(t.device.type == "meta" for _, t in seen), [(n_, t.device) for n_, t in seen if t.device.type != "meta"]
 
 
 def test_fp4_to_e4m3_bytes_bit_assembly():
@@ -91,11 +190,13 @@ def _inputs(gen, t, h, d, n, pool, spread=4):
     (1, 4, 64, 300, True, {}),
     (2, 8, 128, 700, False, {"block_n": 16, "groups": 8}),  # maxima over groups of several tiles
     (18, 2, 32, 250, True, {"block_t": 8, "chunk": 64}),
+    (18, 2, 32, 250, True, {"block_t": 8, "block_n": 32, "groups": 64, "rows_path": True}),  # groups of 4 in a tile
+    (3, 4, 64, 600, False, {"block_n": 64, "groups": 128, "rows_path": False}),  # split path, groups of 8
 ])
 def test_indexer_fused_scores_and_topk(gen, t, h, d, n, pool, tune):
     args = _inputs(gen, t, h, d, n, pool)
     want = indexer.indexer_scores_reference(*args)
-    got = indexer.indexer_scores_triton(*args, **{a: b for a, b in tune.items() if a != "groups"})
+    got = indexer.indexer_scores_triton(*args, **{a: b for a, b in tune.items() if a not in ("groups", "rows_path")})
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got)), gen.initial_seed()
     assert ((want[fin] - got[fin]).norm() / want[fin].norm()) < 1e-6, gen.initial_seed()
