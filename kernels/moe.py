@@ -9,8 +9,12 @@ out[t] = sum_k w[t,k] * W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L)), e = 
 float32 [T, dim]. Weights are decoded from FP4 in registers; activations stay bf16.
 
 Two paths (moe_fp4_triton picks by the number of (token, expert) pairs P = T * k):
-- few pairs (decode): GEMV on CUDA cores, one program per (pair, block of weight rows), full K per
-  program, 16-byte loads of packed words; gate/up kernel writes h [P, I] fp32, down kernel adds into out.
+- few pairs (decode): GEMV on CUDA cores, one program per (pair, block of weight rows, K slice): split-K
+  so that thousands of short programs each issue all their 16-byte word loads at once (a K slice of
+  gemv_iters unrolled steps) and the H200's 132 SMs keep enough bytes in flight. The gate/up kernel adds
+  its partial W1 x, W3 x into a zeroed fp32 buffer (atomics); the last K split of each row block to
+  finish (an atomic counter) applies the clamped SwiGLU and writes h; the down kernel adds tw * W2 h
+  into out (atomics).
 - many pairs (prefill): grouped tensor-core GEMM per expert block of tokens (moe_align), the weight tile
   decoded once per program and K step. Swap-AB: the decoded weight tile [BN rows, BK] is the wgmma's
   register A operand (M = weight rows) and the token tile the shared-memory B operand (N = tokens), so
@@ -156,25 +160,55 @@ def _nib_position(n):
 # -- decode path: GEMV -------------------------------------------------------------------------------
 
 @triton.jit
-def _gemv_rows(w_ptr, s_ptr, v_ptr, rows, rmask, KDIM: tl.constexpr, BKW: tl.constexpr):
-    """sum_k W[rows, k] * v[k] for an FP4 weight [N, KDIM] and a float32 vector v [KDIM] -> fp32 [BR]."""
+def _gemv_vec(v_ptr, kw, j: tl.constexpr, KW: tl.constexpr, SPLIT_LAYOUT: tl.constexpr):
+    """Vector entries 8 * kw + j as float32 [BKW]: stored [8, KW] (entry 8 kw + j at j * KW + kw,
+    contiguous along kw: h from the gate/up kernel) if SPLIT_LAYOUT, else in natural order (x)."""
+    if SPLIT_LAYOUT:
+        return tl.load(v_ptr + j * KW + kw).to(tl.float32)
+    else:
+        return tl.load(v_ptr + kw * 8 + j).to(tl.float32)
+
+
+@triton.jit
+def _gemv_rows(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM: tl.constexpr,
+               BKW: tl.constexpr, NIT: tl.constexpr, SPLIT_LAYOUT: tl.constexpr, TWO: tl.constexpr):
+    """sum over words kw_first .. kw_first + NIT * BKW of W[rows, 8 kw .. 8 kw + 7] * v (FP4 weight
+    [N, KDIM] as int32 words) -> fp32 [BR]; TWO: the same for a second weight Wb sharing each loaded
+    piece of v (gate and up), else the second result is the first. The NIT steps are unrolled, so every
+    step's loads can be issued before the first decode."""
     KW: tl.constexpr = KDIM // 8
     r64 = rows.to(tl.int64)
     acc = tl.zeros([rows.shape[0], BKW], tl.float32)
-    for kw0 in range(0, KW, BKW):
-        kw = kw0 + tl.arange(0, BKW)
-        kmask = kw < KW
-        m2 = rmask[:, None] & kmask[None, :]
-        wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=m2, other=0)
-        sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw, m2)
+    accb = tl.zeros([rows.shape[0], BKW], tl.float32)
+    for it in tl.static_range(NIT):
+        kw = kw_first + it * BKW + tl.arange(0, BKW)
+        woff = r64[:, None] * KW + kw[None, :]
+        wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
+        sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+        if TWO:
+            wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
+            scb = _scale_words(sb_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
         part = tl.zeros([rows.shape[0], BKW], tl.float32)
+        partb = tl.zeros([rows.shape[0], BKW], tl.float32)
         for A in tl.static_range(4):
+            vlo = _gemv_vec(v_ptr, kw, A, KW, SPLIT_LAYOUT)[None, :]
+            vhi = _gemv_vec(v_ptr, kw, A + 4, KW, SPLIT_LAYOUT)[None, :]
+            # two separate += so each product is one FFMA into the running part
             lo, hi = _nibble_pair(wd, A)
-            xlo = tl.load(v_ptr + kw * 8 + A, mask=kmask, other=0.0).to(tl.float32)
-            xhi = tl.load(v_ptr + kw * 8 + A + 4, mask=kmask, other=0.0).to(tl.float32)
-            part += lo * xlo[None, :] + hi * xhi[None, :]
+            part += lo * vlo
+            part += hi * vhi
+            if TWO:
+                lo, hi = _nibble_pair(wdb, A)
+                partb += lo * vlo
+                partb += hi * vhi
         acc += part * sc
-    return tl.sum(acc, axis=1)
+        if TWO:
+            accb += partb * scb
+    if TWO:
+        return tl.sum(acc, axis=1), tl.sum(accb, axis=1)
+    else:
+        y = tl.sum(acc, axis=1)
+        return y, y
 
 
 @triton.jit
@@ -187,25 +221,51 @@ def _gemv_pair_rows(ids_ptr, BN: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, h_ptr, limit,
+def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, NP, limit,
                          DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                         BN: tl.constexpr, BKW: tl.constexpr):
+                         BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, KS: tl.constexpr):
+    """Program (pair, row block, K split of KS): partial W1 x and W3 x added into gu [2, P, I] (fp32,
+    zeroed); the last split of a row block to arrive (counter cnt [P, row blocks], zeroed) applies the
+    clamped SwiGLU and writes h [P, 8, I/8] (row r at (r % 8) * I/8 + r // 8: the down kernel's
+    contiguous vector order)."""
     p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, INTER)
+    kw_first = tl.program_id(2) * (NIT * BKW)
     grow = e * INTER + rows
     xv = x_ptr + (p // TOPK).to(tl.int64) * DIM
-    g = tl.minimum(_gemv_rows(w1_ptr, s1_ptr, xv, grow, rmask, DIM, BKW), limit)
-    u = _gemv_rows(w3_ptr, s3_ptr, xv, grow, rmask, DIM, BKW)
+    g, u = _gemv_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT, False, True)
+    if KS > 1:
+        gp = gu_ptr + p.to(tl.int64) * INTER + rows
+        tl.atomic_add(gp, g, mask=rmask)
+        tl.atomic_add(gp + NP * INTER, u, mask=rmask)
+        # every thread's partials are issued before the one counter increment (release), and the last
+        # program reads the sums after its acquire, from L2
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + p * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
+        if done == KS - 1:
+            g = tl.load(gp, mask=rmask, other=0.0, cache_modifier=".cg")
+            u = tl.load(gp + NP * INTER, mask=rmask, other=0.0, cache_modifier=".cg")
+            _gemv_swiglu_store(h_ptr, p, rows, rmask, g, u, limit, INTER)
+    else:
+        _gemv_swiglu_store(h_ptr, p, rows, rmask, g, u, limit, INTER)
+
+
+@triton.jit
+def _gemv_swiglu_store(h_ptr, p, rows, rmask, g, u, limit, INTER: tl.constexpr):
+    g = tl.minimum(g, limit)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + p.to(tl.int64) * INTER + rows, h, mask=rmask)
+    tl.store(h_ptr + p.to(tl.int64) * INTER + (rows % 8) * (INTER // 8) + rows // 8, h, mask=rmask)
 
 
 @triton.jit
 def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
                       DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                      BN: tl.constexpr, BKW: tl.constexpr):
+                      BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr):
+    """Program (pair, row block, K split): tw * W2 h over its K slice added into out (fp32 atomics)."""
     p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, DIM)
-    y = _gemv_rows(w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask, INTER, BKW)
+    kw_first = tl.program_id(2) * (NIT * BKW)
+    y, _ = _gemv_rows(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask,
+                      kw_first, INTER, BKW, NIT, True, False)
     tw = tl.load(tw_ptr + p)
     tl.atomic_add(out_ptr + (p // TOPK).to(tl.int64) * DIM + rows, y * tw, mask=rmask)
 
@@ -306,6 +366,15 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
+def _gemv_split(kw: int, block_kw: int, iters: int) -> tuple[int, int, int]:
+    """Words per step (the largest power of two <= block_kw dividing kw), unrolled steps per program (the
+    largest divisor of the step count <= iters) and the number of K splits: no masked K tail."""
+    bkw = _pow2_divisor(kw, block_kw)
+    steps = kw // bkw
+    nit = max(d for d in range(1, max(1, iters) + 1) if steps % d == 0)
+    return bkw, nit, steps // nit
+
+
 def _words(w: torch.Tensor) -> torch.Tensor:
     """Packed FP4 bytes [..., K/2] seen as int32 words [..., K/8] (8 nibbles each, no copy)."""
     w = w.contiguous()
@@ -316,7 +385,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    swiglu_limit: float = 10.0, block_m: int | None = None, block_n: int | None = None,
                    block_k: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 4,
                    gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
-                   gemv_num_warps: int = 4):
+                   gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
+                   gemv_down_iters: int = 3, gemv_num_warps: int = 4):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs); otherwise the grouped GEMM (block_m tokens x block_n rows x block_k, group_m)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
@@ -327,18 +397,22 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     w1w, w3w, w2w = _words(w1), _words(w3), _words(w2)
     s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
     tw = topk_weights.float().contiguous()
-    out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     if p <= gemv_max_pairs:
         ids = topk_ids.to(torch.int32).contiguous()
+        (bkw1, it1, ks1), (bkw2, it2, ks2) = (_gemv_split(dim // 8, gemv_block_kw, gemv_iters),
+                                              _gemv_split(inter // 8, gemv_down_block_kw, gemv_down_iters))
+        nrb = triton.cdiv(inter, gemv_block_n)
+        # one zeroed buffer (one memset): out [T, dim], gate and up sums [2, P, I], counters [P, nrb]
+        buf = torch.zeros(t * dim + 2 * p * inter + p * nrb, dtype=torch.float32, device=x.device)
+        out, gu = buf[: t * dim].view(t, dim), buf[t * dim: t * dim + 2 * p * inter]
+        cnt = buf[t * dim + 2 * p * inter:].view(torch.int32)
         h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
-        # K step: the largest power of two <= gemv_block_kw dividing the row's words (no masked tail)
-        bkw1, bkw2 = (_pow2_divisor(dim // 8, gemv_block_kw), _pow2_divisor(inter // 8, gemv_block_kw))
-        _gemv_gate_up_kernel[(p, triton.cdiv(inter, gemv_block_n))](
-            x.contiguous(), w1w, s1, w3w, s3, ids, h, float(swiglu_limit), DIM=dim, INTER=inter, TOPK=k,
-            BN=gemv_block_n, BKW=bkw1, num_warps=gemv_num_warps)
-        _gemv_down_kernel[(p, triton.cdiv(dim, gemv_block_n))](
-            h, w2w, s2, ids, tw, out, DIM=dim, INTER=inter, TOPK=k, BN=gemv_block_n, BKW=bkw2,
-            num_warps=gemv_num_warps)
+        _gemv_gate_up_kernel[(p, nrb, ks1)](
+            x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, p, float(swiglu_limit), DIM=dim, INTER=inter,
+            TOPK=k, BN=gemv_block_n, BKW=bkw1, NIT=it1, KS=ks1, num_warps=gemv_num_warps)
+        _gemv_down_kernel[(p, triton.cdiv(dim, gemv_down_block_n), ks2)](
+            h, w2w, s2, ids, tw, out, DIM=dim, INTER=inter, TOPK=k,
+            BN=gemv_down_block_n, BKW=bkw2, NIT=it2, num_warps=gemv_num_warps)
         return out
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64
@@ -348,6 +422,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     if dim % bk or inter % bk or bk % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the K block {bk} (a multiple of 32)")
     order, bexp, bbeg, bend = moe_align(topk_ids, e, block_m)
+    out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     dt = dot_dtype()
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()

@@ -59,11 +59,21 @@ def test_nib_order_is_the_decoders_order():
     assert torch.equal(moe._nib_order(moe._nib_order(a)), a)
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_gemv_path(gen, t):
+@pytest.mark.parametrize("t,iters", [(1, 1), (2, 2), (1, 4)])
+def test_gemv_path(gen, t, iters):
     args = _case(gen, t)
-    got = moe.moe_fp4_triton(*args, gemv_block_n=32, gemv_block_kw=8)  # several K steps
+    # dim 128 = 16 words, I 64 = 8 words: 4-word steps, so K splits of 4 / 2 / 1 steps (gate/up) and
+    # 2 / 1 / 1 (down); the unrolled steps per split vary with iters
+    got = moe.moe_fp4_triton(*args, gemv_block_n=32, gemv_block_kw=4, gemv_iters=iters, gemv_down_block_n=16,
+                             gemv_down_block_kw=4, gemv_down_iters=iters)
     assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
+
+
+def test_gemv_split():
+    assert moe._gemv_split(640, 128, 1) == (128, 1, 5)  # release gate/up: 640 words, 5 K splits
+    assert moe._gemv_split(288, 64, 3) == (32, 3, 3)  # release down: 288 = 9 x 32 words
+    assert moe._gemv_split(288, 32, 4) == (32, 3, 3)  # 4 steps do not divide 9: 3
+    assert moe._gemv_split(16, 128, 2) == (16, 1, 1)
 
 
 def test_gemv_path_every_fp4_byte(gen):
