@@ -119,14 +119,36 @@ def _query_group(qp_ptr, qs_ptr, rows, rmask, qmax, g: tl.constexpr, HALF: tl.co
 
 
 @triton.jit
+def _key_raw(kp_ptr, ks_ptr, cols, kmask, g: tl.constexpr, HALF: tl.constexpr, NGRP: tl.constexpr):
+    """Keys' group g as loaded: packed bytes int8 [BN, 16] and scale bytes int32 [BN]."""
+    j = tl.arange(0, 16)
+    b = tl.load(kp_ptr + cols[:, None].to(tl.int64) * HALF + g * 16 + j[None, :], mask=kmask[:, None], other=0)
+    return b, tl.load(ks_ptr + cols.to(tl.int64) * NGRP + g, mask=kmask, other=127).to(tl.int32)
+
+
+@triton.jit
+def _key_dot(b, sc, q, FP8: tl.constexpr, ASM: tl.constexpr):
+    """One group's dot: keys' E4M3 operand [BN, 32] x queries [32, NQ], the keys' scale applied."""
+    e = _fp4_bytes_to_e4m3(b.to(tl.uint8, bitcast=True), ASM)
+    if FP8:
+        k = e.to(tl.float8e4nv, bitcast=True)
+    else:
+        k = e4m3_value(e.to(tl.int32))
+    return tl.dot(k, q) * (e8m0_value(sc) * 64.0)[:, None]
+
+
+@triton.jit
 def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, out_ptr, max_ptr, cnt_ptr,
                     T, N, n_pool_cols, stride_out, n_groups, chunk, POOL_BLOCK: tl.constexpr,
                     H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr,
-                    HAS_POOL: tl.constexpr, WRITE_MAX: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
+                    HAS_POOL: tl.constexpr, WRITE_MAX: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
+                    PREFETCH: tl.constexpr = False):
     """Scores of BT queries x `chunk` entries: per 32-wide group one dot (keys [BN, 32] x queries
     [32, BT*H], E4M3 operands, exact products), the key's group scale applied to the fp32 result.
     WRITE_MAX: also the maxima of groups of GM entries (powers of two, GM < BN or a multiple of BN)
-    and zeroed top-k counters."""
+    and zeroed top-k counters. PREFETCH (decode; D = 128, GM <= BN): the next tile's key bytes are
+    loaded before this tile's dots, every tile is computed (keys past the last visible one are masked
+    off, so never read)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     NQ: tl.constexpr = BT * H
@@ -152,51 +174,87 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
         q3 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 3, HALF, NGRP, FP8)
     vis_max = tl.max(n_vis, axis=0)
     n_start = pid_n * chunk
-    STEP: tl.constexpr = GM if GM > BN else BN
-    for g0 in range(n_start, tl.minimum(n_start + chunk, N), STEP):
-        gmax = tl.full([BT], float("-inf"), tl.float32)
-        for n0 in range(g0, g0 + STEP, BN):
+    if PREFETCH:
+        n_end = tl.minimum(n_start + chunk, N)
+        lim = tl.minimum(n_end, vis_max)
+        cols = n_start + tl.arange(0, BN)
+        b0, s0 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 0, HALF, NGRP)
+        b1, s1 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 1, HALF, NGRP)
+        b2, s2 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 2, HALF, NGRP)
+        b3, s3 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 3, HALF, NGRP)
+        for n0 in range(n_start, n_end, BN):
             cols = n0 + tl.arange(0, BN)
-            out_ptrs = out_ptr + t[None, :].to(tl.int64) * stride_out + cols[:, None]
+            nxt = cols + BN
+            c0, u0 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 0, HALF, NGRP)
+            c1, u1 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 1, HALF, NGRP)
+            c2, u2 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 2, HALF, NGRP)
+            c3, u3 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 3, HALF, NGRP)
+            acc = _key_dot(b0, s0, q0, FP8, ASM)
+            acc += _key_dot(b1, s1, q1, FP8, ASM)
+            acc += _key_dot(b2, s2, q2, FP8, ASM)
+            acc += _key_dot(b3, s3, q3, FP8, ASM)
+            s = tl.maximum(acc, 0.0) * wq[None, :]
+            score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
             store_mask = t_mask[None, :] & (cols[:, None] < N)
-            if n0 >= vis_max:  # nothing visible to any query of this tile: skip the keys
-                tl.store(out_ptrs, tl.full([BN, BT], float("-inf"), tl.float32), mask=store_mask)
-                if WRITE_MAX and GM < BN:
-                    sg = n0 // GM + tl.arange(0, BN // GM)
-                    tl.store(max_ptr + t[None, :].to(tl.int64) * n_groups + sg[:, None],
-                             tl.full([BN // GM, BT], float("-inf"), tl.float32),
-                             mask=t_mask[None, :] & (sg[:, None] < n_groups))
-            else:
-                kmask = cols < N
-                k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 0, HALF, NGRP, FP8, ASM)
-                acc = tl.dot(k, q0) * ksc[:, None]  # [BN, NQ]
-                if NGRP > 1:
-                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 1, HALF, NGRP, FP8, ASM)
-                    acc += tl.dot(k, q1) * ksc[:, None]
-                if NGRP > 2:
-                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 2, HALF, NGRP, FP8, ASM)
-                    acc += tl.dot(k, q2) * ksc[:, None]
-                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 3, HALF, NGRP, FP8, ASM)
-                    acc += tl.dot(k, q3) * ksc[:, None]
-                s = tl.maximum(acc, 0.0) * wq[None, :]
-                score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
-                allowed = cols[:, None] < n_vis[None, :]
-                if HAS_POOL:
-                    pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK,
-                                 mask=store_mask, other=0)
-                    allowed &= pm != 0
-                score = tl.where(allowed & store_mask, score, float("-inf"))
-                tl.store(out_ptrs, score, mask=store_mask)
-                if WRITE_MAX:
-                    if GM < BN:  # several groups per tile: their maxima stored with the tile
+            allowed = cols[:, None] < n_vis[None, :]
+            if HAS_POOL:
+                pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK,
+                             mask=store_mask, other=0)
+                allowed &= pm != 0
+            score = tl.where(allowed & store_mask, score, float("-inf"))
+            tl.store(out_ptr + t[None, :].to(tl.int64) * stride_out + cols[:, None], score, mask=store_mask)
+            if WRITE_MAX:
+                sg = n0 // GM + tl.arange(0, BN // GM)
+                tl.store(max_ptr + t[None, :].to(tl.int64) * n_groups + sg[:, None],
+                         tl.max(tl.reshape(score, (BN // GM, GM, BT)), axis=1),
+                         mask=t_mask[None, :] & (sg[:, None] < n_groups))
+            b0, b1, b2, b3, s0, s1, s2, s3 = c0, c1, c2, c3, u0, u1, u2, u3
+    else:
+        STEP: tl.constexpr = GM if GM > BN else BN
+        for g0 in range(n_start, tl.minimum(n_start + chunk, N), STEP):
+            gmax = tl.full([BT], float("-inf"), tl.float32)
+            for n0 in range(g0, g0 + STEP, BN):
+                cols = n0 + tl.arange(0, BN)
+                out_ptrs = out_ptr + t[None, :].to(tl.int64) * stride_out + cols[:, None]
+                store_mask = t_mask[None, :] & (cols[:, None] < N)
+                if n0 >= vis_max:  # nothing visible to any query of this tile: skip the keys
+                    tl.store(out_ptrs, tl.full([BN, BT], float("-inf"), tl.float32), mask=store_mask)
+                    if WRITE_MAX and GM < BN:
                         sg = n0 // GM + tl.arange(0, BN // GM)
                         tl.store(max_ptr + t[None, :].to(tl.int64) * n_groups + sg[:, None],
-                                 tl.max(tl.reshape(score, (BN // GM, GM, BT)), axis=1),
+                                 tl.full([BN // GM, BT], float("-inf"), tl.float32),
                                  mask=t_mask[None, :] & (sg[:, None] < n_groups))
-                    else:
-                        gmax = tl.maximum(gmax, tl.max(score, axis=0))
-        if WRITE_MAX and GM >= BN:
-            tl.store(max_ptr + t.to(tl.int64) * n_groups + g0 // GM, gmax, mask=t_mask)
+                else:
+                    kmask = cols < N
+                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 0, HALF, NGRP, FP8, ASM)
+                    acc = tl.dot(k, q0) * ksc[:, None]  # [BN, NQ]
+                    if NGRP > 1:
+                        k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 1, HALF, NGRP, FP8, ASM)
+                        acc += tl.dot(k, q1) * ksc[:, None]
+                    if NGRP > 2:
+                        k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 2, HALF, NGRP, FP8, ASM)
+                        acc += tl.dot(k, q2) * ksc[:, None]
+                        k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 3, HALF, NGRP, FP8, ASM)
+                        acc += tl.dot(k, q3) * ksc[:, None]
+                    s = tl.maximum(acc, 0.0) * wq[None, :]
+                    score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
+                    allowed = cols[:, None] < n_vis[None, :]
+                    if HAS_POOL:
+                        pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK,
+                                     mask=store_mask, other=0)
+                        allowed &= pm != 0
+                    score = tl.where(allowed & store_mask, score, float("-inf"))
+                    tl.store(out_ptrs, score, mask=store_mask)
+                    if WRITE_MAX:
+                        if GM < BN:  # several groups per tile: their maxima stored with the tile
+                            sg = n0 // GM + tl.arange(0, BN // GM)
+                            tl.store(max_ptr + t[None, :].to(tl.int64) * n_groups + sg[:, None],
+                                     tl.max(tl.reshape(score, (BN // GM, GM, BT)), axis=1),
+                                     mask=t_mask[None, :] & (sg[:, None] < n_groups))
+                        else:
+                            gmax = tl.maximum(gmax, tl.max(score, axis=0))
+            if WRITE_MAX and GM >= BN:
+                tl.store(max_ptr + t.to(tl.int64) * n_groups + g0 // GM, gmax, mask=t_mask)
 
 
 def _interpreted() -> bool:
@@ -205,7 +263,8 @@ def _interpreted() -> bool:
 
 
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
-            block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None):
+            block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
+            prefetch_keys=None):
     """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None)."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
@@ -221,8 +280,10 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
         gm = _pow2(-(-n // max(_pow2(groups or default_groups(t)), 2 * topk)))
         gm = gm if gm < bn else max(gm, bn)
     step = max(gm, bn)
-    if chunk is None:  # decode: ~512 programs; prefill: 4K entries per program (keys stay in L2)
-        chunk = max(step, _pow2(-(-n // 512))) if decode else 4096
+    prefetch = decode and d == 128 and gm <= bn
+    if chunk is None:  # decode: ~6 programs per SM (2 waves at 3 resident); prefill: 4K entries (keys stay in L2)
+        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        chunk = -(-n // (6 * n_sm)) if decode else 4096
     chunk = -(-max(chunk, step) // step) * step
     n_groups = triton.cdiv(n, gm)
     out = torch.empty(t, n, dtype=torch.float32, device=dev)
@@ -236,13 +297,14 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
         pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), n_groups, chunk,
         POOL_BLOCK=pool_block, H=h, D=d, BT=bt, BN=bn, GM=gm, HAS_POOL=pool_mask is not None,
         WRITE_MAX=topk is not None, FP8=not interp, ASM=(not interp) if key_asm is None else key_asm,
-        num_warps=num_warps or 4)
+        PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, num_warps=num_warps or 4)
     return out, (maxima if topk is not None else None), (counts if topk is not None else None)
 
 
 def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
                           pool_mask=None, pool_block: int = 8, **tune) -> torch.Tensor:
-    """float32 [T, N] scores, -inf where masked. tune: block_t, block_n, chunk, num_warps, key_asm."""
+    """float32 [T, N] scores, -inf where masked. tune: block_t, block_n, chunk, num_warps, key_asm,
+    prefetch_keys (the decode loop; default for T < 16, D = 128)."""
     return _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, **tune)[0]
 
 

@@ -192,6 +192,8 @@ def _inputs(gen, t, h, d, n, pool, spread=4):
     (18, 2, 32, 250, True, {"block_t": 8, "chunk": 64}),
     (18, 2, 32, 250, True, {"block_t": 8, "block_n": 32, "groups": 64, "rows_path": True}),  # groups of 4 in a tile
     (3, 4, 64, 600, False, {"block_n": 64, "groups": 128, "rows_path": False}),  # split path, groups of 8
+    (1, 4, 128, 1000, True, {"block_n": 32}),  # decode loop with prefetched key bytes (the default at D=128)
+    (2, 4, 128, 700, False, {"block_n": 32, "groups": 64, "chunk": 96, "prefetch_keys": True}),
 ])
 def test_indexer_fused_scores_and_topk(gen, t, h, d, n, pool, tune):
     args = _inputs(gen, t, h, d, n, pool)
