@@ -10,13 +10,18 @@ Shapes (release: H = 64 heads, D = 512, one latent per entry, K = V):
 out[t, h] = sum_j p_j v_j with p_j = exp(s_j) / (sum_j exp(s_j) + exp(sink_h)), s_j = scale q.k_j,
 scale = D^-0.5 by default; bf16 [T, H, D]. A row with nothing selected gives zeros.
 
-Triton design (sm_90): one program per (token, head block of 64 = one warpgroup MMA's M, split), one
-loop over BN-entry tiles (selected FP4 first, then FP8 window). Raw bytes of tile i+1 (and indices of
-i+2) are loaded before tile i is decoded. Decoding places the FP4/E4M3 bits straight into float32 (no
-table, no branches), 4 values per int lane, joined in-thread into natural dim order; entries are kept
-at 1/256 of their value so the FP4 multiplier scale * 2^118 stays finite. Decode (few programs per
-token) splits the entries over programs writing (acc, max, sum) partials; _merge_kernel adds the sink.
-ptxas for sm_90 (AOT, 8 warps, BH 64): BN 16 -> 255 regs, 68 B spill (epilogue); BN 32 -> 312 B spill.
+Triton design (sm_90): one program per (token, head block of 64 = one warpgroup MMA's M, split,
+output half when d_split = 2), one loop over BN-entry tiles (selected FP4 first, then FP8 window).
+Raw bytes of tile i+1 (and indices of i+2) are loaded before tile i is decoded. Decoding places the
+FP4/E4M3 bits straight into float32 (no table, no branches), 4 values per int lane, joined in-thread
+into natural dim order; entries are kept at 1/256 of their value so the FP4 multiplier scale * 2^118
+stays finite. Decode (few programs per token) splits the entries over programs writing (acc, max, sum)
+partials; _merge_kernel adds the sink. d_split = 2 halves the [BH, D] fp32 accumulator (128 -> 64
+registers per thread at 8 warps); each half-program still computes all of S.
+ptxas for sm_90 (8 warps, BH 64, spill bytes, triton 3.6 / 3.7): prefill BN 16: 428 / 68, BN 32:
+724 / 328; d_split 2: BN 16: 84 / 0, BN 32: 432 / 0. The non-accumulator working set (raw tile and its
+prefetch with one scale byte per lane, both formats' loads, f32 decode temporaries) is what still
+spills on 3.6: quartering D into four accumulators or two per-format loops made it worse (tried).
 """
 
 from __future__ import annotations
@@ -141,21 +146,23 @@ def _tile_ent(idx_row, widx_row, i, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN: tl.con
 def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
                         po_ptr, pm_ptr, pl_ptr, T, n_sel, n_win, sel_per_split, win_per_split, qk2,
                         H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                        DT: tl.constexpr, SPLIT: tl.constexpr):
+                        DT: tl.constexpr, SPLIT: tl.constexpr, DV: tl.constexpr):
     """One program: token t, heads [hb*BH, +BH), split sp's share of the selected and of the window
     entries, as one loop over tiles (selected first). The next tile's raw bytes (and the indices of the
     one after) are loaded before the current tile is decoded, so the gathers overlap the dots.
     SPLIT: write (acc, max, sum) partials for _merge_kernel; else the output with the sink."""
     t = tl.program_id(0)
     sp = tl.program_id(1)
-    hb = tl.program_id(2)
+    hb = tl.program_id(2) // (D // DV)
+    dh = tl.program_id(2) % (D // DV)  # which DV-wide slice of the output this program writes
     heads = hb * BH + tl.arange(0, BH)
     dcol = tl.arange(0, D)
+    vcol = dh * DV + tl.arange(0, DV)
     ar = tl.arange(0, BN)
     q = tl.load(q_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :]).to(DT)  # [BH, D]
     m_i = tl.full([BH], -1.0e30, tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)  # kv' units (1/256)
+    acc = tl.zeros([BH, DV], tl.float32)  # kv' units (1/256)
 
     lo_s = sp * sel_per_split
     hi_s = tl.minimum(lo_s + sel_per_split, n_sel)
@@ -183,12 +190,20 @@ def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, wi
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DT), kv)
+        if DV == D:
+            kv_v = kv
+        else:  # the column halves are in-thread register bits of the decoded layout: a free split
+            k_lo, k_hi = tl.split(tl.permute(tl.reshape(kv, (BN, 2, DV)), (0, 2, 1)))
+            if dh == 0:
+                kv_v = k_lo
+            else:
+                kv_v = k_hi
+        acc = tl.dot(p.to(DT), kv_v, acc * alpha[:, None])
         m_i = m_new
 
     if SPLIT:
         row = (sp * T + t).to(tl.int64) * H + heads  # [BH] rows of the [S, T, H] partials
-        tl.store(po_ptr + row[:, None] * D + dcol[None, :], acc)
+        tl.store(po_ptr + row[:, None] * D + vcol[None, :], acc)
         tl.store(pm_ptr + row, m_i)
         tl.store(pl_ptr + row, l_i)
     else:
@@ -197,7 +212,7 @@ def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, wi
         alpha = tl.exp2(m_i - mm)
         den = l_i * alpha + tl.exp2(sink - mm)
         out = acc * (alpha * 256.0 / den)[:, None]
-        tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], out.to(tl.bfloat16))
+        tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + vcol[None, :], out.to(tl.bfloat16))
 
 
 @triton.jit
@@ -229,24 +244,29 @@ def _num_sms(device) -> int:
 
 
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
-                       block_h: int = 64, block_n: int = 16, num_warps: int = 8, num_stages: int = 1,
-                       split: int | None = None, merge_heads: int = 8):
+                       block_h: int = 64, block_n: int = 32, num_warps: int = 8, num_stages: int = 1,
+                       split: int | None = None, merge_heads: int = 8, d_split: int = 1):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     block_h heads share each program (the dots' M; 64 fills a Hopper warpgroup MMA), block_n entries
     per tile, split = programs per (token, head block) over the entry lists (None: enough to fill the
-    SMs once, 1 for prefill), merged by a second kernel that also adds the sink."""
+    SMs once, 1 for prefill), merged by a second kernel that also adds the sink. d_split = 2: two
+    programs per (token, head block, split), each computing all of S but only half of the output
+    columns: half the accumulator registers, no partials to merge, for 2x the QK^T work and decode.
+    Host side: no tensor is made on or copied from the host, nothing is read back (CUDA-graph safe)."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
     if d % 64 or d & (d - 1):
         raise ValueError(f"sparse attention: head dim {d} must be a power of two >= 64")
     scale = d ** -0.5 if scale is None else scale
+    if d_split not in (1, 2):
+        raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
     bh = min(block_h, h)
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
     if split is None:
-        split = max(1, _num_sms(q.device) // max(1, t * (h // bh)))
+        split = max(1, _num_sms(q.device) // max(1, t * (h // bh) * d_split))
     split = max(1, min(int(split), tiles))
     sel_per = triton.cdiv(triton.cdiv(n_sel, block_n), split) * block_n
     win_per = triton.cdiv(triton.cdiv(n_win, block_n), split) * block_n
@@ -258,12 +278,12 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     else:
         po = pm = pl = out  # unused
     kvh = kv_packed.contiguous().view(torch.int16)
-    _sparse_attn_kernel[(t, split, h // bh)](
+    _sparse_attn_kernel[(t, split, (h // bh) * d_split)](
         q.contiguous(), kvh, kv_scale.contiguous().view(torch.uint8), idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
         win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous(),
         sink.float().contiguous(), out, po, pm, pl, t, n_sel, n_win, sel_per, win_per,
         scale * math.log2(math.e) * _FOLD,
-        H=h, D=d, BH=bh, BN=block_n, DT=dot_dtype(), SPLIT=split > 1, num_warps=num_warps,
+        H=h, D=d, BH=bh, BN=block_n, DT=dot_dtype(), SPLIT=split > 1, DV=d // d_split, num_warps=num_warps,
         num_stages=num_stages)
     if split > 1:
         mh = min(merge_heads, h)

@@ -106,15 +106,18 @@ def _rel(a, b):
     return ((a - b).norm() / a.norm()).item()
 
 
-@pytest.mark.parametrize("split,block_h", [(1, 16), (2, 16), (3, 8), (None, 16)])
-def test_split_kv_matches_reference(poisoned, split, block_h):
+@pytest.mark.parametrize("split,block_h,d_split", [(1, 16, 1), (2, 16, 1), (3, 8, 1), (None, 16, 1),
+                                                   (1, 16, 2), (3, 8, 2)])
+def test_split_kv_matches_reference(poisoned, split, block_h, d_split):
     """Selected tiles 0..2 and window tiles 0..1 (block 16) shared over 1-3 splits and two head blocks;
-    split 3 leaves the last split without window tiles. Last row: nothing selected -> zeros."""
+    split 3 leaves the last split without window tiles; d_split 2: each program writes half the
+    output columns (the poisoned buffers show a half left unwritten). Last row: nothing selected ->
+    zeros."""
     g = torch.Generator().manual_seed(7 + (split or 0))
     args = _inputs(g, t=3, h=16, d=64, n=50, w=30, k=40, wn=20)
     args[3][-1], args[6][-1] = -1, -1
     want = A.sparse_attn_reference(*args)
-    got = A.sparse_attn_triton(*args, block_h=block_h, block_n=16, num_warps=4, split=split)
+    got = A.sparse_attn_triton(*args, block_h=block_h, block_n=16, num_warps=4, split=split, d_split=d_split)
     assert _rel(want, got) < 1e-2  # bf16 output; the interpreter truncates to bf16
     assert (got[-1] == 0).all()
 
@@ -189,7 +192,7 @@ def test_wrapper_keeps_everything_on_the_device(split):
     g = torch.Generator().manual_seed(5)
     args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
     bad, kern, merge = _host_use_of(
-        lambda *a: A.sparse_attn_triton(*a, block_n=32, split=split), args)
+        lambda *a: A.sparse_attn_triton(*a, block_n=32, split=split, d_split=2), args)
     assert bad == []
     assert len(kern) == 1 and len(merge) == (split > 1)
 
