@@ -202,10 +202,13 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
     return (torch.einsum("thj,tjd->thd", p, e) / den[..., None]).bfloat16()
 
 
-ATTN_CFGS = [dict(block_h=64, block_n=16, num_warps=8), dict(block_h=64, block_n=32, num_warps=8),
-             dict(block_h=32, block_n=32, num_warps=8), dict(block_h=64, block_n=16, num_warps=8, split=1)]
-# decode: the split-KV share per program (split) against the tile width
-ATTN_DECODE_CFGS = [dict(block_h=64, block_n=bn, num_warps=8, split=s) for bn in (16, 32) for s in (1, 2, 4)]
+ATTN_CFGS = [dict(block_h=64, block_n=32, num_warps=8), dict(block_h=64, block_n=16, num_warps=8),
+             dict(block_h=64, block_n=16, num_warps=8, d_split=2), dict(block_h=64, block_n=32, num_warps=8, d_split=2),
+             dict(block_h=64, block_n=64, num_warps=8, d_split=2)]
+# decode: entry splits (partials + merge) against output halves (d_split: no partials) and the tile width
+ATTN_DECODE_CFGS = ([dict(block_h=64, block_n=bn, num_warps=8, split=s) for bn in (16, 32) for s in (1, 2, 3, 4, 6, 8)]
+                    + [dict(block_h=64, block_n=bn, num_warps=8, split=s, d_split=2) for bn in (16, 32)
+                       for s in (1, 2, 3, 4)])
 
 
 def case_attn(bw, mm):
@@ -240,7 +243,9 @@ def case_attn(bw, mm):
             dt[str(c2)] = bench(lambda: sparse_attn.sparse_attn_triton(*a, **c2), graph=True)
         except Exception as e:  # noqa: BLE001
             LOG["errors"].append(f"attn decode cfg {c2}: {e!r}"[:400])
+    LOG["attn_decode_cfgs"] = dt
     bestd = min(dt, key=dt.get)
+    chk += f"; best cfg rel {rel(attn_eager(*a), sparse_attn.sparse_attn_triton(*a, **eval(bestd))):.1e}"  # noqa: S307
     te = bench(lambda: attn_eager(*a), graph=True)
     byt = 64 * (500 * 288 + 128 * 528 + 2 * h * d * 2)
     row("sparse attention decode, batch 64", dt[bestd], byt / bw * 1e6, "HBM",
