@@ -244,12 +244,13 @@ def _num_sms(device) -> int:
 
 
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
-                       block_h: int = 64, block_n: int = 32, num_warps: int = 8, num_stages: int = 1,
+                       block_h: int = 64, block_n: int | None = None, num_warps: int = 8, num_stages: int = 1,
                        split: int | None = None, merge_heads: int = 8, d_split: int = 1):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     block_h heads share each program (the dots' M; 64 fills a Hopper warpgroup MMA), block_n entries
-    per tile, split = programs per (token, head block) over the entry lists (None: enough to fill the
+    per tile (None: 32 when the tokens fill the SMs, the H200's best prefill tile, else 16, which compiles
+    without spills for the split decode path), split = programs per (token, head block) over the entry lists (None: enough to fill the
     SMs once, 1 for prefill), merged by a second kernel that also adds the sink. d_split = 2: two
     programs per (token, head block, split), each computing all of S but only half of the output
     columns: half the accumulator registers, no partials to merge, for 2x the QK^T work and decode.
@@ -264,6 +265,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
+    if block_n is None:
+        block_n = 32 if t * (h // bh) >= _num_sms(q.device) else 16
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
     if split is None:
         split = max(1, _num_sms(q.device) // max(1, t * (h // bh) * d_split))
