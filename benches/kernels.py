@@ -55,7 +55,9 @@ _TABLES: dict = {}
 
 def fp4_dev(packed, scale, block):
     # the table is made once, so eager code can be captured in a CUDA graph
-    table = _TABLES.setdefault(packed.device, Q.FP4_TABLE.to(packed.device))
+    table = _TABLES.get(packed.device)
+    if table is None:  # not setdefault: its argument (a host-to-device copy) would run on every call
+        table = _TABLES[packed.device] = Q.FP4_TABLE.to(packed.device)
     b = packed.view(torch.uint8)
     v = torch.stack([table[(b & 15).long()], table[(b >> 4).long()]], -1).flatten(-2)
     return (v.unflatten(-1, (-1, block)) * scale.float().unsqueeze(-1)).flatten(-2)
