@@ -32,6 +32,9 @@ def join_parts(files_at: Path) -> bytes:
     return b"".join(p.read_bytes() for p in parts)
 
 
+SHIPPED = REPO / "assets" / "model"
+
+
 def expected_sums(files_at: Path) -> dict[str, str]:
     sums = {}
     for line in (files_at / "model.sha256").read_text().splitlines():
@@ -64,9 +67,10 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         staged = unpack(join_parts(args.files_at), Path(tmp), expected_sums(args.files_at))
-        for keep in ("tokenizer.json", "compressed_vocab.json"):
-            if (args.dest / keep).exists() and not (staged / keep).exists():
-                shutil.copy2(args.dest / keep, staged / keep)
+        for keep in ("tokenizer.json", "compressed_vocab.json"):  # the tokenizer stays the shipped one
+            for source in (args.dest / keep, SHIPPED / keep):
+                if source.exists() and not (staged / keep).exists():
+                    shutil.copy2(source, staged / keep)
         size = sum(p.stat().st_size for p in staged.iterdir())
         if size > MAX_BYTES:
             raise SystemExit(f"the checkpoint is {size / 2**20:.1f} MiB, over the 64 MiB budget")
