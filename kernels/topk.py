@@ -408,7 +408,7 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
         _row_select_kernel[(r,)](values, values.stride(0), n, lens if lens is not None else dummy, maxima,
                                  n_groups, glist, cval, cidx, out, K=k, NGP=_pow2(n_groups), G=g,
                                  BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
-                                 HAS_MAX=False, num_warps=tune.get("num_warps", 8))
+                                 HAS_MAX=False, num_warps=tune.get("num_warps", 16))
         return out
     mblock = max(min(block, 1024), g)
     if chunk is None:  # ~512 programs over all rows
