@@ -8,14 +8,18 @@ Per token, in one read of the stream (programs split tokens and d; see the kerne
   comb = softmax_rows(m[8:24] s2 + b) + hc_eps, columns / (sum + hc_eps), then 19 rounds rows-then-columns.
 Shapes: X [T, 4, dim], fn float32 [24, 4*dim], scale [3], base [24], pre_prev [T, 4], y [T, dim],
 post_old [T, 4], comb_old [T, 4, 4]. Returns (Xn or None, x [T, dim], pre [T, 4], post [T, 4], comb [T, 4, 4]).
-Mixes to fp32 accuracy: a bf16 stream is exact in bf16, so fn is cut into 3 bf16 pieces stacked as the
-rows of one bf16 tensor-core dot with the tokens as its N side (fp32 streams: one tf32x3 dot); below 9
-tokens plain fp32 FMAs. 1 token: 160 programs over d + a finishing launch (latency-bound); 4K tokens:
-64-token blocks x 2 d splits (HBM-bound: X, y read once, X' and x written once, fn re-read from L2 per
-block) + the finishing launch. Launch shapes: `mhc_plan`.
+Mixes to fp32 accuracy: a bf16 stream is exact in bf16, so fn is cut (once per weight, cached:
+`mhc_fn_pieces`) into 3 bf16 pieces stacked as the rows of one bf16 tensor-core dot per d chunk, with
+the four updated stream tiles joined along K as its B operand and the tokens as its N side (fp32
+streams: fn itself, one tf32x3 dot); below 9 tokens plain fp32 FMAs. 1 token: 160 programs over d, the
+last to finish sums the partials and runs the Sinkhorn (one launch, latency-bound); 4K tokens: 64-token
+blocks x 2 d splits of 64-wide chunks (HBM-bound: X, y read once, X' and x written once, fn's pieces
+re-read from L2 per block), each block finished by its last program. Launch shapes: `mhc_plan`.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import triton
@@ -71,11 +75,12 @@ def mhc_reference(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=
 # -- kernels --------------------------------------------------------------------------------------
 # Work split: programs own (a block of BT tokens) x (a contiguous run of BD-wide d chunks). The update
 # and the collapse are elementwise in d, so each program stores its slice of X' and x directly; only
-# the 24 mixes and the sum of squares need the whole 4*dim row. With one d split the program finishes
-# the token itself (RMS, sigmoid/softmax, Sinkhorn in registers); with several, each writes its partial
-# sums to a [splits, T, 32] workspace and a second small launch reduces them and finishes.
-# Workspace / accumulator columns (32): [mixes 0..7 (pre, post), sum of squares, 7 unused, mixes 8..23
-# (comb)].
+# the 24 mixes and the sum of squares need the whole 4*dim row. An FMA-path program with one d split
+# finishes its tokens itself (RMS, sigmoid/softmax, Sinkhorn in registers). Otherwise each program
+# writes its partial sums to a [splits, T, 32] workspace and bumps its token block's counter; the
+# program that arrives last sums the block's partials and finishes (one launch; `finish="launch"`
+# keeps the older second launch). Workspace / accumulator columns (32): mixes 0..23 (pre 0..3,
+# post 4..7, comb 8..23 row-major), 24 the sum of squares, 25..31 unused.
 
 
 @triton.jit
@@ -85,14 +90,14 @@ def _col(acc, K: tl.constexpr):
 
 
 @triton.jit
-def _scaled(acc, K: tl.constexpr, rs, s, base_ptr, B: tl.constexpr):
-    """The pre-activation of mix B (accumulator column K): mix * rsqrt-norm * scale + base."""
-    return _col(acc, K) * rs * s + tl.load(base_ptr + B)
+def _scaled(acc, K: tl.constexpr, rs, s, base_ptr):
+    """The pre-activation of mix K: mix * rsqrt-norm * scale + base."""
+    return _col(acc, K) * rs * s + tl.load(base_ptr + K)
 
 
 @triton.jit
 def _norm4(a, b, c, d, eps):
-    inv = 1.0 / (a + b + c + d + eps)
+    inv = 1.0 / (((a + b) + (c + d)) + eps)  # a tree: 2 dependent adds, not 3, on the serial chain
     return a * inv, b * inv, c * inv, d * inv
 
 
@@ -103,39 +108,35 @@ def _softmax4(a, b, c, d, eps):
     b = tl.exp(b - m)
     c = tl.exp(c - m)
     d = tl.exp(d - m)
-    inv = 1.0 / (a + b + c + d)
+    inv = 1.0 / ((a + b) + (c + d))
     return a * inv + eps, b * inv + eps, c * inv + eps, d * inv + eps
 
 
 @triton.jit
 def _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
-            DIM: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr):
+            DIM: tl.constexpr, ITERS: tl.constexpr):
     """acc [BT, 32] fp32 (columns as above) -> pre, post [T, 4] and comb [T, 4, 4] stored.
 
     Every value is a [BT] vector (one per matrix entry), so the 20 Sinkhorn rounds are in-thread
     adds and multiplies along each token's dependency chain, no cross-lane reductions."""
-    rs = 1.0 / tl.sqrt(_col(acc, 8) / (4 * DIM) + norm_eps)
+    rs = 1.0 / tl.sqrt(_col(acc, 24) / (4 * DIM) + norm_eps)
     s0 = tl.load(scale_ptr + 0)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     for j in tl.static_range(4):
-        zp = _scaled(acc, j, rs, s0, base_ptr, j)
-        zq = _scaled(acc, 4 + j, rs, s1, base_ptr, 4 + j)
+        zp = _scaled(acc, j, rs, s0, base_ptr)
+        zq = _scaled(acc, 4 + j, rs, s1, base_ptr)
         tl.store(pre_ptr + t * 4 + j, 1.0 / (1.0 + tl.exp(-zp)) + hc_eps, mask=tm)
         tl.store(post_ptr + t * 4 + j, 2.0 / (1.0 + tl.exp(-zq)), mask=tm)
-    # comb[i][j] = mix 8 + 4i + j (accumulator column 16 + 4i + j): softmax over j, then columns
-    c00, c01, c02, c03 = _softmax4(_scaled(acc, 16, rs, s2, base_ptr, 8), _scaled(acc, 17, rs, s2, base_ptr, 9),
-                                   _scaled(acc, 18, rs, s2, base_ptr, 10), _scaled(acc, 19, rs, s2, base_ptr, 11),
-                                   hc_eps)
-    c10, c11, c12, c13 = _softmax4(_scaled(acc, 20, rs, s2, base_ptr, 12), _scaled(acc, 21, rs, s2, base_ptr, 13),
-                                   _scaled(acc, 22, rs, s2, base_ptr, 14), _scaled(acc, 23, rs, s2, base_ptr, 15),
-                                   hc_eps)
-    c20, c21, c22, c23 = _softmax4(_scaled(acc, 24, rs, s2, base_ptr, 16), _scaled(acc, 25, rs, s2, base_ptr, 17),
-                                   _scaled(acc, 26, rs, s2, base_ptr, 18), _scaled(acc, 27, rs, s2, base_ptr, 19),
-                                   hc_eps)
-    c30, c31, c32, c33 = _softmax4(_scaled(acc, 28, rs, s2, base_ptr, 20), _scaled(acc, 29, rs, s2, base_ptr, 21),
-                                   _scaled(acc, 30, rs, s2, base_ptr, 22), _scaled(acc, 31, rs, s2, base_ptr, 23),
-                                   hc_eps)
+    # comb[i][j] = mix 8 + 4i + j: softmax over j, then columns
+    c00, c01, c02, c03 = _softmax4(_scaled(acc, 8, rs, s2, base_ptr), _scaled(acc, 9, rs, s2, base_ptr),
+                                   _scaled(acc, 10, rs, s2, base_ptr), _scaled(acc, 11, rs, s2, base_ptr), hc_eps)
+    c10, c11, c12, c13 = _softmax4(_scaled(acc, 12, rs, s2, base_ptr), _scaled(acc, 13, rs, s2, base_ptr),
+                                   _scaled(acc, 14, rs, s2, base_ptr), _scaled(acc, 15, rs, s2, base_ptr), hc_eps)
+    c20, c21, c22, c23 = _softmax4(_scaled(acc, 16, rs, s2, base_ptr), _scaled(acc, 17, rs, s2, base_ptr),
+                                   _scaled(acc, 18, rs, s2, base_ptr), _scaled(acc, 19, rs, s2, base_ptr), hc_eps)
+    c30, c31, c32, c33 = _softmax4(_scaled(acc, 20, rs, s2, base_ptr), _scaled(acc, 21, rs, s2, base_ptr),
+                                   _scaled(acc, 22, rs, s2, base_ptr), _scaled(acc, 23, rs, s2, base_ptr), hc_eps)
     for it in tl.static_range(ITERS):
         if it > 0:  # rows (the first round's row step is the softmax)
             c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
@@ -166,35 +167,45 @@ def _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_e
 
 
 @triton.jit
-def _mix_dot(acc_t, xq, f, SPLIT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """acc_t [MR, BT] += A @ xq [BT, BD]^T, A = the pieces of f [32, BD] (fp32 fn rows) stacked by rows.
+def _sum_parts(part_ptr, t64, tm, T, KS, BT: tl.constexpr, KSB: tl.constexpr):
+    """The [BT, 32] sum over the KS partials of tokens t64, KSB splits per load, in a fixed order.
 
-    Tokens are the dot's N side, so the stream tile is the B operand (shared memory on Hopper) and the
-    update arithmetic stays in the load layout. SPLIT=2/3: row block p of A is piece p of fn
-    (fn = hi + mid [+ lo] in bf16, each residual exact in fp32: error 2^-18 / 2^-26 of |fn|), xq a bf16
-    stream tile (exact); SPLIT=0: A = [f; 0], one fp32 dot at PREC (tf32x3 for fp32 streams). Blocks
-    are summed after the loop; M = 64 (128 for 3 pieces) is the wgmma's row count."""
-    if SPLIT == 0:
-        a = tl.reshape(tl.where(tl.arange(0, 2)[:, None, None] == 0, f[None, :, :], 0.0), (64, f.shape[1]))
-        acc_t = tl.dot(a, tl.trans(xq.to(tl.float32)), acc_t, input_precision=PREC)
-    else:
-        hi = f.to(tl.bfloat16).to(tl.float32)
-        r = f - hi
-        mid = r.to(tl.bfloat16).to(tl.float32)
-        p = tl.arange(0, 2 if SPLIT == 2 else 4)[:, None, None]
-        lo = tl.where(p == 2, (r - mid)[None, :, :], 0.0)
-        a3 = tl.where(p == 0, hi[None, :, :], tl.where(p == 1, mid[None, :, :], lo))  # [pieces, 32, BD]
-        a = tl.reshape(a3.to(tl.bfloat16), (a3.shape[0] * 32, f.shape[1]))
-        acc_t = tl.dot(a.to(DOT_DT), tl.trans(xq.to(DOT_DT)), acc_t)
-    return acc_t
+    `.cg` loads: the partials were written by other programs (and by earlier launches at the same
+    addresses), so they are read from L2, never from a possibly stale L1 line."""
+    r32 = tl.arange(0, 32)
+    rk = tl.arange(0, KSB)
+    acc = tl.zeros([BT, 32], tl.float32)
+    for s0 in range(0, KS, KSB):
+        s = s0 + rk
+        po = (s.to(tl.int64)[:, None, None] * T + t64[None, :, None]) * 32 + r32[None, None, :]
+        m3 = (s[:, None, None] < KS) & tm[None, :, None]
+        acc += tl.sum(tl.load(part_ptr + po, mask=m3, other=0.0, cache_modifier=".cg"), axis=0)
+    return acc
+
+
+@triton.jit
+def _update(yv, x0, x1, x2, x3, p, ca, cb, cc, cd, out_ty: tl.constexpr):
+    """One stream of the post/comb update, rounded to the stream's dtype (the mixes and the collapse
+    see the stored stream): p y + ca x0 + cb x1 + cc x2 + cd x3 ([BT] coefficients, [BT, BD] tiles)."""
+    v = p[:, None] * yv + ca[:, None] * x0 + cb[:, None] * x1 + cc[:, None] * x2 + cd[:, None] * x3
+    return v.to(out_ty)
 
 
 @triton.jit
 def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_ptr, combo_ptr,
-                     xn_ptr, xc_ptr, part_ptr, pre_ptr, post_ptr, comb_ptr, T, CPS, norm_eps, hc_eps,
+                     xn_ptr, xc_ptr, part_ptr, cnt_ptr, pre_ptr, post_ptr, comb_ptr, T, KS, CPS, norm_eps, hc_eps,
                      DIM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ITERS: tl.constexpr,
-                     HAS_POST: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, MR: tl.constexpr,
-                     DOT_DT: tl.constexpr, PREC: tl.constexpr, FINISH: tl.constexpr):
+                     HAS_POST: tl.constexpr, USE_DOT: tl.constexpr, NP: tl.constexpr, MR: tl.constexpr,
+                     DOT_DT: tl.constexpr, PREC: tl.constexpr, FINISH: tl.constexpr, KSB: tl.constexpr):
+    """FINISH: 0 partials only (a second launch finishes), 1 finish in registers (one d split),
+    2 partials and the last program of the token block to arrive finishes.
+
+    USE_DOT: fn_ptr is `mhc_fn_pieces(fn, NP)`: NP pieces x 24 rows, stream-interleaved columns
+    (column 4 d + j = fn[:, j dim + d]), so chunk ci's A operand is one contiguous [rows, 4 BD] tile
+    (row r of the MR-row tile = piece r // 32, mix r % 32; mixes 24..31 masked to zero) loaded straight
+    into the dot (pipelined, no arithmetic on it), and the B operand is the four updated stream tiles
+    joined into one [BT, 4 BD] tile: one dot per chunk. Otherwise fn_ptr is fn [24, 4 dim] fp32 and
+    the mixes are FMAs."""
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)
@@ -228,15 +239,16 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         c33 = tl.load(combo_ptr + t * 16 + 15, mask=tm, other=0.0)
     sq = tl.zeros([BT, BD], tl.float32)  # squares and FMA products are reduced once, after the loop
     m2 = tm[:, None]
-    # accumulator column k holds mix k (k < 8), mix k - 8 (k >= 16); columns 8..15 repeat mixes 0..7
-    # (fn rows loaded unmasked, so the loads stay 16-byte vectors) and are unused but column 8, which
-    # is replaced by the sum of squares after the loop
     r32 = tl.arange(0, 32)
-    f_row = tl.where(r32 < 8, r32, r32 - 8)
     if USE_DOT:
         acc_t = tl.zeros([MR, BT], tl.float32)  # transposed; MR // 32 row blocks, one per fn piece
+        rm = tl.arange(0, MR)
+        a_ok = ((rm // 32) < NP) & ((rm % 32) < 24)
+        a_off = ((rm // 32) * 24 + rm % 32)[:, None] * (4 * DIM) + tl.arange(0, 4 * BD)[None, :]
     else:
         acc3 = tl.zeros([BT, 32, BD], tl.float32)
+        # rows 24..31 repeat mix 23 (unmasked loads stay 16-byte vectors); their columns are unused
+        f_row = tl.minimum(r32, 23)
     c_lo = pid_k * CPS
     c_hi = tl.minimum(c_lo + CPS, DIM // BD)
     for ci in range(c_lo, c_hi):
@@ -246,76 +258,67 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         x1q = tl.load(x_ptr + xoff + DIM, mask=m2, other=0.0)
         x2q = tl.load(x_ptr + xoff + 2 * DIM, mask=m2, other=0.0)
         x3q = tl.load(x_ptr + xoff + 3 * DIM, mask=m2, other=0.0)
-        if HAS_POST:
-            yv = tl.load(y_ptr + t64[:, None] * DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        fo = f_row[:, None] * (4 * DIM) + d[None, :]
-        if not USE_DOT:
+        if USE_DOT:
+            a = tl.load(fn_ptr + a_off + ci * (4 * BD), mask=a_ok[:, None], other=0.0)
+        else:
+            fo = f_row[:, None] * (4 * DIM) + d[None, :]
             f0 = tl.load(fn_ptr + fo)
             f1 = tl.load(fn_ptr + fo + DIM)
             f2 = tl.load(fn_ptr + fo + 2 * DIM)
             f3 = tl.load(fn_ptr + fo + 3 * DIM)
-        x0 = x0q.to(tl.float32)
-        x1 = x1q.to(tl.float32)
-        x2 = x2q.to(tl.float32)
-        x3 = x3q.to(tl.float32)
-        col = tl.zeros([BT, BD], tl.float32)
-        for j in tl.static_range(4):
-            if j == 0:
-                xq = x0q
-                qj = q0
-            elif j == 1:
-                xq = x1q
-                qj = q1
-            elif j == 2:
-                xq = x2q
-                qj = q2
-            else:
-                xq = x3q
-                qj = q3
-            if HAS_POST:
-                if j == 0:
-                    nj = p0[:, None] * yv + c00[:, None] * x0 + c10[:, None] * x1 + c20[:, None] * x2 \
-                        + c30[:, None] * x3
-                elif j == 1:
-                    nj = p1[:, None] * yv + c01[:, None] * x0 + c11[:, None] * x1 + c21[:, None] * x2 \
-                        + c31[:, None] * x3
-                elif j == 2:
-                    nj = p2[:, None] * yv + c02[:, None] * x0 + c12[:, None] * x1 + c22[:, None] * x2 \
-                        + c32[:, None] * x3
-                else:
-                    nj = p3[:, None] * yv + c03[:, None] * x0 + c13[:, None] * x1 + c23[:, None] * x2 \
-                        + c33[:, None] * x3
-                # round to the stream's dtype first: the mixes and the collapse see the stored stream
-                xq = nj.to(xn_ptr.dtype.element_ty)
-                tl.store(xn_ptr + xoff + j * DIM, xq, mask=m2)
-            xj = xq.to(tl.float32)
-            sq += xj * xj
-            col += qj[:, None] * xj
-            if USE_DOT:
-                # fn tile loaded at its use: four held across the update cost registers the tiles need
-                fj = tl.load(fn_ptr + fo + j * DIM)
-                acc_t = _mix_dot(acc_t, xq, fj, SPLIT, DOT_DT, PREC)
-            else:
-                if j == 0:
-                    fj = f0
-                elif j == 1:
-                    fj = f1
-                elif j == 2:
-                    fj = f2
-                else:
-                    fj = f3
-                acc3 += xj[:, None, :] * fj[None, :, :]
+        if HAS_POST:
+            yv = tl.load(y_ptr + t64[:, None] * DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            x0 = x0q.to(tl.float32)
+            x1 = x1q.to(tl.float32)
+            x2 = x2q.to(tl.float32)
+            x3 = x3q.to(tl.float32)
+            sty = xn_ptr.dtype.element_ty
+            n0 = _update(yv, x0, x1, x2, x3, p0, c00, c10, c20, c30, sty)
+            n1 = _update(yv, x0, x1, x2, x3, p1, c01, c11, c21, c31, sty)
+            n2 = _update(yv, x0, x1, x2, x3, p2, c02, c12, c22, c32, sty)
+            n3 = _update(yv, x0, x1, x2, x3, p3, c03, c13, c23, c33, sty)
+            tl.store(xn_ptr + xoff, n0, mask=m2)
+            tl.store(xn_ptr + xoff + DIM, n1, mask=m2)
+            tl.store(xn_ptr + xoff + 2 * DIM, n2, mask=m2)
+            tl.store(xn_ptr + xoff + 3 * DIM, n3, mask=m2)
+        else:
+            n0, n1, n2, n3 = x0q, x1q, x2q, x3q
+        v0 = n0.to(tl.float32)
+        v1 = n1.to(tl.float32)
+        v2 = n2.to(tl.float32)
+        v3 = n3.to(tl.float32)
+        sq += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+        col = q0[:, None] * v0 + q1[:, None] * v1 + q2[:, None] * v2 + q3[:, None] * v3
         tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], col.to(xc_ptr.dtype.element_ty), mask=m2)
+        if USE_DOT:
+            # column 4 d + j of the joined tile is stream j at d (the interleave of mhc_fn_pieces)
+            b = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), (BT, 4 * BD))
+            if NP == 1:
+                acc_t = tl.dot(a.to(DOT_DT), tl.trans(b.to(DOT_DT)), acc_t, input_precision=PREC)
+            else:
+                acc_t = tl.dot(a.to(DOT_DT), tl.trans(b.to(DOT_DT)), acc_t)
+        else:
+            acc3 += v0[:, None, :] * f0[None, :, :] + v1[:, None, :] * f1[None, :, :] \
+                + v2[:, None, :] * f2[None, :, :] + v3[:, None, :] * f3[None, :, :]
     if USE_DOT:
         acc = tl.trans(tl.sum(tl.reshape(acc_t, (MR // 32, 32, BT)), axis=0))
     else:
         acc = tl.sum(acc3, axis=2)
-    acc = tl.where(r32[None, :] == 8, tl.sum(sq, axis=1)[:, None], acc)
-    if FINISH:
-        _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
-                DIM, BT, ITERS)
+    acc = tl.where(r32[None, :] == 24, tl.sum(sq, axis=1)[:, None], acc)
+    if FINISH == 1:
+        _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps, DIM, ITERS)
     else:
         tl.store(part_ptr + (pid_k * T + t64)[:, None] * 32 + r32[None, :], acc, mask=m2)
+        if FINISH == 2:
+            # all of this program's partial stores happen before the counter's release (the
+            # barrier), and the last arriver's acquire happens before its reads of all of them
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+            if arrived == KS - 1:
+                tot = _sum_parts(part_ptr, t64, tm, T, KS, BT, KSB)
+                _finish(tot, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+                        DIM, ITERS)
+                tl.store(cnt_ptr + pid_t, 0)  # ready for the next launch (stream order)
 
 
 @triton.jit
@@ -324,22 +327,15 @@ def _mhc_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_pt
     """Sums the [KS, T, 32] partials of BT tokens (KSB splits per vector load) and finishes them."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < T
-    t64 = t.to(tl.int64)
-    r32 = tl.arange(0, 32)
-    rk = tl.arange(0, KSB)
-    acc = tl.zeros([BT, 32], tl.float32)
-    for s0 in range(0, KS, KSB):
-        s = s0 + rk
-        po = (s.to(tl.int64)[:, None, None] * T + t64[None, :, None]) * 32 + r32[None, None, :]
-        m3 = (s[:, None, None] < KS) & tm[None, :, None]
-        acc += tl.sum(tl.load(part_ptr + po, mask=m3, other=0.0), axis=0)
-    _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
-            DIM, BT, ITERS)
+    acc = _sum_parts(part_ptr, t.to(tl.int64), tm, T, KS, BT, KSB)
+    _finish(acc, t, tm, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps, DIM, ITERS)
 
 
 # -- launch ---------------------------------------------------------------------------------------
 
 _SM_COUNT: dict = {}
+_PIECES: dict = {}    # id(fn) -> (weakref to fn, fn._version, pieces, prepared tensor)
+_COUNTERS: dict = {}  # device -> int32 zeros, one arrival counter per token block
 
 
 def _sm_count(dev) -> int:
@@ -354,20 +350,73 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def mhc_plan(t: int, dim: int, device, block_d: int = 32, token_block: int | None = None,
+def mhc_fn_pieces(fn, pieces: int):
+    """fn [24, 4*dim] fp32 -> the dot path's A operand [24 * max(1, pieces), 4*dim].
+
+    Columns interleaved by stream (column 4 d + j = fn[:, j*dim + d]), so a d chunk of all four streams
+    is one contiguous run per row. pieces 2/3 (bf16 streams): fn = hi + mid [+ lo], bf16 pieces stacked
+    by rows, each the bf16 rounding of the previous remainder (exact in fp32; error 2^-17 / 2^-26 of
+    |fn|); 0: fn itself in fp32 (one tf32x3 dot for fp32 streams)."""
+    dim = fn.shape[1] // 4
+    f = fn.float().reshape(24, 4, dim).transpose(1, 2).reshape(24, 4 * dim)
+    if pieces == 0:
+        return f.contiguous()
+    out, r = [], f
+    for _ in range(pieces):
+        p = r.bfloat16()
+        out.append(p)
+        r = r - p.float()
+    return torch.cat(out).contiguous()
+
+
+def _cached_pieces(fn, pieces: int):
+    """mhc_fn_pieces for a weight, made once per tensor and version (fn is a model parameter)."""
+    hit = _PIECES.get(id(fn))
+    if hit is not None and hit[0]() is fn and hit[1] == fn._version and hit[2] == pieces:
+        return hit[3]
+    prepared = mhc_fn_pieces(fn, pieces)
+    key = id(fn)
+    try:
+        ref = weakref.ref(fn, lambda _r, k=key: _PIECES.pop(k, None))
+    except TypeError:  # not weak-referenceable: no caching
+        return prepared
+    _PIECES[key] = (ref, fn._version, pieces, prepared)
+    return prepared
+
+
+def _counters(dev, n: int):
+    """n zeroed arrival counters on dev (each finishing program resets its own, so they stay zero
+    between launches). One set per device: launches sharing it must be stream-ordered."""
+    buf = _COUNTERS.get(dev)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+        _COUNTERS[dev] = buf
+    return buf
+
+
+def _parts_per_load(ks: int, bt: int) -> int:
+    """Partials summed per vector load by a finishing program: 8K values at 1-2 tokens (one load for
+    1 token's 160 splits), 2K from 16 tokens (a [KSB, BT, 32] load above that spills the epilogue)."""
+    return min(_pow2_at_least(ks), max(1, (8192 if bt <= 2 else 2048) // (bt * 32)))
+
+
+def mhc_plan(t: int, dim: int, device, block_d: int | None = None, token_block: int | None = None,
              split_k: int | None = None, waves: float | None = None):
     """The launch shape for T tokens: (token block, FMA or dot, d block, d splits, chunks per split).
 
     Below 9 tokens the mixes are fp32 FMAs over a small token block (a dot's 16+ rows would be mostly
     padding) and d is split as finely as `waves` (default 4) programs per SM allow: 1 token at dim 5120
     is 160 programs of one 32-wide chunk. From 9 tokens they are tensor-core dots over 16/32/64-token
-    blocks, and d is split only to fill `waves` (default 1: at 64 tokens a program holds one SM) waves;
-    4K tokens: 64 blocks x 2 splits = 128 programs of 80 chunks."""
+    blocks, and d is split only to fill `waves` (default 1: at 64 tokens a program holds one SM) waves.
+    d chunks (block_d) default to 32, 64 for 64-token blocks: 128 contiguous bytes of each bf16 row per
+    step and half the steps; 4K tokens: 64 blocks x 2 splits = 128 programs of 40 chunks."""
+    if token_block is None:
+        token_block = t if t < 16 else (16 if t < 512 else 32 if t < 2048 else 64)
+    if block_d is None:
+        block_d = 64 if token_block >= 64 else 32
     bd = min(block_d, dim)
     if dim % bd or bd & (bd - 1):
         raise ValueError(f"dim {dim} must be a multiple of the d block {bd} (a power of two)")
-    if token_block is None:
-        token_block = t if t < 16 else (16 if t < 512 else 32 if t < 2048 else 64)
     bt = _pow2_at_least(token_block)
     use_dot = bt >= 16
     nch = dim // bd
@@ -380,19 +429,23 @@ def mhc_plan(t: int, dim: int, device, block_d: int = 32, token_block: int | Non
 
 
 def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=None,
-               norm_eps=1e-20, hc_eps=1e-6, iters=20, block_t: int | None = None, block_d: int = 32,
+               norm_eps=1e-20, hc_eps=1e-6, iters=20, block_t: int | None = None, block_d: int | None = None,
                precision: str = "tf32x3", num_warps: int | None = None, *, token_block: int | None = None,
                split_k: int | None = None, split: int | None = None, num_stages: int | None = None,
-               finish_block_t: int | None = None, waves: float | None = None):
+               finish_block_t: int | None = None, waves: float | None = None, finish: str = "last"):
     """The fused mHC (see the module docstring); the outputs of `mhc_reference`.
 
     Tuning: token_block (tokens per program), block_d (d chunk), split_k (programs along d), waves
     (auto split_k: programs per SM), split (bf16 streams: 3 or 2 bf16 pieces of fn per dot; 0: one fp32
-    dot at `precision`), num_warps, num_stages, finish_block_t. The FMA path with one d split finishes
-    in the same launch; otherwise a second launch sums the partials and finishes. `block_t` is the
-    obsolete name of token_block from the one-launch kernel and is ignored (the block follows T)."""
+    dot at `precision`), num_warps, num_stages, finish ("last": the last program of each token block
+    finishes it, one launch; "launch": a second launch of finish_block_t tokens per program). The FMA
+    path with one d split finishes in registers. `block_t` is the obsolete name of token_block from the
+    one-launch kernel and is ignored (the block follows T). The dot path's fn pieces are made once per
+    fn tensor (and version) and cached (`mhc_fn_pieces`)."""
     del block_t
     t, dim = _check(x, fn, scale, base, pre_prev, y, post_old, comb_old)
+    if finish not in ("last", "launch"):
+        raise ValueError(f"finish must be 'last' or 'launch', got {finish!r}")
     dev = x.device
     xc = torch.empty(t, dim, dtype=x.dtype, device=dev)
     xn = torch.empty_like(x) if y is not None else None
@@ -409,22 +462,26 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
         raise ValueError(f"split must be 0, 2 or 3 bf16 pieces, got {split}")
     if split and x.dtype != torch.bfloat16:
         raise ValueError("the bf16 split of fn needs a bf16 stream (its values are exact bf16 dot operands)")
-    fused = ks == 1 and not use_dot  # the dot path's [BT] epilogue vectors spill at 64 tokens
-    part = pre if fused else torch.empty(ks, t, 32, dtype=torch.float32, device=dev)
+    tblocks = triton.cdiv(t, bt)
+    mode = 1 if (ks == 1 and not use_dot) else (2 if finish == "last" else 0)
+    part = pre if mode == 1 else torch.empty(ks, t, 32, dtype=torch.float32, device=dev)
+    cnt = _counters(dev, tblocks) if mode == 2 else pre
     f32 = lambda v: v.float().contiguous()
     scale32, base32 = f32(scale), f32(base)
-    ns = num_stages if num_stages is not None else (3 if use_dot else 1)
+    fa = _cached_pieces(fn, split) if use_dot else f32(fn)
+    # 64 x 64 stream tiles: 2 stages (3 would need 300 KB of shared memory for the A operand's buffers)
+    ns = num_stages if num_stages is not None else ((2 if bt * bd >= 4096 else 3) if use_dot else 1)
     nw = num_warps if num_warps is not None else (8 if use_dot and bt >= 32 else 4)
-    _mhc_main_kernel[(triton.cdiv(t, bt), ks)](
-        x.contiguous(), f32(fn), scale32, base32, f32(pre_prev),
+    _mhc_main_kernel[(tblocks, ks)](
+        x.contiguous(), fa, scale32, base32, f32(pre_prev),
         y.contiguous() if y is not None else x, f32(post_old) if y is not None else pre,
-        f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, pre, post, comb,
-        t, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
-        USE_DOT=use_dot, SPLIT=split, MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision, FINISH=fused,
-        num_warps=nw, num_stages=ns)
-    if not fused:
+        f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, cnt, pre, post, comb,
+        t, ks, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
+        USE_DOT=use_dot, NP=max(1, split), MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision,
+        FINISH=mode, KSB=_parts_per_load(ks, bt), num_warps=nw, num_stages=ns)
+    if mode == 0:
         fbt = finish_block_t or min(32, _pow2_at_least(t))
-        ksb = min(_pow2_at_least(ks), max(1, 8192 // (fbt * 32)))
+        ksb = _parts_per_load(ks, fbt)
         _mhc_finish_kernel[(triton.cdiv(t, fbt),)](
             part, scale32, base32, pre, post, comb, t, ks, float(norm_eps), float(hc_eps),
             DIM=dim, BT=fbt, KSB=ksb, ITERS=iters, num_warps=4)

@@ -62,6 +62,8 @@ SHAPES = [
     (20, 64, {"token_block": 16, "split_k": 1}, (16, True, 1)),    # dot mixes, one launch
     (40, 128, {"token_block": 16, "split_k": 3}, (16, True, 2)),   # dot mixes, uneven splits -> 2 of 2 chunks
     (7, 256, {"split_k": 3}, (8, False, 3)),                       # 8 chunks over 3 splits (3, 3, 2)
+    (70, 128, {"token_block": 64, "split_k": 2}, (64, True, 2)),   # 64-token blocks of 64-wide chunks
+    (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch"}, (16, True, 2)),  # the second launch
 ]
 
 
@@ -69,7 +71,7 @@ SHAPES = [
 @pytest.mark.parametrize("with_post", [False, True])
 def test_mhc_paths_match_the_fp64_reference(poisoned, gen, t, dim, kw, plan, with_post):
     args = _inputs(gen, t, dim, torch.float32, with_post)
-    bt, use_dot, _, ks, _ = mhc.mhc_plan(t, dim, "cpu", 32, kw.get("token_block"), kw.get("split_k"))
+    bt, use_dot, _, ks, _ = mhc.mhc_plan(t, dim, "cpu", None, kw.get("token_block"), kw.get("split_k"))
     assert (bt, use_dot, ks) == plan
     want = mhc.mhc_reference(*args)
     got = mhc.mhc_triton(*args, **kw)
@@ -99,9 +101,9 @@ def test_mhc_bf16_stream_fn_split_pieces(poisoned, gen, t, kw):
 
 def test_mhc_plan_at_release_shapes():
     """dim 5120: 1 token -> 160 FMA programs of one 32-wide chunk; 4K tokens -> 64-token dot blocks x
-    2 d splits (128 programs of 80 chunks, one wave of 132 SMs)."""
+    2 d splits (128 programs of 40 64-wide chunks, one wave of 132 SMs)."""
     assert mhc.mhc_plan(1, 5120, "cpu") == (1, False, 32, 160, 1)
-    assert mhc.mhc_plan(4096, 5120, "cpu") == (64, True, 32, 2, 80)
+    assert mhc.mhc_plan(4096, 5120, "cpu") == (64, True, 64, 2, 40)
     assert mhc.mhc_plan(4096, 5120, "cpu", split_k=1)[3] == 1
     assert mhc.mhc_plan(64, 5120, "cpu")[:4] == (16, True, 32, 32)  # a decode batch: 4 blocks x 32 splits
 
@@ -117,3 +119,31 @@ def test_mhc_bad_shapes_and_options(gen):
     x, *rest = _inputs(gen, 2, 64, torch.float32, False)
     out = mhc.mhc_triton(x[:0], rest[0], rest[1], rest[2], rest[3][:0])
     assert out[0] is None and out[1].shape == (0, 64) and out[4].shape == (0, 4, 4)
+
+
+def test_mhc_fn_pieces_layout_and_exactness(gen):
+    """Column 4 d + j of the dot path's A operand is fn[:, j dim + d]; 3 bf16 pieces sum to fn within
+    2^-24 of |fn| (2 pieces: 2^-16), and piece 0 is fn rounded to bf16."""
+    dim = 32
+    fn = torch.randn(24, 4 * dim, generator=gen)
+    want = torch.stack([fn[:, j * dim:(j + 1) * dim] for j in range(4)], -1).reshape(24, 4 * dim)
+    assert torch.equal(mhc.mhc_fn_pieces(fn, 0), want)
+    p3 = mhc.mhc_fn_pieces(fn, 3)
+    assert p3.shape == (72, 4 * dim) and p3.dtype == torch.bfloat16
+    assert torch.equal(p3[:24], want.bfloat16())
+    for k, bound in ((3, 2.0**-24), (2, 2.0**-16)):
+        s = mhc.mhc_fn_pieces(fn, k).double().view(k, 24, 4 * dim).sum(0)
+        assert ((s - want.double()).abs() <= bound * want.double().abs()).all(), k
+
+
+def test_mhc_counters_reset_and_pieces_follow_fn_updates(poisoned, gen):
+    """The last-arriver finish leaves its counters at zero (a second call is right too), and an in-place
+    change of fn (a new tensor version) is seen: the cached pieces are made again."""
+    x, fn, *rest = _inputs(gen, 40, 128, torch.float32, True)
+    kw = {"token_block": 16, "split_k": 4}
+    for _ in range(2):
+        got = mhc.mhc_triton(x, fn, *rest, **kw)
+        want = mhc.mhc_reference(x, fn, *rest)
+        assert max(_rel(a, b) for a, b in zip(want[2:], got[2:])) < 1e-6
+        assert not mhc._COUNTERS[x.device].any()
+        fn.mul_(-1.5)
