@@ -4,7 +4,7 @@
 # archived to $OUT/results.tar.gz and the tables copied beside it ($OUT returns at most 8 files).
 #   run(command="bash scripts/device_measure_call.sh kernels release parity", timeout_s=600)
 # Steps: parity (kernel path vs CPU reference numerics, 1,000 tokens), ced (prefill timing),
-# kernels (benches/kernels.py), release (benches/release_layer.py).
+# kernels (benches/kernels.py), release (benches/release_layer.py), profile (ncu on the slowest kernels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder that comes back}"
@@ -22,6 +22,13 @@ for step in "$@"; do
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
     kernels) timeout 280 python3 benches/kernels.py --out "$R" > "$R/kernels.log" 2>&1 ;;
     release) timeout 200 python3 benches/release_layer.py --out "$R" --budget-s 150 > "$R/release.log" 2>&1 ;;
+    profile) # Nsight Compute on the first launches of the kernels furthest from their goals (text report)
+      timeout 150 ncu --clock-control none --kernel-name-base function \
+              -k 'regex:_sparse_attn_kernel|_moe_gate_up_kernel|_mhc_main_kernel|_indexer_kernel|_row_select_kernel|_gemv_gate_up_kernel' \
+              -c 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+              --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+              python3 benches/kernels.py --only mhc,attn,indexer,moe --out "$R/ncu-run" > "$R/ncu.txt" 2>&1
+      cp "$R/ncu.txt" "$R/ncu-report.md" ;;
     *) echo "unknown step $step" ;;
   esac
   echo "$step exit $? in $(( $(date +%s) - start )) s" | tee -a "$R/steps.txt"
