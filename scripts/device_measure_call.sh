@@ -16,14 +16,14 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
-    parity) timeout 100 python3 scripts/parity_reference.py --against engine-cpu --device cuda --tokens 1000 \
+    parity) timeout 90 python3 scripts/parity_reference.py --against engine-cpu --device cuda --tokens 1000 \
               --out "$R/parity-gpu.md" --json "$R/parity-gpu.json" > "$R/parity.log" 2>&1 ;;
     ced) timeout 240 python3 benches/ced_prefill.py --device cuda --tokens 1024 4096 8000 --prompts 1 --repeat 5 \
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
-    kernels) timeout 280 python3 benches/kernels.py --out "$R" > "$R/kernels.log" 2>&1 ;;
-    release) timeout 200 python3 benches/release_layer.py --out "$R" --budget-s 150 > "$R/release.log" 2>&1 ;;
+    kernels) timeout 220 python3 benches/kernels.py --out "$R" > "$R/kernels.log" 2>&1 ;;
+    release) timeout 150 python3 benches/release_layer.py --out "$R" --budget-s 110 > "$R/release.log" 2>&1 ;;
     profile) # Nsight Compute on the first launches of the kernels furthest from their goals (text report)
-      timeout 150 ncu --clock-control none --kernel-name-base function \
+      timeout 100 ncu --clock-control none --kernel-name-base function \
               -k 'regex:_sparse_attn_kernel|_moe_gate_up_kernel|_mhc_main_kernel|_indexer_kernel|_row_select_kernel|_gemv_gate_up_kernel' \
               -c 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
               --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
