@@ -369,10 +369,17 @@ def mhc_fn_pieces(fn, pieces: int):
     return torch.cat(out).contiguous()
 
 
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place version; -1 for an inference-mode tensor, which has none (weights loaded
+    under torch.inference_mode are not written in place after loading)."""
+    return -1 if t.is_inference() else t._version
+
+
 def _cached_pieces(fn, pieces: int):
     """mhc_fn_pieces for a weight, made once per tensor and version (fn is a model parameter)."""
+    version = _version(fn)
     hit = _PIECES.get(id(fn))
-    if hit is not None and hit[0]() is fn and hit[1] == fn._version and hit[2] == pieces:
+    if hit is not None and hit[0]() is fn and hit[1] == version and hit[2] == pieces:
         return hit[3]
     prepared = mhc_fn_pieces(fn, pieces)
     key = id(fn)
@@ -380,7 +387,7 @@ def _cached_pieces(fn, pieces: int):
         ref = weakref.ref(fn, lambda _r, k=key: _PIECES.pop(k, None))
     except TypeError:  # not weak-referenceable: no caching
         return prepared
-    _PIECES[key] = (ref, fn._version, pieces, prepared)
+    _PIECES[key] = (ref, version, pieces, prepared)
     return prepared
 
 

@@ -147,3 +147,16 @@ def test_mhc_counters_reset_and_pieces_follow_fn_updates(poisoned, gen):
         assert max(_rel(a, b) for a, b in zip(want[2:], got[2:])) < 1e-6
         assert not mhc._COUNTERS[x.device].any()
         fn.mul_(-1.5)
+
+
+def test_mhc_under_inference_mode(gen):
+    """Weights loaded under torch.inference_mode have no version counter: the dot path (which caches fn's
+    pieces) still runs there, matches the reference, and reuses the pieces on a second call."""
+    with torch.inference_mode():
+        args = _inputs(gen, 20, 64, torch.float32, True)
+        kw = {"token_block": 16, "split_k": 1}
+        want = mhc.mhc_reference(*args)
+        for _ in range(2):
+            got = mhc.mhc_triton(*args, **kw)
+            assert max(_rel(a, b) for a, b in zip(want[2:], got[2:])) < 1e-6
+        assert mhc._cached_pieces(args[1], 3) is mhc._cached_pieces(args[1], 3)
