@@ -22,6 +22,12 @@ ptxas for sm_90 (8 warps, BH 64, spill bytes, triton 3.6 / 3.7): prefill BN 16: 
 724 / 328; d_split 2: BN 16: 84 / 0, BN 32: 432 / 0. The non-accumulator working set (raw tile and its
 prefetch with one scale byte per lane, both formats' loads, f32 decode temporaries) is what still
 spills on 3.6: quartering D into four accumulators or two per-format loops made it worse (tried).
+
+layout="entries" (_sparse_attn_t_kernel): the dots transposed, entries as the MMA's M (S^T = K Q^T, then
+O^T += V^T P^T), so the warpgroups split the tile's entries instead of sharing the heads' S. Triton
+(3.6/3.7) moves a dot's A operand into registers when it is computed in the loop (the decoded tile:
+the whole tile per warpgroup); carried as a loop value it stays in shared memory for both dots, so the
+tile is decoded one iteration ahead.
 """
 
 from __future__ import annotations
@@ -216,6 +222,86 @@ def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, wi
 
 
 @triton.jit
+def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
+                          po_ptr, pm_ptr, pl_ptr, T, n_sel, n_win, sel_per_split, win_per_split, qk2,
+                          H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                          DT: tl.constexpr, SPLIT: tl.constexpr, DV: tl.constexpr):
+    """Entries-as-M layout: the same work as _sparse_attn_kernel with every dot transposed.
+    S^T [BN entries, BH heads] = K_tile [BN, D] . Q^T [D, BH] (BN = the MMA's M, shared over the warpgroups,
+    so no warpgroup repeats another's S; heads are N), the softmax runs down the columns (axis 0), and
+    O^T [DV, BH] += V^T [DV, BN] . P^T [BN, BH] (output columns on M). Grid and partials as there."""
+    t = tl.program_id(0)
+    sp = tl.program_id(1)
+    hb = tl.program_id(2) // (D // DV)
+    dh = tl.program_id(2) % (D // DV)
+    heads = hb * BH + tl.arange(0, BH)
+    dcol = tl.arange(0, D)
+    vcol = dh * DV + tl.arange(0, DV)
+    ar = tl.arange(0, BN)
+    q_t = tl.load(q_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + dcol[:, None]).to(DT)  # [D, BH]
+    m_i = tl.full([BH], -1.0e30, tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([DV, BH], tl.float32)  # O^T, kv' units (1/256)
+
+    lo_s = sp * sel_per_split
+    hi_s = tl.minimum(lo_s + sel_per_split, n_sel)
+    lo_w = sp * win_per_split
+    hi_w = tl.minimum(lo_w + win_per_split, n_win)
+    n_st = tl.cdiv(tl.maximum(hi_s - lo_s, 0), BN)
+    n_t = n_st + tl.cdiv(tl.maximum(hi_w - lo_w, 0), BN)
+    idx_row = idx_ptr + t.to(tl.int64) * n_sel
+    widx_row = widx_ptr + t.to(tl.int64) * n_win
+    e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
+    x1, s1 = _raw_tile(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D)
+    if n_st > 0:
+        kv1 = _fp4_decode(x1, s1, BN, D, DT)
+    else:
+        kv1 = _win_decode(x1, s1, BN, D, DT)
+    e2 = _tile_ent(idx_row, widx_row, 1, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
+    for i in range(0, n_t):
+        # tile i was decoded in the previous iteration and is carried: a loop-carried dot operand goes
+        # to shared memory as the MMA's A (a freshly computed one is moved into registers, the whole
+        # tile per warpgroup); tile i+1's bytes are loaded here and decoded after tile i's dots
+        ec, kv = e1, kv1
+        e1 = e2
+        e2 = _tile_ent(idx_row, widx_row, i + 2, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
+        xn, sn = _raw_tile(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D)
+        s = tl.dot(kv, q_t) * qk2  # S^T [BN, BH], log2 units
+        s = tl.where((ec >= 0)[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if DV == D:
+            kv_v = kv
+        else:
+            k_lo, k_hi = tl.split(tl.permute(tl.reshape(kv, (BN, 2, DV)), (0, 2, 1)))
+            if dh == 0:
+                kv_v = k_lo
+            else:
+                kv_v = k_hi
+        acc = tl.dot(tl.trans(kv_v), p.to(DT), acc * alpha[None, :])
+        m_i = m_new
+        if i + 1 < n_st:
+            kv1 = _fp4_decode(xn, sn, BN, D, DT)
+        else:
+            kv1 = _win_decode(xn, sn, BN, D, DT)
+
+    if SPLIT:
+        row = (sp * T + t).to(tl.int64) * H + heads  # [BH] rows of the [S, T, H] partials
+        tl.store(po_ptr + row[None, :] * D + vcol[:, None], acc)
+        tl.store(pm_ptr + row, m_i)
+        tl.store(pl_ptr + row, l_i)
+    else:
+        sink = tl.load(sink_ptr + heads) * 1.4426950408889634
+        mm = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - mm)
+        den = l_i * alpha + tl.exp2(sink - mm)
+        out = acc * (alpha * 256.0 / den)[None, :]
+        tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + vcol[:, None], out.to(tl.bfloat16))
+
+
+@triton.jit
 def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr, H: tl.constexpr,
                   D: tl.constexpr, BH: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink)."""
@@ -245,7 +331,7 @@ def _num_sms(device) -> int:
 
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int = 64, block_n: int | None = None, num_warps: int = 8, num_stages: int = 1,
-                       split: int | None = None, merge_heads: int = 8, d_split: int = 1):
+                       split: int | None = None, merge_heads: int = 8, d_split: int = 1, layout: str = "heads"):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     block_h heads share each program (the dots' M; 64 fills a Hopper warpgroup MMA), block_n entries
@@ -259,6 +345,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     if d % 64 or d & (d - 1):
         raise ValueError(f"sparse attention: head dim {d} must be a power of two >= 64")
     scale = d ** -0.5 if scale is None else scale
+    if layout not in ("heads", "entries"):
+        raise ValueError(f"sparse attention: layout must be 'heads' or 'entries', got {layout!r}")
     if d_split not in (1, 2):
         raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
     bh = min(block_h, h)
@@ -281,7 +369,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     else:
         po = pm = pl = out  # unused
     kvh = kv_packed.contiguous().view(torch.int16)
-    _sparse_attn_kernel[(t, split, (h // bh) * d_split)](
+    kernel = _sparse_attn_kernel if layout == "heads" else _sparse_attn_t_kernel
+    kernel[(t, split, (h // bh) * d_split)](
         q.contiguous(), kvh, kv_scale.contiguous().view(torch.uint8), idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
         win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous(),
         sink.float().contiguous(), out, po, pm, pl, t, n_sel, n_win, sel_per, win_per,

@@ -106,9 +106,10 @@ def _rel(a, b):
     return ((a - b).norm() / a.norm()).item()
 
 
+@pytest.mark.parametrize("layout", ["heads", "entries"])
 @pytest.mark.parametrize("split,block_h,d_split", [(1, 16, 1), (2, 16, 1), (3, 8, 1), (None, 16, 1),
                                                    (1, 16, 2), (3, 8, 2)])
-def test_split_kv_matches_reference(poisoned, split, block_h, d_split):
+def test_split_kv_matches_reference(poisoned, split, block_h, d_split, layout):
     """Selected tiles 0..2 and window tiles 0..1 (block 16) shared over 1-3 splits and two head blocks;
     split 3 leaves the last split without window tiles; d_split 2: each program writes half the
     output columns (the poisoned buffers show a half left unwritten). Last row: nothing selected ->
@@ -117,29 +118,34 @@ def test_split_kv_matches_reference(poisoned, split, block_h, d_split):
     args = _inputs(g, t=3, h=16, d=64, n=50, w=30, k=40, wn=20)
     args[3][-1], args[6][-1] = -1, -1
     want = A.sparse_attn_reference(*args)
-    got = A.sparse_attn_triton(*args, block_h=block_h, block_n=16, num_warps=4, split=split, d_split=d_split)
+    got = A.sparse_attn_triton(*args, block_h=block_h, block_n=16, num_warps=4, split=split, d_split=d_split,
+                               layout=layout)
     assert _rel(want, got) < 1e-2  # bf16 output; the interpreter truncates to bf16
     assert (got[-1] == 0).all()
 
 
-def test_split_with_only_window_work_and_dominant_sink(poisoned):
+@pytest.mark.parametrize("layout", ["heads", "entries"])
+def test_split_with_only_window_work_and_dominant_sink(poisoned, layout):
     """One selected tile over 3 splits: splits 1-2 hold window tiles only. Head 0's sink is huge, so its
     output must vanish (the merge adds the sink once, not once per split)."""
     g = torch.Generator().manual_seed(3)
     args = _inputs(g, t=2, h=16, d=64, n=20, w=60, k=16, wn=48, q_scale=0.5)
     args[7][0] = 30.0
     want = A.sparse_attn_reference(*args)
-    one = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=1)
-    got = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=3)
+    one = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=1, layout=layout)
+    got = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=3, layout=layout)
     assert _rel(want, got) < 1e-2 and _rel(want, one) < 1e-2
     assert got[:, 0].abs().max() < 1e-6 < got[:, 1].abs().max()
 
 
-def test_rejects_bad_head_dim():
+def test_rejects_bad_head_dim_and_layout():
     g = torch.Generator().manual_seed(0)
     args = _inputs(g, t=1, h=16, d=96, n=8, w=8, k=4, wn=4)
     with pytest.raises(ValueError, match="head dim"):
         A.sparse_attn_triton(*args)
+    args = _inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
+    with pytest.raises(ValueError, match="layout"):
+        A.sparse_attn_triton(*args, layout="columns")
 
 
 class _HostTraffic(torch.utils._python_dispatch.TorchDispatchMode):
@@ -176,6 +182,7 @@ def _host_use_of(fn, args):
     meta = [x.to("meta") for x in args]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(A, "_sparse_attn_kernel", kern)
+        mp.setattr(A, "_sparse_attn_t_kernel", kern)
         mp.setattr(A, "_merge_kernel", merge)
         with spy:
             fn(*meta)
@@ -185,14 +192,14 @@ def _host_use_of(fn, args):
     return spy.seen + host_args, kern.launches, merge.launches
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_wrapper_keeps_everything_on_the_device(split):
+@pytest.mark.parametrize("split,layout", [(1, "heads"), (4, "heads"), (4, "entries")])
+def test_wrapper_keeps_everything_on_the_device(split, layout):
     """The decode path under CUDA-graph rules: with the inputs on a device, no host tensor is made,
     copied or handed to a kernel and nothing is read back, for one split and for partials + merge."""
     g = torch.Generator().manual_seed(5)
     args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
     bad, kern, merge = _host_use_of(
-        lambda *a: A.sparse_attn_triton(*a, block_n=32, split=split, d_split=2), args)
+        lambda *a: A.sparse_attn_triton(*a, block_n=32, split=split, d_split=2, layout=layout), args)
     assert bad == []
     assert len(kern) == 1 and len(merge) == (split > 1)
 
