@@ -138,6 +138,48 @@ def _win_decode(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr):
+    """_raw_tile with the lanes grouped by scale: int32 lanes [BN, D/16, 4] (lane 4g + l holds dims
+    16g + 4l .. +3) and one scale byte per group of 16 dims [BN, D/16] (the window's E8M0 byte, one per
+    32, read for both of its groups): a quarter of _raw_tile's per-lane scale registers. One format's
+    loads are issued (a branch), so only one set of destination registers is live."""
+    ok = ent >= 0
+    row = tl.where(ok, ent, 0).to(tl.int64)
+    g = tl.arange(0, D // 16)
+    jw = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [D/16, 4] lane index
+    r3 = row[:, None, None] * (D // 4) + jw[None, :, :]
+    if is_win:
+        x = tl.load(winw_ptr + r3, mask=ok[:, None, None], other=0)
+        s = tl.load(wins_ptr + row[:, None] * (D // 32) + g[None, :] // 2, mask=ok[:, None], other=0)
+    else:
+        x = tl.load(kvh_ptr + r3, mask=ok[:, None, None], other=0).to(tl.int32)
+        s = tl.load(kvs_ptr + row[:, None] * (D // 16) + g[None, :], mask=ok[:, None], other=0)
+    return x, s
+
+
+@triton.jit
+def _join4g(v0, v1, v2, v3, BN: tl.constexpr, D: tl.constexpr):
+    # [BN, D/16, 4, 2, 2] flattens to dim 16g + 4l + 2a + b
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BN, D))
+
+
+@triton.jit
+def _fp4_decode_g(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+    """_fp4_decode on grouped lanes ([BN, D/16, 4] + [BN, D/16] scales) -> kv' [BN, D], DT."""
+    m = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622794e+35)[:, :, None]
+    return _join4g((_fp4_lane(x, 0) * m).to(DT), (_fp4_lane(x, 1) * m).to(DT), (_fp4_lane(x, 2) * m).to(DT),
+                   (_fp4_lane(x, 3) * m).to(DT), BN, D)
+
+
+@triton.jit
+def _win_decode_g(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+    """_win_decode on grouped lanes -> kv' [BN, D], DT."""
+    m = (((tl.maximum(s.to(tl.int32), 9) - 8) << 23).to(tl.float32, bitcast=True))[:, :, None]
+    return _join4g((_e4m3_lane(x, 0) * m).to(DT), (_e4m3_lane(x, 1) * m).to(DT), (_e4m3_lane(x, 2) * m).to(DT),
+                   (_e4m3_lane(x, 3) * m).to(DT), BN, D)
+
+
+@triton.jit
 def _tile_ent(idx_row, widx_row, i, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN: tl.constexpr):
     """Entry indices [BN] of this program's tile i: selected tiles first, then window tiles; -1 past
     the end."""
@@ -252,11 +294,11 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
     e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-    x1, s1 = _raw_tile(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D)
+    x1, s1 = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D)
     if n_st > 0:
-        kv1 = _fp4_decode(x1, s1, BN, D, DT)
+        kv1 = _fp4_decode_g(x1, s1, BN, D, DT)
     else:
-        kv1 = _win_decode(x1, s1, BN, D, DT)
+        kv1 = _win_decode_g(x1, s1, BN, D, DT)
     e2 = _tile_ent(idx_row, widx_row, 1, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
     for i in range(0, n_t):
         # tile i was decoded in the previous iteration and is carried: a loop-carried dot operand goes
@@ -265,7 +307,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
         ec, kv = e1, kv1
         e1 = e2
         e2 = _tile_ent(idx_row, widx_row, i + 2, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-        xn, sn = _raw_tile(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D)
+        xn, sn = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D)
         s = tl.dot(kv, q_t) * qk2  # S^T [BN, BH], log2 units
         s = tl.where((ec >= 0)[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -283,9 +325,9 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
         acc = tl.dot(tl.trans(kv_v), p.to(DT), acc * alpha[None, :])
         m_i = m_new
         if i + 1 < n_st:
-            kv1 = _fp4_decode(xn, sn, BN, D, DT)
+            kv1 = _fp4_decode_g(xn, sn, BN, D, DT)
         else:
-            kv1 = _win_decode(xn, sn, BN, D, DT)
+            kv1 = _win_decode_g(xn, sn, BN, D, DT)
 
     if SPLIT:
         row = (sp * T + t).to(tl.int64) * H + heads  # [BH] rows of the [S, T, H] partials
