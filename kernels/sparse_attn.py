@@ -144,7 +144,7 @@ def _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constex
     32, read for both of its groups): a quarter of _raw_tile's per-lane scale registers. One format's
     loads are issued (a branch), so only one set of destination registers is live."""
     ok = ent >= 0
-    row = tl.where(ok, ent, 0).to(tl.int64)
+    row = tl.where(ok, ent, 0)  # int32 offsets (the wrapper checks N * D / 4 < 2^31): fewer registers
     g = tl.arange(0, D // 16)
     jw = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [D/16, 4] lane index
     r3 = row[:, None, None] * (D // 4) + jw[None, :, :]
@@ -395,6 +395,9 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
+    if layout == "entries" and max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31:
+        raise ValueError("sparse attention: layout='entries' addresses the caches with int32 offsets; "
+                         f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
     if block_n is None:
         block_n = 32 if t * (h // bh) >= _num_sms(q.device) else 16
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
