@@ -207,10 +207,15 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
 ATTN_CFGS = [dict(block_h=64, block_n=32, num_warps=8), dict(block_h=64, block_n=16, num_warps=8),
              dict(block_h=64, block_n=16, num_warps=8, d_split=2), dict(block_h=64, block_n=32, num_warps=8, d_split=2),
              dict(block_h=64, block_n=64, num_warps=8, d_split=2)]
+# layout="entries": entries as the MMA's M (64 per tile), heads as N; BH 16 compiles without spills on
+# triton 3.6 (4 programs per token, each decoding the tile), BH 32 spills ~116 B (2 programs per token)
+ATTN_CFGS += [dict(layout="entries", block_h=bh, block_n=64, num_warps=8) for bh in (16, 32)]
 # decode: entry splits (partials + merge) against output halves (d_split: no partials) and the tile width
 ATTN_DECODE_CFGS = ([dict(block_h=64, block_n=bn, num_warps=8, split=s) for bn in (16, 32) for s in (1, 2, 3, 4, 6, 8)]
                     + [dict(block_h=64, block_n=bn, num_warps=8, split=s, d_split=2) for bn in (16, 32)
-                       for s in (1, 2, 3, 4)])
+                       for s in (1, 2, 3, 4)]
+                    + [dict(layout="entries", block_h=bh, block_n=64, num_warps=8, split=s) for bh in (16, 32)
+                       for s in (1, 2, 3)])
 
 
 def case_attn(bw, mm):
