@@ -3,6 +3,8 @@
 # benches/results/): each step under its own time limit. Everything lands in $R; after each step it is
 # archived to $OUT/results.tar.gz and the tables copied beside it ($OUT returns at most 8 files).
 #   run(command="bash scripts/device_measure_call.sh kernels release parity", timeout_s=600)
+# The release step's first pass compiles every kernel (~60 s per role's first layer on the H200): give it
+# a call of its own, e.g. RELEASE_LIMIT=480 bash scripts/device_measure_call.sh release
 # Steps: parity (kernel path vs CPU reference numerics, 1,000 tokens), ced (prefill timing),
 # kernels (benches/kernels.py), release (benches/release_layer.py), profile (ncu on the slowest kernels).
 set -uo pipefail
@@ -21,13 +23,16 @@ for step in "$@"; do
     ced) timeout 240 python3 benches/ced_prefill.py --device cuda --tokens 1024 4096 8000 --prompts 1 --repeat 5 \
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
     kernels) timeout 220 python3 benches/kernels.py --out "$R" > "$R/kernels.log" 2>&1 ;;
-    release) timeout 150 python3 benches/release_layer.py --out "$R" --budget-s 110 > "$R/release.log" 2>&1 ;;
-    profile) # Nsight Compute on the first launches of the kernels furthest from their goals (text report)
-      timeout 100 ncu --clock-control none --kernel-name-base function \
-              -k 'regex:_sparse_attn_kernel|_moe_gate_up_kernel|_mhc_main_kernel|_indexer_kernel|_row_select_kernel|_gemv_gate_up_kernel' \
-              -c 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-              --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-              python3 benches/kernels.py --only mhc,attn,indexer,moe --out "$R/ncu-run" > "$R/ncu.txt" 2>&1
+    release) timeout "${RELEASE_LIMIT:-150}" python3 benches/release_layer.py --out "$R" --budget-s "$(( ${RELEASE_LIMIT:-150} - 40 ))" > "$R/release.log" 2>&1 ;;
+    profile) # Nsight Compute: the first launch of each kernel, one bench case per ncu run (-c counts launches
+      # across every kernel the filter matches, so one run with -c 8 saw only the first case's kernel)
+      for pair in mhc:_mhc_main_kernel attn:_sparse_attn_kernel indexer:_indexer_kernel indexer:_row_select_kernel \
+                  moe:_gemv_gate_up_kernel moe:_moe_gate_up_kernel; do
+        timeout 45 ncu --clock-control none --kernel-name-base function -k "regex:${pair#*:}" -c 1 \
+              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+              --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+              python3 benches/kernels.py --only "${pair%%:*}" --out "$R/ncu-run" >> "$R/ncu.txt" 2>&1
+      done
       cp "$R/ncu.txt" "$R/ncu-report.md" ;;
     *) echo "unknown step $step" ;;
   esac
