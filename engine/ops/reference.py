@@ -179,6 +179,49 @@ class ReferenceOps(Fp32Ops):
             scores = weighted if scores is None else scores.add_(weighted)
         return to_bf16(scores)
 
+    def sparse_attention(self, layer: int, q: torch.Tensor, keys: torch.Tensor, n_cached: int, window_bytes,
+                         idx: torch.Tensor | None, source, sink: torch.Tensor, window: int, scale: float):
+        """`Fp32Ops.sparse_attention` with the global branch's keys gathered once per block of queries:
+        each query's window rows and picks, in the order `attend` walks them, by one index_select into
+        one [B, n, D] buffer from one source [padded keys; global entries] (row-major, as the
+        reference gathers them). The same bits as `attend` (tested); no seam copy where the window
+        meets the picks, a third less memory traffic. Window-only layers keep `attend`'s views."""
+        if source is None:
+            return super().sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
+        from ..model.attention import query_block
+        T, H, D = q.shape
+        w = window
+        pad = max(0, w - 1 - n_cached)
+        padded = torch.cat([keys.new_zeros(pad, D), keys]) if pad else keys
+        start = n_cached + pad - (w - 1)  # query i's window slot j is row start + i + j of padded
+        rows = torch.cat([padded, source.kv_values])  # [P + N, D]: the keys, then the global entries
+        picks, padding = idx.clamp_min(0) + padded.shape[0], idx < 0  # rows of the picks in `rows`
+        key_rows = torch.arange(n_cached, n_cached + T, device=q.device)  # positions as attend reads them
+        slots = torch.arange(w, device=q.device)
+        block = query_block(q.device)
+        out, buf = [], None
+        for a in range(0, T, block):
+            b = slice(a, a + block)
+            positions = key_rows[b]
+            B = positions.shape[0]
+            first = start + a + torch.arange(B, device=q.device)  # [B]: each query's slot-0 row
+            if int(positions[0]) < w - 1:  # attend's roll: valid slots first
+                shift = (w - 1 - positions).clamp_min(0)
+                win_idx = first[:, None] + (slots[None, :] + shift[:, None]) % w  # [B, W]
+                empty = slots[None, :] > positions[:, None]
+            else:
+                win_idx = first[:, None] + slots[None, :]
+                empty = torch.zeros(B, w, dtype=torch.bool, device=q.device)
+            n_win = min(w, int(positions[-1]) + 1)
+            index = torch.cat([win_idx[:, :n_win], picks[b]], dim=1)  # [B, n]
+            n = index.shape[1]
+            if buf is None or buf.shape[0] != B * n:
+                buf = rows.new_empty(B * n, D)
+            gathered = torch.index_select(rows, 0, index.flatten(), out=buf).view(B, n, D)
+            invalid = torch.cat([empty[:, :n_win], padding[b]], dim=1)
+            out.append(self._online_softmax(q[b], lambda lo, hi: gathered[:, lo:hi], n, invalid, sink, scale)[0])
+        return torch.cat(out)
+
     def attend(self, q: torch.Tensor, positions: torch.Tensor, windows: torch.Tensor, sink: torch.Tensor,
                idx, global_kv: torch.Tensor | None, window_size: int, scale: float, probs: bool = False):
         B, H, D = q.shape
@@ -208,8 +251,18 @@ class ReferenceOps(Fp32Ops):
                 return gathered[:, a - n_win:b - n_win]
             return torch.cat([win_keys[:, a:], gathered[:, :b - n_win]], dim=1)
 
-        # the reference's online softmax, one block of 64 entries at a time: the probabilities that
-        # multiply V are bf16 against the running max, the denominator sums them unrounded
+        return self._online_softmax(q, block_keys, n, invalid, sink, scale, n_win if global_kv is not None and probs
+                                    else None)
+
+    @staticmethod
+    def _online_softmax(q: torch.Tensor, block_keys, n: int, invalid: torch.Tensor, sink: torch.Tensor, scale: float,
+                        probs_from: int | None = None):
+        """The reference's online softmax over each query's n entries, one block of 64 at a time (keys
+        block_keys(a, b) -> [B, b - a, D], invalid [B, n]): the probabilities that multiply V are bf16
+        against the running max, the denominator sums them unrounded, the sink joins it at the end.
+        -> (out [B, H, D] bf16-valued; with probs_from, each entry's share of the final softmax from
+        that entry on [B, H, n - probs_from], else None)."""
+        B, H, D = q.shape
         running = torch.full((B, H), RUNNING_MAX_FLOOR, device=q.device)
         acc = torch.zeros(B, H, D, device=q.device)
         denom = torch.zeros(B, H, device=q.device)
@@ -223,13 +276,13 @@ class ReferenceOps(Fp32Ops):
             denom = denom * rescale + p.sum(-1)
             pb = to_bf16_(p)
             acc.mul_(rescale.unsqueeze(-1)).add_(torch.bmm(pb, kb))
-            if probs:
+            if probs_from is not None:
                 blocks.append((pb, new))
             running = new
         denom = denom + torch.exp(sink.float().view(1, -1) - running)
         o = to_bf16_(acc.div_(denom.unsqueeze(-1)))
-        if global_kv is None or not probs:
+        if probs_from is None:
             return o, None
         # the probe: each global entry's share of the final softmax
-        share = torch.cat([pb * torch.exp(m - running).unsqueeze(-1) for pb, m in blocks], dim=-1)[..., n_win:]
+        share = torch.cat([pb * torch.exp(m - running).unsqueeze(-1) for pb, m in blocks], dim=-1)[..., probs_from:]
         return o, share / denom.unsqueeze(-1)

@@ -1,0 +1,42 @@
+"""engine/ops/reference.py's faster formulations give the same bits as the straightforward ones they
+replace (the engine's `reference` numerics must stay bit-identical to the official reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops import ops_for
+from engine.ops.fp32 import Fp32Ops
+from engine.ops.reference import to_bf16
+
+REF = ops_for("reference")
+
+
+class _Source:
+    """The part of a SourceCache sparse_attention reads."""
+
+    def __init__(self, kv_values: torch.Tensor):
+        self.kv_values = kv_values
+
+
+@pytest.mark.parametrize("n_cached,T", [(0, 300), (0, 10), (31, 40), (31, 1), (5, 3)])
+def test_sparse_attention_one_gather_equals_attend_per_block(n_cached, T):
+    # the one-buffer gather of window rows and picks vs `attend` per query block (window view + picks
+    # gathered apart, joined at the seam): prefills from 0 (early windows rolled, a second query
+    # block), a prompt shorter than the window, later chunks and a decode step, -1 picks
+    g = torch.Generator().manual_seed(n_cached * 1000 + T)
+    H, D, W, N, k = 4, 128, 32, 150, 64
+    q = to_bf16(torch.randn(T, H, D, generator=g))
+    keys = to_bf16(torch.randn(n_cached + T, D, generator=g))
+    kv = to_bf16(torch.randn(N, D, generator=g))
+    idx = torch.randint(0, N, (T, k), generator=g).sort(-1).values
+    idx[torch.rand(T, k, generator=g) < 0.2] = -1
+    sink = torch.linspace(-1, 1, H)
+    fast = REF.sparse_attention(0, q, keys, n_cached, None, idx, _Source(kv), sink, W, D ** -0.5)
+    plain = Fp32Ops.sparse_attention(REF, 0, q, keys, n_cached, None, idx, _Source(kv), sink, W, D ** -0.5)
+    assert fast.shape == (T, H, D)
+    assert torch.equal(fast, plain)
+    # and the fp32 numerics' one softmax differs (the case exercises the reference's blocks)
+    assert not torch.equal(fast, ops_for("fp32").sparse_attention(0, q, keys, n_cached, None, idx, _Source(kv), sink,
+                                                                  W, D ** -0.5))
