@@ -1,10 +1,12 @@
 """The small model's training loss curve as a PNG (assets/README.md), from a training log.
 
-    python3 scripts/loss_curve.py [--log assets/training/train_log.json] [--png assets/training/loss_curve.png]
+    python3 scripts/loss_curve.py [--train-log LOG [LOG ...]] [--png assets/training/loss_curve.png]
 
 Reads the `events` of a train_log.json (or the JSON lines of a train.log): the per-batch
 cross-entropy of each logged step against the tokens seen, coloured by phase (dense warm-up,
-sparse, FP8/FP4 quantization-aware), and the held-out losses measured at the end as points.
+sparse, FP8/FP4 quantization-aware), and the held-out losses measured at the end as points. Several
+logs (a run, then runs continued from its checkpoint with --init) are drawn one after the other: each
+log's tokens count on from where the previous one ended.
 """
 
 from __future__ import annotations
@@ -30,18 +32,39 @@ def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+def chained(logs: list[list[dict]], names: list[str] | None = None) -> list[dict]:
+    """The events of consecutive runs as one run: step tokens offset by the tokens the earlier runs saw."""
+    out, offset = [], 0
+    for run, events in enumerate(logs):
+        last = 0
+        for e in events:
+            if e.get("event") == "step":
+                e = {**e, "tokens": e["tokens"] + offset, "run": names[run] if names else f"run {run + 1}"}
+                last = e["tokens"]
+            out.append(e)
+        offset = max(offset, last)
+    return out
+
+
 def figure(events: list[dict], title: str):
     import plotly.graph_objects as go
 
     steps = [e for e in events if e.get("event") == "step"]
     fig = go.Figure()
-    for phase, colour in PHASE_COLOURS.items():
-        rows = [e for e in steps if e["phase"] == phase]
-        if rows:
-            fig.add_scatter(x=[e["tokens"] / 1e6 for e in rows], y=[e["ce"] for e in rows], mode="lines+markers",
-                            name=f"training batches, {phase} phase", line={"color": colour})
-    end = steps[-1]["tokens"] / 1e6 if steps else 0.0
-    for e in (e for e in events if e.get("event") == "heldout"):
+    runs = list(dict.fromkeys(e.get("run", "") for e in steps))  # in order of appearance
+    for run in runs:  # one line per run and phase: a line never joins two runs
+        for phase, colour in PHASE_COLOURS.items():
+            rows = [e for e in steps if e["phase"] == phase and e.get("run", "") == run]
+            if rows:
+                label = f"training batches, {phase} phase" + (f" ({run})" if len(runs) > 1 else "")
+                fig.add_scatter(x=[e["tokens"] / 1e6 for e in rows], y=[e["ce"] for e in rows],
+                                mode="lines+markers", name=label, line={"color": colour, "dash": "solid" if run == runs[-1] else "dot"})
+    end = 0.0
+    for e in events:
+        if e.get("event") == "step":
+            end = e["tokens"] / 1e6
+        if e.get("event") != "heldout":
+            continue
         fig.add_scatter(x=[end], y=[e["loss"]], mode="markers", marker={"size": 11, "symbol": "diamond"},
                         name=f"held-out {e['name']} ({e['loss']:.2f})")
     fig.update_layout(title=title, xaxis_title="tokens seen (millions)",
@@ -52,13 +75,20 @@ def figure(events: list[dict], title: str):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--log", type=Path, default=REPO / "assets" / "training" / "train_log.json")
+    # not --log: kaleido's logistro parses sys.argv too, and --log is a prefix of its options
+    ap.add_argument("--train-log", type=Path, nargs="+", default=[REPO / "assets" / "training" / "train_log.json"],
+                    help="one or more train logs, in the order the runs continued each other")
+    ap.add_argument("--run-names", nargs="+", help="a name per log for the legend (default: run 1, run 2, ...)")
     ap.add_argument("--png", type=Path, default=REPO / "assets" / "training" / "loss_curve.png")
     ap.add_argument("--title", default="Small model training on one H200: loss per batch")
     args = ap.parse_args(argv)
-    events = read_events(args.log)
-    if not any(e.get("event") == "step" for e in events):
-        raise SystemExit(f"error: {args.log} holds no step events")
+    logs = [read_events(path) for path in args.train_log]
+    for path, events in zip(args.train_log, logs):
+        if not any(e.get("event") == "step" for e in events):
+            raise SystemExit(f"error: {path} holds no step events")
+    if args.run_names and len(args.run_names) != len(logs):
+        raise SystemExit(f"error: {len(args.run_names)} --run-names for {len(logs)} logs")
+    events = chained(logs, args.run_names)
     figure(events, args.title).write_image(str(args.png), scale=1)
     print(f"written {args.png}")
 

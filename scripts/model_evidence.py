@@ -76,7 +76,6 @@ def measure(eng, trainee_fwd, ids: list[int], window: int) -> dict:
             recall.setdefault(L, []).append(float(r["recall"]))
             recent.setdefault(L, []).append(float(r["recent_k"]))
     eng.model.reset()
-    share = {L: (c.float() / c.float().mean()) for L, c in loads.items()}
     return {
         "tokens": len(ids),
         "loss": float(losses.mean()),
@@ -84,9 +83,16 @@ def measure(eng, trainee_fwd, ids: list[int], window: int) -> dict:
         "zero_score_picks": {str(L): round(z / max(n, 1), 4) for L, (z, n) in sorted(zero.items())},
         "recall": {str(L): round(sum(v) / len(v), 4) for L, v in sorted(recall.items())},
         "recent_k_recall": {str(L): round(sum(v) / len(v), 4) for L, v in sorted(recent.items())},
-        "expert_share_min": {str(L): round(float(s.min()), 3) for L, s in sorted(share.items())},
-        "expert_share_max": {str(L): round(float(s.max()), 3) for L, s in sorted(share.items())},
+        **expert_shares(loads),
+        "_loads": loads,  # summed over domains by main(); not written out
     }
+
+
+def expert_shares(loads: dict) -> dict:
+    """Per layer, the least and most used routed expert as a multiple of the fair share."""
+    share = {L: (c.float() / c.float().mean()) for L, c in loads.items()}
+    return {"expert_share_min": {str(L): round(float(s.min()), 3) for L, s in sorted(share.items())},
+            "expert_share_max": {str(L): round(float(s.max()), 3) for L, s in sorted(share.items())}}
 
 
 def main(argv=None) -> None:
@@ -104,10 +110,16 @@ def main(argv=None) -> None:
     fwd = BatchedForward(cfg, trainee.get, EngramLayout.from_config(cfg), lookup)
     report: dict = {"checkpoint": str(args.checkpoint), "domains": {}, "continuations": []}
     texts = {d: p.read_text(encoding="utf-8") for d, p in DOMAINS.items() if p.exists()}
+    all_loads: dict = {}
     for domain, text in texts.items():
         ids = eng.tokenizer.encode(text, add_bos=True)[: args.tokens]
-        report["domains"][domain] = measure(eng, fwd, ids, args.window)
-        print(domain, json.dumps(report["domains"][domain]), flush=True)
+        measured = measure(eng, fwd, ids, args.window)
+        for L, c in measured.pop("_loads").items():
+            all_loads[L] = all_loads.get(L, 0) + c
+        report["domains"][domain] = measured
+        print(domain, json.dumps(measured), flush=True)
+    # the held-out split as a whole: every domain's tokens, equal parts
+    report["held_out_all"] = {"domains": sorted(texts), **expert_shares(all_loads)}
     for domain, start, length in PROMPTS:
         if domain not in texts:
             continue
