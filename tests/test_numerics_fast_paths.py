@@ -40,3 +40,26 @@ def test_sparse_attention_one_gather_equals_attend_per_block(n_cached, T):
     # and the fp32 numerics' one softmax differs (the case exercises the reference's blocks)
     assert not torch.equal(fast, ops_for("fp32").sparse_attention(0, q, keys, n_cached, None, idx, _Source(kv), sink,
                                                                   W, D ** -0.5))
+
+
+def test_mhc_sums_by_chunks_of_tokens_equal_whole_tensor_sums():
+    # collapse and expand a chunk of tokens at a time vs the same fp32 terms over all tokens at once
+    # (T = 300: two whole chunks and a tail), products added in the copies' order, rounded to bf16
+    g = torch.Generator().manual_seed(3)
+    T, hc, dim = 300, 4, 256
+    x = to_bf16(torch.randn(T, hc, dim, generator=g))
+    y = to_bf16(torch.randn(T, dim, generator=g))
+    pre, post = torch.rand(T, hc, generator=g), 2 * torch.rand(T, hc, generator=g)
+    comb = torch.rand(T, hc, hc, generator=g)
+    collapsed = pre[:, 0, None] * x[:, 0]
+    for i in range(1, hc):
+        collapsed = collapsed + pre[:, i, None] * x[:, i]
+    mixed = comb[:, 0, :, None] * x[:, 0, None, :]
+    for i in range(1, hc):
+        mixed = mixed + comb[:, i, :, None] * x[:, i, None, :]
+    mixed = mixed + post.unsqueeze(-1) * y.unsqueeze(1)
+    assert torch.equal(REF.collapse(x, pre), to_bf16(collapsed))
+    assert torch.equal(REF.expand(y, x, post, comb), to_bf16(mixed))
+    # the order of the adds matters at these values (a fused sum would differ somewhere)
+    assert not torch.equal(to_bf16(torch.einsum("tij,tid->tjd", comb, x) + post.unsqueeze(-1) * y.unsqueeze(1)),
+                           to_bf16(mixed))

@@ -31,6 +31,7 @@ from .fp32 import NEG_INF, Fp32Ops, gather_entries
 ATTN_BLOCK = 64  # entries per step of the reference's sparse attention (its online softmax)
 GEMM_BLOCK_K = 32  # the reference's FP8/FP4 GEMMs add one fp32 partial per 32 of K (kernel_cpu.py)
 RUNNING_MAX_FLOOR = -1e30  # the reference's running max starts here, not at -inf
+MHC_CHUNK = 128  # tokens per step of the mHC sums: [128, 4, 256] fp32 is 512 KB, so a step's tensors fit L2
 
 
 def to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -118,20 +119,33 @@ class ReferenceOps(Fp32Ops):
             c.div_(c.sum(0, keepdim=True).add_(hc_eps))
         return pre, post, c.permute(2, 0, 1).contiguous()
 
-    # each product into one reused buffer, then added: the same fp32 operations, no new tensor per term
+    # each product into one reused buffer, then added: the same fp32 operations, no new tensor per term;
+    # a chunk of tokens at a time, so the terms, the sum and its inputs stay in L2 (elementwise: the same bits)
     def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        out = pre[:, 0, None] * x[:, 0]
-        term = torch.empty_like(out)
-        for i in range(1, x.shape[1]):
-            out.add_(torch.mul(pre[:, i, None], x[:, i], out=term))
-        return to_bf16_(out)
+        out = x.new_empty(x.shape[0], x.shape[2])  # [T, dim]
+        term = x.new_empty(min(MHC_CHUNK, x.shape[0]), x.shape[2])
+        for a in range(0, x.shape[0], MHC_CHUNK):
+            xs, ps, o = x[a:a + MHC_CHUNK], pre[a:a + MHC_CHUNK], out[a:a + MHC_CHUNK]
+            t = term[:o.shape[0]]
+            torch.mul(ps[:, 0, None], xs[:, 0], out=o)
+            for i in range(1, x.shape[1]):
+                o.add_(torch.mul(ps[:, i, None], xs[:, i], out=t))
+            to_bf16_(o)
+        return out
 
     def expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-        mixed = comb[:, 0, :, None] * residual[:, 0, None, :]  # [T, hc, dim]: copy 0 into every copy j
-        term = torch.empty_like(mixed)
-        for i in range(1, residual.shape[1]):
-            mixed.add_(torch.mul(comb[:, i, :, None], residual[:, i, None, :], out=term))
-        return to_bf16_(mixed.add_(torch.mul(post.unsqueeze(-1), y.unsqueeze(1), out=term)))
+        T, hc = residual.shape[:2]
+        out = torch.empty_like(residual, memory_format=torch.contiguous_format)  # [T, hc, dim]
+        term = residual.new_empty((min(MHC_CHUNK, T),) + residual.shape[1:])
+        for a in range(0, T, MHC_CHUNK):
+            r, c, mixed = residual[a:a + MHC_CHUNK], comb[a:a + MHC_CHUNK], out[a:a + MHC_CHUNK]
+            t = term[:mixed.shape[0]]
+            torch.mul(c[:, 0, :, None], r[:, 0, None, :], out=mixed)  # copy 0 into every copy j
+            for i in range(1, hc):
+                mixed.add_(torch.mul(c[:, i, :, None], r[:, i, None, :], out=t))
+            mixed.add_(torch.mul(post[a:a + MHC_CHUNK].unsqueeze(-1), y[a:a + MHC_CHUNK].unsqueeze(1), out=t))
+            to_bf16_(mixed)
+        return out
 
     def break_ties(self, scores, ranking, visible, n: int, k: int, idx, picked, tied):
         """Rows with ties pick as the reference's `topk(sorted=False)` does: torch's top-k of the bf16
