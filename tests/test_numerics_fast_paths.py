@@ -63,3 +63,27 @@ def test_mhc_sums_by_chunks_of_tokens_equal_whole_tensor_sums():
     # the order of the adds matters at these values (a fused sum would differ somewhere)
     assert not torch.equal(to_bf16(torch.einsum("tij,tid->tjd", comb, x) + post.unsqueeze(-1) * y.unsqueeze(1)),
                            to_bf16(mixed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rounded_as_written_equals_rounding_the_rotated_copy(dtype):
+    # rotate's output rounded to bf16 while it is written vs a float32 copy rotated then rounded;
+    # fp32 inputs that are not bf16 values (the unrotated dims round too), and the input left untouched
+    g = torch.Generator().manual_seed(7)
+    T, H, D = 33, 4, 128
+    freqs = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))  # 16 pairs: the last 32 dims rotate
+    x = torch.randn(T, H, D, generator=g).to(dtype)
+    before = x.clone()
+    positions = torch.arange(100, 100 + T)
+    ops = ops_for("reference")
+    rd = freqs.numel() * 2
+    for inverse in (False, True):
+        cis = ops._rope_table(freqs, x.device)[positions].view(T, 1, rd // 2)
+        cis = cis.conj() if inverse else cis
+        plain = x.float().clone()
+        plain[..., -rd:] = torch.view_as_real(torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2))
+                                                                    .contiguous()) * cis).flatten(-2)
+        got = ops.rotate(x, positions, freqs, inverse=inverse)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, to_bf16(plain))
+    assert torch.equal(x, before)

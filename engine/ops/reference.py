@@ -66,9 +66,10 @@ class ReferenceOps(Fp32Ops):
             cis = cis.conj()
         cis = cis.view((x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,))
         pairs = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous())
-        out = x.float().clone()
+        # rounded to bf16 as it is written (one rounding to nearest even, as to_bf16): two passes over x, not four
+        out = x.to(torch.bfloat16, copy=True)
         out[..., -rd:] = torch.view_as_real(pairs * cis).flatten(-2)
-        return to_bf16(out)
+        return out.float()
 
     def _rope_table(self, freqs: torch.Tensor, device) -> torch.Tensor:
         key = (tuple(freqs.tolist()), str(device))
@@ -96,8 +97,8 @@ class ReferenceOps(Fp32Ops):
         reference slices them: ~1.2-1.6x one GEMM, where a batched GEMM of the partials and separate
         adds cost 2-6x (memory traffic)."""
         acc = x.new_zeros(x.shape[0], w.shape[0])  # [M, N]
-        for a in range(0, x.shape[1], GEMM_BLOCK_K):
-            acc.addmm_(x[:, a:a + GEMM_BLOCK_K], w[:, a:a + GEMM_BLOCK_K].t())
+        for xs, ws in zip(x.split(GEMM_BLOCK_K, dim=1), w.t().split(GEMM_BLOCK_K, dim=0)):  # the same views, fewer calls
+            acc.addmm_(xs, ws)
         return acc
 
     # mHC in the reference's order of fp32 operations, so the bf16 stream rounds the same way:
@@ -189,9 +190,9 @@ class ReferenceOps(Fp32Ops):
         scores = None
         for h in range(H):
             per_head = torch.mm(qb[:, h], kt).float().relu_()
-            weighted = to_bf16(per_head.mul_(head_w[:, h:h + 1]))
+            weighted = to_bf16_(per_head.mul_(head_w[:, h:h + 1]))
             scores = weighted if scores is None else scores.add_(weighted)
-        return to_bf16(scores)
+        return to_bf16_(scores)
 
     def sparse_attention(self, layer: int, q: torch.Tensor, keys: torch.Tensor, n_cached: int, window_bytes,
                          idx: torch.Tensor | None, source, sink: torch.Tensor, window: int, scale: float):
