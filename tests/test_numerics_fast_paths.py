@@ -87,3 +87,14 @@ def test_rope_rounded_as_written_equals_rounding_the_rotated_copy(dtype):
         assert got.dtype == torch.float32
         assert torch.equal(got, to_bf16(plain))
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("n", [1024, 7])
+def test_mean_square_by_chunks_of_rows_equals_the_whole_reduction(n):
+    # the mHC mixes' RMS term a chunk of rows at a time vs one square().mean() over all rows (values
+    # spread over 2^-10..2^10, so the order of the row's sum shows in the last bits)
+    from engine.ops.reference import mean_square
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(300, n, generator=g) * 2.0 ** torch.randint(-10, 11, (300, n), generator=g).float()
+    assert torch.equal(mean_square(x), x.square().mean(-1, keepdim=True))
+    assert not torch.equal(mean_square(x), x.double().square().mean(-1, keepdim=True).float())

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp32 import NEG_INF, Fp32Ops, gather_entries
+from .fp32 import NEG_INF, QUANTIZED, Fp32Ops, gather_entries, rms_norm
 
 ATTN_BLOCK = 64  # entries per step of the reference's sparse attention (its online softmax)
 GEMM_BLOCK_K = 32  # the reference's FP8/FP4 GEMMs add one fp32 partial per 32 of K (kernel_cpu.py)
@@ -44,6 +44,17 @@ def to_bf16_(x: torch.Tensor) -> torch.Tensor:
     return x.copy_(x.to(torch.bfloat16))
 
 
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """x [T, n] -> mean of squares per row [T, 1], as x.square().mean(-1, keepdim=True) (each row is
+    reduced alone: the same bits), a chunk of rows at a time so the squares stay in L2."""
+    out = x.new_empty(x.shape[0], 1)
+    squares = x.new_empty(min(MHC_CHUNK, x.shape[0]), x.shape[1])
+    for a in range(0, x.shape[0], MHC_CHUNK):
+        rows = x[a:a + MHC_CHUNK]
+        torch.mean(torch.pow(rows, 2, out=squares[:rows.shape[0]]), -1, keepdim=True, out=out[a:a + MHC_CHUNK])
+    return out
+
+
 class ReferenceOps(Fp32Ops):
     name = "reference"
     tops_up_pool = True
@@ -54,6 +65,17 @@ class ReferenceOps(Fp32Ops):
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return to_bf16(x)
+
+    # the GEMM's and the norm's fresh outputs rounded in place (no second float32 tensor), as act rounds them
+    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input) -> torch.Tensor:
+        name = base + ".weight"
+        w = weights.get(name)
+        if act_quant and weights.stored_dtype(name) in QUANTIZED:
+            return to_bf16_(self.gemm(round_input(x), w))
+        return to_bf16_(x.float() @ w.t())
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return to_bf16_(rms_norm(x, weight, eps))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
         """RoPE as complex products with polar(1, angle), as the reference rotates (its cos/sin differ
@@ -105,7 +127,7 @@ class ReferenceOps(Fp32Ops):
     # products rounded one by one and summed over the copies in order (a BLAS dot would fuse them)
     def hc_mixes(self, x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
         flat = x.flatten(1).float()
-        m = (flat @ fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        m = (flat @ fn.float().t()) * torch.rsqrt(mean_square(flat).add_(norm_eps))
         pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
         post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
         comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
