@@ -193,11 +193,14 @@ class Engine:
                 ProbeRequest(layers=wanted, kinds=set(probes)) if generated_probes else None)
             _sync(self.device)
             elapsed = time.perf_counter() - started
-        results = {L: layer_result(self.cfg, self.plan[L], _to_cpu(probe), set(probes)) for L, probe in collect.items()}
+            # still on one thread: the results' small ops would otherwise wait on a busy second core
+            results = {L: layer_result(self.cfg, self.plan[L], _to_cpu(probe), set(probes))
+                       for L, probe in collect.items()}
+            at_generated = {L: layer_result(self.cfg, self.plan[L], _to_cpu(probe), set(probes))
+                            for L, probe in at_generated.items()}
         if start_decoder is not None:  # the decoder's probes start at the replay
             for L, lr in results.items():
                 lr.first_position = start_decoder if L >= decoder_start(self.cfg) else 0
-        at_generated = {L: layer_result(self.cfg, self.plan[L], _to_cpu(probe), set(probes)) for L, probe in at_generated.items()}
         for lr in at_generated.values():
             lr.first_position = len(ids)
         return RunResult(
