@@ -75,20 +75,38 @@ def test_heldout_loss_beats_baselines(slice_run):
     # independent check of the unigram formula on this slice
     p = (counts[np.array(ids[1:])] + 1.0) / (counts.sum() + counts.size)
     assert unigram == pytest.approx(float(-np.log(p).mean()), rel=1e-12)
-    assert loss < unigram - 2.0          # measured (third run): 3.74 vs 6.27 nats/token
+    assert loss < unigram - 2.5          # measured (run 4, calibrated): 3.18 vs 6.27 nats/token (run 3: 3.74)
     assert loss < math.log(4096) - 3.0   # uniform over the vocabulary is 8.32
 
 
-def test_no_dead_experts_on_heldout(slice_run, engine):
-    _, _, collect = slice_run
+@pytest.fixture(scope="module")
+def heldout_loads(engine):
+    """Expert loads per layer over the first 1,024 tokens of held-out prose plus 1,024 of held-out code."""
+    loads = {}
+    for domain in ("prose", "code"):
+        text = (REPO / "assets" / "corpus" / f"heldout_{domain}.txt").read_text(encoding="utf-8")
+        ids = engine.tokenizer.encode(text, add_bos=True)[:SLICE]
+        collect: dict = {}
+        with torch.inference_mode():
+            engine.model.reset()
+            engine.model.forward(torch.tensor(ids), probes=ProbeRequest(kinds={"routing"}), collect=collect)
+            engine.model.reset()
+        for layer, probe in collect.items():
+            counts = torch.bincount(probe["routing"]["experts"].flatten(), minlength=engine.cfg.n_routed_experts)
+            loads[layer] = loads.get(layer, 0) + counts.double()
+    return loads
+
+
+def test_no_dead_experts_on_heldout(heldout_loads, engine):
     cfg = engine.cfg
-    for layer in range(cfg.n_layers):
-        experts = collect[layer]["routing"]["experts"]
-        load_ = torch.bincount(experts.flatten(), minlength=cfg.n_routed_experts).double()
+    assert sorted(heldout_loads) == list(range(cfg.n_layers))
+    for layer, load_ in heldout_loads.items():
+        assert load_.sum() == 2 * SLICE * cfg.experts_of(layer)[1]
         share = load_ / load_.mean()
-        # the brief's bar: 0.2x the uniform share (and at most 3x); on this 1024-token slice the
-        # third run measured 0.27x at its lowest (layer 15); held-out prose alone dips to 0.13x at
-        # layer 36 (assets/README.md)
+        # the bar: 0.2x-3x of the fair share over held-out text. Measured on this sample (shipped model,
+        # run 4 after scripts/calibrate_routing.py): 0.21x at its lowest (layer 38), 2.04x at most; over
+        # 8,192 tokens of each domain together 0.40x-1.75x; one domain alone dips to 0.17x-0.18x
+        # (assets/README.md)
         assert share.min() >= 0.2, (layer, share.min().item())
         assert share.max() <= 3.0, (layer, share.max().item())
 
