@@ -138,6 +138,20 @@ def _key_dot(b, sc, q, FP8: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _visible_score(acc, wq, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols, POOL_BLOCK: tl.constexpr,
+                   HAS_POOL: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, H: tl.constexpr):
+    """A tile's index scores [BN, BT] from the per-head dots acc [BN, BT*H]: ReLU, head weights, head
+    sum; -inf where the entry is not visible to the query (or outside its candidate pool)."""
+    s = tl.maximum(acc, 0.0) * wq[None, :]
+    score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
+    allowed = cols[:, None] < n_vis[None, :]
+    if HAS_POOL:
+        pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK, mask=store_mask, other=0)
+        allowed &= pm != 0
+    return tl.where(allowed & store_mask, score, float("-inf"))
+
+
+@triton.jit
 def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, out_ptr, max_ptr, cnt_ptr,
                     T, N, n_pool_cols, stride_out, n_groups, chunk, POOL_BLOCK: tl.constexpr,
                     H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr,
@@ -193,15 +207,9 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
             acc += _key_dot(b1, s1, q1, FP8, ASM)
             acc += _key_dot(b2, s2, q2, FP8, ASM)
             acc += _key_dot(b3, s3, q3, FP8, ASM)
-            s = tl.maximum(acc, 0.0) * wq[None, :]
-            score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
             store_mask = t_mask[None, :] & (cols[:, None] < N)
-            allowed = cols[:, None] < n_vis[None, :]
-            if HAS_POOL:
-                pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK,
-                             mask=store_mask, other=0)
-                allowed &= pm != 0
-            score = tl.where(allowed & store_mask, score, float("-inf"))
+            score = _visible_score(acc, wq, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols,
+                                   POOL_BLOCK, HAS_POOL, BN, BT, H)
             tl.store(out_ptr + t[None, :].to(tl.int64) * stride_out + cols[:, None], score, mask=store_mask)
             if WRITE_MAX:
                 sg = n0 // GM + tl.arange(0, BN // GM)
@@ -236,14 +244,8 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                         acc += tl.dot(k, q2) * ksc[:, None]
                         k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 3, HALF, NGRP, FP8, ASM)
                         acc += tl.dot(k, q3) * ksc[:, None]
-                    s = tl.maximum(acc, 0.0) * wq[None, :]
-                    score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
-                    allowed = cols[:, None] < n_vis[None, :]
-                    if HAS_POOL:
-                        pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK,
-                                     mask=store_mask, other=0)
-                        allowed &= pm != 0
-                    score = tl.where(allowed & store_mask, score, float("-inf"))
+                    score = _visible_score(acc, wq, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols,
+                                           POOL_BLOCK, HAS_POOL, BN, BT, H)
                     tl.store(out_ptrs, score, mask=store_mask)
                     if WRITE_MAX:
                         if GM < BN:  # several groups per tile: their maxima stored with the tile

@@ -180,6 +180,18 @@ def _win_decode_g(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _split_tiles(sp, sel_per_split, n_sel, win_per_split, n_win, BN: tl.constexpr):
+    """Split sp's share of a query's entries: its selected range [lo_s, hi_s) and window range
+    [lo_w, hi_w), the tiles of BN over the selected part (n_st) and over both (n_t)."""
+    lo_s = sp * sel_per_split
+    hi_s = tl.minimum(lo_s + sel_per_split, n_sel)
+    lo_w = sp * win_per_split
+    hi_w = tl.minimum(lo_w + win_per_split, n_win)
+    n_st = tl.cdiv(tl.maximum(hi_s - lo_s, 0), BN)
+    return lo_s, hi_s, lo_w, hi_w, n_st, n_st + tl.cdiv(tl.maximum(hi_w - lo_w, 0), BN)
+
+
+@triton.jit
 def _tile_ent(idx_row, widx_row, i, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN: tl.constexpr):
     """Entry indices [BN] of this program's tile i: selected tiles first, then window tiles; -1 past
     the end."""
@@ -212,12 +224,7 @@ def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, wi
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, DV], tl.float32)  # kv' units (1/256)
 
-    lo_s = sp * sel_per_split
-    hi_s = tl.minimum(lo_s + sel_per_split, n_sel)
-    lo_w = sp * win_per_split
-    hi_w = tl.minimum(lo_w + win_per_split, n_win)
-    n_st = tl.cdiv(tl.maximum(hi_s - lo_s, 0), BN)
-    n_t = n_st + tl.cdiv(tl.maximum(hi_w - lo_w, 0), BN)
+    lo_s, hi_s, lo_w, hi_w, n_st, n_t = _split_tiles(sp, sel_per_split, n_sel, win_per_split, n_win, BN)
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
     e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
@@ -285,12 +292,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([DV, BH], tl.float32)  # O^T, kv' units (1/256)
 
-    lo_s = sp * sel_per_split
-    hi_s = tl.minimum(lo_s + sel_per_split, n_sel)
-    lo_w = sp * win_per_split
-    hi_w = tl.minimum(lo_w + win_per_split, n_win)
-    n_st = tl.cdiv(tl.maximum(hi_s - lo_s, 0), BN)
-    n_t = n_st + tl.cdiv(tl.maximum(hi_w - lo_w, 0), BN)
+    lo_s, hi_s, lo_w, hi_w, n_st, n_t = _split_tiles(sp, sel_per_split, n_sel, win_per_split, n_win, BN)
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
     e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
