@@ -180,6 +180,16 @@ def _win_decode_g(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _sink_scale(sink_ptr, heads, m_i, l_i):
+    """Per head, the factor that turns the accumulator (kv' units, 1/256) into the output: the sink's
+    exp2-unit logit joins the running max and the denominator."""
+    sink = tl.load(sink_ptr + heads) * 1.4426950408889634
+    mm = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - mm)
+    return alpha * 256.0 / (l_i * alpha + tl.exp2(sink - mm))
+
+
+@triton.jit
 def _split_tiles(sp, sel_per_split, n_sel, win_per_split, n_win, BN: tl.constexpr):
     """Split sp's share of a query's entries: its selected range [lo_s, hi_s) and window range
     [lo_w, hi_w), the tiles of BN over the selected part (n_st) and over both (n_t)."""
@@ -262,11 +272,7 @@ def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, wi
         tl.store(pm_ptr + row, m_i)
         tl.store(pl_ptr + row, l_i)
     else:
-        sink = tl.load(sink_ptr + heads) * 1.4426950408889634
-        mm = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - mm)
-        den = l_i * alpha + tl.exp2(sink - mm)
-        out = acc * (alpha * 256.0 / den)[:, None]
+        out = acc * _sink_scale(sink_ptr, heads, m_i, l_i)[:, None]
         tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + vcol[None, :], out.to(tl.bfloat16))
 
 
@@ -337,11 +343,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
         tl.store(pm_ptr + row, m_i)
         tl.store(pl_ptr + row, l_i)
     else:
-        sink = tl.load(sink_ptr + heads) * 1.4426950408889634
-        mm = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - mm)
-        den = l_i * alpha + tl.exp2(sink - mm)
-        out = acc * (alpha * 256.0 / den)[None, :]
+        out = acc * _sink_scale(sink_ptr, heads, m_i, l_i)[None, :]
         tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + vcol[:, None], out.to(tl.bfloat16))
 
 
