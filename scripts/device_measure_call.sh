@@ -18,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
-    parity) timeout 90 python3 scripts/parity_reference.py --against engine-cpu --device cuda --tokens 1000 \
+    parity) timeout "${PARITY_LIMIT:-90}" python3 scripts/parity_reference.py --against engine-cpu --device cuda --tokens 1000 \
               --out "$R/parity-gpu.md" --json "$R/parity-gpu.json" > "$R/parity.log" 2>&1 ;;
     ced) timeout 240 python3 benches/ced_prefill.py --device cuda --tokens 1024 4096 8000 --prompts 1 --repeat 5 \
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
