@@ -73,6 +73,23 @@ def rand_fp4(shape, block, kind="e8m0"):
     return packed, s
 
 
+def sweep(log_key: str, what: str, cfgs, run, check=None, **bench_kw):
+    """Time run(**cfg) for every configuration (a failing one is logged and skipped), log them under
+    log_key; returns (best cfg, its time in us, check(its output) or None)."""
+    times = {}
+    for cfg in cfgs:
+        try:
+            out = run(**cfg)
+            times[str(cfg)] = (bench(lambda: run(**cfg), **bench_kw), check(out) if check else None)
+        except Exception as ex:  # noqa: BLE001
+            LOG["errors"].append(f"{what} cfg {cfg}: {ex!r}"[:400])
+    LOG[log_key] = times if check else {c: t for c, (t, _) in times.items()}
+    if not times:
+        raise RuntimeError(f"no {what} configuration ran (see the errors above)")
+    best = min(times, key=lambda c: times[c][0])
+    return next(c for c in cfgs if str(c) == best), *times[best]
+
+
 def row(name, us, floor_us, limit, extra, eager_us, check, goal_us):
     LOG["rows"].append(dict(name=name, us=us, floor_us=floor_us, limit=limit, extra=extra, eager_us=eager_us,
                             check=check, goal_us=goal_us))
@@ -224,17 +241,8 @@ def case_attn(bw, mm):
     # prefill first: pick the configuration there, report it for decode too
     a = _attn_inputs(4096, 1 << 18, 4096 + 128)
     ref = attn_eager(*[x[:64] if x.dim() and x.shape[0] == 4096 else x for x in a])
-    times = {}
-    for cfg in ATTN_CFGS:
-        try:
-            out = sparse_attn.sparse_attn_triton(*a, **cfg)
-            times[str(cfg)] = (bench(lambda: sparse_attn.sparse_attn_triton(*a, **cfg), rep=100), rel(ref, out[:64]))
-        except Exception as e:  # noqa: BLE001
-            LOG["errors"].append(f"attn cfg {cfg}: {e!r}"[:400])
-    LOG["attn_cfgs"] = times
-    best = min(times, key=lambda k: times[k][0])
-    cfg = eval(best)  # noqa: S307 - our own dict repr
-    t, r = times[best]
+    cfg, t, r = sweep("attn_cfgs", "attn", ATTN_CFGS, lambda **c: sparse_attn.sparse_attn_triton(*a, **c),
+                      lambda out: rel(ref, out[:64]), rep=100)
     te = bench(lambda: [attn_eager(*[x[c:c + 512] if x.dim() and x.shape[0] == 4096 else x for x in a])
                         for c in range(0, 4096, 512)], rep=100)
     flops = 4.0 * 4096 * h * 628 * d
@@ -244,19 +252,13 @@ def case_attn(bw, mm):
     a = _attn_inputs(64, 1 << 18, 64 * 128)
     out = sparse_attn.sparse_attn_triton(*a, **cfg)
     chk = f"rel {rel(attn_eager(*a), out):.1e}"
-    dt = {}
-    for c2 in ATTN_DECODE_CFGS:
-        try:
-            dt[str(c2)] = bench(lambda: sparse_attn.sparse_attn_triton(*a, **c2), graph=True)
-        except Exception as e:  # noqa: BLE001
-            LOG["errors"].append(f"attn decode cfg {c2}: {e!r}"[:400])
-    LOG["attn_decode_cfgs"] = dt
-    bestd = min(dt, key=dt.get)
-    chk += f"; best cfg rel {rel(attn_eager(*a), sparse_attn.sparse_attn_triton(*a, **eval(bestd))):.1e}"  # noqa: S307
+    bestd, td, _ = sweep("attn_decode_cfgs", "attn decode", ATTN_DECODE_CFGS,
+                         lambda **c: sparse_attn.sparse_attn_triton(*a, **c), graph=True)
+    chk += f"; best cfg rel {rel(attn_eager(*a), sparse_attn.sparse_attn_triton(*a, **bestd)):.1e}"
     te = bench(lambda: attn_eager(*a), graph=True)
     byt = 64 * (500 * 288 + 128 * 528 + 2 * h * d * 2)
-    row("sparse attention decode, batch 64", dt[bestd], byt / bw * 1e6, "HBM",
-        f"{byt / dt[bestd] / 1e6:.2f} TB/s; cfg {bestd}", te, chk, 17)
+    row("sparse attention decode, batch 64", td, byt / bw * 1e6, "HBM",
+        f"{byt / td / 1e6:.2f} TB/s; cfg {bestd}", te, chk, 17)
 
 
 def case_moe(bw, mm):
@@ -292,18 +294,8 @@ def case_moe(bw, mm):
              dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3),
              dict(gemv_block_n=16, gemv_block_kw=32, gemv_iters=4, gemv_down_block_n=16, gemv_down_iters=9),
              dict(gemv_num_warps=8, gemv_block_n=32, gemv_down_block_n=64)]
-    dtimes = {}
-    for cfg in dcfgs:
-        try:
-            out = moe.moe_fp4_triton(x, *W, ids, tw, **cfg)
-            dtimes[str(cfg)] = (bench(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **cfg), graph=True), rel(want, out))
-        except Exception as ex:  # noqa: BLE001
-            LOG["errors"].append(f"moe decode cfg {cfg}: {ex!r}"[:400])
-    LOG["moe_decode_cfgs"] = dtimes
-    if not dtimes:
-        raise RuntimeError("no MoE decode configuration ran (see the errors above)")
-    dbest = min(dtimes, key=lambda c: dtimes[c][0])
-    t, r = dtimes[dbest]
+    dbest, t, r = sweep("moe_decode_cfgs", "moe decode", dcfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                        lambda out: rel(want, out), graph=True)
     te = bench(lambda: eager(x, ids, tw), rep=40)
     byt = k * per_expert
     row("FP4 MoE decode, 1 token, 6 of 384 experts", t, byt / bw * 1e6, "HBM",
@@ -327,18 +319,8 @@ def case_moe(bw, mm):
             dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
             dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3),
             dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4)]
-    times = {}
-    for cfg in cfgs:
-        try:
-            out = moe.moe_fp4_triton(x, *W, ids, tw, **cfg)
-            times[str(cfg)] = (bench(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **cfg), rep=100), rel(want, out))
-        except Exception as ex:  # noqa: BLE001
-            LOG["errors"].append(f"moe cfg {cfg}: {ex!r}"[:400])
-    LOG["moe_cfgs"] = times
-    if not times:
-        raise RuntimeError("no MoE prefill configuration compiled (see the errors above)")
-    best = min(times, key=lambda c: times[c][0])
-    t, r = times[best]
+    best, t, r = sweep("moe_cfgs", "moe", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                       lambda out: rel(want, out), rep=100)
     flops = 2.0 * tq * k * 3 * inter * dim
     row("FP4 MoE prefill, 4K tokens", t, flops / mm * 1e6, "bf16 MMA",
         f"{flops / t / 1e6:.0f} TFLOP/s; cfg {best}", te, f"rel {r:.1e} (eager timed once)", 3200)
