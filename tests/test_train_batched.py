@@ -6,6 +6,7 @@ time with its caches, the trainer a batch of sequences at once with dense expert
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,59 @@ def test_indexer_learns_only_from_its_losses(setup):
     assert g is None or float(g.abs().max()) == 0.0
     g, = torch.autograd.grad(out.loss_kl, [trainee.params[idx_names[0]]])
     assert float(g.abs().max()) > 0
+
+
+def test_focus_loss_against_a_hand_computation():
+    """-log(share of the mass on the picks), averaged over the rows asked for, in float64 by hand."""
+    from engine.train.batched import focus_loss
+
+    torch.manual_seed(0)
+    mass = torch.rand(2, 5, 7, dtype=torch.float64)
+    mass[1, 4] = 0.0                                   # a row with no global mass is left out
+    idx = torch.randint(0, 7, (2, 5, 3))
+    idx[..., 1] = (idx[..., 0] + 1) % 7                # distinct picks in every row
+    idx[..., 2] = (idx[..., 0] + 2) % 7
+    valid = torch.ones(2, 5, 3, dtype=torch.bool)
+    valid[0, 0, 2] = False                             # a padded pick does not count
+    rows = torch.ones(2, 5, dtype=torch.bool)
+    rows[0, 3] = False
+    terms, shares = [], []
+    for b in range(2):
+        for t in range(5):
+            total = float(mass[b, t].sum())
+            if not rows[b, t] or total == 0:
+                continue
+            on = sum(float(mass[b, t, int(idx[b, t, j])]) for j in range(3) if valid[b, t, j])
+            terms.append(-math.log(on / total))
+            shares.append(on / total)
+    loss, share = focus_loss(mass, idx, valid, rows)
+    assert abs(float(loss) - sum(terms) / len(terms)) < 1e-6
+    assert abs(float(share) - sum(shares) / len(shares)) < 1e-6
+
+
+def test_focus_recall_equals_the_recall_probe(setup):
+    """The dense step's own share on the top-k is the selection recall the analysis probe measures
+    (layer 2, the first index layer, sees the same inputs in both forwards); the focus term trains
+    the backbone's attention, never the indexer (its picks are constants)."""
+    cfg, _, lookup = setup
+    cfg = cfg.replace(index_topk=8, candidate_topk_blocks=4)
+    trainee = Trainee(cfg, "cpu", seed=5)
+    fwd = BatchedForward(cfg, trainee.get, EngramLayout.from_config(cfg), lookup)
+    ids = torch.randint(5, cfg.vocab_size, (2, 128))
+    with torch.no_grad():
+        probe = fwd(ids, StepOptions(analysis=True))
+    # the dense step runs with both limits lifted, as the training loop's dense forward
+    dense_fwd = BatchedForward(cfg.replace(index_topk=1 << 20, candidate_topk_blocks=1 << 20), trainee.get,
+                               EngramLayout.from_config(cfg), lookup, sparse_limits=(8, 4))
+    out = dense_fwd(ids, StepOptions(dense=True, focus=True))
+    assert abs(float(out.focus_recall[2]) - float(probe.recall[2]["recall"])) < 1e-5
+    # every layer with a global branch attends the picks of its index source: all of them take part
+    assert set(out.focus_recall) == {L for L in range(cfg.n_layers) if cfg.compress_ratios[L] > 0}
+    assert all(0.0 < float(v) < 1.0 for v in out.focus_recall.values())
+    backbone = [trainee.params[n] for n in ("layers.2.attn.wq_a.weight", "layers.2.attn.compressor.wkv.weight")]
+    indexer = [trainee.params[n] for n in trainee.params if ".indexer." in n]
+    grads = torch.autograd.grad(out.loss_focus, backbone + indexer, allow_unused=True)
+    assert all(g is not None and float(g.abs().max()) > 0 for g in grads[: len(backbone)])
+    assert all(g is None or float(g.abs().max()) == 0.0 for g in grads[len(backbone):])
+    # a sparse step has no focus term (it sees only the picks)
+    assert fwd(ids, StepOptions(focus=True)).loss_focus is None

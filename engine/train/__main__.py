@@ -126,6 +126,9 @@ def main(argv=None) -> None:
         p.add_argument("--lr", type=float, default=3e-3)
         p.add_argument("--kl-weight", type=float, default=1.0)
         p.add_argument("--margin", type=float, default=0.1, help="weight of the indexer's margin term")
+        p.add_argument("--focus", type=float, default=0.0,
+                       help="weight of the focus term in dense steps: -log(share of the attention's mass on "
+                            "the indexer's top-k), which trains the selection recall the probes measure")
         p.add_argument("--gamma", type=float, default=0.005, help="routing-bias step of the balancing rule")
         p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
         p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")

@@ -97,6 +97,7 @@ class StepOptions:
     dense: bool = False          # the warm-up: every global layer attends every visible entry
     fake_quant: bool = False     # FP8 dense linears, FP4 experts, FP8 Engram rows (straight-through)
     margin: float = 0.0          # weight of the indexer's keep-off-the-floor term
+    focus: bool = False          # dense steps: the attention's own share on the indexer's top-k (loss_focus)
     analysis: bool = False       # also measure selection recall and zero-score picks (no grad)
     position_ties: bool = False  # ties at the k-th score go to the lower position, as in the engine
 
@@ -109,6 +110,8 @@ class StepOut:
     loads: torch.Tensor                                  # [n_layers, E] tokens routed to each expert
     zero_picks: dict = field(default_factory=dict)       # index layer -> share of valid picks scoring 0
     recall: dict = field(default_factory=dict)           # index layer -> mean attention mass captured
+    loss_focus: torch.Tensor | None = None               # dense steps with `focus`: mean -log(recall)
+    focus_recall: dict = field(default_factory=dict)     # layer -> mean share of its global mass on the top-k
     logits: torch.Tensor | None = None
     residual_norms: list = field(default_factory=list)   # analysis: per layer [B, T, hc]
     picks: dict = field(default_factory=dict)            # analysis: index layer -> (idx, scores) [B, T, k]
@@ -119,8 +122,12 @@ class BatchedForward:
     Routed experts come stacked: get('layers.L.ffn.experts.w1') -> [E, inter, dim]."""
 
     def __init__(self, cfg: ModelConfig, get, layout: EngramLayout | None, compressed_lookup: torch.Tensor | None,
-                 bf16: bool = False, compile_parts: bool = False, checkpoint: bool = False):
+                 bf16: bool = False, compile_parts: bool = False, checkpoint: bool = False,
+                 sparse_limits: tuple[int, int] | None = None):
         self.cfg, self.get, self.bf16 = cfg, get, bf16
+        # (index_topk, candidate_topk_blocks) of the sparse forward: a dense forward (its config
+        # lifts both limits) still picks as the sparse one would, for the focus term
+        self.sparse_limits = sparse_limits or (cfg.index_topk, cfg.candidate_topk_blocks)
         # the step is launch-bound: the elementwise-heavy pure parts (mHC mixes with their 20 Sinkhorn
         # rounds, the number formats, RoPE, the attention core, the experts) can be compiled into a
         # few fused kernels each, and recomputed in the backward instead of keeping their
@@ -169,6 +176,7 @@ class BatchedForward:
         kl_terms, margin_terms, loads = [], [], []
         out = StepOut(torch.zeros((), device=dev), torch.zeros((), device=dev), torch.zeros((), device=dev),
                       torch.zeros(0))
+        shared["focus"] = []
         hc_args = (hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
         for role in self.plan:
             L = role.layer
@@ -204,6 +212,8 @@ class BatchedForward:
         if kl_terms:
             out.loss_kl = torch.stack(kl_terms).mean()
             out.loss_margin = torch.stack(margin_terms).mean()
+        if shared["focus"]:
+            out.loss_focus = torch.stack(shared["focus"]).mean()
         out.loads = torch.stack(loads)
         if opts.analysis:
             out.logits = logits.detach()
@@ -250,6 +260,10 @@ class BatchedForward:
         o, probs_global = self._ckpt(self.attend_core, q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float())
         if probs_global is not None:
             shared.setdefault("mass", {})[role.layer] = probs_global.detach().sum(2)  # [B, T, k or N]
+            if opts.focus and glob[1] is None and "top_idx" in pick:
+                loss, recall = focus_loss(probs_global.sum(2), pick["top_idx"], pick["top_valid"], pick["crowded"])
+                shared["focus"].append(loss)
+                out.focus_recall[role.layer] = recall
         if opts.analysis and role.role in (FULL, REINDEX) and glob is not None and glob[1] is not None:
             with torch.no_grad():
                 out.recall[role.layer] = self._recall(q * Dh ** -0.5, kv, shared, role, positions)
@@ -299,15 +313,27 @@ class BatchedForward:
             scores = torch.einsum("bthd,bnd->btnh", qi, keys).relu_()
             scores = torch.einsum("btnh,bth->btn", scores, head_w)
             scores = scores.masked_fill(~seen, NEG_INF)
+            sparse_k, sparse_blocks = self.sparse_limits
+            focus = opts.focus and opts.dense and sparse_k < N
             if role.candidate_source:
                 shared["pool"] = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+                if focus:
+                    shared["focus_pool"] = candidate_pool(scores, visible, sparse_blocks, cfg.candidate_block_size)
+            if focus:
+                # what the sparse forward would pick, for the focus term (rows that see at most k
+                # entries pick them all and are left out, as in the recall probe)
+                sparse_scores = scores.masked_fill(~shared["focus_pool"], NEG_INF) if role.in_candidate_pool else scores
+                top, top_idx = sparse_scores.topk(sparse_k, dim=-1)
+                focus = {"top_idx": top_idx, "top_valid": top > NEG_INF,
+                         "crowded": (sparse_scores > NEG_INF).sum(-1) > sparse_k}
             if role.in_candidate_pool:
                 scores = scores.masked_fill(~shared["pool"], NEG_INF)
         k = min(cfg.index_topk, N)
         if opts.dense or k >= N:
             # every visible entry (in the pool where there is one) is a pick: attend them through a mask
             allowed = scores > NEG_INF
-            return {"idx": None, "valid": allowed, "scores": scores, "qi": qi, "w": head_w, "keys": keys}
+            return {"idx": None, "valid": allowed, "scores": scores, "qi": qi, "w": head_w, "keys": keys,
+                    **(focus or {})}
         if opts.position_ties:
             idx, top = topk_in_position_order(scores.flatten(0, 1), k)
             idx, top = idx.view(B, T, k), top.view(B, T, k)
@@ -444,6 +470,22 @@ class BatchedForward:
     def expert(self, name: str, opts: StepOptions) -> torch.Tensor:
         p = self.get(name)
         return ste(p, fp4_values(p.detach(), 32, "e8m0")) if opts.fake_quant else p
+
+
+def focus_loss(mass: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor):
+    """The attention's own share on the indexer's picks, as a loss: mean over `rows` of
+    -log(mass on idx / all global mass). mass: [B, T, N] (summed over heads, with grad); idx, valid:
+    [B, T, k]; rows: [B, T] bool. Returns (loss, mean share) - the share is the selection recall the
+    analysis probe measures, on this forward's own attention."""
+    mass = mass.float()
+    on_picks = mass.gather(-1, idx).masked_fill(~valid, 0.0).sum(-1)
+    total = mass.sum(-1)
+    rows = rows & (total > 0)
+    n = rows.sum().clamp_min(1)
+    log_share = (on_picks.clamp_min(1e-30).log() - total.clamp_min(1e-30).log()).masked_fill(~rows, 0.0)
+    with torch.no_grad():
+        share = (log_share.exp() * rows).sum() / n
+    return -log_share.sum() / n, share
 
 
 def _experts_core(x, dense_w, w1, w2, w3, s1, s2, s3, limit: float) -> torch.Tensor:

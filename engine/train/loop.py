@@ -68,7 +68,8 @@ class Run:
                  "checkpoint": args.checkpoint}
         self.fwd = BatchedForward(cfg, trainee.get, layout, lookup.to(device), **speed)
         self.dense_fwd = BatchedForward(cfg.replace(index_topk=1 << 20, candidate_topk_blocks=1 << 20),
-                                        trainee.get, layout, lookup.to(device), **speed)
+                                        trainee.get, layout, lookup.to(device), **speed,
+                                        sparse_limits=(cfg.index_topk, cfg.candidate_topk_blocks))
         decay, rest = trainee.decay_groups()
         fused = {"fused": True} if device.type == "cuda" else {}
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -84,7 +85,8 @@ class Run:
 
     def phases(self) -> dict[str, Phase]:
         a = self.args
-        return {"dense": Phase("dense", a.dense_batch, a.dense_seq, StepOptions(dense=True, margin=a.margin)),
+        return {"dense": Phase("dense", a.dense_batch, a.dense_seq, StepOptions(dense=True, margin=a.margin,
+                                                                             focus=getattr(a, "focus", 0.0) > 0)),
                 "sparse": Phase("sparse", a.batch, a.seq, StepOptions(margin=a.margin)),
                 "quant": Phase("quant", a.batch, a.seq, StepOptions(fake_quant=True, margin=a.margin))}
 
@@ -95,6 +97,8 @@ class Run:
         fwd = self.dense_fwd if phase.opts.dense else self.fwd
         out = fwd(ids, phase.opts)
         loss = out.loss_ce + a.kl_weight * out.loss_kl + a.margin * out.loss_margin
+        if out.loss_focus is not None:
+            loss = loss + a.focus * out.loss_focus
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
@@ -161,12 +165,16 @@ class Run:
                     raise SystemExit(f"training aborted: non-finite loss at step {step}")
                 share = loads_ema / loads_ema.sum(-1, keepdim=True) * self.cfg.n_routed_experts
                 zero = {str(k): round(float(v), 3) for k, v in out.zero_picks.items()}
+                focus = {}
+                if out.loss_focus is not None:
+                    focus = {"focus": round(float(out.loss_focus), 4),
+                             "focus_recall": {str(k): round(float(v), 3) for k, v in out.focus_recall.items()}}
                 self.note(event="step", step=step, phase=name, batch=phase.batch, seq=phase.seq, lr=round(lr, 6),
                           ce=round(ce, 4), kl=round(float(out.loss_kl), 4), margin=round(float(out.loss_margin), 4),
                           gnorm=round(float(gnorm), 3), tokens=tokens, zero_picks=zero,
                           min_load=round(float(share.min()), 3), max_load=round(float(share.max()), 3),
                           mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if self.device.type == "cuda" else 0,
-                          tok_s=round(tok_s))
+                          tok_s=round(tok_s), **focus)
         train_s = time.time() - t0
         self.log.update(steps=step, tokens_seen=tokens, train_s=round(train_s, 1),
                         first_steps_s=round(first_steps_s, 1))
