@@ -21,5 +21,5 @@ if [[ -f "$WORK/out/model/model.safetensors.index.json" ]]; then
 fi
 ls -l "$OUT" >> "$WORK/call.txt"
 logs=()
-for f in call.txt train.log corpus.log corpus/index.json; do [[ -f "$WORK/$f" ]] && logs+=("$f"); done
+for f in call.txt train.log corpus.log corpus/index.json profile.txt; do [[ -f "$WORK/$f" ]] && logs+=("$f"); done
 tar czf "$OUT/logs.tar.gz" -C "$WORK" "${logs[@]}"

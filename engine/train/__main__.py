@@ -143,6 +143,9 @@ def main(argv=None) -> None:
         p.add_argument("--dense-every", type=int, default=0, help="in the sparse phase, every N-th step dense (0: none)")
         p.add_argument("--warmup", type=int, default=50)
         p.add_argument("--log-every", type=int, default=25)
+        p.add_argument("--profile-step", type=int, default=0,
+                       help="profile this step (torch.profiler): profile.txt in --profile-out")
+        p.add_argument("--profile-out", default="")
         p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")
         if cmd == "train":
             p.add_argument("--out", required=True)

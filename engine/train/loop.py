@@ -109,6 +109,30 @@ class Run:
                 self.trainee.biases[f"layers.{L}.ffn.gate.bias"] += a.gamma * torch.sign(load.mean() - load)
         return out, gnorm
 
+    def profiled_step(self, phase: Phase, ids: torch.Tensor, lr: float):
+        """One step under torch.profiler: where a step's time goes (GPU kernels against the host's
+        launches), written as a table to `profile.txt` beside the log and noted as an event."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.time()
+        with profile(activities=activities) as prof:
+            result = self.step(phase, ids, lr)
+            sync()
+        wall = time.time() - t0
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = events.table(sort_by=key, row_limit=40)
+        Path(self.args.profile_out or ".").mkdir(parents=True, exist_ok=True)
+        (Path(self.args.profile_out or ".") / "profile.txt").write_text(
+            f"phase {phase.name}, {phase.batch} x {phase.seq} tokens, wall {wall:.3f} s (profiler on), "
+            f"GPU kernels {device_us / 1e6:.3f} s, ops that ran GPU work {sum(e.count for e in events if e.device_time_total > 0)}\n\n"
+            + table)
+        self.note(event="profile", phase=phase.name, wall_s=round(wall, 3), gpu_kernel_s=round(device_us / 1e6, 3))
+        return result
+
     def train(self, stream: torch.Tensor, extra: torch.Tensor | None = None, extra_share: float = 0.0) -> None:
         """Train on `stream`; with `extra`, that share of each batch's sequences comes from it
         (the prose stream, so that it is not drowned by the larger code stream)."""
@@ -136,7 +160,10 @@ class Run:
             first = name not in started
             step_t0 = time.time()
             try:
-                out, gnorm = self.step(phase, ids, lr)
+                if a.profile_step and step == a.profile_step:
+                    out, gnorm = self.profiled_step(phase, ids, lr)
+                else:
+                    out, gnorm = self.step(phase, ids, lr)
                 if first:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize()
