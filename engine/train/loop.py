@@ -112,6 +112,7 @@ class Run:
     def profiled_step(self, phase: Phase, ids: torch.Tensor, lr: float):
         """One step under torch.profiler: where a step's time goes (GPU kernels against the host's
         launches), written as a table to `profile.txt` beside the log and noted as an event."""
+        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -122,7 +123,8 @@ class Run:
             sync()
         wall = time.time() - t0
         events = prof.key_averages()
-        device_us = sum(e.self_device_time_total for e in events)
+        # the kernels themselves (an op's row would count its kernels' time a second time)
+        device_us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
         key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = events.table(sort_by=key, row_limit=40)
         Path(self.args.profile_out or ".").mkdir(parents=True, exist_ok=True)
