@@ -81,8 +81,11 @@ def sweep(log_key: str, what: str, cfgs, run, check=None, **bench_kw):
         try:
             out = run(**cfg)
             times[str(cfg)] = (bench(lambda: run(**cfg), **bench_kw), check(out) if check else None)
+            # printed as it goes: a run cut off by its time limit still tells which configs were timed
+            print(f"[sweep] {what} {cfg}: {times[str(cfg)][0]:.1f} us", flush=True)
         except Exception as ex:  # noqa: BLE001
             LOG["errors"].append(f"{what} cfg {cfg}: {ex!r}"[:400])
+            print(f"[sweep] {what} {cfg}: failed {ex!r}"[:300], flush=True)
     LOG[log_key] = times if check else {c: t for c, (t, _) in times.items()}
     if not times:
         raise RuntimeError(f"no {what} configuration ran (see the errors above)")
