@@ -4,7 +4,7 @@ MoE gate (the chosen experts against the next best).
 
 Reads a layer's probes as `RunResult.to_json()` writes them (see explorer/layer_views.py), plus the
 on-request fields `runner_ups` / `runner_up_scores` / `selection_recall` (engine run with
-`detail_layers`) and `zero_score_picks`.
+`detail_layers`), `zero_score_picks` and the tie probes `topk_kth` / `topk_tied` (engine/run/probes.py).
 """
 
 from __future__ import annotations
@@ -17,30 +17,56 @@ from .figure import Figure
 from .style import GRID, INK, MUTED, base_layout
 
 PICK = "#0072B2"       # a pick the indexer scored above every unpicked entry
-TIED = "#E69F00"       # a pick whose score equals an unpicked entry's: decided by position, not score
+TIED = "#E69F00"       # a pick whose score equals an unpicked entry's: the top-k's tie-break took it, not the score
 RUNNER = "#A6A6A6"     # an entry that was not picked
 KTH = "#D55E00"
 
 
-OUTSIDE_POOL = -1e37   # below this: a pick from outside the candidate pool (the engine scores those float32 min)
+OUTSIDE_POOL = -1e37   # at or below this: a pick from outside the candidate pool (-inf, None in JSON; float32 min
+                       # in runs stored before the reference numerics)
+OUTSIDE_LABEL = "outside the candidate pool (tied at -inf)"
+OUTSIDE_UNTIED = "outside the candidate pool (score -inf)"   # the only visible entry left outside it: no tie
+# engine/run/probes.py STORED_BEFORE_NUMERICS: a run JSON without "numerics" predates the field, when the
+# engine computed only in float32 (not imported: the page draws without torch)
+STORED_BEFORE_NUMERICS = "fp32"
 
 
 class SelectionError(ValueError):
     """The probes do not hold what this view needs; the message says what."""
 
 
+_NO_PROBE = object()   # QueryScores.probe_kth of a run stored before the tie probes
+
+
 @dataclass
 class QueryScores:
     """One query's picks (best first) and the best unpicked entries (best first)."""
     query: int
-    picks: list[tuple[int, float]]            # (entry, index score)
+    picks: list[tuple[int, float]]            # (entry, index score; -inf: from outside the candidate pool)
     runners: list[tuple[int, float]] | None   # None: the run did not record runner-ups
     tied: list[bool]                          # per pick (in `picks` order)
+    k: int = 0                                # the layer's index_topk (the probe's row width)
+    probe_kth: object = _NO_PROBE             # the engine's topk_kth for this query (None: -inf in JSON)
+
+    @property
+    def outside(self) -> list[bool]:
+        """Per pick: taken from outside the candidate pool (a Reindex layer whose pool held fewer
+        than k visible entries; the reference's top-k takes such entries, all tied at -inf)."""
+        return [s <= OUTSIDE_POOL for _, s in self.picks]
 
     @property
     def kth(self) -> float | None:
-        """The weakest pick's score: the line an entry had to clear."""
-        return self.picks[-1][1] if self.picks else None
+        """The k-th pick's score: the line an entry had to clear; -inf when the k-th pick came from
+        outside the candidate pool, None when the query has fewer than k picks (no line).
+        Read from the engine's `topk_kth` probe. Runs stored before that probe lack it: for them,
+        the weakest shown pick's score (the same number for a full row; a row with fewer than k
+        picks then shows its weakest pick's score as the line, as before the probe)."""
+        if self.probe_kth is _NO_PROBE:
+            return self.picks[-1][1] if self.picks else None
+        if self.probe_kth is not None:
+            return float(self.probe_kth)
+        # JSON writes -inf as None: a full row's k-th pick is an outside-the-pool one, else the row is short
+        return float("-inf") if self.picks and len(self.picks) >= self.k else None
 
     @property
     def best_unpicked(self) -> float | None:
@@ -49,9 +75,10 @@ class QueryScores:
     @property
     def margin(self) -> float | None:
         """k-th pick's score minus the best unpicked one's (0: the last pick was a tie)."""
-        if self.kth is None or self.best_unpicked is None or self.kth <= OUTSIDE_POOL:
+        kth = self.kth
+        if kth is None or self.best_unpicked is None or kth <= OUTSIDE_POOL:
             return None
-        return self.kth - self.best_unpicked
+        return kth - self.best_unpicked
 
     @property
     def zero_picks(self) -> int:
@@ -68,7 +95,8 @@ def _row(probe: dict, key: str, q: int):
 
 
 def query_scores(probe: dict, q: int) -> QueryScores:
-    """The picks of query q with their scores, best first; ties with unpicked entries marked.
+    """The picks of query q with their scores, best first; ties with unpicked entries marked, every
+    pick kept: one from outside the candidate pool (score -inf, None in JSON) scores -inf, last.
 
     A tie is a pick whose score equals the k-th while more entries share that score than were picked:
     which of them the top-k took is arbitrary (the engine's `topk_tied`). Runs without that probe: a
@@ -78,8 +106,9 @@ def query_scores(probe: dict, q: int) -> QueryScores:
     if entries is None or scores is None:
         raise SelectionError("the run recorded no top-k scores for this layer")
     marks = _row(probe, "topk_tied", q)
-    rows = sorted(((int(j), float(s), None if marks is None else bool(marks[i]))
-                   for i, (j, s) in enumerate(zip(entries, scores)) if j is not None and j >= 0 and s is not None),
+    # an entry (>= 0) whose score is None is a pick from outside the candidate pool (-inf); -1 is padding
+    rows = sorted(((int(j), float("-inf") if s is None else float(s), None if marks is None else bool(marks[i]))
+                   for i, (j, s) in enumerate(zip(entries, scores)) if j is not None and j >= 0),
                   key=lambda p: (-p[1], p[0]))
     runners = None
     r_entries, r_scores = _row(probe, "runner_ups", q), _row(probe, "runner_up_scores", q)
@@ -88,7 +117,9 @@ def query_scores(probe: dict, q: int) -> QueryScores:
                    if j is not None and j >= 0 and s is not None and s > OUTSIDE_POOL]
     best = runners[0][1] if runners else None
     tied = [t if t is not None else (s == 0 or (best is not None and s == best)) for _, s, t in rows]
-    return QueryScores(q, [(j, s) for j, s, _ in rows], runners, tied)
+    kths = probe.get("topk_kth")
+    return QueryScores(q, [(j, s) for j, s, _ in rows], runners, tied, k=len(entries),
+                       probe_kth=_NO_PROBE if kths is None else _row(probe, "topk_kth", q))
 
 
 _MEMO: dict[tuple, tuple[tuple, object]] = {}   # per-prompt results, keyed by the probe lists they read
@@ -158,10 +189,12 @@ def entry_label(entry: int, ratio: int, tokens: list[str]) -> str:
 
 def scores_figure(qs: QueryScores, ratio: int, tokens: list[str], height: int = 260) -> Figure:
     """Ranked bars: the picks (blue; ties orange) then the best unpicked entries (grey), the k-th
-    pick's score as a line. Index scores are ReLU'd dot products summed over index heads (no unit)."""
-    rows = [(j, max(s, 0.0) if s <= OUTSIDE_POOL else s, TIED if t else PICK,
-             "outside the pool, no score" if s <= OUTSIDE_POOL else "tie" if t else "picked")
-            for (j, s), t in zip(qs.picks, qs.tied)]
+    pick's score as a line. Index scores are ReLU'd dot products summed over index heads (no unit).
+    A pick from outside the candidate pool has no finite score: drawn at 0 with a cross on top,
+    labelled OUTSIDE_LABEL (OUTSIDE_UNTIED where the engine marks no tie)."""
+    rows = [(j, 0.0 if out else s, TIED if t else PICK,
+             (OUTSIDE_LABEL if t else OUTSIDE_UNTIED) if out else "tie" if t else "picked")
+            for (j, s), t, out in zip(qs.picks, qs.tied, qs.outside)]
     rows += [(j, s, RUNNER, "not picked") for j, s in qs.runners or []]
     x = np.arange(1, len(rows) + 1, dtype=np.int32)
     fig = Figure([dict(type="bar", x=x, y=np.asarray([r[1] for r in rows], dtype=np.float32),
@@ -172,8 +205,9 @@ def scores_figure(qs: QueryScores, ratio: int, tokens: list[str], height: int = 
     for name, colour in (("picked", PICK), ("tie (score shared with unpicked entries)", TIED), ("not picked", RUNNER)):
         fig.add_trace(dict(type="bar", x=[None], y=[None], name=name, marker=dict(color=colour), hoverinfo="skip"))
     # a mark on each bar's top: a pick scored 0 (the common tie) has no bar height to show it by
+    symbols = ["x" if out else "diamond" for out in qs.outside] + ["diamond"] * len(qs.runners or [])
     fig.add_trace(dict(type="scatter", x=x, y=fig.data[0]["y"], mode="markers", showlegend=False, hoverinfo="skip",
-                       marker=dict(color=[r[2] for r in rows], size=7, symbol="diamond", line=dict(width=0))))
+                       marker=dict(color=[r[2] for r in rows], size=7, symbol=symbols, line=dict(width=0))))
     shapes = []
     if qs.kth is not None and qs.kth > OUTSIDE_POOL:
         shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, y0=qs.kth, y1=qs.kth,
@@ -220,16 +254,37 @@ def prompt_figure(probe: dict, query: int | None = None, height: int = 220) -> F
     return fig
 
 
-def scores_caption(qs: QueryScores, layer: int, source: int) -> str:
-    """One sentence under the ranked bars: what a bar means, and this query's numbers."""
+TIE_BREAK = {   # per numerics (engine/ops): who takes the picks tied at the k-th score
+    "reference": "ties at the k-th score were resolved by torch.topk over the full row, as the official "
+                 "reference does (not by position)",
+    "fp32": "ties at the k-th score went to the lower positions",
+}
+
+
+def scores_caption(qs: QueryScores, layer: int, source: int, numerics: str | None = None) -> str:
+    """One sentence under the ranked bars: what a bar means, and this query's numbers. `numerics` is the
+    run JSON's "numerics" (None: a run stored before the field, computed in fp32): who takes a tie."""
     if not qs.picks:
         return f"Query {qs.query} sees no global entry yet, so it picked nothing."
     where = f"layer {source}'s indexer" if source != layer else "the indexer"
-    kth = f"({qs.kth:.4g})" if qs.kth > OUTSIDE_POOL else "(outside the candidate pool: no score)"
+    numerics = numerics or STORED_BEFORE_NUMERICS
+    rule = TIE_BREAK.get(numerics, "its top-k chose among the tied entries")
+    kth = qs.kth
+    pick = "k-th pick" if qs.probe_kth is not _NO_PROBE else "weakest pick"   # a run without topk_kth
+    if kth is None:
+        line = f"no dashed line: query {qs.query} has {len(qs.picks)} picks, fewer than k = {qs.k}, so no k-th score"
+    elif kth <= OUTSIDE_POOL:
+        line = f"no dashed line: the {pick} is {OUTSIDE_LABEL}"
+    else:
+        line = f"the dashed line is the {pick}'s score ({kth:.4g})"
     parts = [f"Each bar is one entry's score from {where} for query {qs.query}: blue bars were picked, orange "
-             f"picks are ties (their score is shared by unpicked entries, so which were taken is arbitrary: here "
-             f"the earlier positions), grey bars are the best unpicked entries; the dashed line is the "
-             f"{len(qs.picks)}th pick's score {kth}."]
+             f"picks are ties (their score is shared by unpicked entries, so which were taken is arbitrary: "
+             f"in this run ({numerics} numerics) {rule}), grey bars are the best unpicked entries; {line}."]
+    n_out = sum(qs.outside)
+    if n_out:
+        parts.append(f"{n_out} of {len(qs.picks)} picks {'is' if n_out == 1 else 'are'} {OUTSIDE_LABEL}: the pool "
+                     f"held fewer visible entries than k, so the top-k filled the rest from visible entries outside "
+                     f"it (drawn at 0, marked ×).")
     if qs.margin is not None:
         parts.append(f"Best unpicked: {qs.best_unpicked:.4g} (margin {qs.margin:.4g}).")
     elif qs.runners is None:

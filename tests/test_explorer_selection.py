@@ -120,7 +120,7 @@ def test_the_engines_tie_marks_win_and_outside_pool_picks_are_labelled():
     assert qs.picks[-1] == (4, -3.4e38) and qs.tied == [False, False, True, False]   # marks follow the sort
     assert qs.margin is None
     fig = sel.scores_figure(qs, 1, ["t"] * 6)
-    assert list(fig.data[0].y)[-1] == 0.0 and fig.data[0].customdata[-1].endswith("outside the pool, no score")
+    assert list(fig.data[0].y)[-1] == 0.0 and fig.data[0].customdata[-1].endswith("outside the candidate pool (score -inf)")
     assert not fig.layout.get("shapes") or all(s.get("y0") != -3.4e38 for s in fig.layout.shapes)
     assert "outside the candidate pool" in sel.scores_caption(qs, 24, 24)
 

@@ -118,7 +118,8 @@ def scores_section(r, run: dict, probe: dict, source_probe: dict, tokens: list[s
     summary = sel.selection_summary(shown)
     titled_chart(sel.selection_figure(qs, shown, int(source_probe.get("compress_ratio") or 1), tokens),
                  "topk_scores", "index scores of the picks", r.layer, q, tag=f"layer {r.layer}")
-    st.caption(sel.scores_caption(qs, r.layer, r.index_source) + " " + gl.CAPTIONS["prompt_scores"])
+    st.caption(sel.scores_caption(qs, r.layer, r.index_source, run.get("numerics")) + " "
+               + gl.CAPTIONS["prompt_scores"])
     line = (f"Over the prompt: {summary['zero_picks']:,} of {summary['picks']:,} picks "
             f"({100 * summary['zero_share']:.1f}%) scored exactly 0")
     if summary["mean_recall"] is not None:
