@@ -31,10 +31,13 @@ GLOSSARY: dict[str, str] = {
                "the top-k by its score are the entries attention reads.",
     "index score": "The indexer's rating of one entry for one query: per index head a ReLU'd dot product, "
                    "weighted per head and summed. No unit; only the order matters.",
-    "top-k": "The k entries (512 in the release, 64 in the live model) with the best index scores; ties go "
-             "to the earlier position.",
+    "top-k": "The k entries (512 in the release, 64 in the live model) with the best index scores. Ties at "
+             "the k-th score: `reference` numerics (the default) takes torch.topk over the whole row, as the "
+             "official reference does, so which tied entry wins is not a rule of position; `fp32` numerics gives "
+             "them to the earlier position.",
     "tie": "A pick whose index score equals an unpicked entry's (often exactly 0 after the ReLU): the indexer "
-           "could not tell them apart and the earlier position won.",
+           "could not tell them apart, and the tie rule of the run's numerics chose (see top-k). Tied picks "
+           "are marked in the score chart.",
     "zero-score pick": "A selected entry whose index score is exactly 0: chosen by the tie rule, not by the indexer.",
     "runner-up": "One of the best entries the indexer did not pick, with its score: how close the k-th pick came.",
     "selection recall": "The share of the attention mass the layer would put on its picks if it attended to "

@@ -155,3 +155,13 @@ def test_the_page_captions_the_runs_numerics(tmp_path, monkeypatch):
         shown[numerics] = "\n".join(c.value for c in at.caption)
     assert "torch.topk over the full row" in shown["reference"] and f"1 of 4 picks is {OUT}" in shown["reference"]
     assert "lower positions" in shown["fp32"] and "torch.topk" not in shown["fp32"]
+
+
+def test_glossary_names_each_numerics_tie_rule():
+    """The glossary's top-k and tie entries must not claim the position rule for every run."""
+    from explorer import glossary
+
+    entries = {k.lower(): v for k, v in glossary.GLOSSARY.items()}
+    assert "reference" in entries["top-k"] and "torch.topk" in entries["top-k"]
+    assert "fp32" in entries["top-k"]
+    assert "earlier position won" not in entries["tie"]
