@@ -10,6 +10,7 @@ Python packages, split by engine.train.corpus_data.split_of): per round, one for
 layer's unbiased router scores, then each layer's bias is stepped on those fixed scores until the loads
 are even, then the next round re-collects (a layer's inputs move when the layers before it re-route).
 Only `gate.bias` changes (it picks experts, it does not weight them); nothing held out is read.
+`--layers L ...` moves only those layers' biases (the rest keep the training's balance).
 Writes the checkpoint to --out (default: in place) and --report (JSON: the shares before/after).
 """
 
@@ -98,6 +99,13 @@ def share_range(scores: dict, biases: dict, k: int) -> dict[int, tuple[float, fl
     return out
 
 
+def rebalance(scores: dict, biases: dict, k: int, layers) -> dict:
+    """`balance` on the given layers only; every other layer keeps its bias tensor as it is."""
+    layers = list(layers)
+    solved = balance(torch.stack([scores[L] for L in layers]), torch.stack([biases[L] for L in layers]), k)
+    return {**biases, **{L: solved[i] for i, L in enumerate(layers)}}
+
+
 def write_biases(checkpoint: Path, biases: dict[int, torch.Tensor]) -> None:
     """Replace layers.L.ffn.gate.bias in the shards that hold them (other tensors and metadata kept)."""
     from safetensors import safe_open
@@ -125,6 +133,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="training tokens per domain")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, nargs="+", default=None,
+                    help="re-balance only these layers' biases (default: every layer)")
     args = ap.parse_args(argv)
     out = args.out or args.checkpoint
     if out != args.checkpoint:
@@ -141,8 +151,7 @@ def main(argv=None) -> None:
     for r in range(args.rounds):
         scores = router_scores(eng, ids, args.chunk)
         before = share_range(scores, biases, k)
-        solved = balance(torch.stack([scores[L] for L in moe_layers]), torch.stack([biases[L] for L in moe_layers]), k)
-        biases = {L: solved[i] for i, L in enumerate(moe_layers)}
+        biases = rebalance(scores, biases, k, args.layers or moe_layers)
         after = share_range(scores, biases, k)
         report["rounds"].append({"before": before, "after_on_these_scores": after})
         print(f"round {r + 1}: min share {min(v[0] for v in before.values()):.3f} -> "

@@ -37,3 +37,15 @@ def test_balance_evens_skewed_loads_and_keeps_an_even_layer_even():
     lo, hi = share(after)
     assert lo.min() > 0.85 and hi.max() < 1.15, (lo, hi)
     assert bias[0, 0] > bias[0, -1]                   # the disfavoured expert got the larger bias
+
+
+def test_rebalance_moves_only_the_named_layers():
+    g = torch.Generator().manual_seed(2)
+    scores = {L: torch.rand(1000, 8, generator=g) + torch.linspace(0, 1.0, 8) for L in range(3)}
+    biases = {L: torch.zeros(8) for L in range(3)}
+    out = cal.rebalance(scores, biases, 2, [1])
+    assert out[0] is biases[0] and out[2] is biases[2]       # untouched layers keep their tensors
+    load = cal.loads(scores[1], out[1], 2)
+    assert float(load.min() / load.mean()) > 0.85         # the named layer is evened out
+    before = cal.loads(scores[1], biases[1], 2)
+    assert float(before.min() / before.mean()) < 0.2
