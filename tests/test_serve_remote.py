@@ -250,6 +250,9 @@ def test_engine_killed_mid_run_gives_a_clear_message(checkpoint):
             assert time.monotonic() < deadline, "the run never started"
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
+        # SIGKILL is delivered asynchronously: until the process is gone its listening socket still
+        # accepts (and then drops) connections, so the "refused" check below waits for it
+        proc.wait(timeout=30)
         worker.join(60)
         err = outcome["error"]
         assert isinstance(err, EngineUnreachable)
