@@ -260,7 +260,7 @@ class BatchedForward:
         o, probs_global = self._ckpt(self.attend_core, q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float())
         if probs_global is not None:
             shared.setdefault("mass", {})[role.layer] = probs_global.detach().sum(2)  # [B, T, k or N]
-            if opts.focus and glob[1] is None and "top_idx" in pick:
+            if "top_idx" in pick:  # a dense step with the focus term (see _index)
                 loss, recall = focus_loss(probs_global.sum(2), pick["top_idx"], pick["top_valid"], pick["crowded"])
                 shared["focus"].append(loss)
                 out.focus_recall[role.layer] = recall
@@ -314,18 +314,19 @@ class BatchedForward:
             scores = torch.einsum("btnh,bth->btn", scores, head_w)
             scores = scores.masked_fill(~seen, NEG_INF)
             sparse_k, sparse_blocks = self.sparse_limits
-            focus = opts.focus and opts.dense and sparse_k < N
+            want_focus = opts.focus and opts.dense and sparse_k < N
             if role.candidate_source:
                 shared["pool"] = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-                if focus:
+                if want_focus:
                     shared["focus_pool"] = candidate_pool(scores, visible, sparse_blocks, cfg.candidate_block_size)
-            if focus:
+            focus_picks = {}
+            if want_focus:
                 # what the sparse forward would pick, for the focus term (rows that see at most k
                 # entries pick them all and are left out, as in the recall probe)
                 sparse_scores = scores.masked_fill(~shared["focus_pool"], NEG_INF) if role.in_candidate_pool else scores
                 top, top_idx = sparse_scores.topk(sparse_k, dim=-1)
-                focus = {"top_idx": top_idx, "top_valid": top > NEG_INF,
-                         "crowded": (sparse_scores > NEG_INF).sum(-1) > sparse_k}
+                focus_picks = {"top_idx": top_idx, "top_valid": top > NEG_INF,
+                               "crowded": (sparse_scores > NEG_INF).sum(-1) > sparse_k}
             if role.in_candidate_pool:
                 scores = scores.masked_fill(~shared["pool"], NEG_INF)
         k = min(cfg.index_topk, N)
@@ -333,7 +334,7 @@ class BatchedForward:
             # every visible entry (in the pool where there is one) is a pick: attend them through a mask
             allowed = scores > NEG_INF
             return {"idx": None, "valid": allowed, "scores": scores, "qi": qi, "w": head_w, "keys": keys,
-                    **(focus or {})}
+                    **focus_picks}
         if opts.position_ties:
             idx, top = topk_in_position_order(scores.flatten(0, 1), k)
             idx, top = idx.view(B, T, k), top.view(B, T, k)

@@ -13,6 +13,7 @@ import streamlit as st
 from explorer import dspark_view, glossary as gl, layer_views as lv, remote, run_plan, session_view as sv
 from explorer import run_warnings as rw
 from explorer.screens import selections as sx
+from explorer.selection_view import STORED_BEFORE_NUMERICS
 from explorer.screens.serving_prefill import serving_prefill_section
 from explorer.screens.common import cached_engine, chart, cpu_refusal, fail, run_cached, view
 
@@ -122,11 +123,6 @@ def live_views(cfg, plan, run: dict | None, why_no_run: str | None) -> None:
         c2.download_button("Download layer CSV", lambda: lv.layer_csv(run, r.layer), f"{name}.csv",
                            "text/csv", on_click="ignore")
     sx.glossary_expander()
-
-
-# engine/run/probes.py STORED_BEFORE_NUMERICS: a run JSON without "numerics" predates the field, when the
-# engine computed only in float32 (not imported: the page draws without torch)
-STORED_BEFORE_NUMERICS = "fp32"
 
 
 def run_captions(run: dict) -> list[str]:
