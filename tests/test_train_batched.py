@@ -170,3 +170,73 @@ def test_focus_recall_equals_the_recall_probe(setup):
     assert all(g is None or float(g.abs().max()) == 0.0 for g in grads[len(backbone):])
     # a sparse step has no focus term (it sees only the picks)
     assert fwd(ids, StepOptions(focus=True)).loss_focus is None
+
+
+def test_sequence_balance_loss_against_a_hand_computation():
+    """sum_e f_e P_e per sequence (f: share of the sequence's slots x E, P: mean normalized affinity),
+    averaged over sequences, in float64 by hand; 1 for a balanced sequence, E / k for a collapsed one."""
+    from engine.train.batched import sequence_balance_loss
+
+    torch.manual_seed(1)
+    B, T, E, k = 3, 6, 5, 2
+    scores = torch.rand(B, T, E, dtype=torch.float64) + 0.01
+    experts = torch.stack([torch.randperm(E)[:k] for _ in range(B * T)]).view(B, T, k)
+    per_seq = []
+    for b in range(B):
+        f = [sum(int(e in experts[b, t].tolist()) for t in range(T)) * E / (T * k) for e in range(E)]
+        P = [sum(float(scores[b, t, e] / scores[b, t].sum()) for t in range(T)) / T for e in range(E)]
+        per_seq.append(sum(fe * pe for fe, pe in zip(f, P)))
+    assert abs(float(sequence_balance_loss(scores, experts)) - sum(per_seq) / B) < 1e-9
+    # every token on the same k experts, which hold all the affinity: E / k
+    collapsed = torch.zeros(1, T, E, dtype=torch.float64)
+    collapsed[..., :k] = 1.0
+    loss = sequence_balance_loss(collapsed, torch.arange(k).expand(1, T, k))
+    assert abs(float(loss) - E / k) < 1e-12
+    # uniform affinity and an even spread of the slots: 1
+    even = torch.arange(T * k).view(1, T, k) % E
+    assert abs(float(sequence_balance_loss(torch.ones(1, T, E, dtype=torch.float64), even)) - 1.0) < 1e-12
+
+
+def test_seq_balance_trains_the_router_toward_each_sequence_spread(setup):
+    """The balance term's gradient reaches the routers (and no indexer), and a few steps on it alone
+    lower it: each sequence's tokens spread over more experts."""
+    cfg, _, lookup = setup
+    trainee = Trainee(cfg, "cpu", seed=2)
+    fwd = BatchedForward(cfg, trainee.get, EngramLayout.from_config(cfg), lookup)
+    ids = torch.randint(5, cfg.vocab_size, (2, 64))
+    gates = [trainee.params[f"layers.{L}.ffn.gate.weight"] for L in (0, 39)]
+    idx = trainee.params["layers.2.attn.indexer.wq_b.weight"]
+    out = fwd(ids, StepOptions(seq_balance=True))
+    assert out.loss_balance is not None
+    g = torch.autograd.grad(out.loss_balance, gates + [idx], allow_unused=True)
+    assert all(float(x.abs().max()) > 0 for x in g[:2])
+    assert g[2] is None or float(g[2].abs().max()) == 0.0
+    before = float(out.loss_balance.detach())
+    opt = torch.optim.SGD(gates, lr=2.0)
+    for _ in range(5):
+        loss = fwd(ids, StepOptions(seq_balance=True)).loss_balance
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = float(fwd(ids, StepOptions(seq_balance=True)).loss_balance)
+    assert after < before
+    assert fwd(ids, StepOptions()).loss_balance is None
+
+
+def test_bf16_step_follows_the_fp32_step(setup):
+    """The bf16 paths (picked entries gathered once per index source in bf16, the indexer's KL dots in
+    bf16) compute the same step as float32, to bf16's precision."""
+    cfg, _, lookup = setup
+    cfg = cfg.replace(index_topk=8, candidate_topk_blocks=2)
+    trainee = Trainee(cfg, "cpu", seed=4)
+    ids = torch.randint(5, cfg.vocab_size, (2, 64))
+    outs = []
+    for bf16 in (False, True):
+        fwd = BatchedForward(cfg, trainee.get, EngramLayout.from_config(cfg), lookup, bf16=bf16)
+        with torch.no_grad():
+            outs.append(fwd(ids, StepOptions(analysis=True, position_ties=True)))
+    ref, got = outs
+    assert abs(float(got.loss_ce) - float(ref.loss_ce)) < 0.02 * float(ref.loss_ce)
+    assert abs(float(got.loss_kl) - float(ref.loss_kl)) < 0.1 * float(ref.loss_kl) + 1e-3
+    assert float((got.logits - ref.logits).norm() / ref.logits.norm()) < 0.1

@@ -129,6 +129,9 @@ def main(argv=None) -> None:
         p.add_argument("--focus", type=float, default=0.0,
                        help="weight of the focus term in dense steps: -log(share of the attention's mass on "
                             "the indexer's top-k), which trains the selection recall the probes measure")
+        p.add_argument("--seq-balance", type=float, default=0.0,
+                       help="weight of DeepSeek-V3's sequence-wise expert-balance loss (each sequence, so each "
+                            "domain, spread over the experts; the routing bias balances only the whole batch)")
         p.add_argument("--gamma", type=float, default=0.005, help="routing-bias step of the balancing rule")
         p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
         p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")

@@ -100,6 +100,7 @@ class StepOptions:
     focus: bool = False          # dense steps: the attention's own share on the indexer's top-k (loss_focus)
     analysis: bool = False       # also measure selection recall and zero-score picks (no grad)
     position_ties: bool = False  # ties at the k-th score go to the lower position, as in the engine
+    seq_balance: bool = False    # also the sequence-wise expert-balance loss (loss_balance)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class StepOut:
     zero_picks: dict = field(default_factory=dict)       # index layer -> share of valid picks scoring 0
     recall: dict = field(default_factory=dict)           # index layer -> mean attention mass captured
     loss_focus: torch.Tensor | None = None               # dense steps with `focus`: mean -log(recall)
+    loss_balance: torch.Tensor | None = None             # `seq_balance`: mean over layers of sequence_balance_loss
     focus_recall: dict = field(default_factory=dict)     # layer -> mean share of its global mass on the top-k
     logits: torch.Tensor | None = None
     residual_norms: list = field(default_factory=list)   # analysis: per layer [B, T, hc]
@@ -135,6 +137,11 @@ class BatchedForward:
         wrap = _compiled if compile_parts else (lambda f: f)
         self.mixes, self.fp8, self.fp4, self.rotate = (wrap(f) for f in (mhc.hc_mixes, fp8_values, fp4_values, rotate_bt))
         self.attend_core, self.experts_core = wrap(self._attend), wrap(_experts_core)
+        # the stream's collapse (+ RMSNorm) and expand as elementwise sums over the hc copies, not the
+        # engine's batched [hc x hc] products: one fused kernel each instead of cuBLAS calls on ~1e5
+        # tiny matrices (in run 5's profile those took ~0.4 s of a 1.7 s step, forward and backward)
+        self.collapse_norm, self.expand = wrap(_collapse_norm), wrap(_expand)
+        self.index_scores = wrap(_index_scores)
         self.checkpoint = checkpoint
         # dense linears stored FP8 (wo_a too, though the reference multiplies it in bf16)
         self.fp8_names = frozenset(s.name for s in tensor_specs(cfg) if s.dtype == "F8_E4M3"
@@ -173,7 +180,7 @@ class BatchedForward:
         pre[:, 0] = 1.0
         compressed = self.lookup[ids] if self.layout is not None else None
         shared: dict = {}
-        kl_terms, margin_terms, loads = [], [], []
+        kl_terms, margin_terms, loads, balance_terms = [], [], [], []
         out = StepOut(torch.zeros((), device=dev), torch.zeros((), device=dev), torch.zeros((), device=dev),
                       torch.zeros(0))
         shared["focus"] = []
@@ -185,17 +192,19 @@ class BatchedForward:
                 X = self._engram(L, X, compressed, opts)
             a_pre, a_post, a_comb = self._ckpt(self.mixes, X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
                                                  self.get(p + "hc_attn_base"), *hc_args)
-            attn_in = rms_norm(mhc.collapse(X, pre), self.get(p + "attn_norm.weight"), cfg.norm_eps)
+            attn_in = self.collapse_norm(X, pre, self.get(p + "attn_norm.weight"), cfg.norm_eps)
             with self.matmuls(dev):
                 y = self._attention(role, attn_in.view(B, T, dim), positions, shared, opts, out).float()
-            X1 = mhc.expand(y.reshape(B * T, dim), X, a_post, a_comb)
+            X1 = self.expand(y.reshape(B * T, dim), X, a_post, a_comb)
             f_pre, f_post, f_comb = self._ckpt(self.mixes, X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
                                                  self.get(p + "hc_ffn_base"), *hc_args)
-            ffn_in = rms_norm(mhc.collapse(X1, a_pre), self.get(p + "ffn_norm.weight"), cfg.norm_eps)
-            y, load = self._moe(L, ffn_in, opts)
+            ffn_in = self.collapse_norm(X1, a_pre, self.get(p + "ffn_norm.weight"), cfg.norm_eps)
+            y, load, balance = self._moe(L, ffn_in, B, opts)
             y = y.float()
             loads.append(load)
-            X = mhc.expand(y, X1, f_post, f_comb)
+            if balance is not None:
+                balance_terms.append(balance)
+            X = self.expand(y, X1, f_post, f_comb)
             pre = f_pre
             if opts.analysis:
                 out.residual_norms.append(X.detach().norm(dim=-1).view(B, T, hc))
@@ -205,13 +214,15 @@ class BatchedForward:
                     kl, margin = self._indexer_losses(src, users, shared, opts, out)
                     kl_terms.append(kl)
                     margin_terms.append(margin)
-        h = rms_norm(mhc.collapse(X, pre), self.get("norm.weight"), cfg.norm_eps)
+        h = self.collapse_norm(X, pre, self.get("norm.weight"), cfg.norm_eps)
         with self.matmuls(dev):
             logits = h.view(B, T, dim) @ self.get("head.weight").t()
         out.loss_ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
         if kl_terms:
             out.loss_kl = torch.stack(kl_terms).mean()
             out.loss_margin = torch.stack(margin_terms).mean()
+        if balance_terms:
+            out.loss_balance = torch.stack(balance_terms).mean()
         if shared["focus"]:
             out.loss_focus = torch.stack(shared["focus"]).mean()
         out.loads = torch.stack(loads)
@@ -254,9 +265,8 @@ class BatchedForward:
                 if opts.analysis and shared["index"][role.layer]["idx"] is not None:
                     pick = shared["index"][role.layer]
                     out.picks[role.layer] = (pick["idx"], pick["scores"])
-            src_kv = shared["source"][0]
             pick = shared["index"][role.index_source]
-            glob = (src_kv, pick["idx"], pick["valid"])
+            glob = (self._entries_for(role, shared, pick), pick["idx"] is None, pick["valid"])
         o, probs_global = self._ckpt(self.attend_core, q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float())
         if probs_global is not None:
             shared.setdefault("mass", {})[role.layer] = probs_global.detach().sum(2)  # [B, T, k or N]
@@ -264,7 +274,7 @@ class BatchedForward:
                 loss, recall = focus_loss(probs_global.sum(2), pick["top_idx"], pick["top_valid"], pick["crowded"])
                 shared["focus"].append(loss)
                 out.focus_recall[role.layer] = recall
-        if opts.analysis and role.role in (FULL, REINDEX) and glob is not None and glob[1] is not None:
+        if opts.analysis and role.role in (FULL, REINDEX) and glob is not None and not glob[1]:
             with torch.no_grad():
                 out.recall[role.layer] = self._recall(q * Dh ** -0.5, kv, shared, role, positions)
         o = self.rotate(o, positions, freqs, inverse=True)
@@ -272,6 +282,22 @@ class BatchedForward:
         wo_a = self.w(p + "wo_a.weight", opts).view(G, cfg.o_lora_rank, -1)
         o = torch.einsum("btgd,grd->btgr", o.reshape(B, T, G, -1), wo_a)
         return o.flatten(2) @ self.w(p + "wo_b.weight", opts).t()
+
+    def _entries_for(self, role: LayerRole, shared: dict, pick: dict) -> torch.Tensor:
+        """The global entries a layer attends: every entry [B, N, D] in a dense step, else the picked
+        ones [B, T, k, D], gathered once for all the layers that share this KV source and top-k
+        (Reuse layers: 4-6 per index source), so the gather and its backward scatter run once."""
+        entries = shared["source"][0]
+        if pick["idx"] is None:
+            return entries
+        key = (role.kv_source, role.index_source)
+        gathered = shared.setdefault("gathered", {})
+        if key not in gathered:
+            if self.bf16:  # the attention reads them in bf16 anyway: half the bytes to gather and keep
+                entries = entries.to(torch.bfloat16)
+            B = entries.shape[0]
+            gathered[key] = entries[torch.arange(B, device=entries.device)[:, None, None], pick["idx"]]
+        return gathered[key]
 
     def _compress(self, role: LayerRole, x: torch.Tensor, freqs: torch.Tensor, opts: StepOptions):
         """A Full layer's entries: (rotated FP4 KV [B, N, D], rotated FP4 index keys [B, N, Di])."""
@@ -310,9 +336,8 @@ class BatchedForward:
         visible = (positions + 1).div(m, rounding_mode="floor")                     # [T]
         seen = torch.arange(N, device=x.device)[None, :] < visible[:, None]          # [T, N]
         with torch.no_grad():
-            scores = torch.einsum("bthd,bnd->btnh", qi, keys).relu_()
-            scores = torch.einsum("btnh,bth->btn", scores, head_w)
-            scores = scores.masked_fill(~seen, NEG_INF)
+            # one GEMM per sequence ([T*h, Di] x [Di, N]), then ReLU, head weights and mask in one pass
+            scores = self.index_scores(torch.einsum("bthd,bnd->bthn", qi, keys), head_w.float(), seen)
             sparse_k, sparse_blocks = self.sparse_limits
             want_focus = opts.focus and opts.dense and sparse_k < N
             if role.candidate_source:
@@ -369,14 +394,10 @@ class BatchedForward:
         mask = torch.cat([first[None], band[None].expand(nC - 1, -1, -1)])          # [nC, W, 2W]
         s_win = s_win.masked_fill(~mask[None, :, :, None, :], NEG_INF).flatten(1, 2)  # [B, T, H, 2W]
         parts = [s_win]
-        gathered = None
         if glob is not None:
-            entries, idx, valid = glob
-            if idx is None:      # dense warm-up: every allowed entry, through the mask
-                s_glob = torch.einsum("bthd,bnd->bthn", q, entries)
-            else:
-                gathered = entries[torch.arange(B, device=q.device)[:, None, None], idx]  # [B, T, k, D]
-                s_glob = torch.einsum("bthd,btkd->bthk", q, gathered)
+            src, dense, valid = glob  # every entry [B, N, D] (dense warm-up, through the mask) or the picks [B, T, k, D]
+            eq = "bthd,bnd->bthn" if dense else "bthd,btkd->bthk"
+            s_glob = torch.einsum(eq, q, src)
             parts.append(s_glob.masked_fill(~valid[:, :, None, :], NEG_INF))
         parts.append(sink.view(1, 1, H, 1).expand(B, T, H, 1))
         logits = torch.cat(parts, dim=-1)
@@ -386,8 +407,7 @@ class BatchedForward:
         p_glob = None
         if glob is not None:
             p_glob = probs[..., 2 * W: -1]
-            src = entries if glob[1] is None else gathered
-            eq = "bthn,bnd->bthd" if glob[1] is None else "bthk,btkd->bthd"
+            eq = "bthn,bnd->bthd" if dense else "bthk,btkd->bthd"
             o = o + torch.einsum(eq, p_glob.to(src.dtype), src)
         return o, p_glob
 
@@ -397,15 +417,16 @@ class BatchedForward:
         pick = shared["index"][src]
         mass = sum(shared["mass"][u] for u in users if u in shared["mass"])          # [B, T, k or N]
         valid = pick["valid"]
-        qi, w, keys = pick["qi"].float(), pick["w"].float(), pick["keys"].float()
+        # the dot products in bf16 where the step's matmuls are (they are the KL's largest cost)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        qi, w, keys = pick["qi"].to(dtype), pick["w"].float(), pick["keys"].to(dtype)
         if pick["idx"] is None:
-            sel_keys = keys.unsqueeze(1)                                             # [B, 1, N, Di]
             dots = torch.einsum("bthd,bnd->btnh", qi, keys)
         else:
             B, T, k = pick["idx"].shape
             sel_keys = keys[torch.arange(B, device=keys.device)[:, None, None], pick["idx"]]  # [B, T, k, Di]
             dots = torch.einsum("bthd,btkd->btkh", qi, sel_keys)
-        score = torch.einsum("btkh,bth->btk", dots.relu(), w)
+        score = (dots.float().relu() * w.unsqueeze(2)).sum(-1)                      # [B, T, k]
         mass = mass.float().masked_fill(~valid, 0.0)
         row_sum = mass.sum(-1, keepdim=True)
         rows = (row_sum.squeeze(-1) > 0).float()
@@ -432,7 +453,7 @@ class BatchedForward:
         visible = (positions + 1).div(role.compress_ratio, rounding_mode="floor")
         seen = torch.arange(N, device=q.device)[None, :] < visible[:, None]         # [T, N]
         dense = torch.ones_like(seen)[None].expand(q.shape[0], -1, -1)
-        o_unused, probs = self._attend(q, kv, (entries, None, dense & seen[None]), self.get(
+        o_unused, probs = self._attend(q, kv, (entries, True, dense & seen[None]), self.get(
             f"layers.{role.layer}.attn.attn_sink").float())
         mass = probs.float().sum(2)                                                 # [B, T, N]
         total = mass.sum(-1)
@@ -446,19 +467,21 @@ class BatchedForward:
         return {"recall": share(on_picks), "recent_k": share(on_recent), "queries": int(rows.sum())}
 
     # -- MoE ------------------------------------------------------------------------------------------
-    def _moe(self, L: int, x: torch.Tensor, opts: StepOptions):
-        """x [BT, dim] -> (y [BT, dim], load [E]). Every expert runs on every token; tokens that
-        did not choose an expert weight it 0, so the sum equals the sparse one."""
+    def _moe(self, L: int, x: torch.Tensor, B: int, opts: StepOptions):
+        """x [BT, dim] -> (y [BT, dim], load [E], balance loss or None). Every expert runs on every
+        token; tokens that did not choose an expert weight it 0, so the sum equals the sparse one."""
         cfg = self.cfg
         p = f"layers.{L}.ffn."
         n_routed, n_active = cfg.experts_of(L)
-        _, experts, weights = route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), None, None,
-                                    n_active, cfg.route_scale, cfg.score_func)
+        scores, experts, weights = route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), None, None,
+                                         n_active, cfg.route_scale, cfg.score_func)
         with self.matmuls(x.device):
             y = self._experts(p, x, experts, weights, n_routed, opts)
         load = torch.zeros(n_routed, device=x.device).index_add_(0, experts.flatten(),
                                                                  torch.ones(experts.numel(), device=x.device))
-        return y, load
+        balance = sequence_balance_loss(scores.view(B, -1, n_routed), experts.view(B, -1, n_active)) \
+            if opts.seq_balance else None
+        return y, load, balance
 
     def _experts(self, p: str, x, experts, weights, n_routed: int, opts: StepOptions) -> torch.Tensor:
         dense_w = torch.zeros(x.shape[0], n_routed, device=x.device, dtype=weights.dtype).scatter(1, experts, weights)
@@ -471,6 +494,23 @@ class BatchedForward:
     def expert(self, name: str, opts: StepOptions) -> torch.Tensor:
         p = self.get(name)
         return ste(p, fp4_values(p.detach(), 32, "e8m0")) if opts.fake_quant else p
+
+
+def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, mean over sequences: sum_e f_e P_e, where f_e is
+    expert e's share of the sequence's (token, expert) slots times E (1 when balanced) and P_e its
+    mean normalized affinity (scores / their sum per token). 1 when balanced, up to E / k when one
+    set of k experts takes every token. The routing bias balances the whole batch; this term balances
+    each sequence, i.e. each domain (a prose sequence whose tokens all go to code experts pays).
+    scores: [B, T, E] (grad); experts: [B, T, k]."""
+    B, T, E = scores.shape
+    k = experts.shape[-1]
+    with torch.no_grad():
+        counts = torch.zeros(B, E, device=scores.device, dtype=scores.dtype).scatter_add_(
+            1, experts.flatten(1), torch.ones(B, T * k, device=scores.device, dtype=scores.dtype))
+        f = counts * (E / (T * k))
+    P = (scores / scores.sum(-1, keepdim=True)).mean(1)                            # [B, E]
+    return (f * P).sum(-1).mean()
 
 
 def focus_loss(mass: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor):
@@ -487,6 +527,29 @@ def focus_loss(mass: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, rows:
     with torch.no_grad():
         share = (log_share.exp() * rows).sum() / n
     return -log_share.sum() / n, share
+
+
+def _collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(sum_i pre[:, i] X[:, i]): mhc.collapse then the block's RMSNorm. X: [N, hc, dim]."""
+    acc = pre[:, :1] * X[:, 0]
+    for i in range(1, X.shape[1]):
+        acc = acc + pre[:, i:i + 1] * X[:, i]
+    return rms_norm(acc, weight, eps)
+
+
+def _expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mhc.expand: X'[j] = post[j] y + sum_i comb[i, j] X[i]. y: [N, dim]; X: [N, hc, dim]."""
+    out = post.unsqueeze(-1) * y.unsqueeze(1)
+    for i in range(X.shape[1]):
+        out = out + comb[:, i, :].unsqueeze(-1) * X[:, i:i + 1]
+    return out
+
+
+def _index_scores(dots: torch.Tensor, head_w: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Index scores [B, T, N] from the per-head dots [B, T, h, N]: sum_h w_h ReLU(dot_h), -inf where
+    the entry is not visible (seen [T, N])."""
+    scores = (dots.float().relu() * head_w.unsqueeze(-1)).sum(2)
+    return scores.masked_fill(~seen, NEG_INF)
 
 
 def _experts_core(x, dense_w, w1, w2, w3, s1, s2, s3, limit: float) -> torch.Tensor:

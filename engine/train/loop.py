@@ -85,10 +85,12 @@ class Run:
 
     def phases(self) -> dict[str, Phase]:
         a = self.args
+        balance = a.seq_balance > 0
         return {"dense": Phase("dense", a.dense_batch, a.dense_seq, StepOptions(dense=True, margin=a.margin,
-                                                                             focus=a.focus > 0)),
-                "sparse": Phase("sparse", a.batch, a.seq, StepOptions(margin=a.margin)),
-                "quant": Phase("quant", a.batch, a.seq, StepOptions(fake_quant=True, margin=a.margin))}
+                                                                             focus=a.focus > 0, seq_balance=balance)),
+                "sparse": Phase("sparse", a.batch, a.seq, StepOptions(margin=a.margin, seq_balance=balance)),
+                "quant": Phase("quant", a.batch, a.seq, StepOptions(fake_quant=True, margin=a.margin,
+                                                                    seq_balance=balance))}
 
     def step(self, phase: Phase, ids: torch.Tensor, lr: float):
         a = self.args
@@ -99,6 +101,8 @@ class Run:
         loss = out.loss_ce + a.kl_weight * out.loss_kl + a.margin * out.loss_margin
         if out.loss_focus is not None:
             loss = loss + a.focus * out.loss_focus
+        if out.loss_balance is not None:
+            loss = loss + a.seq_balance * out.loss_balance
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
@@ -194,16 +198,18 @@ class Run:
                     raise SystemExit(f"training aborted: non-finite loss at step {step}")
                 share = loads_ema / loads_ema.sum(-1, keepdim=True) * self.cfg.n_routed_experts
                 zero = {str(k): round(float(v), 3) for k, v in out.zero_picks.items()}
-                focus = {}
+                extras = {}
                 if out.loss_focus is not None:
-                    focus = {"focus": round(float(out.loss_focus), 4),
-                             "focus_recall": {str(k): round(float(v), 3) for k, v in out.focus_recall.items()}}
+                    extras = {"focus": round(float(out.loss_focus), 4),
+                              "focus_recall": {str(k): round(float(v), 3) for k, v in out.focus_recall.items()}}
+                if out.loss_balance is not None:
+                    extras["balance"] = round(float(out.loss_balance), 4)
                 self.note(event="step", step=step, phase=name, batch=phase.batch, seq=phase.seq, lr=round(lr, 6),
                           ce=round(ce, 4), kl=round(float(out.loss_kl), 4), margin=round(float(out.loss_margin), 4),
                           gnorm=round(float(gnorm), 3), tokens=tokens, zero_picks=zero,
                           min_load=round(float(share.min()), 3), max_load=round(float(share.max()), 3),
                           mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if self.device.type == "cuda" else 0,
-                          tok_s=round(tok_s), **focus)
+                          tok_s=round(tok_s), **extras)
         train_s = time.time() - t0
         self.log.update(steps=step, tokens_seen=tokens, train_s=round(train_s, 1),
                         first_steps_s=round(first_steps_s, 1))
