@@ -159,19 +159,48 @@ def _kth_largest_key(key, valid, need):
 
 
 @triton.jit
-def _candidate_bound(mx, K: tl.constexpr):
+def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr):
+    """`_kth_largest_key` by histograms: 32 / BITS dependent steps (4 at 8 bits, not 16), each one
+    tl.histogram of the next BITS-bit digit over the keys matching the prefix so far, then the largest
+    digit keeping #(key >= prefix) >= need (as `_radix_select_row`'s passes, on a register tile)."""
+    NB: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, NB)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    for p in tl.static_range(32 // BITS):
+        hit = valid
+        if p > 0:
+            hit = hit & ((key >> (32 - p * BITS)) == prefix)
+        digit = ((key >> (32 - (p + 1) * BITS)) & (NB - 1)).to(tl.int32)
+        hist = tl.histogram(tl.where(hit, digit, 0), NB)
+        hist -= tl.where(bins == 0, tl.sum((~hit).to(tl.int32), axis=0), 0)
+        d, need = _pick_digit(hist, need, NB)
+        prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
+    return prefix
+
+
+@triton.jit
+def _kth_key(key, valid, need, SEL: tl.constexpr):
+    """The need-th largest valid key: SEL 0 by counting (2 bits a step), 1 by 8-bit histograms."""
+    if SEL == 1:
+        return _kth_largest_key_hist(key, valid, need, 8)
+    else:
+        return _kth_largest_key(key, valid, need)
+
+
+@triton.jit
+def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0):
     """Group maxima [NGP] -> the ordered key an entry must reach to be a candidate: the K-th largest
     finite maximum's key, or 0 (every finite entry) when fewer than K groups are finite."""
     fin = mx > float("-inf")
     n_fin = tl.sum(fin.to(tl.int32), axis=0)
-    t1 = _kth_largest_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1))
+    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL)
     return tl.where(n_fin >= K, t1, 0)
 
 
 @triton.jit
 def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
                    K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
-                   CAP: tl.constexpr, HAS_LEN: tl.constexpr):
+                   CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0):
     """Program (row, c) takes groups [c*GPP, (c+1)*GPP): reads the entries of those whose maximum reaches
     the bound (GB columns at a time), appends the candidates to the row's buffer via its counter."""
     row = tl.program_id(0)
@@ -181,7 +210,7 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
         length = tl.minimum(length, tl.load(len_ptr + row))
     mrow = max_ptr + row.to(tl.int64) * n_groups
     gi = tl.arange(0, NGP)
-    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K)
+    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL)
     g = c * GPP + tl.arange(0, GPP)
     mo = tl.load(mrow + g, mask=g < n_groups, other=float("-inf"))
     qual = (mo > float("-inf")) & (_ordered_key(mo) >= t1)
@@ -204,7 +233,7 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
 @triton.jit
 def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_ptr, out_ptr,
                     K: tl.constexpr, CAP: tl.constexpr, SL: tl.constexpr, BLOCK: tl.constexpr,
-                    BITS: tl.constexpr, HAS_LEN: tl.constexpr):
+                    BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0):
     """Program (row, s): the winners among candidate slots [s*SL, (s+1)*SL) of the row's (unordered)
     buffer, each written at its rank by position among all winners. Winners: value desc, then position
     asc; the K-th value and the tie cut found by counting over the whole buffer."""
@@ -224,13 +253,13 @@ def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_pt
             p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
             key = _ordered_key(x)
             inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
-            thr = _kth_largest_key(key, ok, tl.maximum(n_sel, 1))
+            thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL)
             gt = ok & (key > thr)
             eq = ok & (key == thr)
             need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
             cut = tl.zeros([], dtype=tl.uint32)
             if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
-                cut = _kth_largest_key(inv, eq, need_eq)
+                cut = _kth_key(inv, eq, need_eq, SEL)
             sel = gt | (eq & (inv >= cut))
             m = sl * SL + tl.arange(0, SL)
             okm = m < n_cand
@@ -250,10 +279,13 @@ def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_pt
 @triton.jit
 def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr,
                        out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-                       CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr):
+                       CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
+                       SEL: tl.constexpr = 0):
     """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
     their candidates appended in position order, the exact top-K among them written in order.
-    Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]."""
+    Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]. SEL: how the two
+    k-th keys (bound, threshold) are found: 0 counting (16 steps of 3 block reductions), 1 8-bit
+    histograms (4 steps)."""
     row = tl.program_id(0)
     length = n_cols
     if HAS_LEN:
@@ -271,7 +303,7 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
         tl.debug_barrier()  # the maxima are read back by other threads of this program
     gi = tl.arange(0, NGP)
     mx = tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf"))
-    t1 = _candidate_bound(mx, K)
+    t1 = _candidate_bound(mx, K, SEL)
     qual = (mx > float("-inf")) & (_ordered_key(mx) >= t1)
     n_q = tl.sum(qual.to(tl.int32), axis=0)
     grow = glist_ptr + row.to(tl.int64) * CAP
@@ -304,7 +336,7 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
         p = tl.load(cidx_ptr + crow + s, mask=ok, other=0)
         key = _ordered_key(x)
         n_sel = tl.minimum(count, K)
-        thr = _kth_largest_key(key, ok, tl.maximum(n_sel, 1))
+        thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL)
         gt = ok & (key > thr)
         eq = ok & (key == thr)
         need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)
@@ -335,6 +367,13 @@ def default_groups(rows: int) -> int:
     return 4096 if rows >= ROWS_MIN else 8192
 
 
+def _select_code(select: str) -> int:
+    codes = {"count": 0, "hist": 1}
+    if select not in codes:
+        raise ValueError(f"select must be 'count' or 'hist', got {select!r}")
+    return codes[select]
+
+
 def _interpreted() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -342,10 +381,11 @@ def _interpreted() -> bool:
 
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int = 4096,
                        bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
-                       num_warps: int = 8) -> torch.Tensor:
+                       num_warps: int = 8, select: str = "count") -> torch.Tensor:
     """Top-k of values [R, L] given maxima [R, n_groups] of groups of G = ceil-pow2(L / n_groups)
     entries, and counts int32 [R] already zeroed (split path). -> int32 [R, k].
-    The maxima buffer is scratch afterwards (the rows path lists group ids over it)."""
+    The maxima buffer is scratch afterwards (the rows path lists group ids over it).
+    select: how the k-th keys are found, "count" (2 bits a step) or "hist" (8-bit histograms)."""
     r, n = values.shape
     dev = values.device
     n_groups = maxima.shape[1]
@@ -355,6 +395,7 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
     ngp = _pow2(n_groups)
     cap = max(min(_pow2(cap), _pow2(n)), k)  # a row never has more candidates than entries
     rows_path = r >= ROWS_MIN if rows_path is None else rows_path
+    sel = _select_code(select)
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
     lens = lengths if lengths is not None else dummy
     cval = torch.empty(r, cap, dtype=torch.float32, device=dev)
@@ -364,27 +405,29 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
         glist = torch.empty(r, cap, dtype=torch.int32, device=dev)
         _row_select_kernel[(r,)](values, values.stride(0), n, lens, maxima, n_groups, glist, cval, cidx, out,
                                  K=k, NGP=ngp, G=g, BLOCK=max(block, g), CAP=cap, BITS=bits,
-                                 HAS_LEN=lengths is not None, HAS_MAX=True, num_warps=num_warps)
+                                 HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, num_warps=num_warps)
         return out
     gb = min(g, block)
     gpp = max(1, block // g)
     _filter_kernel[(r, triton.cdiv(n_groups, gpp))](values, values.stride(0), n, lens, maxima, n_groups, counts,
                                                     cval, cidx, K=k, NGP=ngp, G=g, GPP=gpp, GB=gb, CAP=cap,
-                                                    HAS_LEN=lengths is not None, num_warps=num_warps)
+                                                    HAS_LEN=lengths is not None, SEL=sel, num_warps=num_warps)
     sl = min(slice_len, cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
                                     SL=sl, BLOCK=block, BITS=bits, HAS_LEN=lengths is not None,
-                                    num_warps=num_warps)
+                                    SEL=sel, num_warps=num_warps)
     return out
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
                           block: int = 4096, bits: int = 8, cap: int = 2048, groups: int | None = None,
-                          rows_path: bool | None = None, chunk: int | None = None, **tune) -> torch.Tensor:
+                          rows_path: bool | None = None, chunk: int | None = None, select: str = "count",
+                          **tune) -> torch.Tensor:
     """Triton twin of `topk_positions_reference`. values [R, L] float32 (row stride may exceed L).
     Knobs: block (entries per tile), cap (candidate buffer per row), groups (group maxima per row),
     bits (the radix fallback's digit width), rows_path (force a path), chunk (entries per group-maxima
-    program on the split path). tune: slice_len, num_warps."""
+    program on the split path), select ("count": the k-th keys by 16 counting steps; "hist": by 4 8-bit
+    histogram steps). tune: slice_len, num_warps (rows path default 16)."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
     if k & (k - 1):
@@ -408,7 +451,7 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
         _row_select_kernel[(r,)](values, values.stride(0), n, lens if lens is not None else dummy, maxima,
                                  n_groups, glist, cval, cidx, out, K=k, NGP=_pow2(n_groups), G=g,
                                  BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
-                                 HAS_MAX=False, num_warps=tune.get("num_warps", 16))
+                                 HAS_MAX=False, SEL=_select_code(select), num_warps=tune.get("num_warps", 16))
         return out
     mblock = max(min(block, 1024), g)
     if chunk is None:  # ~512 programs over all rows
@@ -418,4 +461,4 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
                                                   maxima, n_groups, counts, chunk, G=g, BLOCK=mblock,
                                                   HAS_LEN=lens is not None)
     return select_from_maxima(values, k, lens, maxima, counts, cap=cap, block=block, bits=bits, rows_path=False,
-                              **tune)
+                              select=select, **tune)

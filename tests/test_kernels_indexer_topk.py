@@ -207,3 +207,56 @@ def test_indexer_fused_scores_and_topk(gen, t, h, d, n, pool, tune):
     assert torch.equal(sel, topk.topk_positions_reference(got, 16)), gen.initial_seed()
     ref = indexer.indexer_topk_reference(*args, topk=16)
     assert torch.equal((sel >= 0).sum(1), (ref >= 0).sum(1)), gen.initial_seed()
+
+
+@pytest.mark.parametrize("rows_path", [False, True])
+@pytest.mark.parametrize("num_warps", [4, 16])
+def test_topk_hist_select_exact(gen, rows_path, num_warps):
+    """select="hist" (the k-th keys by 8-bit histograms, run 4's candidate) on the cases of the
+    counting tests: -inf entries, row lengths, a run of exact ties at the k-th value, a row of
+    under k finite, a row of equal values, and the fewer-warps launch the bench sweeps."""
+    v = _ties(gen, 3, 500)
+    lengths = torch.tensor([500, 450, 7], dtype=torch.int32)
+    got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, rows_path=rows_path, select="hist",
+                                     num_warps=num_warps)
+    assert torch.equal(got, topk.topk_positions_reference(v, 32, lengths)), gen.initial_seed()
+    w = torch.randn(3, 900, generator=gen) * 0.1
+    top = torch.randperm(900, generator=gen)
+    w[0, top[:20]] = 2.0
+    w[0, top[20:50]] = 1.5
+    w[1, :] = float("-inf")
+    w[1, top[:9]] = torch.randn(9, generator=gen)
+    w[2] = -0.0  # equal keys: the earliest positions
+    got = topk.topk_positions_triton(w, 32, block=128, groups=128, rows_path=rows_path, select="hist",
+                                     num_warps=num_warps)
+    assert torch.equal(got, topk.topk_positions_reference(w, 32)), gen.initial_seed()
+    assert torch.equal(got[2], torch.arange(32, dtype=torch.int32))
+
+
+def test_kth_largest_key_by_histograms():
+    """The histogram search gives the counting search's key (duplicates, a validity mask, negatives)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, m_ptr, need_ptr, o_ptr):
+        i = tl.arange(0, 256)
+        key = topk._ordered_key(tl.load(x_ptr + i))
+        ok = tl.load(m_ptr + i) != 0
+        need = tl.load(need_ptr)
+        tl.store(o_ptr, topk._kth_largest_key_hist(key, ok, need, 8).to(tl.int32, bitcast=True))
+        tl.store(o_ptr + 1, topk._kth_largest_key(key, ok, need).to(tl.int32, bitcast=True))
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-5, 6, (256,), generator=g).float() * torch.rand(256, generator=g).round(decimals=1)
+    x[:40] = torch.randn(40, generator=g) * 1e-30
+    valid = torch.rand(256, generator=g) > 0.3
+    for need in (1, 7, 64, int(valid.sum())):
+        o = torch.zeros(2, dtype=torch.int32)
+        k[(1,)](x, valid.to(torch.int8), torch.tensor([need], dtype=torch.int32), o)
+        assert o[0].item() == o[1].item(), need
+
+
+def test_topk_select_option_is_checked():
+    with pytest.raises(ValueError, match="select must be"):
+        topk.topk_positions_triton(torch.zeros(2, 64), 16, select="sort")
