@@ -196,7 +196,8 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
                      xn_ptr, xc_ptr, part_ptr, cnt_ptr, pre_ptr, post_ptr, comb_ptr, T, KS, CPS, norm_eps, hc_eps,
                      DIM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ITERS: tl.constexpr,
                      HAS_POST: tl.constexpr, USE_DOT: tl.constexpr, NP: tl.constexpr, MR: tl.constexpr,
-                     DOT_DT: tl.constexpr, PREC: tl.constexpr, FINISH: tl.constexpr, KSB: tl.constexpr):
+                     DOT_DT: tl.constexpr, PREC: tl.constexpr, FINISH: tl.constexpr, KSB: tl.constexpr,
+                     TOKENS_M: tl.constexpr = False):
     """FINISH: 0 partials only (a second launch finishes), 1 finish in registers (one d split),
     2 partials and the last program of the token block to arrive finishes.
 
@@ -205,7 +206,13 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
     (row r of the MR-row tile = piece r // 32, mix r % 32; mixes 24..31 masked to zero) loaded straight
     into the dot (pipelined, no arithmetic on it), and the B operand is the four updated stream tiles
     joined into one [BT, 4 BD] tile: one dot per chunk. Otherwise fn_ptr is fn [24, 4 dim] fp32 and
-    the mixes are FMAs."""
+    the mixes are FMAs.
+
+    TOKENS_M (dot path, run 4's candidate): the other orientation. The joined stream tile is the
+    wgmma's register A operand (M = BT tokens) and each fn piece's [32, 4 BD] tile (mixes 24..31
+    masked) the shared-memory B operand (N = 32 mixes), NP dots per chunk into one [BT, 32]
+    accumulator: no shared-memory copy of the stream tile, 48 KB of fn per stage instead of 64 KB
+    (3 pieces x 32 rows, not 128 rows of which 72 are used), 8 accumulator registers instead of 32."""
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)
@@ -240,7 +247,11 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
     sq = tl.zeros([BT, BD], tl.float32)  # squares and FMA products are reduced once, after the loop
     m2 = tm[:, None]
     r32 = tl.arange(0, 32)
-    if USE_DOT:
+    if USE_DOT and TOKENS_M:
+        acc = tl.zeros([BT, 32], tl.float32)
+        f_off = r32[:, None] * (4 * DIM) + tl.arange(0, 4 * BD)[None, :]  # one piece's [32, 4 BD] tile
+        f_ok = (r32 < 24)[:, None]
+    elif USE_DOT:
         acc_t = tl.zeros([MR, BT], tl.float32)  # transposed; MR // 32 row blocks, one per fn piece
         rm = tl.arange(0, MR)
         a_ok = ((rm // 32) < NP) & ((rm % 32) < 24)
@@ -258,7 +269,9 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         x1q = tl.load(x_ptr + xoff + DIM, mask=m2, other=0.0)
         x2q = tl.load(x_ptr + xoff + 2 * DIM, mask=m2, other=0.0)
         x3q = tl.load(x_ptr + xoff + 3 * DIM, mask=m2, other=0.0)
-        if USE_DOT:
+        if USE_DOT and TOKENS_M:
+            pass  # the fn pieces are loaded next to their dots
+        elif USE_DOT:
             a = tl.load(fn_ptr + a_off + ci * (4 * BD), mask=a_ok[:, None], other=0.0)
         else:
             fo = f_row[:, None] * (4 * DIM) + d[None, :]
@@ -290,7 +303,15 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         sq += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
         col = q0[:, None] * v0 + q1[:, None] * v1 + q2[:, None] * v2 + q3[:, None] * v3
         tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], col.to(xc_ptr.dtype.element_ty), mask=m2)
-        if USE_DOT:
+        if USE_DOT and TOKENS_M:
+            xa = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), (BT, 4 * BD)).to(DOT_DT)
+            for pc in tl.static_range(NP):
+                fb = tl.load(fn_ptr + f_off + (pc * 24 * 4 * DIM + ci * 4 * BD), mask=f_ok, other=0.0)
+                if NP == 1:
+                    acc = tl.dot(xa, tl.trans(fb.to(DOT_DT)), acc, input_precision=PREC)
+                else:
+                    acc = tl.dot(xa, tl.trans(fb.to(DOT_DT)), acc)
+        elif USE_DOT:
             # column 4 d + j of the joined tile is stream j at d (the interleave of mhc_fn_pieces)
             b = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), (BT, 4 * BD))
             if NP == 1:
@@ -300,7 +321,9 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         else:
             acc3 += v0[:, None, :] * f0[None, :, :] + v1[:, None, :] * f1[None, :, :] \
                 + v2[:, None, :] * f2[None, :, :] + v3[:, None, :] * f3[None, :, :]
-    if USE_DOT:
+    if USE_DOT and TOKENS_M:
+        pass
+    elif USE_DOT:
         acc = tl.trans(tl.sum(tl.reshape(acc_t, (MR // 32, 32, BT)), axis=0))
     else:
         acc = tl.sum(acc3, axis=2)
@@ -439,7 +462,8 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
                norm_eps=1e-20, hc_eps=1e-6, iters=20, block_t: int | None = None, block_d: int | None = None,
                precision: str = "tf32x3", num_warps: int | None = None, *, token_block: int | None = None,
                split_k: int | None = None, split: int | None = None, num_stages: int | None = None,
-               finish_block_t: int | None = None, waves: float | None = None, finish: str = "last"):
+               finish_block_t: int | None = None, waves: float | None = None, finish: str = "last",
+               orient: str = "mixes"):
     """The fused mHC (see the module docstring); the outputs of `mhc_reference`.
 
     Tuning: token_block (tokens per program), block_d (d chunk), split_k (programs along d), waves
@@ -448,11 +472,15 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
     finishes it, one launch; "launch": a second launch of finish_block_t tokens per program). The FMA
     path with one d split finishes in registers. `block_t` is the obsolete name of token_block from the
     one-launch kernel and is ignored (the block follows T). The dot path's fn pieces are made once per
-    fn tensor (and version) and cached (`mhc_fn_pieces`)."""
+    fn tensor (and version) and cached (`mhc_fn_pieces`). orient (dot path): "mixes" (fn pieces as the
+    MMA's M, tokens as N: the default) or "tokens" (tokens as M from registers, each fn piece as B:
+    see the kernel's TOKENS_M)."""
     del block_t
     t, dim = _check(x, fn, scale, base, pre_prev, y, post_old, comb_old)
     if finish not in ("last", "launch"):
         raise ValueError(f"finish must be 'last' or 'launch', got {finish!r}")
+    if orient not in ("mixes", "tokens"):
+        raise ValueError(f"orient must be 'mixes' or 'tokens', got {orient!r}")
     dev = x.device
     xc = torch.empty(t, dim, dtype=x.dtype, device=dev)
     xn = torch.empty_like(x) if y is not None else None
@@ -485,7 +513,7 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
         f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, cnt, pre, post, comb,
         t, ks, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
         USE_DOT=use_dot, NP=max(1, split), MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision,
-        FINISH=mode, KSB=_parts_per_load(ks, bt), num_warps=nw, num_stages=ns)
+        FINISH=mode, KSB=_parts_per_load(ks, bt), TOKENS_M=orient == "tokens", num_warps=nw, num_stages=ns)
     if mode == 0:
         fbt = finish_block_t or min(32, _pow2_at_least(t))
         ksb = _parts_per_load(ks, fbt)

@@ -64,6 +64,11 @@ SHAPES = [
     (7, 256, {"split_k": 3}, (8, False, 3)),                       # 8 chunks over 3 splits (3, 3, 2)
     (70, 128, {"token_block": 64, "split_k": 2}, (64, True, 2)),   # 64-token blocks of 64-wide chunks
     (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch"}, (16, True, 2)),  # the second launch
+    # orient="tokens" (run 4's candidate): tokens as the MMA's M, each fn piece as B
+    (20, 64, {"token_block": 16, "split_k": 1, "orient": "tokens"}, (16, True, 1)),
+    (70, 128, {"token_block": 64, "split_k": 2, "orient": "tokens"}, (64, True, 2)),
+    (40, 128, {"token_block": 32, "split_k": 4, "block_d": 32, "orient": "tokens"}, (32, True, 4)),
+    (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch", "orient": "tokens"}, (16, True, 2)),
 ]
 
 
@@ -82,7 +87,8 @@ def test_mhc_paths_match_the_fp64_reference(poisoned, gen, t, dim, kw, plan, wit
     assert torch.allclose(got[4].sum(-2), torch.ones(t, 4), atol=1e-4)  # doubly stochastic columns
 
 
-@pytest.mark.parametrize("t,kw", [(20, {"token_block": 16, "split_k": 2}), (3, {})])
+@pytest.mark.parametrize("t,kw", [(20, {"token_block": 16, "split_k": 2}), (3, {}),
+                                  (20, {"token_block": 16, "split_k": 2, "orient": "tokens"})])
 def test_mhc_bf16_stream_fn_split_pieces(poisoned, gen, t, kw):
     """A bf16 stream (exact bf16 values, no update so no rounding of X'): fn cut into 3 bf16 pieces gives
     fp32 accuracy, 2 pieces about 2^-17 of |fn|; the FMA path (3 tokens) ignores the split."""
@@ -114,6 +120,8 @@ def test_mhc_bad_shapes_and_options(gen):
         mhc.mhc_triton(*args, block_d=64)
     with pytest.raises(ValueError, match="bf16 stream"):
         mhc.mhc_triton(*_inputs(gen, 2, 64, torch.float32, False), split=3)
+    with pytest.raises(ValueError, match="orient must be"):
+        mhc.mhc_triton(*args, orient="rows")
     with pytest.raises(ValueError, match="split must be"):
         mhc.mhc_triton(*_inputs(gen, 2, 64, torch.bfloat16, False), split=1)
     x, *rest = _inputs(gen, 2, 64, torch.float32, False)
