@@ -73,24 +73,51 @@ def rand_fp4(shape, block, kind="e8m0"):
     return packed, s
 
 
-def sweep(log_key: str, what: str, cfgs, run, check=None, **bench_kw):
+def sweep(log_key: str, what: str, cfgs, run, check=None, valid=None, **bench_kw):
     """Time run(**cfg) for every configuration (a failing one is logged and skipped), log them under
-    log_key; returns (best cfg, its time in us, check(its output) or None)."""
+    log_key; returns (best cfg, its time in us, check(its output) or None). valid(check value): whether
+    a configuration may be the best (a wrong but fast variant is logged, never picked)."""
     times = {}
     for cfg in cfgs:
         try:
             out = run(**cfg)
             times[str(cfg)] = (bench(lambda: run(**cfg), **bench_kw), check(out) if check else None)
             # printed as it goes: a run cut off by its time limit still tells which configs were timed
-            print(f"[sweep] {what} {cfg}: {times[str(cfg)][0]:.1f} us", flush=True)
+            print(f"[sweep] {what} {cfg}: {times[str(cfg)][0]:.1f} us"
+                  + (f" (check {times[str(cfg)][1]})" if check else ""), flush=True)
         except Exception as ex:  # noqa: BLE001
             LOG["errors"].append(f"{what} cfg {cfg}: {ex!r}"[:400])
             print(f"[sweep] {what} {cfg}: failed {ex!r}"[:300], flush=True)
     LOG[log_key] = times if check else {c: t for c, (t, _) in times.items()}
     if not times:
         raise RuntimeError(f"no {what} configuration ran (see the errors above)")
-    best = min(times, key=lambda c: times[c][0])
+    ok = [c for c in times if valid is None or valid(times[c][1])]
+    if not ok:
+        raise RuntimeError(f"no {what} configuration passed its check: {times}")
+    best = min(ok, key=lambda c: times[c][0])
     return next(c for c in cfgs if str(c) == best), *times[best]
+
+
+def kernel_breakdown(fn, iters=20):
+    """Device time per kernel name of one call of fn (mean over iters calls, torch.profiler), in us:
+    which launch of a multi-kernel entry point holds the time."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if "CUDA" not in str(getattr(e, "device_type", "CUDA")):  # the kernels, not the aten ops around them
+            continue
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            out[e.key[:60]] = round(t / iters, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
 
 
 def row(name, us, floor_us, limit, extra, eager_us, check, goal_us):
@@ -190,6 +217,36 @@ def case_indexer(bw, mm):
     te = bench(lambda: torch.sort(torch.topk(s, 512, dim=1).indices, dim=1).values, rep=100)
     byt = s.numel() * 4
     row("top-512 over 4K x 64K logits", t, byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s (1 read)", te, chk, 600)
+
+
+# top-512 over 4K x 64K logits: the rows path's launch shapes and run 4's select="hist" (the bound and
+# the threshold by 4 8-bit histogram steps instead of 16 counting steps of 3 reductions). Registers on
+# sm_90 (triton 3.7): 16 warps 112 (1 block/SM), 8 warps 128-203 (2 blocks/SM at 128), 4 warps 204-255
+TOPK_CFGS = [{}, dict(select="hist"), dict(num_warps=8), dict(num_warps=8, select="hist"),
+             dict(num_warps=8, block=2048), dict(num_warps=8, block=2048, select="hist"),
+             dict(num_warps=4, block=2048), dict(num_warps=4, block=2048, select="hist"),
+             dict(num_warps=16, block=2048, select="hist"), dict(num_warps=8, groups=2048, select="hist"),
+             dict(num_warps=4, block=1024, groups=2048, select="hist")]
+
+
+def case_topk(bw, mm):
+    """The top-512 row of case_indexer on the same kind of logits (the indexer's prefill scores),
+    sweeping TOPK_CFGS; the row takes the fastest configuration whose rows 0-255 are identical to
+    torch.topk's."""
+    h, d, tq, n = 32, 128, 4096, 65536
+    qp, qs = rand_fp4((tq, h, d), 32)
+    kp, ks = rand_fp4((n, d), 32)
+    w = torch.randn(tq, h, device=DEV) * (128 ** -0.5) * (32 ** -0.5)
+    nv = torch.full((tq,), n, dtype=torch.int32, device=DEV)
+    s = indexer.indexer_scores_triton(qp, qs, kp, ks, w, nv)
+    del qp, qs, kp, ks
+    want = torch.sort(torch.topk(s[:256], 512, dim=1).indices, dim=1).values.int()
+    cfg, t, same = sweep("topk_cfgs", "topk", TOPK_CFGS, lambda **c: topk.topk_positions_triton(s, 512, **c),
+                         lambda out: torch.equal(out[:256], want), valid=bool, rep=100)
+    te = bench(lambda: torch.sort(torch.topk(s, 512, dim=1).indices, dim=1).values, rep=100)
+    byt = s.numel() * 4
+    row("top-512 over 4K x 64K logits (sweep)", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s (1 read); cfg {cfg}", te, f"rows 0-255 identical {same}", 600)
 
 
 def _attn_inputs(tq, n_pool, n_win):
@@ -297,8 +354,33 @@ def case_moe(bw, mm):
              dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3),
              dict(gemv_block_n=16, gemv_block_kw=32, gemv_iters=4, gemv_down_block_n=16, gemv_down_iters=9),
              dict(gemv_num_warps=8, gemv_block_n=32, gemv_down_block_n=64)]
+    # run 4 candidates: 8-row blocks (64 regs: 2x the programs, 8 blocks per SM), and gemv_prefetch (a
+    # rolled K loop with the next step's loads in flight during this step's decode) over long K slices:
+    # gate/up 640 words = 64 x 10 (one program per row block, no atomics) or 64 x 5 (2 splits), down
+    # 288 words = 32 x 9 (no split) or 32 x 3
+    pf = dict(gemv_prefetch=True)
+    dcfgs += [dict(gemv_block_n=8),
+              dict(gemv_block_n=8, gemv_down_block_n=16),
+              dict(pf, gemv_block_n=16, gemv_block_kw=32, gemv_iters=4, gemv_down_block_kw=32, gemv_down_iters=3),
+              dict(pf, gemv_block_n=8, gemv_block_kw=64, gemv_iters=5, gemv_down_block_n=16, gemv_down_block_kw=32,
+                   gemv_down_iters=9),
+              dict(pf, gemv_block_n=8, gemv_block_kw=64, gemv_iters=10, gemv_down_block_n=16,
+                   gemv_down_block_kw=32, gemv_down_iters=9),
+              dict(pf, gemv_block_n=16, gemv_block_kw=64, gemv_iters=10, gemv_down_block_n=32,
+                   gemv_down_block_kw=32, gemv_down_iters=9),
+              dict(pf, gemv_block_n=8, gemv_block_kw=32, gemv_iters=5, gemv_down_block_n=16, gemv_down_block_kw=32,
+                   gemv_down_iters=3),
+              dict(pf, gemv_block_n=16, gemv_block_kw=64, gemv_iters=5, gemv_down_block_n=32, gemv_down_block_kw=32,
+                   gemv_down_iters=3)]
     dbest, t, r = sweep("moe_decode_cfgs", "moe decode", dcfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
-                        lambda out: rel(want, out), graph=True)
+                        lambda out: rel(want, out), valid=lambda v: v < 1e-3, graph=True)
+    # which launch holds the time (memset, gate/up, down), default and best configuration
+    for name, c in (("default", {}), ("best", dbest)):
+        try:
+            LOG[f"moe_decode_kernels_{name}"] = kb = kernel_breakdown(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **c))
+            print(f"[kernels] moe decode {name} {c}: {kb}", flush=True)
+        except Exception as ex:  # noqa: BLE001
+            LOG["errors"].append(f"moe decode breakdown: {ex!r}"[:300])
     te = bench(lambda: eager(x, ids, tw), rep=40)
     byt = k * per_expert
     row("FP4 MoE decode, 1 token, 6 of 384 experts", t, byt / bw * 1e6, "HBM",
@@ -344,10 +426,21 @@ def case_mhc(bw, mm):
     in 2 stages, 64x32 in 3, 32x32 tiles two programs per SM, the second finishing launch); the row takes
     the fastest at fn cut in 3 bf16 pieces (the tested accuracy), 2-piece rows are logged only."""
     dim = 5120
+    # run 4 candidates, orient="tokens" (tokens as the MMA's M, fn pieces as B; sm_90 compile on triton
+    # 3.7: 64x32 tiles in 2 stages = 125 regs / 90 KB, i.e. 2 blocks per SM, so waves 2 = 256 programs)
+    tok = {"orient": "tokens"}
     sweep = {4096: [{}, {"block_d": 32}, {"token_block": 32, "num_stages": 2, "waves": 2},
-                    {"token_block": 32, "block_d": 64, "num_stages": 2}, {"finish": "launch"}],
+                    {"token_block": 32, "block_d": 64, "num_stages": 2}, {"finish": "launch"},
+                    tok, {**tok, "block_d": 32, "num_stages": 2, "waves": 2},
+                    {**tok, "block_d": 32, "num_stages": 2, "waves": 4},
+                    {**tok, "block_d": 32, "num_stages": 2, "waves": 1},
+                    {**tok, "block_d": 32, "num_stages": 3},
+                    {**tok, "token_block": 128, "block_d": 32, "num_stages": 2},
+                    {**tok, "token_block": 32, "block_d": 32, "num_stages": 3, "waves": 2},
+                    {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "num_warps": 4}],
              1: [{}, {"finish": "launch"}, {"waves": 1}, {"waves": 2}]}
-    logged_only = {4096: [{"split": 2}, {"token_block": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: []}
+    logged_only = {4096: [{"split": 2}, {"token_block": 32, "num_stages": 2, "waves": 2, "split": 2},
+                          {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: []}
     for tq, goal in ((4096, 135), (1, 8)):
         x = torch.randn(tq, 4, dim, device=DEV).bfloat16()
         fn = torch.randn(24, 4 * dim, device=DEV) * 0.01
@@ -358,16 +451,21 @@ def case_mhc(bw, mm):
         comb_old = torch.softmax(torch.randn(tq, 4, 4, device=DEV), -1)
         args = (x, fn, scale, base, pre_prev, y, post_old, comb_old)
         want = mhc_eager(*args)
-        times = {}
+        times, bad = {}, set()
         for cfg in sweep[tq] + logged_only[tq]:
             try:
                 got = mhc.mhc_triton(*args, **cfg)
-                chk = "rel " + "/".join(f"{rel(a, b):.0e}" for a, b in zip(want, got))
+                errs = [rel(a, b) for a, b in zip(want, got)]
+                chk = "rel " + "/".join(f"{e:.0e}" for e in errs)
                 times[str(cfg)] = (bench(lambda: mhc.mhc_triton(*args, **cfg), graph=tq == 1), chk)
+                if not max(errs) < 1e-3:  # logged, never the row's pick
+                    bad.add(str(cfg))
+                print(f"[sweep] mhc {tq} {cfg}: {times[str(cfg)][0]:.1f} us ({chk})", flush=True)
             except Exception as e:  # noqa: BLE001
                 LOG["errors"].append(f"mhc {tq} cfg {cfg}: {e!r}"[:400])
+                print(f"[sweep] mhc {tq} {cfg}: failed {e!r}"[:300], flush=True)
         LOG[f"mhc_cfgs_{tq}"] = times
-        ok = [str(c) for c in sweep[tq] if str(c) in times]
+        ok = [str(c) for c in sweep[tq] if str(c) in times and str(c) not in bad]
         if not ok:
             raise RuntimeError(f"no mHC configuration ran at {tq} tokens (see the errors above)")
         best = min(ok, key=lambda c: times[c][0])
@@ -433,7 +531,8 @@ def case_quant(bw, mm):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn, indexer, topk, moe, "
+                    "linear (default: all; topk is the top-512 sweep alone, on its own logits)")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -443,8 +542,8 @@ def main():
     bw, mm = ceilings()
     LOG["ceilings"] = dict(hbm_copy_TBps=bw / 1e12, bf16_mm_TFLOPs=mm / 1e12)
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
-    cases = dict(quant=case_quant, mhc=case_mhc, attn=case_attn, indexer=case_indexer, moe=case_moe,
-                 linear=case_linear)
+    cases = dict(quant=case_quant, mhc=case_mhc, attn=case_attn, indexer=case_indexer, topk=case_topk,
+                 moe=case_moe, linear=case_linear)
     table = ""
     for name, fn in cases.items():
         if args.only and name not in args.only.split(","):

@@ -170,6 +170,67 @@ def _gemv_vec(v_ptr, kw, j: tl.constexpr, KW: tl.constexpr, SPLIT_LAYOUT: tl.con
 
 
 @triton.jit
+def _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW: tl.constexpr, SPLIT_LAYOUT: tl.constexpr,
+               TWO: tl.constexpr):
+    """One K step of `_gemv_rows` on loaded words: acc (+ accb) += decoded W[rows, kw] * v * scale."""
+    part = tl.zeros(acc.shape, tl.float32)
+    partb = tl.zeros(acc.shape, tl.float32)
+    for A in tl.static_range(4):
+        vlo = _gemv_vec(v_ptr, kw, A, KW, SPLIT_LAYOUT)[None, :]
+        vhi = _gemv_vec(v_ptr, kw, A + 4, KW, SPLIT_LAYOUT)[None, :]
+        lo, hi = _nibble_pair(wd, A)
+        part += lo * vlo
+        part += hi * vhi
+        if TWO:
+            lo, hi = _nibble_pair(wdb, A)
+            partb += lo * vlo
+            partb += hi * vhi
+    acc += part * sc
+    if TWO:
+        accb += partb * scb
+    return acc, accb
+
+
+@triton.jit
+def _gemv_rows_prefetch(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM: tl.constexpr,
+                        BKW: tl.constexpr, NIT: tl.constexpr, SPLIT_LAYOUT: tl.constexpr, TWO: tl.constexpr):
+    """`_gemv_rows` as a rolled loop that issues step it+1's word and scale loads before decoding step
+    it (a register double buffer: the loads of the next step are in flight during this step's decode,
+    which the unrolled version leaves to the compiler's scheduling)."""
+    KW: tl.constexpr = KDIM // 8
+    r64 = rows.to(tl.int64)
+    soff = r64 * (KDIM // 32)
+    kw = kw_first + tl.arange(0, BKW)
+    woff = r64[:, None] * KW + kw[None, :]
+    wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
+    sc = _scale_words(s_ptr, soff, kw, rmask[:, None])
+    wdb = wd
+    scb = sc
+    if TWO:
+        wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
+        scb = _scale_words(sb_ptr, soff, kw, rmask[:, None])
+    acc = tl.zeros([rows.shape[0], BKW], tl.float32)
+    accb = tl.zeros([rows.shape[0], BKW], tl.float32)
+    for it in range(NIT):
+        nmask = rmask[:, None] & (it + 1 < NIT)
+        kwn = kw + BKW
+        wdn = tl.load(w_ptr + woff + BKW, mask=nmask, other=0)
+        scn = _scale_words(s_ptr, soff, kwn, nmask)
+        wdbn = wdn
+        scbn = scn
+        if TWO:
+            wdbn = tl.load(wb_ptr + woff + BKW, mask=nmask, other=0)
+            scbn = _scale_words(sb_ptr, soff, kwn, nmask)
+        acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
+        wd, sc, wdb, scb, kw, woff = wdn, scn, wdbn, scbn, kwn, woff + BKW
+    if TWO:
+        return tl.sum(acc, axis=1), tl.sum(accb, axis=1)
+    else:
+        y = tl.sum(acc, axis=1)
+        return y, y
+
+
+@triton.jit
 def _gemv_rows(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM: tl.constexpr,
                BKW: tl.constexpr, NIT: tl.constexpr, SPLIT_LAYOUT: tl.constexpr, TWO: tl.constexpr):
     """sum over words kw_first .. kw_first + NIT * BKW of W[rows, 8 kw .. 8 kw + 7] * v (FP4 weight
@@ -223,7 +284,8 @@ def _gemv_pair_rows(ids_ptr, BN: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, NP, limit,
                          DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                         BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, KS: tl.constexpr):
+                         BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, KS: tl.constexpr,
+                         PF: tl.constexpr = False):
     """Program (pair, row block, K split of KS): partial W1 x and W3 x added into gu [2, P, I] (fp32,
     zeroed); the last split of a row block to arrive (counter cnt [P, row blocks], zeroed) applies the
     clamped SwiGLU and writes h [P, 8, I/8] (row r at (r % 8) * I/8 + r // 8: the down kernel's
@@ -232,7 +294,11 @@ def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr,
     kw_first = tl.program_id(2) * (NIT * BKW)
     grow = e * INTER + rows
     xv = x_ptr + (p // TOPK).to(tl.int64) * DIM
-    g, u = _gemv_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT, False, True)
+    if PF:
+        g, u = _gemv_rows_prefetch(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT,
+                                   False, True)
+    else:
+        g, u = _gemv_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT, False, True)
     if KS > 1:
         gp = gu_ptr + p.to(tl.int64) * INTER + rows
         tl.atomic_add(gp, g, mask=rmask)
@@ -260,12 +326,16 @@ def _gemv_swiglu_store(h_ptr, p, rows, rmask, g, u, limit, INTER: tl.constexpr):
 @triton.jit
 def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
                       DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                      BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr):
+                      BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, PF: tl.constexpr = False):
     """Program (pair, row block, K split): tw * W2 h over its K slice added into out (fp32 atomics)."""
     p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, DIM)
     kw_first = tl.program_id(2) * (NIT * BKW)
-    y, _ = _gemv_rows(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask,
-                      kw_first, INTER, BKW, NIT, True, False)
+    if PF:
+        y, _ = _gemv_rows_prefetch(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows,
+                                   rmask, kw_first, INTER, BKW, NIT, True, False)
+    else:
+        y, _ = _gemv_rows(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask,
+                          kw_first, INTER, BKW, NIT, True, False)
     tw = tl.load(tw_ptr + p)
     tl.atomic_add(out_ptr + (p // TOPK).to(tl.int64) * DIM + rows, y * tw, mask=rmask)
 
@@ -386,9 +456,14 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    block_k: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 4,
                    gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
                    gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
-                   gemv_down_iters: int = 3, gemv_num_warps: int = 4):
+                   gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
+                   gemv_down_num_warps: int | None = None):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
-    (gemv_* knobs); otherwise the grouped GEMM (block_m tokens x block_n rows x block_k, group_m)."""
+    (gemv_* knobs); otherwise the grouped GEMM (block_m tokens x block_n rows x block_k, group_m).
+    gemv_prefetch (run 4's candidate): each GEMV program loops over its gemv_iters K steps with the
+    next step's loads issued before this step's decode (`_gemv_rows_prefetch`), so long K slices
+    (few or no K splits, fewer atomics) keep loads in flight; gemv_down_num_warps: the down kernel's
+    warps (default gemv_num_warps)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     if dim % 32 or inter % 32:
@@ -409,10 +484,11 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
         _gemv_gate_up_kernel[(p, nrb, ks1)](
             x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, p, float(swiglu_limit), DIM=dim, INTER=inter,
-            TOPK=k, BN=gemv_block_n, BKW=bkw1, NIT=it1, KS=ks1, num_warps=gemv_num_warps)
+            TOPK=k, BN=gemv_block_n, BKW=bkw1, NIT=it1, KS=ks1, PF=gemv_prefetch, num_warps=gemv_num_warps)
         _gemv_down_kernel[(p, triton.cdiv(dim, gemv_down_block_n), ks2)](
             h, w2w, s2, ids, tw, out, DIM=dim, INTER=inter, TOPK=k,
-            BN=gemv_down_block_n, BKW=bkw2, NIT=it2, num_warps=gemv_num_warps)
+            BN=gemv_down_block_n, BKW=bkw2, NIT=it2, PF=gemv_prefetch,
+            num_warps=gemv_down_num_warps or gemv_num_warps)
         return out
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64

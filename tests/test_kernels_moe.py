@@ -69,6 +69,18 @@ def test_gemv_path(gen, t, iters):
     assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
 
 
+@pytest.mark.parametrize("t,iters,every_byte", [(1, 1, False), (2, 2, False), (1, 4, True), (1, 8, False)])
+def test_gemv_path_prefetch(gen, t, iters, every_byte):
+    """gemv_prefetch (run 4's candidate): the rolled K loop with the next step's loads issued first,
+    from one step per program to the whole K range in one program (iters 8: no K split, no atomics in
+    gate/up), every FP4 byte and small scale bytes included."""
+    args = _case(gen, t, every_byte=every_byte)
+    got = moe.moe_fp4_triton(*args, gemv_block_n=32, gemv_block_kw=2, gemv_iters=iters, gemv_down_block_n=16,
+                             gemv_down_block_kw=4, gemv_down_iters=iters, gemv_prefetch=True,
+                             gemv_down_num_warps=2)
+    assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
+
+
 def test_gemv_split():
     assert moe._gemv_split(640, 128, 1) == (128, 1, 5)  # release gate/up: 640 words, 5 K splits
     assert moe._gemv_split(288, 64, 3) == (32, 3, 3)  # release down: 288 = 9 x 32 words
