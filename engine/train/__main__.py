@@ -139,7 +139,10 @@ def main(argv=None) -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--cpu", action="store_true")
         p.add_argument("--tiny", action="store_true")
-        p.add_argument("--budget-s", type=float, default=600.0)
+        p.add_argument("--budget-s", type=float, default=600.0,
+                       help="seconds of training, each phase's first (compiling) step not counted")
+        p.add_argument("--deadline-s", type=float, default=0.0,
+                       help="wall-clock limit of the loop, compiling included (0: none); the budget shrinks to fit")
         p.add_argument("--max-steps", type=int, default=0)
         p.add_argument("--dense-frac", type=float, default=0.15)
         p.add_argument("--quant-frac", type=float, default=0.2)

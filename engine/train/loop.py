@@ -52,6 +52,37 @@ class Phase:
     opts: StepOptions
 
 
+class PhaseClock:
+    """Seconds of GPU timeline per phase, from CUDA events around each step (no host sync inside the
+    loop: the events are read when the log syncs anyway). Steps that compiled are left out. On the
+    CPU the host's wall time is the timeline."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list = []
+        self.seconds: dict[str, float] = {}
+        self.tokens: dict[str, int] = {}
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, phase: str, tokens: int, start, end) -> None:
+        self.pending.append((phase, tokens, start, end))
+
+    def collect(self) -> dict[str, float]:
+        """Fold the finished steps in (call after a sync); tokens/s per phase so far."""
+        for phase, tokens, start, end in self.pending:
+            s = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + s
+            self.tokens[phase] = self.tokens.get(phase, 0) + tokens
+        self.pending.clear()
+        return {k: round(self.tokens[k] / v) for k, v in self.seconds.items() if v > 0}
+
+
 def sample_batch(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
     """[batch, seq] windows at random offsets of a 1-D token stream (on its device, no sync)."""
     offsets = torch.randint(0, stream.numel() - seq, (batch, 1), device=stream.device, generator=gen)
@@ -152,8 +183,12 @@ class Run:
         # The budget clock leaves out each phase's first step: with --compile that step compiles for
         # minutes, and counted in, it would eat the dense warm-up's whole share of the budget.
         first_steps_s, started = 0.0, set()
+        clock = PhaseClock(self.device)
+        deadline = getattr(a, "deadline_s", 0.0)
         while True:
-            frac = (time.time() - t0 - first_steps_s) / a.budget_s
+            # with a wall-clock deadline (compiling included), the budget shrinks as compiling eats it
+            budget = min(a.budget_s, deadline - first_steps_s) if deadline else a.budget_s
+            frac = (time.time() - t0 - first_steps_s) / max(budget, 1e-9)
             if frac >= 1.0 or (a.max_steps and step >= a.max_steps):
                 break
             name = phase_name(frac, step, a)
@@ -165,6 +200,7 @@ class Run:
                 ids = torch.cat([ids, sample_batch(extra, n_extra, phase.seq, gen)])
             first = name not in started
             step_t0 = time.time()
+            mark = clock.mark()
             try:
                 if a.profile_step and step == a.profile_step:
                     out, gnorm = self.profiled_step(phase, ids, lr)
@@ -176,6 +212,8 @@ class Run:
                     started.add(name)
                     first_steps_s += time.time() - step_t0
                     self.note(event="first_step", phase=name, seconds=round(time.time() - step_t0, 1))
+                else:
+                    clock.add(name, phase.batch * phase.seq, mark, clock.mark())
             except torch.OutOfMemoryError:
                 self.opt.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
@@ -203,7 +241,8 @@ class Run:
                     extras = {"focus": round(float(out.loss_focus), 4),
                               "focus_recall": {str(k): round(float(v), 3) for k, v in out.focus_recall.items()}}
                 if out.loss_balance is not None:
-                    extras["balance"] = round(float(out.loss_balance), 4)
+                    extras["balance"] = round(float(out.loss_balance.detach()), 4)
+                extras["phase_tok_s"] = clock.collect()
                 self.note(event="step", step=step, phase=name, batch=phase.batch, seq=phase.seq, lr=round(lr, 6),
                           ce=round(ce, 4), kl=round(float(out.loss_kl), 4), margin=round(float(out.loss_margin), 4),
                           gnorm=round(float(gnorm), 3), tokens=tokens, zero_picks=zero,
@@ -211,11 +250,15 @@ class Run:
                           mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if self.device.type == "cuda" else 0,
                           tok_s=round(tok_s), **extras)
         train_s = time.time() - t0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        phase_tok_s = clock.collect()
         self.log.update(steps=step, tokens_seen=tokens, train_s=round(train_s, 1),
-                        first_steps_s=round(first_steps_s, 1))
+                        first_steps_s=round(first_steps_s, 1), phase_tok_s=phase_tok_s,
+                        phase_s={k: round(v, 1) for k, v in clock.seconds.items()})
         self.note(event="trained", steps=step, tokens=tokens, train_s=round(train_s, 1),
                   first_steps_s=round(first_steps_s, 1),
-                  tok_s=round(tokens / max(train_s, 1e-9)))
+                  tok_s=round(tokens / max(train_s, 1e-9)), phase_tok_s=phase_tok_s)
 
     @torch.no_grad()
     def heldout(self, name: str, tokens: torch.Tensor, seq: int, max_windows: int, fake_quant: bool) -> dict:
