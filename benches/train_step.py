@@ -86,48 +86,6 @@ def worker(a) -> None:
             rows.append(row)
 
 
-def mixes(tokens: int, repeat: int) -> str:
-    """The mHC mixes alone, compiled, forward + backward at `tokens` tokens: the engine's Sinkhorn
-    (a reduction per round) against the trainer's unrolled one; compile time and step time."""
-    import torch
-
-    sys.path.insert(0, str(ROOT))
-    from engine.model import mhc
-    from engine.train.batched import _compiled, hc_mixes_unrolled
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    hc, dim = 4, 256
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(tokens, hc, dim, device=dev, generator=g, requires_grad=True)
-    fn = (torch.randn(24, hc * dim, device=dev, generator=g) * 0.05).requires_grad_()
-    scale, base = torch.tensor([0.7, 1.1, 2.0], device=dev), torch.randn(24, device=dev, generator=g)
-    lines = ["| mixes | compile + first (s) | fwd+bwd (ms) | ratio |", "|---|---|---|---|"]
-    times = {}
-    for name, f in (("engine sinkhorn", mhc.hc_mixes), ("unrolled", hc_mixes_unrolled)):
-        step = _compiled(f)
-
-        def once():
-            pre, post, comb = step(x, fn, scale, base, hc, 20, 1e-6, 1e-20)
-            (pre.sum() + post.sum() + (comb * comb).sum()).backward()
-        sync()
-        t0 = time.perf_counter()
-        once()
-        sync()
-        first = time.perf_counter() - t0
-        runs = []
-        for _ in range(repeat):
-            sync()
-            t0 = time.perf_counter()
-            once()
-            sync()
-            runs.append(time.perf_counter() - t0)
-        times[name] = statistics.median(runs)
-        ratio = times["engine sinkhorn"] / times[name]
-        lines.append(f"| {name} | {first:.1f} | {times[name] * 1e3:.2f} | {ratio:.2f}x |")
-    return "\n".join(lines)
-
-
 def _run_tree(tree: Path, a, label: str) -> list[dict]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--tree", str(tree), "--train", a.train,
            "--shapes", a.shapes, "--phases", a.phases, "--warm", str(a.warm), "--steps", str(a.steps),
@@ -144,7 +102,7 @@ def _run_tree(tree: Path, a, label: str) -> list[dict]:
         stdout, stderr, code = as_text(err.stdout), as_text(err.stderr), f"timeout after {a.tree_timeout:.0f} s"
     rows = []
     for line in stdout.splitlines():
-        if line.startswith("{"):
+        if line.startswith("{") and '"shape"' in line:  # (not the profiler's event line)
             rows.append(json.loads(line))
             print(f"  {line}", flush=True)
     if code:
@@ -171,7 +129,6 @@ def table(current: list[dict], baseline: list[dict]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--train", default="", help="uint16 .npy token stream(s), comma-separated")
-    p.add_argument("--mixes", type=int, default=0, help="only time the compiled mHC mixes at this many tokens")
     p.add_argument("--baseline", default="", help="a tree holding the baseline engine/ package")
     p.add_argument("--shapes", default="24x4096")
     p.add_argument("--baseline-shapes", default="", help="shapes for the baseline (default: --shapes)")
@@ -188,9 +145,6 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.worker:
         worker(a)
-        return
-    if a.mixes:
-        print(mixes(a.mixes, a.steps))
         return
     if not a.train:
         p.error("--train is required")

@@ -241,26 +241,3 @@ def test_bf16_step_follows_the_fp32_step(setup):
     assert abs(float(got.loss_kl) - float(ref.loss_kl)) < 0.1 * float(ref.loss_kl) + 1e-3
     assert float((got.logits - ref.logits).norm() / ref.logits.norm()) < 0.1
 
-
-def test_unrolled_mixes_match_the_engine_mixes():
-    """The compiled training path's mixes (Sinkhorn sums written out cell by cell) compute mhc.hc_mixes,
-    in float64 to rounding, and their gradient too."""
-    from engine.model import mhc
-    from engine.train.batched import hc_mixes_unrolled
-
-    torch.manual_seed(2)
-    T, hc, dim = 7, 4, 16
-    x = torch.randn(T, hc, dim, dtype=torch.float64, requires_grad=True)
-    fn = torch.randn((2 + hc) * hc, hc * dim, dtype=torch.float64) * 0.3
-    scale = torch.tensor([0.7, 1.1, 2.0], dtype=torch.float64)
-    base = torch.randn((2 + hc) * hc, dtype=torch.float64)
-    ref = mhc.hc_mixes(x, fn, scale, base, hc, 20, 1e-6, 1e-6)
-    got = hc_mixes_unrolled(x, fn, scale, base, hc, 20, 1e-6, 1e-6)
-    for r, g in zip(ref, got):
-        assert torch.allclose(r, g, rtol=1e-12, atol=1e-14)
-    # columns of the mix sum to 1 (the last Sinkhorn step is on columns)
-    assert torch.allclose(got[2].sum(1), torch.ones(T, hc, dtype=torch.float64), atol=1e-6)
-    w = torch.randn(T, hc, hc, dtype=torch.float64)
-    g_ref, = torch.autograd.grad((ref[2] * w).sum() + ref[0].sum(), x)
-    g_got, = torch.autograd.grad((got[2] * w).sum() + got[0].sum(), x)
-    assert torch.allclose(g_ref, g_got, rtol=1e-10, atol=1e-12)

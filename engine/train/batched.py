@@ -135,11 +135,7 @@ class BatchedForward:
         # few fused kernels each, and recomputed in the backward instead of keeping their
         # activations (`checkpoint`), which buys larger batches
         wrap = _compiled if compile_parts else (lambda f: f)
-        # compiled, the mixes take the Sinkhorn rounds unrolled over the hc x hc cells: all pointwise, so
-        # the 20 rounds (and their backward) fuse into a kernel or two instead of ~100 small launches
-        # per mix (in the profile, ~8 k of a step's 35 k launches); eager, the engine's own version
-        mixes = hc_mixes_unrolled if compile_parts else mhc.hc_mixes
-        self.mixes, self.fp8, self.fp4, self.rotate = (wrap(f) for f in (mixes, fp8_values, fp4_values, rotate_bt))
+        self.mixes, self.fp8, self.fp4, self.rotate = (wrap(f) for f in (mhc.hc_mixes, fp8_values, fp4_values, rotate_bt))
         self.attend_core, self.experts_core = wrap(self._attend), wrap(_experts_core)
         # the stream's collapse (+ RMSNorm) and expand as elementwise sums over the hc copies, not the
         # engine's batched [hc x hc] products: one fused kernel each instead of cuBLAS calls on ~1e5
@@ -531,43 +527,6 @@ def focus_loss(mass: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, rows:
     with torch.no_grad():
         share = (log_share.exp() * rows).sum() / n
     return -log_share.sum() / n, share
-
-
-def sinkhorn_unrolled(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """mhc.sinkhorn's arithmetic with every sum over the n x n cells written out: [T, n, n] -> [T, n, n].
-    Only pointwise ops on [T] vectors, so a compiler fuses all the rounds into one kernel."""
-    n = logits.shape[-1]
-    soft = torch.softmax(logits, dim=-1) + eps
-    c = [[soft[:, i, j] for j in range(n)] for i in range(n)]
-
-    def total(parts):
-        acc = parts[0]
-        for part in parts[1:]:
-            acc = acc + part
-        return acc + eps
-
-    def columns(c):
-        s = [total([c[i][j] for i in range(n)]) for j in range(n)]
-        return [[c[i][j] / s[j] for j in range(n)] for i in range(n)]
-
-    def rows(c):
-        s = [total(c[i]) for i in range(n)]
-        return [[c[i][j] / s[i] for j in range(n)] for i in range(n)]
-
-    c = columns(c)
-    for _ in range(iters - 1):
-        c = columns(rows(c))
-    return torch.stack([torch.stack(row, dim=-1) for row in c], dim=1)
-
-
-def hc_mixes_unrolled(x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
-    """mhc.hc_mixes with sinkhorn_unrolled (the training forward's compiled path)."""
-    flat = x.flatten(1).float()
-    m = (flat @ fn.float().t()) * mhc.inverse_rms(flat, norm_eps)
-    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    return pre, post, sinkhorn_unrolled(comb, iters, hc_eps)
 
 
 def _collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
