@@ -1,8 +1,9 @@
 """The engine's kernel ops (engine/ops/triton.py) and their parity checks (engine/run/parity.py) on the CPU, with the Triton kernels under the
 interpreter, on a tiny written checkpoint.
 
-The interpreter must be on before triton is imported, so the kernel runs happen in one subprocess
-(this file run as a script); the tests assert on the JSON it prints.
+The interpreter must be on before triton is imported, so the kernel runs happen in subprocesses
+(this file run as a script, its two halves at once: the interpreted kernels are slow and the test
+process only waits); the tests assert on the JSON they print, merged.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _worker(ckpt: str) -> dict:
-    """Runs with TRITON_INTERPRET=1. Reference forward, kernel forwards, and layer parity."""
+def _worker(ckpt: str, part: str) -> dict:
+    """Runs with TRITON_INTERPRET=1. Part "a": the reference forward, the kernel forwards and the hooks'
+    operands; part "b": TritonOps over `reference` numerics and the layer parity. (Independent halves
+    of about equal time, run as two processes.)"""
     from engine.run import parity as K
     from engine.run.api import Engine
     from engine.ops.triton import TritonOps
@@ -45,7 +48,6 @@ def _worker(ckpt: str) -> dict:
     from engine.model.transformer import Model
     from engine.run.probes import ProbeRequest
     from engine.checkpoint.weights import CheckpointWeights
-    from engine.ops.fp32 import Fp32Ops
 
     cfg = _config()
     weights = CheckpointWeights(CheckpointReader(ckpt, cfg))
@@ -60,9 +62,18 @@ def _worker(ckpt: str) -> dict:
         with torch.inference_mode():
             logits = model.forward(ids, probes=ProbeRequest(kinds={"topk"}), collect=collect)
         topk = {L: p["topk"] for L, p in collect.items() if "topk" in p}
-        return logits, topk, dict(model.ops.calls) if model.ops.kernels else {}
+        return logits, topk, dict(model.ops.calls) if model.ops.kernels else {}, collect
 
-    ref_logits, ref_topk, ref_calls = forward(False)
+    out = {"interpreter": K.interpreter_active()}
+    if part == "b":
+        out["reference_kernels"] = reference_on_kernels(cfg, weights, ids)
+        # layer parity through an Engine (the app's entry point)
+        engine = Engine(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size))
+        out["parity"] = {str(L): K.layer_parity(engine, ids.tolist(), L) for L in PARITY_LAYERS}
+        out["parity_rows"] = K.layer_parity(engine, ids.tolist(), 7, max_rows=4)
+        return out
+
+    ref_logits, ref_topk, ref_calls, ref_collect = forward(False)
 
     def against_ref(logits, topk):
         d = logits - ref_logits
@@ -70,25 +81,26 @@ def _worker(ckpt: str) -> dict:
                 "finite": bool(torch.isfinite(logits).all()),
                 "topk_identical": {str(L): float((topk[L] == ref_topk[L]).all(-1).float().mean()) for L in ref_topk}}
 
-    out = {"ref_calls": ref_calls, "interpreter": K.interpreter_active()}
+    out["ref_calls"] = ref_calls
     # exact-precision kernels only (mHC, quantizer, indexer scores, top-k): the bf16-output ops left to
     # the wrapped numerics
     saved = {name: getattr(TritonOps, name) for name in ("linear", "sparse_attention", "routed_experts")}
     for name in saved:
         setattr(TritonOps, name, lambda self, *a, _name=name, **k: getattr(self.base, _name)(*a, **k))
-    logits, topk, calls = forward(True)
+    logits, topk, calls, kernel_collect = forward(True)
     out["fp32_kernels"] = {**against_ref(logits, topk), "calls": calls}
-    out["ties"] = {name: tie_marks_on_both_routes(cfg, weights, ids, make) for name, make in
-                   (("fp32", Fp32Ops), ("top_up", TopUpFp32Ops))}
+    # the tie marks of fp32 numerics on both routes: these two forwards are the CPU route (Fp32Ops, the
+    # model's default numerics) and the kernel route (TritonOps over Fp32Ops, exact-precision kernels)
+    out["ties"] = {"fp32": tie_marks(ref_collect, kernel_collect),
+                   "top_up": tie_marks_on_both_routes(cfg, weights, ids, TopUpFp32Ops)}
     for name, fn in saved.items():
         setattr(TritonOps, name, fn)
-    out["reference_kernels"] = reference_on_kernels(cfg, weights, ids)
     # every kernel
-    logits, topk, calls = forward(True)
+    logits, topk, calls, _ = forward(True)
     out["all_kernels"] = {**against_ref(logits, topk), "calls": calls}
     # the reference's own sensitivity to the kernels' output precision: its linears rounded to bf16
     bf16 = lambda lin: (lambda x, base: lin(x, base).to(torch.bfloat16).float() if base is not None else lin(x, base))
-    logits, topk, _ = forward(False, bf16)
+    logits, topk, _, _ = forward(False, bf16)
     out["bf16_reference"] = against_ref(logits, topk)
     # the hooks hand the kernels the engine's own operands: the kernels' references on the captured
     # arguments equal the engine's reference computations on the same inputs (layer 7)
@@ -115,10 +127,6 @@ def _worker(ckpt: str) -> dict:
         elif kernel == "fp8_linear":
             got[case] = rel(ref(*args).float(), model.linear(args[0], "layers.7." + case))
     out["hook_operands"] = got
-    # layer parity through an Engine (the app's entry point)
-    engine = Engine(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size))
-    out["parity"] = {str(L): K.layer_parity(engine, ids.tolist(), L) for L in PARITY_LAYERS}
-    out["parity_rows"] = K.layer_parity(engine, ids.tolist(), 7, max_rows=4)
     return out
 
 
@@ -154,6 +162,11 @@ def tie_marks_on_both_routes(cfg, weights, ids, make_ops) -> dict:
 
     _, cpu = _probed(cfg, weights, ids, make_ops())
     _, kern = _probed(cfg, weights, ids, TritonOps(make_ops(), weights, "cpu"))
+    return tie_marks(cpu, kern)
+
+
+def tie_marks(cpu: dict, kern: dict) -> dict:
+    """tie_marks_on_both_routes on the two routes' topk probes (`collect` of each forward)."""
     out = {}
     for L, a in cpu.items():
         if "topk" not in a:
@@ -220,10 +233,27 @@ def worker(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("kp") / "ckpt"
     write_checkpoint(cfg, ckpt, random_weights(cfg, 0))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, str(ckpt)], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    logs = tmp_path_factory.mktemp("kp_logs")
+    procs = {}
+    for part in ("a", "b"):   # two halves at once: this process only waits
+        with open(logs / f"{part}.out", "w") as stdout, open(logs / f"{part}.err", "w") as stderr:
+            procs[part] = subprocess.Popen([sys.executable, __file__, str(ckpt), part], stdout=stdout,
+                                           stderr=stderr, env=env, cwd=ROOT)
+    merged, interpreted = {}, []
+    try:
+        for part, proc in procs.items():
+            proc.wait(timeout=300)
+            assert proc.returncode == 0, (logs / f"{part}.err").read_text()[-3000:]
+            got = json.loads((logs / f"{part}.out").read_text().strip().splitlines()[-1])
+            interpreted.append(got.pop("interpreter"))
+            merged.update(got)
+        merged["interpreter"] = all(v is True for v in interpreted)   # both halves ran interpreted
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return merged
 
 
 # -- the tests --------------------------------------------------------------------------------------
@@ -381,4 +411,6 @@ def test_parity_view_rows_and_modes(worker):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_worker(sys.argv[1])))
+    from triton_interp import speed_up   # tests/triton_interp.py: the same kernels, less interpreter overhead
+    speed_up()
+    print(json.dumps(_worker(sys.argv[1], sys.argv[2])))
