@@ -60,11 +60,14 @@ def test_cpu_smoke_run_logs_phase_throughput_and_exports(tmp_path):
     out = tmp_path / "out"
     main(["train", "--cpu", "--tiny", "--train", str(tokens), "--batch", "2", "--seq", "64", "--dense-batch", "2",
           "--dense-seq", "64", "--max-steps", "6", "--smoke", "--log-every", "1", "--seq-balance", "0.01",
-          "--deadline-s", "600", "--out", str(out), "--n-shards", "1"])
+          "--deadline-s", "600", "--profile-step", "3", "--profile-out", str(tmp_path), "--out", str(out),
+          "--n-shards", "1"])
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps"] == 6 and log["tokens_seen"] == 6 * 2 * 64
-    # two steps per phase, the first of each compiles (left out): one timed step each
-    assert set(log["phase_tok_s"]) == {"dense", "sparse", "quant"}
+    # two steps per phase, the first of each compiles (left out), and the profiled one (the sparse
+    # phase's second) is left out too: one timed step for dense and quant, none for sparse
+    assert set(log["phase_tok_s"]) == {"dense", "quant"}
+    assert "phase sparse" in (tmp_path / "profile.txt").read_text()
     assert all(v > 0 for v in log["phase_tok_s"].values())
     steps = [e for e in log["events"] if e["event"] == "step"]
     assert all(e["balance"] > 0 for e in steps)

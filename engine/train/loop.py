@@ -201,8 +201,9 @@ class Run:
             first = name not in started
             step_t0 = time.time()
             mark = clock.mark()
+            profiled = bool(a.profile_step) and step == a.profile_step
             try:
-                if a.profile_step and step == a.profile_step:
+                if profiled:
                     out, gnorm = self.profiled_step(phase, ids, lr)
                 else:
                     out, gnorm = self.step(phase, ids, lr)
@@ -212,7 +213,7 @@ class Run:
                     started.add(name)
                     first_steps_s += time.time() - step_t0
                     self.note(event="first_step", phase=name, seconds=round(time.time() - step_t0, 1))
-                else:
+                elif not profiled:  # (the profiler's own work would count as the step's)
                     clock.add(name, phase.batch * phase.seq, mark, clock.mark())
             except torch.OutOfMemoryError:
                 self.opt.zero_grad(set_to_none=True)
