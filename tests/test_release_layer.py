@@ -19,26 +19,63 @@ ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TOKENS, DECODE = 16, 2
 
 
-def run_bench(out: Path, interpret: bool, *extra: str) -> dict:
+# under the interpreter: the bench's main() after tests/triton_interp.py's speed-up (the same kernels)
+INTERPRETED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from triton_interp import speed_up
+speed_up()
+from benches import release_layer as bench
+sys.exit(bench.main(sys.argv[2:]))
+"""
+
+
+def start_bench(out: Path, interpret: bool, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["--tiny", "--passes", "1", "--kernels", "on", "--tokens", str(TOKENS), "--decode", str(DECODE),
+            "--out", str(out), *extra]
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, str(ROOT / "benches" / "release_layer.py"), "--tiny", "--passes", "1",
-                           "--kernels", "on", "--tokens", str(TOKENS), "--decode", str(DECODE), "--out", str(out),
-                           *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        command = [sys.executable, "-c", INTERPRETED, str(ROOT / "tests"), *args]
+    else:
+        command = [sys.executable, str(ROOT / "benches" / "release_layer.py"), *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_bench(out: Path, proc: subprocess.Popen) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     data = json.loads((out / "release-layer.json").read_text())
-    data["_stdout"], data["_rc"], data["_md"] = done.stdout + done.stderr, done.returncode, \
-        (out / "release-layer.md").read_text()
+    data["_stdout"], data["_rc"], data["_md"] = stdout + stderr, proc.returncode, (out / "release-layer.md").read_text()
     return data
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_bench(tmp_path_factory.mktemp("release_layer"), False)
+def reports(tmp_path_factory):
+    """Both benches at once (the test process only waits): every role through the kernel ops on the CPU,
+    and the Triton versions of the two roles without a top-k under the interpreter."""
+    plain, interpreted = tmp_path_factory.mktemp("release_layer"), tmp_path_factory.mktemp("release_layer_interp")
+    procs = [start_bench(plain, False), start_bench(interpreted, True, "--roles", "swa,swa_engram")]
+    try:
+        return {"plain": finish_bench(plain, procs[0]), "interpreted": finish_bench(interpreted, procs[1])}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-def test_triton_versions_under_the_interpreter(tmp_path):
-    got = run_bench(tmp_path, True, "--roles", "swa,swa_engram")
+@pytest.fixture(scope="module")
+def report(reports):
+    return reports["plain"]
+
+
+def test_triton_versions_under_the_interpreter(reports):
+    got = reports["interpreted"]
     assert [(r["role"], r["phase"], r["status"]) for r in got["rows"]] == \
         [(role, phase, "ok") for role in ("swa", "swa_engram") for phase in ("prefill", "decode")], got["_stdout"][-2000:]
     assert got["ops"].startswith("TritonOps") and got["_rc"] == 0
