@@ -20,6 +20,24 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+def run_at_once(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """`run` of independent commands started together (each is mostly the interpreter importing torch,
+    and this process only waits); the results in the order given."""
+    procs = [subprocess.Popen([sys.executable, "-m", "engine", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    done = []
+    try:
+        for args, proc in zip(commands, procs):
+            stdout, stderr = proc.communicate(timeout=120)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -30,22 +48,22 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
 
 
 def test_tally_default_config_human_and_json():
-    human = run("tally", "--context", "1000000")
+    human, as_json = run_at_once(("tally", "--context", "1000000"), ("tally", "--json", "--context", "4"))
     assert human.returncode == 0, human.stderr
     assert "source: config: " in human.stdout and "v41-flash.json" in human.stdout
     assert "543,581,798,400" in human.stdout and "890 B" in human.stdout
-    data = json.loads(run("tally", "--json", "--context", "4").stdout)
+    data = json.loads(as_json.stdout)
     assert data["tensor_count"] == 96_085 and data["kv_bytes_per_token"] == 890.0
     assert data["cache"]["global_kv"] == (3 * 2 + 4) * 288
 
 
 def test_tally_and_inspect_from_the_release_skeleton(release_skeleton):
-    from_ckpt = json.loads(run("tally", "--checkpoint", str(release_skeleton), "--json").stdout)
-    from_cfg = json.loads(run("tally", "--json").stdout)
+    from_ckpt, from_cfg, result = run_at_once(("tally", "--checkpoint", str(release_skeleton), "--json"),
+                                              ("tally", "--json"), ("inspect", str(release_skeleton)))
+    from_ckpt, from_cfg = json.loads(from_ckpt.stdout), json.loads(from_cfg.stdout)
     assert from_ckpt.pop("source").startswith("checkpoint headers: ")
     from_cfg.pop("source")
     assert from_ckpt == from_cfg
-    result = run("inspect", str(release_skeleton))
     assert result.returncode == 0, result.stderr
     assert "48 shards, 96,085 tensors, 510,286,023,000 data bytes" in result.stdout
     assert "matches the config's layout" in result.stdout
