@@ -68,8 +68,8 @@ def figure(events: list[dict], title: str):
         fig.add_scatter(x=[end], y=[e["loss"]], mode="markers", marker={"size": 11, "symbol": "diamond"},
                         name=f"held-out {e['name']} ({e['loss']:.2f})")
     fig.update_layout(title=title, xaxis_title="tokens seen (millions)",
-                      yaxis_title="cross-entropy (nats/token)", width=900, height=500,
-                      legend={"x": 0.55, "y": 0.95})
+                      yaxis_title="cross-entropy (nats/token)", width=1150, height=520,
+                      legend={"x": 1.02, "y": 1.0})  # beside the plot: it covered the late curves
     return fig
 
 
