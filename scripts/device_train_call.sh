@@ -15,6 +15,11 @@ echo "train_on_device exit $?" > "$WORK/call.txt"
 # $OUT returns at most 8 files: the logs travel as one archive, train_log.json beside it (the installer
 # copies it to assets/training/), then the sums and at most 5 parts of 15 MiB (the 64 MiB budget fits).
 [[ -f "$WORK/out/train_log.json" ]] && gzip -c "$WORK/out/train_log.json" > "$OUT/train_log.json.gz"
+# the compile cache (TRAIN_ARGS "--compile-cache-out $WORK/compile_cache.bin") comes back when it fits
+# one file; carried to a later call as build/compile_cache.bin (TRAIN_ARGS "--compile-cache build/compile_cache.bin")
+if [[ -f "$WORK/compile_cache.bin" ]] && (( $(stat -c %s "$WORK/compile_cache.bin") < 15000000 )); then
+  cp "$WORK/compile_cache.bin" "$OUT/compile_cache.bin"
+fi
 if [[ -f "$WORK/out/model/model.safetensors.index.json" ]]; then
   (cd "$WORK/out" && tar cf - model | split -b 15M - "$OUT/model.tar.part-")
   (cd "$WORK/out/model" && sha256sum -- *) > "$OUT/model.sha256"

@@ -72,3 +72,15 @@ def test_cpu_smoke_run_logs_phase_throughput_and_exports(tmp_path):
     steps = [e for e in log["events"] if e["event"] == "step"]
     assert all(e["balance"] > 0 for e in steps)
     assert (out / "model" / "model.safetensors.index.json").exists()
+
+
+def test_compile_cache_round_trip_and_bad_files(tmp_path):
+    """The portable compile cache: nothing compiled writes nothing; a missing file is 'none'; a corrupt
+    one is reported and skipped (the run compiles as usual) instead of failing the run."""
+    from engine.train.__main__ import load_compile_cache, save_compile_cache
+
+    assert load_compile_cache(str(tmp_path / "absent.bin")) == "none"
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"not a cache")
+    assert load_compile_cache(str(bad)).startswith("not loaded")
+    assert save_compile_cache("") == 0

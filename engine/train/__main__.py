@@ -50,15 +50,46 @@ def build(args, device):
     return cfg, Run(cfg, trainee, lookup, args, device)
 
 
+def load_compile_cache(path: str) -> str:
+    """Load torch.compile's portable cache (a file an earlier run saved) so this run's compiles are
+    cache hits; returns what happened, for the log. A missing or unreadable file only costs the compiles."""
+    if not path or not Path(path).is_file():
+        return "none"
+    try:
+        info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
+    except Exception as err:  # a cache from another torch/triton build: compile as usual
+        return f"not loaded ({type(err).__name__}: {str(err)[:120]})"
+    if info is None:  # torch logs why (a checksum or unpickling failure) and loads nothing
+        return "not loaded (unreadable cache file)"
+    return f"loaded {Path(path).stat().st_size} bytes"
+
+
+def save_compile_cache(path: str) -> int:
+    """Write what this process compiled as one portable blob (torch.compiler.save_cache_artifacts);
+    returns its size (0: nothing compiled)."""
+    if not path:
+        return 0
+    saved = torch.compiler.save_cache_artifacts()
+    if not saved:
+        return 0
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(saved[0])
+    return len(saved[0])
+
+
 def cmd_train(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
+    cache = load_compile_cache(args.compile_cache)
     cfg, run = build(args, device)
+    run.note(event="compile_cache", state=cache)
     stream = load_stream(args.train, device)
     run.note(event="init", params=sum(p.numel() for p in run.params), train_tokens=int(stream.numel()))
     extra = load_stream(args.extra, device) if args.extra else None
     run.train(stream, extra, args.extra_share)
+    if args.compile_cache_out:
+        run.note(event="compile_cache_saved", bytes=save_compile_cache(args.compile_cache_out))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # export before the held-out evaluation: a run cut short there must still leave its checkpoint
@@ -162,6 +193,9 @@ def main(argv=None) -> None:
             p.add_argument("--eval-seq", type=int, default=2048)
             p.add_argument("--eval-windows", type=int, default=8)
             p.add_argument("--n-shards", type=int, default=4)
+            p.add_argument("--compile-cache", default="",
+                           help="a torch.compile cache blob an earlier run saved (--compile-cache-out): loaded first")
+            p.add_argument("--compile-cache-out", default="", help="save this run's compile cache here")
         else:
             p.add_argument("--shapes", default="8x4096,16x4096")
             p.add_argument("--warm", type=int, default=2)
