@@ -90,18 +90,31 @@ def test_cli_says_which_numerics_ran(tmp_path):
 
     from tests.engine_helpers import write_tiny_checkpoint
     ckpt = write_tiny_checkpoint(tmp_path / "tiny", 0, 1, engram_layer_ids=(), engram_num_embeddings=())
-    out = tmp_path / "run.json"
+    # the three commands started together (each is mostly torch's import; this process only waits)
+    commands = {numerics: ["run", "--checkpoint", str(ckpt), "--ids", "5,6,7,8", "--json",
+                           str(tmp_path / f"run-{numerics}.json"), *(["--numerics", numerics] if numerics else [])]
+                for numerics in ("fp32", None)}
+    commands["bf7"] = ["run", "--checkpoint", str(ckpt), "--ids", "5", "--numerics", "bf7"]
+    procs = {key: subprocess.Popen([sys.executable, "-m", "engine", *args], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for key, args in commands.items()}
+    done = {}
+    try:
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            done[key] = (proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for numerics in ("fp32", None):
-        extra = ["--numerics", numerics] if numerics else []
-        done = subprocess.run([sys.executable, "-m", "engine", "run", "--checkpoint", str(ckpt), "--ids", "5,6,7,8",
-                               "--json", str(out), *extra], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+        code, stdout, stderr = done[numerics]
+        assert code == 0, stderr
         said = numerics or "reference"
-        assert f"{said} numerics" in done.stdout
-        assert json.loads(out.read_text())["numerics"] == said
-    bad = subprocess.run([sys.executable, "-m", "engine", "run", "--checkpoint", str(ckpt), "--ids", "5",
-                          "--numerics", "bf7"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "invalid choice: 'bf7'" in bad.stderr and "Traceback" not in bad.stderr
+        assert f"{said} numerics" in stdout
+        assert json.loads((tmp_path / f"run-{numerics}.json").read_text())["numerics"] == said
+    code, _, stderr = done["bf7"]
+    assert code != 0 and "invalid choice: 'bf7'" in stderr and "Traceback" not in stderr
 
 
 def test_reference_wavefront_differs_from_one_chunk_only_in_tied_picks():
