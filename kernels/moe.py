@@ -178,7 +178,7 @@ def _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW: tl.constexpr, SPLIT_L
     for A in tl.static_range(4):
         vlo = _gemv_vec(v_ptr, kw, A, KW, SPLIT_LAYOUT)[None, :]
         vhi = _gemv_vec(v_ptr, kw, A + 4, KW, SPLIT_LAYOUT)[None, :]
-        lo, hi = _nibble_pair(wd, A)
+        lo, hi = _nibble_pair(wd, A)  # two separate += so each product is one FFMA into the running part
         part += lo * vlo
         part += hi * vhi
         if TWO:
@@ -249,22 +249,9 @@ def _gemv_rows(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM:
         if TWO:
             wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
             scb = _scale_words(sb_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
-        part = tl.zeros([rows.shape[0], BKW], tl.float32)
-        partb = tl.zeros([rows.shape[0], BKW], tl.float32)
-        for A in tl.static_range(4):
-            vlo = _gemv_vec(v_ptr, kw, A, KW, SPLIT_LAYOUT)[None, :]
-            vhi = _gemv_vec(v_ptr, kw, A + 4, KW, SPLIT_LAYOUT)[None, :]
-            # two separate += so each product is one FFMA into the running part
-            lo, hi = _nibble_pair(wd, A)
-            part += lo * vlo
-            part += hi * vhi
-            if TWO:
-                lo, hi = _nibble_pair(wdb, A)
-                partb += lo * vlo
-                partb += hi * vhi
-        acc += part * sc
-        if TWO:
-            accb += partb * scb
+        else:
+            wdb, scb = wd, sc
+        acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
     if TWO:
         return tl.sum(acc, axis=1), tl.sum(accb, axis=1)
     else:

@@ -1,7 +1,8 @@
 """Train the small V4.1-Flash model and export it in the release layout.
 
     python -m engine.train train --train build/tokens/train.npy --out DIR [--budget-s 600] [--bf16]
-    python -m engine.train bench --train build/tokens/train.npy --shapes 8x4096,16x4096 [--bf16]
+
+The step's throughput, against an older tree in the same run: benches/train_step.py.
 
 Token files are uint16 .npy streams (documents joined, each starting with <bos>); several may be
 given, comma-separated, and are concatenated. `--heldout name=file.npy` (repeatable) is measured
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from ..config import load_config
 from ..tokenizer import load_tokenizer
-from .loop import Run, sample_batch
+from .loop import Run
 from .params import Trainee
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,102 +106,59 @@ def cmd_train(args) -> None:
         (out / "train_log.json").write_text(json.dumps(run.log, indent=1))
 
 
-def cmd_bench(args) -> None:
-    """Tokens/s of the training step at several (batch x seq) shapes, each phase, same run."""
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg, run = build(args, device)
-    stream = load_stream(args.train, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
-    for shape in args.shapes.split(","):
-        batch, seq = (int(v) for v in shape.split("x"))
-        for name, phase in run.phases().items():
-            # the dense warm-up attends every entry: same tokens per step, in dense-seq sequences
-            phase.batch, phase.seq = (batch * seq // args.dense_seq, args.dense_seq) if name == "dense" else (batch, seq)
-            try:
-                for i in range(args.warm + args.steps):
-                    if i == args.warm:
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                            torch.cuda.reset_peak_memory_stats()
-                        t0 = time.time()
-                    run.step(phase, sample_batch(stream, batch, seq, gen), 1e-4)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = (time.time() - t0) / args.steps
-                mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-                rows.append((shape, name, dt, batch * seq / dt, mem))
-            except Exception as err:  # OOM or a failed compile: report the row, go on with the next
-                run.opt.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                print(f"{shape} {name}: {type(err).__name__}: {str(err)[:300]}", flush=True)
-                rows.append((shape, name, float("nan"), 0.0, float("nan")))
-            print(f"{shape:>10} {name:>6} step {rows[-1][2]:.3f} s  {rows[-1][3]:>9,.0f} tok/s  peak {rows[-1][4]:.1f} GB",
-                  flush=True)
-    print(json.dumps({"bench": [dict(zip(("shape", "phase", "step_s", "tok_s", "peak_gb"), r)) for r in rows]}))
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for cmd in ("train", "bench"):
-        p = sub.add_parser(cmd)
-        p.add_argument("--config", default=str(DEFAULT_CONFIG))
-        p.add_argument("--train", required=True, help="comma-separated uint16 .npy token files")
-        p.add_argument("--batch", type=int, default=16)
-        p.add_argument("--seq", type=int, default=4096)
-        p.add_argument("--dense-batch", type=int, default=32)
-        p.add_argument("--dense-seq", type=int, default=1024)
-        p.add_argument("--lr", type=float, default=3e-3)
-        p.add_argument("--kl-weight", type=float, default=1.0)
-        p.add_argument("--margin", type=float, default=0.1, help="weight of the indexer's margin term")
-        p.add_argument("--focus", type=float, default=0.0,
-                       help="weight of the focus term in dense steps: -log(share of the attention's mass on "
-                            "the indexer's top-k), which trains the selection recall the probes measure")
-        p.add_argument("--seq-balance", type=float, default=0.0,
-                       help="weight of DeepSeek-V3's sequence-wise expert-balance loss (each sequence, so each "
-                            "domain, spread over the experts; the routing bias balances only the whole batch)")
-        p.add_argument("--gamma", type=float, default=0.005, help="routing-bias step of the balancing rule")
-        p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
-        p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")
-        p.add_argument("--checkpoint", action="store_true", help="recompute attention, MoE and mHC in the backward")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--cpu", action="store_true")
-        p.add_argument("--tiny", action="store_true")
-        p.add_argument("--budget-s", type=float, default=600.0,
-                       help="seconds of training, each phase's first (compiling) step not counted")
-        p.add_argument("--deadline-s", type=float, default=0.0,
-                       help="wall-clock limit of the loop, compiling included (0: none); the budget shrinks to fit")
-        p.add_argument("--max-steps", type=int, default=0)
-        p.add_argument("--dense-frac", type=float, default=0.15)
-        p.add_argument("--quant-frac", type=float, default=0.2)
-        p.add_argument("--dense-every", type=int, default=0, help="in the sparse phase, every N-th step dense (0: none)")
-        p.add_argument("--warmup", type=int, default=50)
-        p.add_argument("--log-every", type=int, default=25)
-        p.add_argument("--profile-step", type=int, default=0,
-                       help="profile this step (torch.profiler): profile.txt in --profile-out")
-        p.add_argument("--profile-out", default="")
-        p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")
-        if cmd == "train":
-            p.add_argument("--out", required=True)
-            p.add_argument("--init", default="", help="continue from this exported checkpoint (dequantized)")
-            p.add_argument("--extra", default="", help="comma-separated token files of a second stream (prose)")
-            p.add_argument("--extra-share", type=float, default=0.0, help="share of each batch from --extra")
-            p.add_argument("--heldout", action="append", default=[], help="name=tokens.npy, measured at the end")
-            p.add_argument("--eval-seq", type=int, default=2048)
-            p.add_argument("--eval-windows", type=int, default=8)
-            p.add_argument("--n-shards", type=int, default=4)
-            p.add_argument("--compile-cache", default="",
-                           help="a torch.compile cache blob an earlier run saved (--compile-cache-out): loaded first")
-            p.add_argument("--compile-cache-out", default="", help="save this run's compile cache here")
-        else:
-            p.add_argument("--shapes", default="8x4096,16x4096")
-            p.add_argument("--warm", type=int, default=2)
-            p.add_argument("--steps", type=int, default=5)
+    p = sub.add_parser("train")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--train", required=True, help="comma-separated uint16 .npy token files")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--dense-batch", type=int, default=32)
+    p.add_argument("--dense-seq", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--kl-weight", type=float, default=1.0)
+    p.add_argument("--margin", type=float, default=0.1, help="weight of the indexer's margin term")
+    p.add_argument("--focus", type=float, default=0.0,
+               help="weight of the focus term in dense steps: -log(share of the attention's mass on "
+                    "the indexer's top-k), which trains the selection recall the probes measure")
+    p.add_argument("--seq-balance", type=float, default=0.0,
+               help="weight of DeepSeek-V3's sequence-wise expert-balance loss (each sequence, so each "
+                    "domain, spread over the experts; the routing bias balances only the whole batch)")
+    p.add_argument("--gamma", type=float, default=0.005, help="routing-bias step of the balancing rule")
+    p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")
+    p.add_argument("--checkpoint", action="store_true", help="recompute attention, MoE and mHC in the backward")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--budget-s", type=float, default=600.0,
+               help="seconds of training, each phase's first (compiling) step not counted")
+    p.add_argument("--deadline-s", type=float, default=0.0,
+               help="wall-clock limit of the loop, compiling included (0: none); the budget shrinks to fit")
+    p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--dense-frac", type=float, default=0.15)
+    p.add_argument("--quant-frac", type=float, default=0.2)
+    p.add_argument("--dense-every", type=int, default=0, help="in the sparse phase, every N-th step dense (0: none)")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--profile-step", type=int, default=0,
+               help="profile this step (torch.profiler): profile.txt in --profile-out")
+    p.add_argument("--profile-out", default="")
+    p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")
+    p.add_argument("--out", required=True)
+    p.add_argument("--init", default="", help="continue from this exported checkpoint (dequantized)")
+    p.add_argument("--extra", default="", help="comma-separated token files of a second stream (prose)")
+    p.add_argument("--extra-share", type=float, default=0.0, help="share of each batch from --extra")
+    p.add_argument("--heldout", action="append", default=[], help="name=tokens.npy, measured at the end")
+    p.add_argument("--eval-seq", type=int, default=2048)
+    p.add_argument("--eval-windows", type=int, default=8)
+    p.add_argument("--n-shards", type=int, default=4)
+    p.add_argument("--compile-cache", default="",
+                   help="a torch.compile cache blob an earlier run saved (--compile-cache-out): loaded first")
+    p.add_argument("--compile-cache-out", default="", help="save this run's compile cache here")
     args = parser.parse_args(argv)
-    (cmd_train if args.cmd == "train" else cmd_bench)(args)
+    cmd_train(args)
 
 
 if __name__ == "__main__":
