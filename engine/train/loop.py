@@ -239,13 +239,13 @@ class Run:
                 zero = {str(k): round(float(v), 3) for k, v in out.zero_picks.items()}
                 extras = {}
                 if out.loss_focus is not None:
-                    extras = {"focus": round(float(out.loss_focus), 4),
+                    extras = {"focus": round(float(out.loss_focus.detach()), 4),
                               "focus_recall": {str(k): round(float(v), 3) for k, v in out.focus_recall.items()}}
                 if out.loss_balance is not None:
                     extras["balance"] = round(float(out.loss_balance.detach()), 4)
                 extras["phase_tok_s"] = clock.collect()
                 self.note(event="step", step=step, phase=name, batch=phase.batch, seq=phase.seq, lr=round(lr, 6),
-                          ce=round(ce, 4), kl=round(float(out.loss_kl), 4), margin=round(float(out.loss_margin), 4),
+                          ce=round(ce, 4), kl=round(float(out.loss_kl.detach()), 4), margin=round(float(out.loss_margin.detach()), 4),
                           gnorm=round(float(gnorm), 3), tokens=tokens, zero_picks=zero,
                           min_load=round(float(share.min()), 3), max_load=round(float(share.max()), 3),
                           mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if self.device.type == "cuda" else 0,
