@@ -32,7 +32,7 @@ def _args_namespace(a) -> argparse.Namespace:
         config=str(Path(a.tree) / "assets" / "configs" / "small.json"), train=a.train, batch=24, seq=4096,
         dense_batch=16, dense_seq=2048, lr=1e-4, kl_weight=1.0, margin=0.1, focus=0.5, seq_balance=a.seq_balance,
         gamma=0.005, bf16=True, compile=True, checkpoint=True, seed=0, cpu=False, tiny=False, budget_s=60.0,
-        max_steps=0, dense_frac=0.1, quant_frac=0.2, dense_every=0, warmup=1, log_every=10 ** 9,
+        deadline_s=0.0, max_steps=0, dense_frac=0.1, quant_frac=0.2, dense_every=0, warmup=1, log_every=10 ** 9,
         profile_step=0, profile_out=a.profile_out, smoke=False, init="")
 
 

@@ -120,11 +120,11 @@ def main(argv=None) -> None:
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--margin", type=float, default=0.1, help="weight of the indexer's margin term")
     p.add_argument("--focus", type=float, default=0.0,
-               help="weight of the focus term in dense steps: -log(share of the attention's mass on "
-                    "the indexer's top-k), which trains the selection recall the probes measure")
+                   help="weight of the focus term in dense steps: -log(share of the attention's mass on "
+                        "the indexer's top-k), which trains the selection recall the probes measure")
     p.add_argument("--seq-balance", type=float, default=0.0,
-               help="weight of DeepSeek-V3's sequence-wise expert-balance loss (each sequence, so each "
-                    "domain, spread over the experts; the routing bias balances only the whole batch)")
+                   help="weight of DeepSeek-V3's sequence-wise expert-balance loss (each sequence, so each "
+                        "domain, spread over the experts; the routing bias balances only the whole batch)")
     p.add_argument("--gamma", type=float, default=0.005, help="routing-bias step of the balancing rule")
     p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")
@@ -133,9 +133,9 @@ def main(argv=None) -> None:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--budget-s", type=float, default=600.0,
-               help="seconds of training, each phase's first (compiling) step not counted")
+                   help="seconds of training, each phase's first (compiling) step not counted")
     p.add_argument("--deadline-s", type=float, default=0.0,
-               help="wall-clock limit of the loop, compiling included (0: none); the budget shrinks to fit")
+                   help="wall-clock limit of the loop, compiling included (0: none); the budget shrinks to fit")
     p.add_argument("--max-steps", type=int, default=0)
     p.add_argument("--dense-frac", type=float, default=0.15)
     p.add_argument("--quant-frac", type=float, default=0.2)
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--profile-step", type=int, default=0,
-               help="profile this step (torch.profiler): profile.txt in --profile-out")
+                   help="profile this step (torch.profiler): profile.txt in --profile-out")
     p.add_argument("--profile-out", default="")
     p.add_argument("--smoke", action="store_true", help="split --max-steps evenly over the three phases")
     p.add_argument("--out", required=True)

@@ -73,7 +73,7 @@ class PhaseClock:
     def add(self, phase: str, tokens: int, start, end) -> None:
         self.pending.append((phase, tokens, start, end))
 
-    def collect(self) -> dict[str, float]:
+    def collect(self) -> dict[str, int]:
         """Fold the finished steps in (call after a sync); tokens/s per phase so far."""
         for phase, tokens, start, end in self.pending:
             s = start.elapsed_time(end) / 1e3 if self.cuda else end - start
@@ -184,10 +184,9 @@ class Run:
         # minutes, and counted in, it would eat the dense warm-up's whole share of the budget.
         first_steps_s, started = 0.0, set()
         clock = PhaseClock(self.device)
-        deadline = getattr(a, "deadline_s", 0.0)
         while True:
             # with a wall-clock deadline (compiling included), the budget shrinks as compiling eats it
-            budget = min(a.budget_s, deadline - first_steps_s) if deadline else a.budget_s
+            budget = min(a.budget_s, a.deadline_s - first_steps_s) if a.deadline_s else a.budget_s
             frac = (time.time() - t0 - first_steps_s) / max(budget, 1e-9)
             if frac >= 1.0 or (a.max_steps and step >= a.max_steps):
                 break
