@@ -13,7 +13,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2
 python3 scripts/corpus_code.py --out "$W/corpus" --workers "$(nproc)" --max-tokens "${MAX_TOKENS:-20000000}" \
   > "$W/corpus.log" 2>&1
 code=$(ls "$W"/corpus/train_code_*.npy | paste -sd,)
-timeout "${BENCH_LIMIT:-480}" python3 benches/train_step.py --train "$code" --baseline build/train_baseline \
+# BASELINE= (empty) measures this tree alone
+BASELINE=${BASELINE-build/train_baseline}
+timeout "${BENCH_LIMIT:-480}" python3 benches/train_step.py --train "$code" ${BASELINE:+--baseline "$BASELINE"} \
   --shapes "${SHAPES:-24x4096,40x4096}" --baseline-shapes "${BASE_SHAPES:-24x4096}" --phases "${PHASES:-sparse,quant}" \
   --seq-balance "${SEQ_BALANCE:-0.01}" --tree-timeout "${TREE_LIMIT:-300}" --profile --out "$OUT" ${BENCH_ARGS:-} \
   > "$OUT/train-step.log" 2>&1

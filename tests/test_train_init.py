@@ -67,11 +67,23 @@ def test_cpu_smoke_run_logs_phase_throughput_and_exports(tmp_path):
     # two steps per phase, the first of each compiles (left out), and the profiled one (the sparse
     # phase's second) is left out too: one timed step for dense and quant, none for sparse
     assert set(log["phase_tok_s"]) == {"dense", "quant"}
-    assert "phase sparse" in (tmp_path / "profile.txt").read_text()
+    profile_text = (tmp_path / "profile.txt").read_text()
+    assert "phase sparse" in profile_text
+    # the forward's named parts reach the profiler
+    for part in ("part.mhc.mixes", "part.attn.core", "part.moe.experts", "part.indexer.loss", "part.head"):
+        assert part in profile_text, part
     assert all(v > 0 for v in log["phase_tok_s"].values())
     steps = [e for e in log["events"] if e["event"] == "step"]
     assert all(e["balance"] > 0 for e in steps)
     assert (out / "model" / "model.safetensors.index.json").exists()
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    from engine.train.loop import busy_time
+
+    assert busy_time([]) == 0.0
+    # [0, 4) and [2, 5) overlap on [2, 4); [7, 8) apart; [7.5, 7.8) inside it: 5 + 1
+    assert busy_time([(7.0, 8.0), (2.0, 5.0), (0.0, 4.0), (7.5, 7.8)]) == 6.0
 
 
 def test_compile_cache_round_trip_and_bad_files(tmp_path):

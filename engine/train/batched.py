@@ -20,6 +20,7 @@ scores off the ReLU floor), and never pushes the backbone.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -143,6 +144,7 @@ class BatchedForward:
         self.collapse_norm, self.expand = wrap(_collapse_norm), wrap(_expand)
         self.index_scores = wrap(_index_scores)
         self.checkpoint = checkpoint
+        self.named_parts = False  # profiling: name each part of the forward for the profiler
         # dense linears stored FP8 (wo_a too, though the reference multiplies it in bf16)
         self.fp8_names = frozenset(s.name for s in tensor_specs(cfg) if s.dtype == "F8_E4M3"
                                    and len(s.logical_shape) == 2 and s.kind != "engram.embed")
@@ -162,6 +164,10 @@ class BatchedForward:
             q, s = quant.quantize_fp8_weight(p.detach(), 32)
             return ste(p, quant.dequantize_fp8_weight(q, s, 32))
         return p
+
+    def part(self, name: str):
+        """A profiler range around one part of the forward when `named_parts` is on (the profiled step)."""
+        return torch.profiler.record_function("part." + name) if self.named_parts else contextlib.nullcontext()
 
     def matmuls(self, device: torch.device):
         """bf16 matrix products where asked (attention, MoE, head); the mHC stream, its mixes, the
@@ -189,35 +195,44 @@ class BatchedForward:
             L = role.layer
             p = f"layers.{L}."
             if role.engram:
-                X = self._engram(L, X, compressed, opts)
-            a_pre, a_post, a_comb = self._ckpt(self.mixes, X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
-                                                 self.get(p + "hc_attn_base"), *hc_args)
-            attn_in = self.collapse_norm(X, pre, self.get(p + "attn_norm.weight"), cfg.norm_eps)
+                with self.part("engram"):
+                    X = self._engram(L, X, compressed, opts)
+            with self.part("mhc.mixes"):
+                a_pre, a_post, a_comb = self._ckpt(self.mixes, X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
+                                                     self.get(p + "hc_attn_base"), *hc_args)
+            with self.part("mhc.collapse"):
+                attn_in = self.collapse_norm(X, pre, self.get(p + "attn_norm.weight"), cfg.norm_eps)
             with self.matmuls(dev):
                 y = self._attention(role, attn_in.view(B, T, dim), positions, shared, opts, out).float()
-            X1 = self.expand(y.reshape(B * T, dim), X, a_post, a_comb)
-            f_pre, f_post, f_comb = self._ckpt(self.mixes, X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
-                                                 self.get(p + "hc_ffn_base"), *hc_args)
-            ffn_in = self.collapse_norm(X1, a_pre, self.get(p + "ffn_norm.weight"), cfg.norm_eps)
+            with self.part("mhc.expand"):
+                X1 = self.expand(y.reshape(B * T, dim), X, a_post, a_comb)
+            with self.part("mhc.mixes"):
+                f_pre, f_post, f_comb = self._ckpt(self.mixes, X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+                                                     self.get(p + "hc_ffn_base"), *hc_args)
+            with self.part("mhc.collapse"):
+                ffn_in = self.collapse_norm(X1, a_pre, self.get(p + "ffn_norm.weight"), cfg.norm_eps)
             y, load, balance = self._moe(L, ffn_in, B, opts)
             y = y.float()
             loads.append(load)
             if balance is not None:
                 balance_terms.append(balance)
-            X = self.expand(y, X1, f_post, f_comb)
+            with self.part("mhc.expand"):
+                X = self.expand(y, X1, f_post, f_comb)
             pre = f_pre
             if opts.analysis:
                 out.residual_norms.append(X.detach().norm(dim=-1).view(B, T, hc))
             # the indexer's loss, once every layer using this source's picks has attended
             for src, users in self.index_users.items():
                 if users[-1] == L and src in shared.get("index", {}):
-                    kl, margin = self._indexer_losses(src, users, shared, opts, out)
+                    with self.part("indexer.loss"):
+                        kl, margin = self._indexer_losses(src, users, shared, opts, out)
                     kl_terms.append(kl)
                     margin_terms.append(margin)
-        h = self.collapse_norm(X, pre, self.get("norm.weight"), cfg.norm_eps)
-        with self.matmuls(dev):
-            logits = h.view(B, T, dim) @ self.get("head.weight").t()
-        out.loss_ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+        with self.part("head"):
+            h = self.collapse_norm(X, pre, self.get("norm.weight"), cfg.norm_eps)
+            with self.matmuls(dev):
+                logits = h.view(B, T, dim) @ self.get("head.weight").t()
+            out.loss_ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
         if kl_terms:
             out.loss_kl = torch.stack(kl_terms).mean()
             out.loss_margin = torch.stack(margin_terms).mean()
@@ -250,38 +265,45 @@ class BatchedForward:
         H, Dh = cfg.n_heads, cfg.head_dim
         p = f"layers.{role.layer}.attn."
         freqs = self.freqs[role.compress_ratio]
-        qr = rms_norm(x @ self.w(p + "wq_a.weight", opts).t(), self.get(p + "q_norm.weight"), cfg.norm_eps)
-        q = self.rotate((qr @ self.w(p + "wq_b.weight", opts).t()).view(B, T, H, Dh), positions, freqs)
-        kv = rms_norm(x @ self.w(p + "wkv.weight", opts).t(), self.get(p + "kv_norm.weight"), cfg.norm_eps)
-        kv = self.rotate(kv, positions, freqs)
-        kv = ste(kv, self.fp8(kv.detach(), 32))                                  # [B, T, D] window form
+        with self.part("attn.proj"):
+            qr = rms_norm(x @ self.w(p + "wq_a.weight", opts).t(), self.get(p + "q_norm.weight"), cfg.norm_eps)
+            q = self.rotate((qr @ self.w(p + "wq_b.weight", opts).t()).view(B, T, H, Dh), positions, freqs)
+            kv = rms_norm(x @ self.w(p + "wkv.weight", opts).t(), self.get(p + "kv_norm.weight"), cfg.norm_eps)
+            kv = self.rotate(kv, positions, freqs)
+            kv = ste(kv, self.fp8(kv.detach(), 32))                              # [B, T, D] window form
 
         glob = None  # (entries [B, N, D], picks [B, T, k] or None for dense, valid [B, T, k or N])
         if role.compress_ratio > 0:
             if role.role == FULL:
-                shared["source"] = self._compress(role, x, freqs, opts)
+                with self.part("attn.compress"):
+                    shared["source"] = self._compress(role, x, freqs, opts)
             if role.role in (FULL, REINDEX):
-                shared.setdefault("index", {})[role.layer] = self._index(role, x, qr, positions, shared, opts)
+                with self.part("attn.index"):
+                    shared.setdefault("index", {})[role.layer] = self._index(role, x, qr, positions, shared, opts)
                 if opts.analysis and shared["index"][role.layer]["idx"] is not None:
                     pick = shared["index"][role.layer]
                     out.picks[role.layer] = (pick["idx"], pick["scores"])
             pick = shared["index"][role.index_source]
-            glob = (self._entries_for(role, shared, pick), pick["idx"] is None, pick["valid"])
-        o, probs_global = self._ckpt(self.attend_core, q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float())
+            with self.part("attn.gather"):
+                glob = (self._entries_for(role, shared, pick), pick["idx"] is None, pick["valid"])
+        with self.part("attn.core"):
+            o, probs_global = self._ckpt(self.attend_core, q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float())
         if probs_global is not None:
             shared.setdefault("mass", {})[role.layer] = probs_global.detach().sum(2)  # [B, T, k or N]
             if "top_idx" in pick:  # a dense step with the focus term (see _index)
-                loss, recall = focus_loss(probs_global.sum(2), pick["top_idx"], pick["top_valid"], pick["crowded"])
+                with self.part("attn.focus"):
+                    loss, recall = focus_loss(probs_global.sum(2), pick["top_idx"], pick["top_valid"], pick["crowded"])
                 shared["focus"].append(loss)
                 out.focus_recall[role.layer] = recall
         if opts.analysis and role.role in (FULL, REINDEX) and glob is not None and not glob[1]:
             with torch.no_grad():
                 out.recall[role.layer] = self._recall(q * Dh ** -0.5, kv, shared, role, positions)
-        o = self.rotate(o, positions, freqs, inverse=True)
-        G = cfg.o_groups
-        wo_a = self.w(p + "wo_a.weight", opts).view(G, cfg.o_lora_rank, -1)
-        o = torch.einsum("btgd,grd->btgr", o.reshape(B, T, G, -1), wo_a)
-        return o.flatten(2) @ self.w(p + "wo_b.weight", opts).t()
+        with self.part("attn.out"):
+            o = self.rotate(o, positions, freqs, inverse=True)
+            G = cfg.o_groups
+            wo_a = self.w(p + "wo_a.weight", opts).view(G, cfg.o_lora_rank, -1)
+            o = torch.einsum("btgd,grd->btgr", o.reshape(B, T, G, -1), wo_a)
+            return o.flatten(2) @ self.w(p + "wo_b.weight", opts).t()
 
     def _entries_for(self, role: LayerRole, shared: dict, pick: dict) -> torch.Tensor:
         """The global entries a layer attends: every entry [B, N, D] in a dense step, else the picked
@@ -473,14 +495,16 @@ class BatchedForward:
         cfg = self.cfg
         p = f"layers.{L}.ffn."
         n_routed, n_active = cfg.experts_of(L)
-        scores, experts, weights = route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), None, None,
-                                         n_active, cfg.route_scale, cfg.score_func)
-        with self.matmuls(x.device):
+        with self.part("moe.route"):
+            scores, experts, weights = route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), None, None,
+                                             n_active, cfg.route_scale, cfg.score_func)
+        with self.part("moe.experts"), self.matmuls(x.device):
             y = self._experts(p, x, experts, weights, n_routed, opts)
-        load = torch.zeros(n_routed, device=x.device).index_add_(0, experts.flatten(),
-                                                                 torch.ones(experts.numel(), device=x.device))
-        balance = sequence_balance_loss(scores.view(B, -1, n_routed), experts.view(B, -1, n_active)) \
-            if opts.seq_balance else None
+        with self.part("moe.balance"):
+            load = torch.zeros(n_routed, device=x.device).index_add_(0, experts.flatten(),
+                                                                     torch.ones(experts.numel(), device=x.device))
+            balance = sequence_balance_loss(scores.view(B, -1, n_routed), experts.view(B, -1, n_active)) \
+                if opts.seq_balance else None
         return y, load, balance
 
     def _experts(self, p: str, x, experts, weights, n_routed: int, opts: StepOptions) -> torch.Tensor:

@@ -145,29 +145,34 @@ class Run:
         return out, gnorm
 
     def profiled_step(self, phase: Phase, ids: torch.Tensor, lr: float):
-        """One step under torch.profiler: where a step's time goes (GPU kernels against the host's
-        launches), written as a table to `profile.txt` beside the log and noted as an event."""
-        from torch.autograd import DeviceType
+        """One step under torch.profiler: where a step's time goes, written to `profile.txt` beside the
+        log and noted as an event. Three tables: the forward's named parts and the autograd nodes
+        (kernel time launched inside each), the kernels by name, and the ops by their own kernel time;
+        and how much of the step's wall the GPU was busy (the rest waits on the host's launches)."""
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.time()
-        with profile(activities=activities) as prof:
-            result = self.step(phase, ids, lr)
-            sync()
+        for fwd in (self.fwd, self.dense_fwd):
+            fwd.named_parts = True
+        try:
+            with profile(activities=activities) as prof:
+                result = self.step(phase, ids, lr)
+                sync()
+        finally:
+            for fwd in (self.fwd, self.dense_fwd):
+                fwd.named_parts = False
         wall = time.time() - t0
-        # the kernels themselves (an op's row would count its kernels' time a second time)
-        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        device_us = sum(e.device_time_total for e in kernels)
-        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=key, row_limit=40)
+        report = profile_report(prof, self.device.type == "cuda")
         out = Path(self.args.profile_out or ".")
         out.mkdir(parents=True, exist_ok=True)
         (out / "profile.txt").write_text(
             f"phase {phase.name}, {phase.batch} x {phase.seq} tokens, wall {wall:.3f} s (profiler on), "
-            f"GPU kernels {device_us / 1e6:.3f} s in {len(kernels)} launches\n\n" + table)
-        self.note(event="profile", phase=phase.name, wall_s=round(wall, 3), gpu_kernel_s=round(device_us / 1e6, 3))
+            f"GPU kernels {report['kernel_s']:.3f} s in {report['launches']} launches, GPU busy "
+            f"{report['busy_s']:.3f} s of the {report['span_s']:.3f} s from first to last kernel\n\n" + report["text"])
+        self.note(event="profile", phase=phase.name, wall_s=round(wall, 3), gpu_kernel_s=round(report["kernel_s"], 3),
+                  gpu_busy_s=round(report["busy_s"], 3), launches=report["launches"])
         return result
 
     def train(self, stream: torch.Tensor, extra: torch.Tensor | None = None, extra_share: float = 0.0) -> None:
@@ -281,3 +286,48 @@ class Run:
                   "recall": mean(recall), "recent_k_recall": mean(recent)}
         self.note(event="heldout", name=name, **result)
         return result
+
+
+def busy_time(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    busy, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy
+
+
+def profile_report(prof, cuda: bool) -> dict:
+    """Tables of one profiled step: named parts and autograd nodes by the kernel time launched inside
+    them, kernels by name, ops by their own time; the kernels' total, their count, and the GPU's busy
+    time (the union of kernel intervals, so overlapping streams are not counted twice)."""
+    from torch.autograd import DeviceType
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA] if cuda else []
+    kernel_us = sum(e.device_time_total for e in kernels)
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    busy = busy_time(spans)
+    span = (max(hi for _, hi in spans) - min(lo for lo, _ in spans)) if spans else 0.0
+    averages = prof.key_averages()
+    total_key = "device_time_total" if cuda else "cpu_time_total"
+    named = [r for r in averages if r.key.startswith(("part.", "autograd::engine::evaluate_function"))]
+    named.sort(key=lambda r: getattr(r, total_key), reverse=True)
+    lines = ["parts of the forward (recomputes run inside the backward's nodes) and autograd nodes,",
+             f"by the {'kernel' if cuda else 'CPU'} time inside them (nested parts count in both)", "",
+             f"| part or node | calls | ms |", "|---|---|---|"]
+    lines += [f"| {r.key.replace('autograd::engine::evaluate_function: ', 'backward: ')} | {r.count} | "
+              f"{getattr(r, total_key) / 1e3:.1f} |" for r in named[:60]]
+    if cuda:
+        by_name: dict[str, list] = {}
+        for e in kernels:
+            entry = by_name.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time_total
+        lines += ["", "kernels by name (top 60 by total time)", "", "| kernel | launches | ms | us each |",
+                  "|---|---|---|---|"]
+        for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]:
+            lines.append(f"| {name[:110]} | {n} | {us / 1e3:.1f} | {us / n:.1f} |")
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    lines += ["", averages.table(sort_by=key, row_limit=40)]
+    return {"kernel_s": kernel_us / 1e6, "busy_s": busy / 1e6, "span_s": span / 1e6, "launches": len(kernels),
+            "text": "\n".join(lines)}
