@@ -104,7 +104,7 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import fp8_linear, indexer, mhc, moe, quant, sparse_attn, topk
+    from kernels import fp8_linear, indexer, mhc, moe, quant, sinkhorn, sparse_attn, topk
 
     def quantizers():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
@@ -159,7 +159,10 @@ def cases():
             ("sparse attention decode b64", attention(64)), ("sparse attention prefill 4K", attention(4096)),
             ("MoE decode 1 token", experts(1)),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
-            ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1))]
+            ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
+            ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),
+            ("Sinkhorn backward (training)", lambda: sinkhorn.sinkhorn_backward(torch.randn(4096, 4, 4),
+                                                                               torch.randn(4096, 4, 4), 20, 1e-6))]
 
 
 def table(rows: list[dict], errors: dict) -> str:

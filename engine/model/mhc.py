@@ -35,16 +35,22 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
 
 
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-             hc: int, iters: int, hc_eps: float, norm_eps: float):
+def mix_logits(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               hc: int, hc_eps: float, norm_eps: float):
     """x: [T, hc, dim]; fn: [(2+hc)*hc, hc*dim]; scale: [3]; base: [(2+hc)*hc].
-    Returns pre [T, hc], post [T, hc], comb [T, hc, hc] (comb[i, j]: from copy i into copy j)."""
+    Returns pre [T, hc], post [T, hc] and comb's logits [T, hc, hc] (before the Sinkhorn rounds)."""
     flat = x.flatten(1).float()  # normalized over the whole flattened stream, one statistic per token
     m = (flat @ fn.float().t()) * inverse_rms(flat, norm_eps)
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    return pre, post, sinkhorn(comb, iters, hc_eps)
+    return pre, post, (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+             hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """pre [T, hc], post [T, hc], comb [T, hc, hc] (comb[i, j]: from copy i into copy j); see mix_logits."""
+    pre, post, logits = mix_logits(x, fn, scale, base, hc, hc_eps, norm_eps)
+    return pre, post, sinkhorn(logits, iters, hc_eps)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -136,13 +136,17 @@ class BatchedForward:
         # few fused kernels each, and recomputed in the backward instead of keeping their
         # activations (`checkpoint`), which buys larger batches
         wrap = _compiled if compile_parts else (lambda f: f)
-        self.mixes, self.fp8, self.fp4, self.rotate = (wrap(f) for f in (mhc.hc_mixes, fp8_values, fp4_values, rotate_bt))
+        self.mixes, self.fp8, self.fp4, self.rotate = (wrap(f) for f in (_hc_mixes, fp8_values, fp4_values, rotate_bt))
         self.attend_core, self.experts_core = wrap(self._attend), wrap(_experts_core)
         # the stream's collapse (+ RMSNorm) and expand as elementwise sums over the hc copies, not the
         # engine's batched [hc x hc] products: one fused kernel each instead of cuBLAS calls on ~1e5
         # tiny matrices (in run 5's profile those took ~0.4 s of a 1.7 s step, forward and backward)
         self.collapse_norm, self.expand = wrap(_collapse_norm), wrap(_expand)
         self.index_scores = wrap(_index_scores)
+        # the attention's projections, norms, rotations and FP8 rounding on either side of its core:
+        # eager, these were ~40 small kernels per layer forward and as many backward
+        self.attn_inputs, self.attn_output = wrap(_attn_inputs), wrap(_attn_output)
+        self.route, self.routing_stats = wrap(route), wrap(_routing_stats)
         self.checkpoint = checkpoint
         self.named_parts = False  # profiling: name each part of the forward for the profiler
         # dense linears stored FP8 (wo_a too, though the reference multiplies it in bf16)
@@ -262,15 +266,13 @@ class BatchedForward:
                    opts: StepOptions, out: StepOut) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        H, Dh = cfg.n_heads, cfg.head_dim
+        H = cfg.n_heads
         p = f"layers.{role.layer}.attn."
         freqs = self.freqs[role.compress_ratio]
         with self.part("attn.proj"):
-            qr = rms_norm(x @ self.w(p + "wq_a.weight", opts).t(), self.get(p + "q_norm.weight"), cfg.norm_eps)
-            q = self.rotate((qr @ self.w(p + "wq_b.weight", opts).t()).view(B, T, H, Dh), positions, freqs)
-            kv = rms_norm(x @ self.w(p + "wkv.weight", opts).t(), self.get(p + "kv_norm.weight"), cfg.norm_eps)
-            kv = self.rotate(kv, positions, freqs)
-            kv = ste(kv, self.fp8(kv.detach(), 32))                              # [B, T, D] window form
+            qr, q, kv = self.attn_inputs(x, self.w(p + "wq_a.weight", opts), self.get(p + "q_norm.weight"),
+                                         self.w(p + "wq_b.weight", opts), self.w(p + "wkv.weight", opts),
+                                         self.get(p + "kv_norm.weight"), positions, freqs, cfg.norm_eps, H)
 
         glob = None  # (entries [B, N, D], picks [B, T, k] or None for dense, valid [B, T, k or N])
         if role.compress_ratio > 0:
@@ -287,7 +289,7 @@ class BatchedForward:
             with self.part("attn.gather"):
                 glob = (self._entries_for(role, shared, pick), pick["idx"] is None, pick["valid"])
         with self.part("attn.core"):
-            o, probs_global = self._ckpt(self.attend_core, q * Dh ** -0.5, kv, glob, self.get(p + "attn_sink").float())
+            o, probs_global = self._ckpt(self.attend_core, q, kv, glob, self.get(p + "attn_sink").float())
         if probs_global is not None:
             shared.setdefault("mass", {})[role.layer] = probs_global.detach().sum(2)  # [B, T, k or N]
             if "top_idx" in pick:  # a dense step with the focus term (see _index)
@@ -297,13 +299,10 @@ class BatchedForward:
                 out.focus_recall[role.layer] = recall
         if opts.analysis and role.role in (FULL, REINDEX) and glob is not None and not glob[1]:
             with torch.no_grad():
-                out.recall[role.layer] = self._recall(q * Dh ** -0.5, kv, shared, role, positions)
+                out.recall[role.layer] = self._recall(q, kv, shared, role, positions)
         with self.part("attn.out"):
-            o = self.rotate(o, positions, freqs, inverse=True)
-            G = cfg.o_groups
-            wo_a = self.w(p + "wo_a.weight", opts).view(G, cfg.o_lora_rank, -1)
-            o = torch.einsum("btgd,grd->btgr", o.reshape(B, T, G, -1), wo_a)
-            return o.flatten(2) @ self.w(p + "wo_b.weight", opts).t()
+            return self.attn_output(o, positions, freqs, self.w(p + "wo_a.weight", opts), self.w(p + "wo_b.weight", opts),
+                                    cfg.o_groups, cfg.o_lora_rank)
 
     def _entries_for(self, role: LayerRole, shared: dict, pick: dict) -> torch.Tensor:
         """The global entries a layer attends: every entry [B, N, D] in a dense step, else the picked
@@ -496,15 +495,12 @@ class BatchedForward:
         p = f"layers.{L}.ffn."
         n_routed, n_active = cfg.experts_of(L)
         with self.part("moe.route"):
-            scores, experts, weights = route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), None, None,
-                                             n_active, cfg.route_scale, cfg.score_func)
+            scores, experts, weights = self.route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), None, None,
+                                                  n_active, cfg.route_scale, cfg.score_func)
         with self.part("moe.experts"), self.matmuls(x.device):
             y = self._experts(p, x, experts, weights, n_routed, opts)
         with self.part("moe.balance"):
-            load = torch.zeros(n_routed, device=x.device).index_add_(0, experts.flatten(),
-                                                                     torch.ones(experts.numel(), device=x.device))
-            balance = sequence_balance_loss(scores.view(B, -1, n_routed), experts.view(B, -1, n_active)) \
-                if opts.seq_balance else None
+            load, balance = self.routing_stats(scores.view(B, -1, n_routed), experts.view(B, -1, n_active), opts.seq_balance)
         return y, load, balance
 
     def _experts(self, p: str, x, experts, weights, n_routed: int, opts: StepOptions) -> torch.Tensor:
@@ -551,6 +547,44 @@ def focus_loss(mass: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, rows:
     with torch.no_grad():
         share = (log_share.exp() * rows).sum() / n
     return -log_share.sum() / n, share
+
+
+def _attn_inputs(x, wq_a, q_norm, wq_b, wkv, kv_norm, positions, freqs, eps: float, heads: int):
+    """x [B, T, dim] -> (qr [B, T, q_lora], q [B, T, H, Dh] rotated and scaled by Dh^-0.5, kv [B, T, D]
+    rotated, FP8-rounded with a straight-through gradient: the window cache's form)."""
+    B, T, _ = x.shape
+    qr = rms_norm(x @ wq_a.t(), q_norm, eps)
+    q = (qr @ wq_b.t()).view(B, T, heads, -1)
+    q = rotate_bt(q, positions, freqs) * q.shape[-1] ** -0.5
+    kv = rotate_bt(rms_norm(x @ wkv.t(), kv_norm, eps), positions, freqs)
+    return qr, q, ste(kv, fp8_values(kv.detach(), 32))
+
+
+def _attn_output(o, positions, freqs, wo_a, wo_b, groups: int, rank: int):
+    """The attention's output [B, T, H, D] -> [B, T, dim]: rotated back, grouped low-rank wo_a, wo_b."""
+    B, T = o.shape[:2]
+    o = rotate_bt(o, positions, freqs, inverse=True)
+    o = torch.einsum("btgd,grd->btgr", o.reshape(B, T, groups, -1), wo_a.view(groups, rank, -1))
+    return o.flatten(2) @ wo_b.t()
+
+
+def _routing_stats(scores, experts, seq_balance: bool):
+    """(tokens routed to each expert [E], the sequence-wise balance loss or None). scores [B, T, E],
+    experts [B, T, k]."""
+    E = scores.shape[-1]
+    load = torch.zeros(E, device=scores.device).index_add_(0, experts.flatten(),
+                                                          torch.ones(experts.numel(), device=scores.device))
+    return load, sequence_balance_loss(scores, experts) if seq_balance else None
+
+
+def _hc_mixes(x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """mhc.hc_mixes, its Sinkhorn rounds on CUDA in one Triton kernel forward and one backward
+    (kernels/sinkhorn.py) instead of ~40 + ~80 small compiled ones."""
+    pre, post, logits = mhc.mix_logits(x, fn, scale, base, hc, hc_eps, norm_eps)
+    if logits.is_cuda and hc == 4:
+        from kernels.sinkhorn import sinkhorn
+        return pre, post, sinkhorn(logits.float(), iters, hc_eps)
+    return pre, post, mhc.sinkhorn(logits, iters, hc_eps)
 
 
 def _collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

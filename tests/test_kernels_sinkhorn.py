@@ -1,0 +1,82 @@
+"""The training Sinkhorn kernels (kernels/sinkhorn.py) on the CPU under TRITON_INTERPRET=1: forward and
+backward against float64 PyTorch (the engine's sinkhorn and its autograd gradient), token counts that
+do not fill a block, outputs NaN-poisoned so an unwritten element fails, and the op's autograd."""
+
+import importlib
+import os
+import random
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+
+import pytest
+import torch
+
+import kernels.sinkhorn
+
+importlib.reload(kernels.sinkhorn)  # re-create the jit functions if imported without the interpreter
+
+from engine.model import mhc  # noqa: E402
+from kernels import sinkhorn as sk  # noqa: E402
+
+_empty, _empty_like = torch.empty, torch.empty_like
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    nan = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(_empty_like(*a, **k)))
+
+
+def _logits(t: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # the trainer's range: comb logits near the identity's 4.0 diagonal, plus noise
+    return torch.randn(t, 4, 4, generator=gen) * 2.0 + torch.eye(4) * 4.0
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    assert not torch.isnan(b).any(), "NaN in the kernel's output (unwritten or invalid)"
+    return ((a - b).norm() / a.norm()).item()
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 130])
+def test_forward_matches_the_engine_sinkhorn_in_float64(poisoned, t):
+    z = _logits(t, random.randrange(2**31))
+    want = mhc.sinkhorn(z.double(), 20, 1e-6)          # the engine's form: [n, n, T] rounds
+    assert torch.allclose(want, sk.sinkhorn_reference(z.double(), 20, 1e-6), rtol=0, atol=1e-14)
+    got = sk.sinkhorn_forward(z, 20, 1e-6)
+    assert got.shape == (t, 4, 4)
+    assert _rel(want, got) < 1e-6
+    # what Sinkhorn is for: columns sum to 1 (the last step), rows nearly
+    assert torch.allclose(got.sum(-2), torch.ones(t, 4), atol=1e-5)
+    assert torch.allclose(got.sum(-1), torch.ones(t, 4), atol=5e-2)  # 20 rounds on sharp logits: within 2%
+
+
+@pytest.mark.parametrize("t,iters", [(3, 20), (70, 20), (9, 3), (4, 1)])
+def test_backward_matches_autograd_of_the_float64_reference(poisoned, t, iters):
+    seed = random.randrange(2**31)
+    z = _logits(t, seed)
+    g = torch.randn(t, 4, 4, generator=torch.Generator().manual_seed(seed + 1))
+    z64 = z.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(sk.sinkhorn_reference(z64, iters, 1e-6), z64, g.double())
+    got = sk.sinkhorn_backward(z, g, iters, 1e-6)
+    assert _rel(want, got) < 1e-5
+    # a softmax input: every row's gradient sums to 0
+    assert got.sum(-1).abs().max() < 1e-5
+
+
+def test_the_op_is_differentiable_and_rejects_wrong_shapes():
+    z = _logits(6, 3).requires_grad_(True)
+    out = sk.sinkhorn(z, 20, 1e-6)
+    g = torch.randn(6, 4, 4, generator=torch.Generator().manual_seed(4))
+    out.backward(g)
+    z64 = z.detach().double().requires_grad_(True)
+    (want,) = torch.autograd.grad(sk.sinkhorn_reference(z64, 20, 1e-6), z64, g.double())
+    assert _rel(want, z.grad) < 1e-5
+    assert _rel(sk.sinkhorn_reference(z.detach().double(), 20, 1e-6), out.detach()) < 1e-6
+    with pytest.raises(ValueError, match=r"float32 \[T, 4, 4\]"):
+        sk.sinkhorn_forward(torch.zeros(2, 3, 3), 20, 1e-6)
+    with pytest.raises(ValueError, match=r"float32 \[T, 4, 4\]"):
+        sk.sinkhorn_forward(torch.zeros(2, 4, 4, dtype=torch.float64), 20, 1e-6)
+    assert sk.sinkhorn_forward(torch.zeros(0, 4, 4), 20, 1e-6).shape == (0, 4, 4)
