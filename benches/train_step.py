@@ -2,14 +2,15 @@
 baseline tree measured in the same run.
 
     python benches/train_step.py --train TOKENS.npy [--baseline DIR] [--shapes 24x4096,40x4096]
-        [--phases sparse,quant] [--out DIR] [--profile]
+        [--phases sparse,quant] [--out DIR] [--profile] [--current-env K=V,...] [--baseline-env K=V,...]
 
 DIR holds an older `engine/` package (plus assets/configs and assets/tokenizer), e.g.
 `git archive 93f5e8c engine assets/configs assets/tokenizer | tar -x -C build/train_baseline`. Each tree
 runs in its own process (`--worker`), with the training run's settings (bf16 autocast, compiled parts,
 activation checkpointing): per (shape, phase) the first step (compiles) is timed apart, then `--warm`
 steps, then the median of `--steps` timed steps. The table gives tokens/s, peak memory, and the ratio
-against the baseline at the same shape and phase. Goal: 100 k tokens/s in the sparse phase on an H200.
+against the baseline at the same shape and phase. The baseline may be this tree itself with another
+environment (`--baseline . --baseline-env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`). Goal: 100 k tokens/s in the sparse phase on an H200.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def _run_tree(tree: Path, a, label: str) -> list[dict]:
            "--seq-balance", str(a.seq_balance)]
     if a.profile and label == "current":
         cmd += ["--profile", "--profile-out", a.out or "."]
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    print(f"# {label}: {tree}", flush=True)
+    extra = a.current_env if label == "current" else a.baseline_env
+    env = dict(os.environ, PYTHONPATH=str(tree), **dict(kv.split("=", 1) for kv in extra.split(",") if kv))
+    print(f"# {label}: {tree} {extra}", flush=True)
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.tree_timeout)
         stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
@@ -140,6 +142,8 @@ def main(argv=None) -> None:
     p.add_argument("--profile-out", default="")
     p.add_argument("--out", default="", help="folder for train-step.md / .json")
     p.add_argument("--tree-timeout", type=float, default=3000, help="seconds per tree (current, baseline)")
+    p.add_argument("--current-env", default="", help="KEY=VALUE,... set for the current tree's process only")
+    p.add_argument("--baseline-env", default="", help="the same for the baseline's (e.g. an allocator setting to A/B)")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--tree", default=str(ROOT))
     a = p.parse_args(argv)

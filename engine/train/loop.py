@@ -329,5 +329,7 @@ def profile_report(prof, cuda: bool) -> dict:
             lines.append(f"| {name[:110]} | {n} | {us / 1e3:.1f} | {us / n:.1f} |")
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     lines += ["", averages.table(sort_by=key, row_limit=40)]
+    if cuda:  # where the host's time goes (launch-bound stretches, synchronizing calls)
+        lines += ["", "ops by the host's own time", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
     return {"kernel_s": kernel_us / 1e6, "busy_s": busy / 1e6, "span_s": span / 1e6, "launches": len(kernels),
             "text": "\n".join(lines)}
