@@ -52,12 +52,16 @@ def figure(events: list[dict], title: str):
     steps = [e for e in events if e.get("event") == "step"]
     fig = go.Figure()
     runs = list(dict.fromkeys(e.get("run", "") for e in steps))  # in order of appearance
+    # (run, phase, tokens, ce): a logged step carries each phase's latest batch loss where the log
+    # has it (ce_by_phase), else the logged step's own
+    points = [(e.get("run", ""), phase, e["tokens"], ce) for e in steps
+              for phase, ce in (e.get("ce_by_phase") or {e["phase"]: e["ce"]}).items()]
     for run in runs:  # one line per run and phase: a line never joins two runs
         for phase, colour in PHASE_COLOURS.items():
-            rows = [e for e in steps if e["phase"] == phase and e.get("run", "") == run]
+            rows = [(tokens, ce) for r, ph, tokens, ce in points if ph == phase and r == run]
             if rows:
                 label = f"training batches, {phase} phase" + (f" ({run})" if len(runs) > 1 else "")
-                fig.add_scatter(x=[e["tokens"] / 1e6 for e in rows], y=[e["ce"] for e in rows],
+                fig.add_scatter(x=[t / 1e6 for t, _ in rows], y=[ce for _, ce in rows],
                                 mode="lines+markers", name=label, line={"color": colour, "dash": "solid" if run == runs[-1] else "dot"})
     end = 0.0
     for e in events:

@@ -11,7 +11,10 @@ MAX_TOKENS=${MAX_TOKENS:-60000000}
 PACK=${PACK:-build/corpus_pack/prose.txt.xz}
 # DENSE_FRAC, LR and TRAIN_ARGS (e.g. "--init assets/model" to continue the shipped model) pass through;
 # the H200 settings; a CPU smoke passes e.g. SHAPE="--cpu --tiny --batch 2 --seq 256 --max-steps 3 --smoke --eval-seq 256 --eval-windows 1"
-SHAPE=${SHAPE:---bf16 --compile --checkpoint --batch 24 --seq 4096 --dense-batch 32 --dense-seq 1024}
+SHAPE=${SHAPE:---bf16 --compile --checkpoint --batch 28 --seq 4096 --dense-batch 16 --dense-seq 2048}
+# near the memory limit (28 x 4,096 peaks at 118 GB) the allocator's expandable segments measured 1.06x
+# in the same bench run (benches/results/train-step-h200.md)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$WORK"
 trap 'echo failed > "$WORK/DONE"' ERR
 start=$(date +%s)

@@ -24,3 +24,16 @@ def test_a_continued_run_counts_on_from_the_first_runs_tokens():
     names = {t.name for t in fig.data}
     assert {"training batches, dense phase (run 1)", "training batches, dense phase (run 2)"} <= names
     assert "training batches, quant phase (run 2)" in names and "training batches, quant phase (run 1)" not in names
+
+
+def test_each_phases_latest_loss_is_drawn_where_the_log_has_it():
+    """With every logged step a dense one (--dense-every 5, --log-every 10), the sparse phase's batches
+    still reach the curve through the log's ce_by_phase."""
+    events = [{**_step(100, 3.1, "dense"), "ce_by_phase": {"dense": 3.1, "sparse": 2.8}},
+              {**_step(200, 3.0, "dense"), "ce_by_phase": {"dense": 3.0, "sparse": 2.7}},
+              _step(300, 2.6, "quant")]
+    fig = loss_curve.figure(events, "t")
+    lines = {t.name: (tuple(t.x), tuple(t.y)) for t in fig.data}
+    assert lines["training batches, sparse phase"] == ((100 / 1e6, 200 / 1e6), (2.8, 2.7))
+    assert lines["training batches, dense phase"] == ((100 / 1e6, 200 / 1e6), (3.1, 3.0))
+    assert lines["training batches, quant phase"] == ((300 / 1e6,), (2.6,))

@@ -75,6 +75,9 @@ def test_cpu_smoke_run_logs_phase_throughput_and_exports(tmp_path):
     assert all(v > 0 for v in log["phase_tok_s"].values())
     steps = [e for e in log["events"] if e["event"] == "step"]
     assert all(e["balance"] > 0 for e in steps)
+    # each logged step carries every phase's latest batch loss so far (the last one: all three)
+    assert set(steps[-1]["ce_by_phase"]) == {"dense", "sparse", "quant"}
+    assert all(e["ce_by_phase"][e["phase"]] == e["ce"] for e in steps)
     assert (out / "model" / "model.safetensors.index.json").exists()
 
 

@@ -185,6 +185,9 @@ class Run:
         step = tokens = 0
         mark_t, mark_tokens = t0, 0
         loads_ema = None
+        # each phase's latest batch loss, kept as a tensor (no sync) and read when the log syncs: with
+        # --dense-every dividing --log-every, every logged step would otherwise be a dense one
+        last_ce: dict[str, torch.Tensor] = {}
         # The budget clock leaves out each phase's first step: with --compile that step compiles for
         # minutes, and counted in, it would eat the dense warm-up's whole share of the budget.
         first_steps_s, started = 0.0, set()
@@ -225,6 +228,7 @@ class Run:
                 phase.batch = max(1, phase.batch // 2)
                 self.note(event="oom", phase=name, batch=phase.batch)
                 continue
+            last_ce[name] = out.loss_ce.detach()
             loads = out.loads.detach()
             loads_ema = loads if loads_ema is None else loads_ema * 0.95 + loads * 0.05
             step += 1
@@ -248,6 +252,7 @@ class Run:
                 if out.loss_balance is not None:
                     extras["balance"] = round(float(out.loss_balance.detach()), 4)
                 extras["phase_tok_s"] = clock.collect()
+                extras["ce_by_phase"] = {k: round(float(v), 4) for k, v in last_ce.items()}
                 self.note(event="step", step=step, phase=name, batch=phase.batch, seq=phase.seq, lr=round(lr, 6),
                           ce=round(ce, 4), kl=round(float(out.loss_kl.detach()), 4), margin=round(float(out.loss_margin.detach()), 4),
                           gnorm=round(float(gnorm), 3), tokens=tokens, zero_picks=zero,
