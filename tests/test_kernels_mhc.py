@@ -22,16 +22,6 @@ for _m in (kernels._formats, kernels.mhc):  # re-create the jit functions if imp
 
 from kernels import mhc  # noqa: E402
 
-_empty, _empty_like = torch.empty, torch.empty_like
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    nan = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(_empty_like(*a, **k)))
-
-
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(random.randrange(2**31))

@@ -18,16 +18,6 @@ importlib.reload(kernels.sinkhorn)  # re-create the jit functions if imported wi
 from engine.model import mhc  # noqa: E402
 from kernels import sinkhorn as sk  # noqa: E402
 
-_empty, _empty_like = torch.empty, torch.empty_like
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    nan = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(_empty_like(*a, **k)))
-
-
 def _logits(t: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     # the trainer's range: comb logits near the identity's 4.0 diagonal, plus noise

@@ -32,21 +32,6 @@ for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kerne
 from engine import quant as Q  # noqa: E402
 from kernels import dispatch, fp8_linear, indexer, mhc, moe, quant, sparse_attn, topk  # noqa: E402
 
-_empty, _empty_like = torch.empty, torch.empty_like
-
-
-def _poison(t):
-    if t.is_floating_point() and t.dtype.itemsize >= 2:
-        return t.fill_(float("nan"))
-    return t.view(torch.uint8).fill_(0xA5).view(t.dtype) if t.numel() else t
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_empty_like(*a, **k)))
-
-
 @pytest.fixture
 def gen():
     seed = random.randrange(2**31)
