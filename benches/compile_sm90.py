@@ -104,7 +104,7 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import fp8_linear, indexer, mhc, moe, quant, sinkhorn, sparse_attn, topk
+    from kernels import fp8_linear, indexer, mhc, moe, quant, sinkhorn, sparse_attn, sparse_attn_train, topk
 
     def quantizers():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
@@ -146,6 +146,14 @@ def cases():
         x = torch.randn(tokens, dim).bfloat16()
         return lambda: moe.moe_fp4_triton(x, w1, s1, w3, s3, w2, s2, ids, tw, **cfg)
 
+    def picked(kind):  # the trainer's shapes: 4 heads of 128 over the picks (or 4 x 64: the indexer's KL)
+        q, e = torch.randn(2, 64, 4, 128).bfloat16(), torch.randn(2, 2048, 128).bfloat16()
+        idx, w = torch.randint(0, 2048, (2, 64, 64)), torch.rand(2, 64, 4, 64)
+        run = {"scores": lambda: sparse_attn_train.gather_scores(q, e, idx),
+               "combine": lambda: sparse_attn_train.gather_combine(w, e, idx),
+               "scatter": lambda: sparse_attn_train.scatter_picks(q, w, idx, 2048)}
+        return run[kind]
+
     def mixing(tq):
         dim = 5120
         args = (torch.randn(tq, 4, dim).bfloat16(), torch.randn(24, 4 * dim) * 0.01, torch.rand(3) + 0.5,
@@ -162,7 +170,9 @@ def cases():
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
             ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),
             ("Sinkhorn backward (training)", lambda: sinkhorn.sinkhorn_backward(torch.randn(4096, 4, 4),
-                                                                               torch.randn(4096, 4, 4), 20, 1e-6))]
+                                                                               torch.randn(4096, 4, 4), 20, 1e-6)),
+            ("picked scores (training)", picked("scores")), ("picked combine (training)", picked("combine")),
+            ("picked scatter (training)", picked("scatter"))]
 
 
 def table(rows: list[dict], errors: dict) -> str:

@@ -10,7 +10,8 @@ runs in its own process (`--worker`), with the training run's settings (bf16 aut
 activation checkpointing): per (shape, phase) the first step (compiles) is timed apart, then `--warm`
 steps, then the median of `--steps` timed steps. The table gives tokens/s, peak memory, and the ratio
 against the baseline at the same shape and phase. The baseline may be this tree itself with another
-environment (`--baseline . --baseline-env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`). Goal: 100 k tokens/s in the sparse phase on an H200.
+environment (`--baseline . --baseline-env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, or
+`--current-env V41_FUSED_PICKS=1` for the picked entries read in place). Goal: 100 k tokens/s in the sparse phase on an H200.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _args_namespace(a) -> argparse.Namespace:
         dense_batch=16, dense_seq=2048, lr=1e-4, kl_weight=1.0, margin=0.1, focus=0.5, seq_balance=a.seq_balance,
         gamma=0.005, bf16=True, compile=True, checkpoint=True, seed=0, cpu=False, tiny=False, budget_s=60.0,
         deadline_s=0.0, max_steps=0, dense_frac=0.1, quant_frac=0.2, dense_every=0, warmup=1, log_every=10 ** 9,
-        profile_step=0, profile_out=a.profile_out, smoke=False, init="")
+        profile_step=0, profile_out=a.profile_out, smoke=False, init="",
+        fused_picks=os.environ.get("V41_FUSED_PICKS") == "1")
 
 
 def worker(a) -> None:

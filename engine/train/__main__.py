@@ -12,6 +12,7 @@ at the end of the run (loss, zero-score picks, selection recall per index layer)
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from pathlib import Path
@@ -129,6 +130,9 @@ def main(argv=None) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")
     p.add_argument("--checkpoint", action="store_true", help="recompute attention, MoE and mHC in the backward")
+    p.add_argument("--fused-picks", action="store_true", default=os.environ.get("V41_FUSED_PICKS") == "1",
+                   help="attend the picked entries in place (kernels/sparse_attn_train.py), not gathered; "
+                        "default from V41_FUSED_PICKS=1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--tiny", action="store_true")

@@ -126,7 +126,7 @@ class BatchedForward:
 
     def __init__(self, cfg: ModelConfig, get, layout: EngramLayout | None, compressed_lookup: torch.Tensor | None,
                  bf16: bool = False, compile_parts: bool = False, checkpoint: bool = False,
-                 sparse_limits: tuple[int, int] | None = None):
+                 sparse_limits: tuple[int, int] | None = None, fused_picks: bool = False):
         self.cfg, self.get, self.bf16 = cfg, get, bf16
         # (index_topk, candidate_topk_blocks) of the sparse forward: a dense forward (its config
         # lifts both limits) still picks as the sparse one would, for the focus term
@@ -148,6 +148,9 @@ class BatchedForward:
         self.attn_inputs, self.attn_output = wrap(_attn_inputs), wrap(_attn_output)
         self.route, self.routing_stats = wrap(route), wrap(_routing_stats)
         self.checkpoint = checkpoint
+        # the picked entries read in place by Triton kernels (kernels/sparse_attn_train.py) instead of
+        # gathered into [B, T, k, D] and scattered back
+        self.fused_picks = fused_picks
         self.named_parts = False  # profiling: name each part of the forward for the profiler
         # dense linears stored FP8 (wo_a too, though the reference multiplies it in bf16)
         self.fp8_names = frozenset(s.name for s in tensor_specs(cfg) if s.dtype == "F8_E4M3"
@@ -316,8 +319,11 @@ class BatchedForward:
         if key not in gathered:
             if self.bf16:  # the attention reads them in bf16 anyway: half the bytes to gather and keep
                 entries = entries.to(torch.bfloat16)
-            B = entries.shape[0]
-            gathered[key] = entries[torch.arange(B, device=entries.device)[:, None, None], pick["idx"]]
+            if self.fused_picks:  # (entries [B, N, D], idx [B, T, k]): the kernels read the picks in place
+                gathered[key] = (entries, pick["idx"])
+            else:
+                B = entries.shape[0]
+                gathered[key] = entries[torch.arange(B, device=entries.device)[:, None, None], pick["idx"]]
         return gathered[key]
 
     def _compress(self, role: LayerRole, x: torch.Tensor, freqs: torch.Tensor, opts: StepOptions):
@@ -416,9 +422,13 @@ class BatchedForward:
         s_win = s_win.masked_fill(~mask[None, :, :, None, :], NEG_INF).flatten(1, 2)  # [B, T, H, 2W]
         parts = [s_win]
         if glob is not None:
-            src, dense, valid = glob  # every entry [B, N, D] (dense warm-up, through the mask) or the picks [B, T, k, D]
-            eq = "bthd,bnd->bthn" if dense else "bthd,btkd->bthk"
-            s_glob = torch.einsum(eq, q, src)
+            # every entry [B, N, D] (dense warm-up, through the mask), the picks [B, T, k, D], or the
+            # picks to read in place: (entries [B, N, D], idx [B, T, k])
+            src, dense, valid = glob
+            if isinstance(src, tuple):
+                s_glob = _picked().picked_scores(q, *src)
+            else:
+                s_glob = torch.einsum("bthd,bnd->bthn" if dense else "bthd,btkd->bthk", q, src)
             parts.append(s_glob.masked_fill(~valid[:, :, None, :], NEG_INF))
         parts.append(sink.view(1, 1, H, 1).expand(B, T, H, 1))
         logits = torch.cat(parts, dim=-1)
@@ -428,8 +438,11 @@ class BatchedForward:
         p_glob = None
         if glob is not None:
             p_glob = probs[..., 2 * W: -1]
-            eq = "bthn,bnd->bthd" if dense else "bthk,btkd->bthd"
-            o = o + torch.einsum(eq, p_glob.to(src.dtype), src)
+            if isinstance(src, tuple):
+                o = o + _picked().picked_combine(p_glob, *src)
+            else:
+                eq = "bthn,bnd->bthd" if dense else "bthk,btkd->bthd"
+                o = o + torch.einsum(eq, p_glob.to(src.dtype), src)
         return o, p_glob
 
     def _indexer_losses(self, src: int, users: list[int], shared: dict, opts: StepOptions, out: StepOut):
@@ -443,6 +456,8 @@ class BatchedForward:
         qi, w, keys = pick["qi"].to(dtype), pick["w"].float(), pick["keys"].to(dtype)
         if pick["idx"] is None:
             dots = torch.einsum("bthd,bnd->btnh", qi, keys)
+        elif self.fused_picks:
+            dots = _picked().picked_scores(qi, keys, pick["idx"]).transpose(2, 3)   # [B, T, k, h]
         else:
             B, T, k = pick["idx"].shape
             sel_keys = keys[torch.arange(B, device=keys.device)[:, None, None], pick["idx"]]  # [B, T, k, Di]
@@ -575,6 +590,12 @@ def _routing_stats(scores, experts, seq_balance: bool):
     load = torch.zeros(E, device=scores.device).index_add_(0, experts.flatten(),
                                                           torch.ones(experts.numel(), device=scores.device))
     return load, sequence_balance_loss(scores, experts) if seq_balance else None
+
+
+def _picked():
+    """kernels/sparse_attn_train.py, imported where first used (it imports Triton)."""
+    from kernels import sparse_attn_train
+    return sparse_attn_train
 
 
 def _hc_mixes(x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
