@@ -70,7 +70,7 @@ def test_cpu_smoke_run_logs_phase_throughput_and_exports(tmp_path):
     profile_text = (tmp_path / "profile.txt").read_text()
     assert "phase sparse" in profile_text
     # the forward's named parts reach the profiler
-    for part in ("part.mhc.mixes", "part.attn.core", "part.moe.experts", "part.indexer.loss", "part.head"):
+    for part in ("part.mhc.mixes_collapse", "part.attn.core", "part.moe.experts", "part.indexer.loss", "part.head"):
         assert part in profile_text, part
     assert all(v > 0 for v in log["phase_tok_s"].values())
     steps = [e for e in log["events"] if e["event"] == "step"]

@@ -136,12 +136,15 @@ class BatchedForward:
         # few fused kernels each, and recomputed in the backward instead of keeping their
         # activations (`checkpoint`), which buys larger batches
         wrap = _compiled if compile_parts else (lambda f: f)
-        self.mixes, self.fp8, self.fp4, self.rotate = (wrap(f) for f in (_hc_mixes, fp8_values, fp4_values, rotate_bt))
+        self.fp8, self.fp4, self.rotate = (wrap(f) for f in (fp8_values, fp4_values, rotate_bt))
         self.attend_core, self.experts_core = wrap(self._attend), wrap(_experts_core)
         # the stream's collapse (+ RMSNorm) and expand as elementwise sums over the hc copies, not the
         # engine's batched [hc x hc] products: one fused kernel each instead of cuBLAS calls on ~1e5
         # tiny matrices (in run 5's profile those took ~0.4 s of a 1.7 s step, forward and backward)
         self.collapse_norm, self.expand = wrap(_collapse_norm), wrap(_expand)
+        # a sub-layer's mixes and its input's collapse read the same stream X: one function, so that the
+        # backward hands X one gradient instead of two to be summed (an fp32 [BT, 4, dim] add per sub-layer)
+        self.mix_collapse = wrap(_mix_collapse)
         self.index_scores = wrap(_index_scores)
         # the attention's projections, norms, rotations and FP8 rounding on either side of its core:
         # eager, these were ~40 small kernels per layer forward and as many backward
@@ -204,20 +207,18 @@ class BatchedForward:
             if role.engram:
                 with self.part("engram"):
                     X = self._engram(L, X, compressed, opts)
-            with self.part("mhc.mixes"):
-                a_pre, a_post, a_comb = self._ckpt(self.mixes, X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
-                                                     self.get(p + "hc_attn_base"), *hc_args)
-            with self.part("mhc.collapse"):
-                attn_in = self.collapse_norm(X, pre, self.get(p + "attn_norm.weight"), cfg.norm_eps)
+            with self.part("mhc.mixes_collapse"):
+                a_pre, a_post, a_comb, attn_in = self._ckpt(
+                    self.mix_collapse, X, self.get(p + "hc_attn_fn"), self.get(p + "hc_attn_scale"),
+                    self.get(p + "hc_attn_base"), pre, self.get(p + "attn_norm.weight"), *hc_args)
             with self.matmuls(dev):
                 y = self._attention(role, attn_in.view(B, T, dim), positions, shared, opts, out).float()
             with self.part("mhc.expand"):
                 X1 = self.expand(y.reshape(B * T, dim), X, a_post, a_comb)
-            with self.part("mhc.mixes"):
-                f_pre, f_post, f_comb = self._ckpt(self.mixes, X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
-                                                     self.get(p + "hc_ffn_base"), *hc_args)
-            with self.part("mhc.collapse"):
-                ffn_in = self.collapse_norm(X1, a_pre, self.get(p + "ffn_norm.weight"), cfg.norm_eps)
+            with self.part("mhc.mixes_collapse"):
+                f_pre, f_post, f_comb, ffn_in = self._ckpt(
+                    self.mix_collapse, X1, self.get(p + "hc_ffn_fn"), self.get(p + "hc_ffn_scale"),
+                    self.get(p + "hc_ffn_base"), a_pre, self.get(p + "ffn_norm.weight"), *hc_args)
             y, load, balance = self._moe(L, ffn_in, B, opts)
             y = y.float()
             loads.append(load)
@@ -606,6 +607,12 @@ def _hc_mixes(x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: 
         from kernels.sinkhorn import sinkhorn
         return pre, post, sinkhorn(logits.float(), iters, hc_eps)
     return pre, post, mhc.sinkhorn(logits, iters, hc_eps)
+
+
+def _mix_collapse(x, fn, scale, base, pre, norm_w, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """(pre, post, comb) of the stream x [N, hc, dim] and the sub-layer's input: x collapsed with the
+    previous sub-layer's `pre`, then RMSNorm (`_hc_mixes` and `_collapse_norm` in one)."""
+    return (*_hc_mixes(x, fn, scale, base, hc, iters, hc_eps, norm_eps), _collapse_norm(x, pre, norm_w, norm_eps))
 
 
 def _collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
