@@ -17,7 +17,8 @@ from engine.model.engram import EngramLayout, ngram_rows
 from engine.model.transformer import Model
 from engine.run.probes import ProbeRequest
 from engine.tokenizer import load_tokenizer
-from engine.train.batched import BatchedForward, StepOptions, engram_rows_batched, fp4_values, fp8_values
+from engine.train.batched import BatchedForward, StepOptions
+from engine.train.parts import engram_rows_batched, fp4_values, fp8_values
 from engine.train.params import Trainee
 from engine.checkpoint.weights import TensorWeights
 from engine import quant
@@ -118,7 +119,7 @@ def test_indexer_learns_only_from_its_losses(setup):
 
 def test_focus_loss_against_a_hand_computation():
     """-log(share of the mass on the picks), averaged over the rows asked for, in float64 by hand."""
-    from engine.train.batched import focus_loss
+    from engine.train.parts import focus_loss
 
     torch.manual_seed(0)
     mass = torch.rand(2, 5, 7, dtype=torch.float64)
@@ -175,7 +176,7 @@ def test_focus_recall_equals_the_recall_probe(setup):
 def test_sequence_balance_loss_against_a_hand_computation():
     """sum_e f_e P_e per sequence (f: share of the sequence's slots x E, P: mean normalized affinity),
     averaged over sequences, in float64 by hand; 1 for a balanced sequence, E / k for a collapsed one."""
-    from engine.train.batched import sequence_balance_loss
+    from engine.train.parts import sequence_balance_loss
 
     torch.manual_seed(1)
     B, T, E, k = 3, 6, 5, 2
