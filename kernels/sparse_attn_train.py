@@ -49,19 +49,45 @@ def _picks(idx_ptr, pid, T, N, K, D: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
+def _head_chunk(a_ptr, pid, h, d, H: tl.constexpr, D: tl.constexpr):
+    """a[token pid, heads h, dims d] as float32 [HP, BD] (padded heads 0)."""
+    return tl.load(a_ptr + (pid.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=(h < H)[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _entry_chunk(e_ptr, rows, ok, d):
+    """The picked entries' dims d as float32 [KP, BD] (missing picks 0)."""
+    return tl.load(e_ptr + rows[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pick_weights(w_ptr, pid, h, j, ok, H: tl.constexpr, K):
+    """w[token pid] as float32 [HP, KP] (missing picks and padded heads 0)."""
+    return tl.load(w_ptr + (pid.to(tl.int64) * H + h[:, None]) * K + j[None, :],
+                   mask=(h < H)[:, None] & ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _weighted_token(w_ptr, idx_ptr, T, N, K, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, KP: tl.constexpr):
+    """This program's token, its head lanes, picks (rows, mask) and weights [HP, KP]."""
+    pid = tl.program_id(0)
+    h = tl.arange(0, HP)
+    rows, ok = _picks(idx_ptr, pid, T, N, K, D, KP)
+    return pid, h, rows, ok, _pick_weights(w_ptr, pid, h, tl.arange(0, KP), ok, H, K)
+
+
+@triton.jit
 def _scores_kernel(a_ptr, e_ptr, idx_ptr, out_ptr, T, N, K, H: tl.constexpr, D: tl.constexpr,
                    HP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)                       # one token of B * T
-    h = tl.arange(0, HP)
-    j = tl.arange(0, KP)
+    h, j = tl.arange(0, HP), tl.arange(0, KP)
     rows, ok = _picks(idx_ptr, pid, T, N, K, D, KP)
     acc = tl.zeros((HP, KP), dtype=tl.float32)
     for d0 in tl.static_range(0, D, BD):
         d = d0 + tl.arange(0, BD)
-        av = tl.load(a_ptr + (pid.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=(h < H)[:, None],
-                     other=0.0).to(tl.float32)                                         # [HP, BD]
-        ev = tl.load(e_ptr + rows[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # [KP, BD]
-        acc += tl.sum(av[:, None, :] * ev[None, :, :], axis=2)
+        acc += tl.sum(_head_chunk(a_ptr, pid, h, d, H, D)[:, None, :] * _entry_chunk(e_ptr, rows, ok, d)[None, :, :],
+                      axis=2)
     tl.store(out_ptr + (pid.to(tl.int64) * H + h[:, None]) * K + j[None, :], acc,
              mask=(h < H)[:, None] & (j < K)[None, :])
 
@@ -69,33 +95,20 @@ def _scores_kernel(a_ptr, e_ptr, idx_ptr, out_ptr, T, N, K, H: tl.constexpr, D: 
 @triton.jit
 def _combine_kernel(w_ptr, e_ptr, idx_ptr, out_ptr, T, N, K, H: tl.constexpr, D: tl.constexpr,
                     HP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr):
-    pid = tl.program_id(0)
-    h = tl.arange(0, HP)
-    j = tl.arange(0, KP)
-    rows, ok = _picks(idx_ptr, pid, T, N, K, D, KP)
-    w = tl.load(w_ptr + (pid.to(tl.int64) * H + h[:, None]) * K + j[None, :],
-                mask=(h < H)[:, None] & ok[None, :], other=0.0).to(tl.float32)          # [HP, KP]
+    pid, h, rows, ok, w = _weighted_token(w_ptr, idx_ptr, T, N, K, H, D, HP, KP)
     for d0 in tl.static_range(0, D, BD):
         d = d0 + tl.arange(0, BD)
-        ev = tl.load(e_ptr + rows[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # [KP, BD]
-        o = tl.sum(w[:, :, None] * ev[None, :, :], axis=1)                              # [HP, BD]
+        o = tl.sum(w[:, :, None] * _entry_chunk(e_ptr, rows, ok, d)[None, :, :], axis=1)  # [HP, BD]
         tl.store(out_ptr + (pid.to(tl.int64) * H + h[:, None]) * D + d[None, :], o, mask=(h < H)[:, None])
 
 
 @triton.jit
 def _scatter_kernel(a_ptr, w_ptr, idx_ptr, g_ptr, T, N, K, H: tl.constexpr, D: tl.constexpr,
                     HP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr):
-    pid = tl.program_id(0)
-    h = tl.arange(0, HP)
-    j = tl.arange(0, KP)
-    rows, ok = _picks(idx_ptr, pid, T, N, K, D, KP)
-    w = tl.load(w_ptr + (pid.to(tl.int64) * H + h[:, None]) * K + j[None, :],
-                mask=(h < H)[:, None] & ok[None, :], other=0.0).to(tl.float32)          # [HP, KP]
+    pid, h, rows, ok, w = _weighted_token(w_ptr, idx_ptr, T, N, K, H, D, HP, KP)
     for d0 in tl.static_range(0, D, BD):
         d = d0 + tl.arange(0, BD)
-        av = tl.load(a_ptr + (pid.to(tl.int64) * H + h[:, None]) * D + d[None, :], mask=(h < H)[:, None],
-                     other=0.0).to(tl.float32)                                         # [HP, BD]
-        v = tl.sum(w[:, :, None] * av[:, None, :], axis=0)                              # [KP, BD]
+        v = tl.sum(w[:, :, None] * _head_chunk(a_ptr, pid, h, d, H, D)[:, None, :], axis=0)  # [KP, BD]
         tl.atomic_add(g_ptr + rows[:, None] + d[None, :], v, mask=ok[:, None])
 
 
@@ -149,7 +162,7 @@ def _(q, entries, idx):
     return q.new_empty(*q.shape[:3], idx.shape[2], dtype=torch.float32)
 
 
-def _scores_setup(ctx, inputs, output):
+def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
@@ -161,7 +174,7 @@ def _scores_backward(ctx, grad):
     return dq, de, None
 
 
-picked_scores.register_autograd(_scores_backward, setup_context=_scores_setup)
+picked_scores.register_autograd(_scores_backward, setup_context=_save_inputs)
 
 
 @torch.library.custom_op("v41::picked_combine", mutates_args=())
@@ -183,7 +196,7 @@ def _combine_backward(ctx, grad):
     return dw, de, None
 
 
-picked_combine.register_autograd(_combine_backward, setup_context=_scores_setup)
+picked_combine.register_autograd(_combine_backward, setup_context=_save_inputs)
 
 
 @torch.library.custom_op("v41::picked_scatter", mutates_args=())
