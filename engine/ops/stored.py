@@ -9,6 +9,12 @@ bytes (`stored`, `stacked_experts`, engine/ops/triton.py). What still asks for a
 - an FP8/FP4 weight is dequantized on the device for that call only (not kept) and remembered by
   its storage, so the kernel ops recognise it (`stored_name_of`) and run on its stored bytes instead
   (wo_a's grouped GEMM, the Engram's wkv); the float value is then dropped with the caller's reference.
+Each float value made is checked once for NaN/inf by the checkpoint reader (its `nonfinite` warning).
+The routed experts of a checkpoint are held once, stacked over experts (`stacked_experts`); each
+expert's tensors are views of the stacks.
+
+engine.run.api.load serves a checkpoint through StoredWeights whenever the engine runs the kernel ops
+(on the CPU too, where the Triton interpreter or the kernels' references run them).
 
 `TensorReader` is a checkpoint reader over tensors already in memory (generated weights, tests).
 """
@@ -23,6 +29,8 @@ import torch
 from .. import quant
 
 QUANTIZED = ("F8_E4M3", "I8")  # stored dtypes with a scale tensor beside them
+_EXPERT_PARTS = (("w1", "weight"), ("w1", "scale"), ("w3", "weight"), ("w3", "scale"), ("w2", "weight"),
+                 ("w2", "scale"))  # the order of a stack tuple
 _DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
                 torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16"}
 
@@ -44,8 +52,7 @@ class TensorReader:
         self.tensors = dict(tensors)
         self.experts = dict(experts or {})
         for prefix, stack in self.experts.items():
-            for i, (w, leaf) in enumerate((("w1", "weight"), ("w1", "scale"), ("w3", "weight"), ("w3", "scale"),
-                                           ("w2", "weight"), ("w2", "scale"))):
+            for i, (w, leaf) in enumerate(_EXPERT_PARTS):
                 for e in range(stack[i].shape[0]):
                     self.tensors[f"{prefix}experts.{e}.{w}.{leaf}"] = stack[i][e]
 
@@ -86,7 +93,8 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class StoredWeights:
     """A weight source (get/rows/has/stored_dtype, engine/checkpoint/weights.py) whose tensors live on
     `device` in their stored dtypes. inner: a checkpoint's weights (CheckpointWeights: `.reader` and
-    `.rows`) or None with `reader` given (a TensorReader)."""
+    `.rows`) or None with `reader` given (a TensorReader). `loads` and `held_bytes` as CheckpointWeights'
+    (tensors read, bytes held)."""
 
     def __init__(self, inner=None, device="cpu", reader=None, rows=None):
         if inner is None and reader is None:
@@ -98,6 +106,9 @@ class StoredWeights:
         self._stored: dict[str, torch.Tensor] = {}
         self._float: dict[str, torch.Tensor] = {}
         self._handed: dict[int, tuple] = {}  # storage pointer -> (weakref to the value's storage, name)
+        self._stacks: dict[str, tuple] = {}  # routed-expert prefix -> stacks (stacked here from a checkpoint)
+        self._nan_checked: set[str] = set()  # names whose dequantized value went through the NaN/inf check
+        self._loads = 0
 
     # -- the stored bytes --------------------------------------------------------------------------
     def stored(self, name: str) -> torch.Tensor | None:
@@ -107,14 +118,33 @@ class StoredWeights:
             if name not in self.reader:
                 return None
             hit = self._stored[name] = self.reader.tensor(name).to(self.device)
+            self._loads += 1
         return hit
 
     def stacked_experts(self, prefix: str, n_experts: int):
-        """(w1, w1_scale, w3, w3_scale, w2, w2_scale) stacked over experts, when the reader holds them
-        stacked (no copy); None otherwise (the kernel ops then stack the per-expert tensors)."""
+        """(w1, w1_scale, w3, w3_scale, w2, w2_scale) stacked over experts: the reader's stacks when it
+        holds them so (no copy); else, for packed FP4 (I8) experts, stacked here once from the per-expert
+        tensors, which become views of the stacks (the bytes held once, not per expert and again
+        stacked by the kernel ops); None otherwise (not stored as packed FP4: the wrapped ops)."""
         fn = getattr(self.reader, "stacked_experts", None)
         stack = fn(prefix, n_experts) if fn is not None else None
-        return None if stack is None else tuple(t.to(self.device) for t in stack)
+        if stack is not None:
+            return tuple(t.to(self.device) for t in stack)
+        hit = self._stacks.get(prefix)
+        if hit is not None and hit[0].shape[0] == n_experts:
+            return hit
+        names = [[f"{prefix}experts.{e}.{w}.{leaf}" for e in range(n_experts)] for w, leaf in _EXPERT_PARTS]
+        if n_experts < 1 or not all(n in self.reader for part in names for n in part) \
+                or self.stored_dtype(names[0][0]) != "I8":
+            return None
+        stacks = []
+        for part in names:  # one part at a time on the host, then once to the device
+            stacks.append(torch.stack([self.reader.tensor(n) for n in part]).to(self.device))
+            self._loads += len(part)
+            for e, n in enumerate(part):
+                self._stored[n] = stacks[-1][e]
+        hit = self._stacks[prefix] = tuple(stacks)
+        return hit
 
     def stored_bytes(self) -> int:
         """Bytes held on the device: stored tensors plus the widened BF16/F32 weights."""
@@ -125,6 +155,15 @@ class StoredWeights:
                 seen.add(ptr)
                 total += t.untyped_storage().nbytes()
         return total
+
+    @property
+    def held_bytes(self) -> int:
+        return self.stored_bytes()
+
+    @property
+    def loads(self) -> int:
+        """Tensors read from the reader so far (tests of laziness)."""
+        return self._loads
 
     def stored_name_of(self, value: torch.Tensor) -> str | None:
         """The name of the FP8/FP4 weight whose dequantized value `value` is (or is a view of), if it
@@ -156,10 +195,18 @@ class StoredWeights:
         scale = self.stored(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
         if self.stored_dtype(name) in QUANTIZED and scale is not None:
             value = dequantize(w, scale)
+            if name not in self._nan_checked:  # the stored bytes do not change: once is enough
+                self._nan_checked.add(name)
+                self._check(name, value)
             self._remember(value, name)
             return value
-        value = self._float[name] = w.float()
+        value = self._float[name] = self._check(name, w.float())
         return value
+
+    def _check(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The reader's NaN/inf check (CheckpointReader: warned once, listed in `nonfinite`), if it has one."""
+        check = getattr(self.reader, "_checked", None)
+        return check(name, value) if check is not None else value
 
     def _remember(self, value: torch.Tensor, name: str) -> None:
         # the storage, not the tensor: a view made under inference_mode does not keep its base alive

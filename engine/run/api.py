@@ -241,7 +241,14 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
          numerics: str | None = None) -> Engine:
     """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
     parallel (engine/serve/parallel.py): this process is one rank; it reads only its shard of the weights.
-    device: where one process computes (weights are dequantized once and kept there);
+    device: where one process computes. The weight source follows the ops the engine will run:
+    - the Triton kernel ops (`kernels`, resolved as the model resolves it: engine/ops/triton.py `decide`):
+      engine/ops/stored.py StoredWeights, the stored formats on `device` (E4M3 + scales, packed FP4
+      experts, BF16/F32 widened), FP8/FP4 weights dequantized per call only: no fp32 copies; on the
+      CPU too (the Triton interpreter, or the kernels' references, run the same path);
+    - the CPU ops on another device: DeviceWeights (every weight dequantized once and kept there);
+    - the CPU ops on the CPU: the lazy CheckpointWeights (a byte-bounded cache of `cache_bytes`);
+    - parallel: ShardedWeights, each rank's shard dequantized (not on the stored-format path yet);
     kernels: the Triton kernel ops (None: on CUDA; see engine/ops/triton.py);
     threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them);
     numerics (engine/ops): "reference" (default: the official bf16 dtype flow) or "fp32"."""
@@ -269,17 +276,29 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
         except TokenizerError as err:
             raise EngineError(str(err)) from None
     weights = CheckpointWeights(reader, cache_bytes)
-    if parallel is not None:
+    if parallel is not None:  # one rank of several: its shard, dequantized (not on the stored-format path yet)
         from ..serve.parallel import ParallelError, ShardedWeights
         try:
             weights = ShardedWeights(weights, parallel, cfg, cache_bytes)
         except ParallelError as err:
             raise EngineError(str(err)) from None
+    elif _runs_kernels(kernels, weights, device):
+        from ..ops.stored import StoredWeights
+        weights = StoredWeights(weights, device)
     elif torch.device(device).type != "cpu":
         weights = DeviceWeights(weights, device)
     return Engine(cfg, weights, tokenizer, source=str(path), identity=checkpoint_identity(path),
                   act_quant=act_quant, parallel=parallel, device=device, kernels=kernels, threads=threads,
                   numerics=numerics)
+
+
+def _runs_kernels(kernels: bool | None, weights, device) -> bool:
+    """Whether a one-process engine over `weights` on `device` runs the Triton kernel ops: the rule the
+    model applies when it is built (engine/ops for_model -> engine/ops/triton.py `decide`), asked here
+    once more so that load() picks the weight source those ops read. (engine.ops.triton imports neither
+    triton nor the kernels.)"""
+    from ..ops.triton import decide
+    return decide(kernels, weights, device)
 
 
 def save_result(result: RunResult, path: str | Path) -> None:
