@@ -106,6 +106,7 @@ class Run:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                      lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **fused)
         self.params = list(trainee.params.values())
+        self.biases = [trainee.biases[f"layers.{L}.ffn.gate.bias"] for L in range(cfg.n_layers)]  # updated in place
         self.log: dict = {"config": cfg.to_dict(), "device": str(device), "events": [], "args": vars(args)}
         self.started = time.time()
 
@@ -138,10 +139,9 @@ class Run:
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
         self.opt.step()
-        with torch.no_grad():
-            for L in range(self.cfg.n_layers):
-                load = out.loads[L]
-                self.trainee.biases[f"layers.{L}.ffn.gate.bias"] += a.gamma * torch.sign(load.mean() - load)
+        with torch.no_grad():  # every layer's routing biases in one step (out.loads: [n_layers, E])
+            steps = a.gamma * torch.sign(out.loads.mean(-1, keepdim=True) - out.loads)
+            torch._foreach_add_(self.biases, list(steps.unbind(0)))
         return out, gnorm
 
     def profiled_step(self, phase: Phase, ids: torch.Tensor, lr: float):
