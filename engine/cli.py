@@ -20,9 +20,9 @@ from typing import Callable
 
 from .config import ConfigError, load_config
 from .ops import DEFAULT_NUMERICS, NUMERICS
-from .run.api import DEFAULT_CHECKPOINT, EngineError, load
+from .run.common import DEFAULT_CHECKPOINT, EngineError
 from .safe_io import read_text
-from .train import eval as evaluation
+from .train import eval as evaluation  # (torch-free at import: its torch comes with the model)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "assets" / "configs" / "v41-flash.json"
 
@@ -313,6 +313,7 @@ def _run(args: argparse.Namespace) -> int:
                 raise EngineError(f"--ids {args.ids!r}: expected comma-separated integers") from None
         else:
             prompt = args.prompt
+        from .run.api import load  # (torch comes with the model, not with the CLI)
         engine = load(args.checkpoint, numerics=args.numerics)
         result = engine.run(prompt, layers=args.layer, image_spans=_spans(args.image_span), generate=args.generate,
                             prefill=args.prefill, replay=args.replay)
@@ -438,6 +439,7 @@ def _interrupt(*_):
 
 
 def _load(path: str, parallel, numerics: str):
+    from .run.api import load
     if parallel is None:
         return load(path, numerics=numerics)
     return load(path, parallel=parallel, numerics=numerics)

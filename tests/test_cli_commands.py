@@ -117,3 +117,20 @@ def test_errors_are_one_line_exit_2(case, tmp_path):
         cfg_path.write_text(json.dumps({"dim": 64}))
         assert_one_line_error(run("skeleton", "--config", str(cfg_path), "--out", str(tmp_path / "o")),
                               "c.json", "missing key")
+
+
+def test_config_commands_start_without_torch():
+    """tally and plan read a config and headers: the CLI builds every command's parser and runs them
+    without importing torch (it comes with the first model: `run`, `eval`, `serve`)."""
+    code = """
+import contextlib, io, sys
+from engine.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    codes = [main(["tally"]), main(["tally", "--json"]), main(["plan", "--gpus", "8"])]
+assert codes == [0, 0, 0], codes
+assert "890" in out.getvalue() or "KV" in out.getvalue()
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -17,26 +17,24 @@ bf16 (`Ops.act`), so probes and caches keep one dtype whatever the numerics.
 
 from __future__ import annotations
 
-import torch
-
-from .fp32 import Fp32Ops
-from .reference import ReferenceOps
-
 NUMERICS = ("reference", "fp32")
 DEFAULT_NUMERICS = "reference"
-_OPS = {"reference": ReferenceOps, "fp32": Fp32Ops}
+# (the numerics' modules import torch: they load with the first model, not with `engine.ops`, so that
+# the CLI's tally and plan commands start without torch)
 
 
 class NumericsError(ValueError):
     """An unknown numerics name."""
 
 
-def ops_for(numerics: str | None = None) -> Fp32Ops:
+def ops_for(numerics: str | None = None) -> "Fp32Ops":
     """The ops of a numerics name (None: the default, `reference`)."""
     name = DEFAULT_NUMERICS if numerics is None else numerics
-    if name not in _OPS:
+    if name not in NUMERICS:
         raise NumericsError(f"unknown numerics {name!r}; choose one of {', '.join(NUMERICS)}")
-    return _OPS[name]()
+    from .fp32 import Fp32Ops
+    from .reference import ReferenceOps
+    return {"reference": ReferenceOps, "fp32": Fp32Ops}[name]()
 
 
 def for_model(numerics: str | None, kernels: bool | None, weights, device="cpu", parallel=None,
@@ -44,6 +42,8 @@ def for_model(numerics: str | None, kernels: bool | None, weights, device="cpu",
     """The ops a model runs, chosen once when it is built: the numerics, wrapped in the Triton kernel
     ops where `kernels` (None: auto) and the device allow (engine/ops/triton.py `decide`). The CPU
     default is decided without importing the kernels."""
+    import torch
+
     ops = ops_for(numerics)
     if max_seq_len is not None:
         ops.max_seq_len = max_seq_len  # tables sized as the reference sizes them

@@ -21,10 +21,8 @@ from . import ced, pipeline
 from ..ops import DEFAULT_NUMERICS, NUMERICS
 from ..model.transformer import Model
 from ..roles import decoder_start, role_plan
+from .common import DEFAULT_CHECKPOINT, REPO_ROOT, EngineError  # noqa: F401 (API names)
 from .probes import ENGINE_VERSION, PROBE_KINDS, LayerResult, ProbeRequest, RunResult, layer_result  # noqa: F401 (API names)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CHECKPOINT = REPO_ROOT / "assets" / "model"
 
 
 @contextmanager
@@ -37,10 +35,6 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
-
-
-class EngineError(ValueError):
-    """Bad input to the engine (prompt, layer, checkpoint); the message says what and why."""
 
 
 def _token_ids(prompt) -> list[int]:

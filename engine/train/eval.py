@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from ..safe_io import read_text
 
@@ -44,16 +42,19 @@ def windows(n_tokens: int, max_len: int) -> list[tuple[int, int]]:
     return spans
 
 
-@torch.inference_mode()
-def token_losses(model, ids: list[int], max_len: int) -> torch.Tensor:
+def token_losses(model, ids: list[int], max_len: int) -> "torch.Tensor":
     """Per-position next-token loss (nats) for positions 1..len-1 of ids: float64 [len-1]."""
+    import torch  # (with the model: `python -m engine` builds its parser without torch)
+    import torch.nn.functional as F
+
     out = []
-    for start, end in windows(len(ids), max_len):
-        chunk = torch.tensor(ids[start:end])
-        model.reset()
-        logits = model.forward(chunk)
-        out.append(F.cross_entropy(logits[:-1].double(), chunk[1:], reduction="none"))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+    with torch.inference_mode():
+        for start, end in windows(len(ids), max_len):
+            chunk = torch.tensor(ids[start:end])
+            model.reset()
+            logits = model.forward(chunk)
+            out.append(F.cross_entropy(logits[:-1].double(), chunk[1:], reduction="none"))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
 def unigram_loss(ids: list[int], counts: np.ndarray) -> float:
