@@ -8,10 +8,13 @@ logits, picks and routing against it), written for throughput instead of probes 
   weights, 0 for experts not chosen): the same sum, with static shapes and no per-expert launches;
 - the sliding window is attended chunk by chunk (chunks of W queries against their own and the
   previous chunk's keys), so no [T, W, D] window copy is made;
-- the global branch gathers the selected entries ([B, T, k, D]); in the dense warm-up it attends
-  every visible entry through a mask instead;
+- the global branch gathers the selected entries ([B, T, k, D]), or with `fused_picks` reads them in
+  place (kernels/sparse_attn_train.py); in the dense warm-up it attends every visible entry through a
+  mask instead;
 - the caches' number formats (FP8 window, FP4 global KV and index keys, FP4 indexer queries) are
-  applied with straight-through gradients, as the engine's `ste` does.
+  applied with straight-through gradients, as the engine's `ste` does;
+- the pure pieces (number formats, the functions compiled as one unit each, the extra losses) are in
+  parts.py.
 
 The indexer follows the V3.2 recipe: its inputs are detached, so it learns only from its KL to the
 attention of the layers that use its picks (plus a small margin term that keeps selected entries'
