@@ -89,6 +89,18 @@ def worker(a) -> None:
             rows.append(row)
 
 
+def tree_env(tree: Path, extra: str, base: dict | None = None) -> dict:
+    """A tree's process environment: `base` (this one's), the tree on PYTHONPATH, and `extra`'s
+    KEY=VALUE pairs (comma-separated; a value may hold '=' and ':')."""
+    pairs = {}
+    for kv in filter(None, extra.split(",")):
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"environment setting {kv!r}: expected KEY=VALUE")
+        pairs[key] = value
+    return {**(os.environ if base is None else base), "PYTHONPATH": str(tree), **pairs}
+
+
 def _run_tree(tree: Path, a, label: str) -> list[dict]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--tree", str(tree), "--train", a.train,
            "--shapes", a.shapes, "--phases", a.phases, "--warm", str(a.warm), "--steps", str(a.steps),
@@ -96,7 +108,7 @@ def _run_tree(tree: Path, a, label: str) -> list[dict]:
     if a.profile and label == "current":
         cmd += ["--profile", "--profile-out", a.out or "."]
     extra = a.current_env if label == "current" else a.baseline_env
-    env = dict(os.environ, PYTHONPATH=str(tree), **dict(kv.split("=", 1) for kv in extra.split(",") if kv))
+    env = tree_env(tree, extra)
     print(f"# {label}: {tree} {extra}", flush=True)
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.tree_timeout)
