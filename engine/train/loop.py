@@ -303,19 +303,32 @@ def busy_time(spans: list[tuple[float, float]]) -> float:
     return busy
 
 
+def _on_gpu(event) -> bool:
+    from torch.autograd import DeviceType
+    return event.device_type == DeviceType.CUDA
+
+
+def kernel_events(events) -> list:
+    """The GPU kernels among a profile's events: not the GPU-side copies of named ranges (`part.*`
+    record_function ranges), whose spans would count every kernel inside them, and the idle time
+    between, a second time."""
+    return [e for e in events if _on_gpu(e) and not getattr(e, "is_user_annotation", False)]
+
+
 def profile_report(prof, cuda: bool) -> dict:
     """Tables of one profiled step: named parts and autograd nodes by the kernel time launched inside
     them, kernels by name, ops by their own time; the kernels' total, their count, and the GPU's busy
     time (the union of kernel intervals, so overlapping streams are not counted twice)."""
-    from torch.autograd import DeviceType
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA] if cuda else []
+    kernels = kernel_events(prof.events()) if cuda else []
     kernel_us = sum(e.device_time_total for e in kernels)
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     busy = busy_time(spans)
     span = (max(hi for _, hi in spans) - min(lo for lo, _ in spans)) if spans else 0.0
     averages = prof.key_averages()
     total_key = "device_time_total" if cuda else "cpu_time_total"
-    named = [r for r in averages if r.key.startswith(("part.", "autograd::engine::evaluate_function"))]
+    # the host-side rows: a named part is also recorded as a GPU range (its span, idle gaps included)
+    named = [r for r in averages if r.key.startswith(("part.", "autograd::engine::evaluate_function"))
+             and not _on_gpu(r)]
     named.sort(key=lambda r: getattr(r, total_key), reverse=True)
     lines = ["parts of the forward (recomputes run inside the backward's nodes) and autograd nodes,",
              f"by the {'kernel' if cuda else 'CPU'} time inside them (nested parts count in both)", "",
