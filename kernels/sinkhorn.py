@@ -1,7 +1,8 @@
 """Sinkhorn normalization of the mHC mixes for training: forward and backward, one kernel each.
 
 comb = softmax_rows(z) + eps, then columns / (sum + eps), then `iters - 1` rounds of rows then
-columns (engine.model.mhc.sinkhorn, the reference). z, comb: [T, 4, 4] float32.
+columns (engine.model.mhc.sinkhorn: the reference the tests hold these kernels to). z, comb: [T, 4, 4]
+float32.
 
 Compiled by torch as separate ops, the 20 rounds are ~40 small kernels forward and ~80 backward per
 call (in the trainer's profile, 12 k of a step's 35 k launches). Here a program holds a block of
@@ -19,16 +20,6 @@ import triton
 import triton.language as tl
 
 BLOCK_T = 64  # tokens per program
-
-
-def sinkhorn_reference(z: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Plain PyTorch, z's dtype (float64 for the tests' references)."""
-    comb = torch.softmax(z, dim=-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return comb
 
 
 @triton.jit
