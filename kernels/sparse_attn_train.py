@@ -29,14 +29,19 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _dims(a: torch.Tensor, entries: torch.Tensor, idx: torch.Tensor):
-    if a.dim() != 4 or entries.dim() != 3 or idx.dim() != 3:
+def _dims(heads: tuple, entries: torch.Tensor, idx: torch.Tensor, w: torch.Tensor | None = None):
+    """(B, T, H, D, N, K) from a per-head operand's shape `heads` [B, T, H, D], entries [B, N, D],
+    idx [B, T, K] and, where given, the weights w [B, T, H, K]; ValueError where they disagree."""
+    if len(heads) != 4 or entries.dim() != 3 or idx.dim() != 3:
         raise ValueError("picked-entry attention wants a [B, T, H, D], entries [B, N, D], idx [B, T, K]")
-    B, T, H, D = a.shape
+    B, T, H, D = heads
     if entries.shape[0] != B or entries.shape[2] != D or idx.shape[:2] != (B, T) or D % 16:
-        raise ValueError(f"shapes disagree: a {tuple(a.shape)}, entries {tuple(entries.shape)}, idx {tuple(idx.shape)}"
+        raise ValueError(f"shapes disagree: a {tuple(heads)}, entries {tuple(entries.shape)}, idx {tuple(idx.shape)}"
                          " (D a multiple of 16)")
-    return B, T, H, D, entries.shape[1], idx.shape[2]
+    K = idx.shape[2]
+    if w is not None and tuple(w.shape) != (B, T, H, K):
+        raise ValueError(f"weights {tuple(w.shape)} and idx {tuple(idx.shape)} disagree (want [B, T, H, K])")
+    return B, T, H, D, entries.shape[1], K
 
 
 @triton.jit
@@ -124,29 +129,23 @@ def _run(kernel, x, y, idx, out, n_entries: int, D: int):
 
 def gather_scores(a: torch.Tensor, entries: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """[B, T, H, K] float32: a[b, t, h] . entries[b, idx[b, t, j]] (0 where idx is -1)."""
-    B, T, H, D, N, K = _dims(a, entries, idx)
+    B, T, H, D, N, K = _dims(a.shape, entries, idx)
     out = torch.empty(B, T, H, K, device=a.device, dtype=torch.float32)
     return _run(_scores_kernel, a, entries, idx, out, N, D)
 
 
 def gather_combine(w: torch.Tensor, entries: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """[B, T, H, D] float32: sum_j w[b, t, h, j] entries[b, idx[b, t, j]] (picks at -1 skipped)."""
-    B, T, H, K = w.shape
-    _dims(torch.empty(B, T, H, entries.shape[-1], device="meta"), entries, idx)
-    if idx.shape[2] != K:
-        raise ValueError(f"weights [.., {K}] and idx [.., {idx.shape[2]}] disagree")
-    out = torch.empty(B, T, H, entries.shape[2], device=w.device, dtype=torch.float32)
-    return _run(_combine_kernel, w, entries, idx, out, entries.shape[1], entries.shape[2])
+    B, T, H, D, N, K = _dims((*w.shape[:3], entries.shape[-1]), entries, idx, w)
+    out = torch.empty(B, T, H, D, device=w.device, dtype=torch.float32)
+    return _run(_combine_kernel, w, entries, idx, out, N, D)
 
 
 def scatter_picks(a: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, n_entries: int) -> torch.Tensor:
     """[B, N, D] float32: sum over the picks of entry n of sum_h w[b, t, h, j] a[b, t, h]."""
-    B, T, H, D = a.shape
-    out = torch.zeros(B, n_entries, D, device=a.device, dtype=torch.float32)
-    _dims(a, out, idx)
-    if w.shape != (B, T, H, idx.shape[2]):
-        raise ValueError(f"weights {tuple(w.shape)} do not match a {tuple(a.shape)} and idx {tuple(idx.shape)}")
-    return _run(_scatter_kernel, a, w, idx, out, n_entries, D)
+    out = torch.zeros(a.shape[0], n_entries, a.shape[-1], device=a.device, dtype=torch.float32)
+    B, T, H, D, N, K = _dims(a.shape, out, idx, w)
+    return _run(_scatter_kernel, a, w, idx, out, N, D)
 
 
 # -- differentiable ops (opaque to torch.compile) ----------------------------------------------------
