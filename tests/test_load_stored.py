@@ -55,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine.checkpoint.weights import CheckpointWeights, DeviceWeights, random_weights  # noqa: E402
 from engine.ops import triton as K  # noqa: E402
 from engine.ops.stored import StoredWeights  # noqa: E402
-from engine.run import api  # noqa: E402
 from engine.run.api import DEFAULT_CHECKPOINT, Engine, load  # noqa: E402
 from engine_helpers import random_ids, tiny_config  # noqa: E402
 
@@ -267,4 +266,4 @@ def test_weight_source_follows_the_ops():
     for kernels_flag in (None, True, False):
         for device in ("cpu", "cuda", "meta"):
             model_runs = bool(for_model("reference", kernels_flag, weights, device).kernels)
-            assert api._runs_kernels(kernels_flag, weights, device) is model_runs, (kernels_flag, device)
+            assert K.decide(kernels_flag, weights, device) is model_runs, (kernels_flag, device)

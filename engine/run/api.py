@@ -249,6 +249,7 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     from ..checkpoint.inventory import CheckpointError
     from ..checkpoint.reader import CheckpointReader
     from ..checkpoint.weights import CheckpointWeights, DeviceWeights
+    from ..ops.triton import decide  # (imports neither triton nor the kernels)
 
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise EngineError(f"the checkpoint must be a folder path, got {type(path).__name__}")
@@ -276,7 +277,7 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
             weights = ShardedWeights(weights, parallel, cfg, cache_bytes)
         except ParallelError as err:
             raise EngineError(str(err)) from None
-    elif _runs_kernels(kernels, weights, device):
+    elif decide(kernels, weights, device):  # the model's own rule for the kernel ops (for_model asks it too)
         from ..ops.stored import StoredWeights
         weights = StoredWeights(weights, device)
     elif torch.device(device).type != "cpu":
@@ -284,15 +285,6 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
     return Engine(cfg, weights, tokenizer, source=str(path), identity=checkpoint_identity(path),
                   act_quant=act_quant, parallel=parallel, device=device, kernels=kernels, threads=threads,
                   numerics=numerics)
-
-
-def _runs_kernels(kernels: bool | None, weights, device) -> bool:
-    """Whether a one-process engine over `weights` on `device` runs the Triton kernel ops: the rule the
-    model applies when it is built (engine/ops for_model -> engine/ops/triton.py `decide`), asked here
-    once more so that load() picks the weight source those ops read. (engine.ops.triton imports neither
-    triton nor the kernels.)"""
-    from ..ops.triton import decide
-    return decide(kernels, weights, device)
 
 
 def save_result(result: RunResult, path: str | Path) -> None:

@@ -12,8 +12,8 @@ at the end of the run (loss, zero-score picks, selection recall per index layer)
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import sys
 from pathlib import Path
 
