@@ -222,7 +222,7 @@ def case_indexer(bw, mm):
 # top-512 over 4K x 64K logits: the rows path's launch shapes and run 4's select="hist" (the bound and
 # the threshold by 4 8-bit histogram steps instead of 16 counting steps of 3 reductions). Registers on
 # sm_90 (triton 3.7): 16 warps 112 (1 block/SM), 8 warps 128-203 (2 blocks/SM at 128), 4 warps 204-255
-TOPK_CFGS = [{}, dict(select="hist"), dict(num_warps=8), dict(num_warps=8, select="hist"),
+TOPK_CFGS = [{}, dict(block=4096, groups=4096, num_warps=16, select="count"), dict(select="count"), dict(num_warps=8), dict(num_warps=8, select="hist"),
              dict(num_warps=8, block=2048), dict(num_warps=8, block=2048, select="hist"),
              dict(num_warps=4, block=2048), dict(num_warps=4, block=2048, select="hist"),
              dict(num_warps=16, block=2048, select="hist"), dict(num_warps=8, groups=2048, select="hist"),

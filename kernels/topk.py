@@ -362,6 +362,13 @@ def group_size(n: int, groups: int = 2048) -> int:
     return _pow2(max(1, -(-n // groups)))
 
 
+# The rows path's defaults: the fastest of the top-512 sweep over 4K x 64K logits on the H200
+# (benches/kernels.py --only topk: 1,318 us against 1,549 for block 4096, 4096 groups, 16 warps, "count";
+# benches/results/kernels-h200-topk.md). The split path (decode rows) keeps its own.
+ROWS_PATH_DEFAULTS = {"block": 1024, "groups": 2048, "num_warps": 4, "select": "hist"}
+SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
+
+
 def default_groups(rows: int) -> int:
     """Group maxima per row: more groups, fewer entries re-read (~k groups qualify), dearer bound."""
     return 4096 if rows >= ROWS_MIN else 8192
@@ -420,14 +427,14 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
-                          block: int = 4096, bits: int = 8, cap: int = 2048, groups: int | None = None,
-                          rows_path: bool | None = None, chunk: int | None = None, select: str = "count",
+                          block: int | None = None, bits: int = 8, cap: int = 2048, groups: int | None = None,
+                          rows_path: bool | None = None, chunk: int | None = None, select: str | None = None,
                           **tune) -> torch.Tensor:
     """Triton twin of `topk_positions_reference`. values [R, L] float32 (row stride may exceed L).
     Knobs: block (entries per tile), cap (candidate buffer per row), groups (group maxima per row),
     bits (the radix fallback's digit width), rows_path (force a path), chunk (entries per group-maxima
     program on the split path), select ("count": the k-th keys by 16 counting steps; "hist": by 4 8-bit
-    histogram steps). tune: slice_len, num_warps (rows path default 16)."""
+    histogram steps). tune: slice_len, num_warps. Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
     if k & (k - 1):
@@ -436,7 +443,10 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     dev = values.device
     lens = lengths.to(device=dev, dtype=torch.int32).contiguous() if lengths is not None else None
     rows_path = r >= ROWS_MIN if rows_path is None else rows_path
-    groups = max(_pow2(groups or default_groups(r)), 2 * k)
+    defaults = ROWS_PATH_DEFAULTS if rows_path else SPLIT_PATH_DEFAULTS
+    block = block or defaults["block"]
+    select = select or defaults["select"]
+    groups = max(_pow2(groups or defaults["groups"] or default_groups(r)), 2 * k)
     g = group_size(n, groups)
     n_groups = triton.cdiv(n, g)
     maxima = torch.empty(r, n_groups, dtype=torch.float32, device=dev)
@@ -451,7 +461,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
         _row_select_kernel[(r,)](values, values.stride(0), n, lens if lens is not None else dummy, maxima,
                                  n_groups, glist, cval, cidx, out, K=k, NGP=_pow2(n_groups), G=g,
                                  BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
-                                 HAS_MAX=False, SEL=_select_code(select), num_warps=tune.get("num_warps", 16))
+                                 HAS_MAX=False, SEL=_select_code(select),
+                                 num_warps=tune.get("num_warps", defaults["num_warps"]))
         return out
     mblock = max(min(block, 1024), g)
     if chunk is None:  # ~512 programs over all rows

@@ -260,3 +260,16 @@ def test_kth_largest_key_by_histograms():
 def test_topk_select_option_is_checked():
     with pytest.raises(ValueError, match="select must be"):
         topk.topk_positions_triton(torch.zeros(2, 64), 16, select="sort")
+
+
+def test_topk_default_knobs_per_path(gen):
+    """No knobs given: each path takes its measured defaults (rows path: ROWS_PATH_DEFAULTS, the H200
+    sweep's winner; split path below ROWS_MIN rows) and both agree with the reference, ties included."""
+    rows = topk.ROWS_MIN
+    v = _ties(gen, rows, 3000)
+    lengths = torch.randint(1, 3001, (rows,), generator=gen, dtype=torch.int32)
+    lengths[1] = 3000
+    assert torch.equal(topk.topk_positions_triton(v, 64, lengths), topk.topk_positions_reference(v, 64, lengths)), \
+        gen.initial_seed()
+    few = v[:3].contiguous()
+    assert torch.equal(topk.topk_positions_triton(few, 64), topk.topk_positions_reference(few, 64)), gen.initial_seed()
