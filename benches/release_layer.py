@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -326,9 +327,26 @@ def _peak(device) -> float | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, detail: bool) -> dict:
+@contextmanager
+def _profiled(reports: dict | None, phase: str, device):
+    """Profile the enclosed work into reports[phase] (engine.profiling's tables); no-op for None."""
+    if reports is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    from engine.profiling import profile_report
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+    reports[phase] = profile_report(prof, cuda)
+
+
+def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, detail: bool,
+             profiles: dict | None = None) -> dict:
     """One pass: reset the caches, prefill `layers` in order, then one decode chunk; the last layer is
-    timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode"}."""
+    timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode"}.
+    profiles: a dict to receive the last layer's profile per phase (a pass of its own: the profiler
+    slows what it watches)."""
     from engine.model.attention import Shared
     target = layers[-1]
     model.reset()
@@ -352,8 +370,9 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
             if L == target:
                 _peak_reset(device)
             started = time.perf_counter()
-            block.forward(x, pre, positions, shared, (chunk_ids, dead, history), None, probe)
-            _sync(device)
+            with _profiled(profiles if L == target else None, phase, device):
+                block.forward(x, pre, positions, shared, (chunk_ids, dead, history), None, probe)
+                _sync(device)
             if L == target:
                 out[f"{phase}_s"] = time.perf_counter() - started
                 out[f"peak_{phase}"] = _peak(device)
@@ -382,6 +401,9 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
                 break  # no time for a warm pass: report the first (compiles included)
     got = passes[-1]
     warm = len(passes) > 1
+    profiles: dict = {}
+    if args.profile and warm and time.perf_counter() + times[-1] * 3 < deadline:
+        run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, profiles)
     rows = []
     for phase in ("prefill", "decode"):
         if phase == "prefill":
@@ -399,6 +421,8 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
                      "goal_met": t / floor_s <= GOAL_RATIO, "touched_experts": touched,
                      "peak_bytes": got.get(f"peak_{phase}"), "warm": warm, "chain": layers,
                      "generate_s": gen_s, "pass_s": [round(x, 3) for x in times], "status": "ok"})
+        if phase in profiles:
+            rows[-1]["profile"] = profiles[phase]
     return rows
 
 
@@ -430,10 +454,28 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_text(report: dict) -> str:
+    """The profiled rows' tables, one section per role and phase (--profile)."""
+    parts = []
+    for row in report["rows"]:
+        prof = row.get("profile")
+        if prof:
+            parts.append(f"## {row['title']}, layer {row['layer']}, {row['phase']} {row['queries']}: "
+                         f"{row['time_s'] * 1e3:.2f} ms unprofiled; profiled: kernels {prof['kernel_s'] * 1e3:.2f} ms "
+                         f"in {prof['launches']} launches, GPU busy {prof['busy_s'] * 1e3:.2f} ms of "
+                         f"{prof['span_s'] * 1e3:.2f} ms\n\n{prof['text']}\n")
+    return "\n".join(parts)
+
+
 def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "release-layer.md").write_text(table(report))
-    (out / "release-layer.json").write_text(json.dumps(report, indent=1, default=str))
+    text = profile_text(report)
+    if text:
+        (out / "release-layer-profile.txt").write_text(f"# Release-size layers profiled, {report['device']}\n\n{text}")
+    rows = [{**r, "profile": {k: v for k, v in r["profile"].items() if k != "text"}} if r.get("profile") else r
+            for r in report["rows"]]  # the tables live in the .txt
+    (out / "release-layer.json").write_text(json.dumps({**report, "rows": rows}, indent=1, default=str))
 
 
 def parse(argv):
@@ -451,6 +493,8 @@ def parse(argv):
     p.add_argument("--passes", type=int, default=2, help="passes per role; the last is reported (the first compiles)")
     p.add_argument("--detail", action="store_true", help="also the detail probes (runner-ups, recall)")
     p.add_argument("--device", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="one more pass per role under torch.profiler: release-layer-profile.txt")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     args.tokens = args.tokens or (24 if args.tiny else 4096)

@@ -164,3 +164,17 @@ def test_stored_weights_keep_no_float_copy_and_feed_the_fp8_kernel():
     import gc
     gc.collect()
     assert not [h for h in src._handed.values() if h[0]() is not None]  # nothing kept alive
+
+
+def test_profile_pass_writes_a_section_per_phase(tmp_path):
+    """--profile: after the timed passes, one more pass under torch.profiler; each role's two phases get
+    a section in release-layer-profile.txt, and the JSON keeps the sums, not the tables."""
+    data = finish_bench(tmp_path, start_bench(tmp_path, False, "--roles", "swa,reuse", "--passes", "2", "--profile"))
+    assert data["_rc"] == 0, data["_stdout"][-2000:]
+    text = (tmp_path / "release-layer-profile.txt").read_text()
+    for title, layer in (("SWA-only", 0), ("Reuse", 3)):
+        for phase, n in (("prefill", TOKENS), ("decode", DECODE)):
+            assert f"## {title}, layer {layer}, {phase} {n}:" in text
+    assert text.count("## ") == 4 and "Self CPU time total" in text
+    rows = [r for r in data["rows"] if r["status"] == "ok"]
+    assert len(rows) == 4 and all(set(r["profile"]) == {"kernel_s", "busy_s", "span_s", "launches"} for r in rows)

@@ -82,7 +82,7 @@ def test_cpu_smoke_run_logs_phase_throughput_and_exports(tmp_path):
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():
-    from engine.train.loop import busy_time
+    from engine.profiling import busy_time
 
     assert busy_time([]) == 0.0
     # [0, 4) and [2, 5) overlap on [2, 4); [7, 8) apart; [7.5, 7.8) inside it: 5 + 1
@@ -96,7 +96,7 @@ def test_kernel_events_leave_out_the_gpu_copies_of_named_ranges():
 
     from torch.autograd import DeviceType
 
-    from engine.train.loop import kernel_events
+    from engine.profiling import kernel_events
 
     ev = lambda name, dev, annotation: SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation)
     events = [ev("part.attn.core", DeviceType.CPU, True), ev("part.attn.core", DeviceType.CUDA, True),
