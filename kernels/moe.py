@@ -5,6 +5,7 @@ Shapes (release: E = 384 experts, dim = 5120, I = 2304, top-6):
   w1, w3        int8 [E, I, dim/2]   w1_scale, w3_scale float8_e8m0fnu [E, I, dim/32]
   w2            int8 [E, dim, I/2]   w2_scale float8_e8m0fnu [E, dim, I/32]
   topk_ids      int32 [T, k]         topk_weights float32 [T, k] (already normalized and scaled)
+                (a negative id: a slot another process computes, expert parallel; it adds nothing here)
 out[t] = sum_k w[t,k] * W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L)), e = topk_ids[t,k], L = 10;
 float32 [T, dim]. Weights are decoded from FP4 in registers; activations stay bf16.
 
@@ -63,6 +64,8 @@ def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, top
     out = torch.zeros(t, dim, dtype=cdt, device=x.device)
     xf = x.to(cdt)
     for ex in torch.unique(topk_ids).tolist():
+        if ex < 0:  # another rank's expert
+            continue
         tok, slot = (topk_ids == ex).nonzero(as_tuple=True)
         a = Q.dequantize_fp4(w1[ex], w1_scale[ex], 32).to(cdt)
         b = Q.dequantize_fp4(w3[ex], w3_scale[ex], 32).to(cdt)
@@ -85,22 +88,25 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     """Group (token, slot) pairs by expert into row blocks of block_m; no host sync (graph-safe).
 
     Returns order int32 [P] (pair ids sorted by expert), and per block: expert (-1 = unused),
-    first and end row in `order`, each int32 [NB] with NB = min(P, ceil(P/block_m) + min(E, P))."""
+    first and end row in `order`, each int32 [NB] with NB = min(P, ceil(P/block_m) + min(E + 1, P)).
+    Negative ids (slots computed elsewhere) are grouped after the last expert, in unused blocks."""
+    groups = n_experts + 1  # the last group: the negative ids
     flat = topk_ids.flatten().long()
+    flat = torch.where(flat < 0, n_experts, flat)
     p = flat.numel()
     order = torch.argsort(flat, stable=True).to(torch.int32)
     # scatter_add, not bincount: bincount reads the max back to the host, which breaks graph capture
-    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     row_start = torch.cumsum(counts, 0) - counts
     nblk = (counts + block_m - 1) // block_m
     blk_cum = torch.cumsum(nblk, 0)
-    nb = min(p, -(-p // block_m) + min(n_experts, p))
+    nb = min(p, -(-p // block_m) + min(groups, p))
     b = torch.arange(nb, device=flat.device)
-    e_of_b = torch.searchsorted(blk_cum, b, right=True).clamp(max=n_experts - 1)
+    e_of_b = torch.searchsorted(blk_cum, b, right=True).clamp(max=groups - 1)
     within = b - (blk_cum[e_of_b] - nblk[e_of_b])
     begin = row_start[e_of_b] + within * block_m
     end = torch.minimum(begin + block_m, row_start[e_of_b] + counts[e_of_b])
-    used = b < blk_cum[-1]
+    used = (b < blk_cum[-1]) & (e_of_b < n_experts)
     expert = torch.where(used, e_of_b, -1).to(torch.int32)
     return order, expert, begin.to(torch.int32), end.to(torch.int32)
 
@@ -459,8 +465,10 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     w1w, w3w, w2w = _words(w1), _words(w3), _words(w2)
     s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
     tw = topk_weights.float().contiguous()
-    if p <= gemv_max_pairs:
-        ids = topk_ids.to(torch.int32).contiguous()
+    if p <= gemv_max_pairs:  # another rank's slots: expert 0 at weight 0 (a few pairs at most)
+        elsewhere = topk_ids < 0
+        ids = topk_ids.clamp_min(0).to(torch.int32).contiguous()
+        tw = tw.masked_fill(elsewhere, 0.0).contiguous()
         (bkw1, it1, ks1), (bkw2, it2, ks2) = (_gemv_split(dim // 8, gemv_block_kw, gemv_iters),
                                               _gemv_split(inter // 8, gemv_down_block_kw, gemv_down_iters))
         nrb = triton.cdiv(inter, gemv_block_n)

@@ -386,8 +386,17 @@ def test_decide_rules(tmp_path):
     assert K.decide(True, Ckpt(), "cpu") is True
     with pytest.raises(K.KernelPathError, match="in-memory"):
         K.decide(True, mem, "cuda")
-    with pytest.raises(K.KernelPathError, match="one process"):
+    with pytest.raises(K.KernelPathError, match="must be a ShardedWeights"):
         K.decide(True, Ckpt(), "cuda", parallel=object())
+
+    class RankShard(Ckpt):  # stands for ShardedWeights: a rank's slices in the stored formats
+        parallel = object()
+
+        def stored(self, name):
+            return None
+
+    assert K.decide(None, RankShard(), "cuda", parallel=RankShard.parallel) is K.triton_importable()
+    assert K.decide(True, RankShard(), "cpu", parallel=RankShard.parallel) is True
 
 
 def test_parity_view_rows_and_modes(worker):

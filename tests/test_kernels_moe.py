@@ -109,3 +109,32 @@ def test_no_limit_and_both_paths_agree(gen):
     b = moe.moe_fp4_triton(*args, swiglu_limit=3e38, gemv_max_pairs=0, block_m=16, block_n=32)
     assert _rel(want, a) < 1e-5 and _rel(want, b) < 1e-5, gen.initial_seed()
     assert _rel(moe.moe_fp4_reference(*args), want) > 1e-3  # the limit matters at these scales
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_negative_ids_are_another_ranks_slots(gen, path):
+    """Expert parallel: a rank holds experts [a, b) and passes the other slots as -1. Both paths add
+    exactly the owned slots' share: the reference on the owned experts' stacks, and the float64 sum
+    over slots computed expert by expert, where the two ranks' shares add up to the whole."""
+    x, w1, s1, w3, s3, w2, s2, ids, tw = _case(gen, 5 if path == "grouped" else 2, e=4, k=2)
+    knobs = dict(gemv_max_pairs=0, block_m=16, block_n=32) if path == "grouped" else {}
+    whole = moe.moe_fp4_reference(x, w1, s1, w3, s3, w2, s2, ids, tw)
+    shares = []
+    for a, b in ((0, 2), (2, 4)):
+        local = torch.where((ids >= a) & (ids < b), ids - a, -1).to(torch.int32)
+        stacks = (w1[a:b], s1[a:b], w3[a:b], s3[a:b], w2[a:b], s2[a:b])
+        got = moe.moe_fp4_triton(x, *stacks, local, tw, **knobs)
+        want = moe.moe_fp4_reference(x, *stacks, local, tw)
+        assert _rel(want, got) < 1e-5, gen.initial_seed()
+        shares.append(got)
+    assert _rel(whole, shares[0] + shares[1]) < 1e-5, gen.initial_seed()
+
+
+def test_align_leaves_negative_ids_in_unused_blocks():
+    ids = torch.tensor([[1, -1], [-1, 0], [1, -1]], dtype=torch.int32)
+    order, expert, begin, end = moe.moe_align(ids, 2, 2)
+    used = expert >= 0
+    rows = torch.cat([order[int(b):int(e)] for b, e in zip(begin[used], end[used])]).tolist()
+    assert sorted(rows) == [0, 3, 4]  # the pairs of experts 0 and 1 only, each once
+    assert all(int(ids.flatten()[r]) == int(x) for b, e, x in zip(begin[used], end[used], expert[used])
+               for r in order[int(b):int(e)].tolist())

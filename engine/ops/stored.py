@@ -90,6 +90,38 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quant.dequantize_fp8_weight(w, scale, 32)
 
 
+class HandedOut:
+    """Float values made from stored FP8/FP4 bytes, remembered by their storage (not kept alive), so the
+    kernel ops can tell which stored weight a float value is and run on its bytes instead."""
+
+    def __init__(self):
+        self._by_storage: dict[int, tuple] = {}  # storage pointer -> (weakref to the value's storage, name)
+
+    def remember(self, value: torch.Tensor, name: str) -> None:
+        # the storage, not the tensor: a view made under inference_mode does not keep its base alive
+        storage = value.untyped_storage()
+        self._by_storage = {p: h for p, h in self._by_storage.items() if h[0]() is not None}
+        self._by_storage[storage.data_ptr()] = (weakref.ref(storage), name)
+
+    def clear(self) -> None:
+        self._by_storage.clear()
+
+    def alive(self) -> int:
+        """How many handed-out values are still referenced somewhere (none is kept here)."""
+        return sum(1 for ref, _ in self._by_storage.values() if ref() is not None)
+
+    def name_of(self, value: torch.Tensor) -> str | None:
+        """The name `value` (or the value it is a view of) was handed out as, while it lives; else None."""
+        try:
+            storage = value.untyped_storage()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+        hit = self._by_storage.get(storage.data_ptr())
+        if hit is None or hit[0]() is not storage:
+            return None
+        return hit[1]
+
+
 class StoredWeights:
     """A weight source (get/rows/has/stored_dtype, engine/checkpoint/weights.py) whose tensors live on
     `device` in their stored dtypes. inner: a checkpoint's weights (CheckpointWeights: `.reader` and
@@ -105,7 +137,7 @@ class StoredWeights:
         self._rows = rows  # rows(name, index) for tables never held whole (the Engram's); default: inner's
         self._stored: dict[str, torch.Tensor] = {}
         self._float: dict[str, torch.Tensor] = {}
-        self._handed: dict[int, tuple] = {}  # storage pointer -> (weakref to the value's storage, name)
+        self._handed = HandedOut()
         self._stacks: dict[str, tuple] = {}  # routed-expert prefix -> stacks (stacked here from a checkpoint)
         self._nan_checked: set[str] = set()  # names whose dequantized value went through the NaN/inf check
         self._loads = 0
@@ -168,14 +200,7 @@ class StoredWeights:
     def stored_name_of(self, value: torch.Tensor) -> str | None:
         """The name of the FP8/FP4 weight whose dequantized value `value` is (or is a view of), if it
         was handed out by `get` and is still alive; else None."""
-        try:
-            storage = value.untyped_storage()
-        except (RuntimeError, AttributeError, NotImplementedError):
-            return None
-        hit = self._handed.get(storage.data_ptr())
-        if hit is None or hit[0]() is not storage:
-            return None
-        return hit[1]
+        return self._handed.name_of(value)
 
     # -- the WeightSource surface ---------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -198,7 +223,7 @@ class StoredWeights:
             if name not in self._nan_checked:  # the stored bytes do not change: once is enough
                 self._nan_checked.add(name)
                 self._check(name, value)
-            self._remember(value, name)
+            self._handed.remember(value, name)
             return value
         value = self._float[name] = self._check(name, w.float())
         return value
@@ -207,12 +232,6 @@ class StoredWeights:
         """The reader's NaN/inf check (CheckpointReader: warned once, listed in `nonfinite`), if it has one."""
         check = getattr(self.reader, "_checked", None)
         return check(name, value) if check is not None else value
-
-    def _remember(self, value: torch.Tensor, name: str) -> None:
-        # the storage, not the tensor: a view made under inference_mode does not keep its base alive
-        storage = value.untyped_storage()
-        self._handed = {p: h for p, h in self._handed.items() if h[0]() is not None}
-        self._handed[storage.data_ptr()] = (weakref.ref(storage), name)
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         if self._rows is not None:

@@ -3,9 +3,12 @@
 `TritonOps` wraps a numerics (`reference` or `fp32`, engine/ops) and overrides the ops a kernel
 computes; everything else, and every op a kernel cannot take (a weight not stored as FP8, activation
 rounding off), is the wrapped numerics' own. Chosen once, when the model is built (`decide`):
-- kernels None (auto): on a CUDA device, when triton imports, the weights come from a checkpoint (the
-  kernels read its raw E4M3 / packed FP4 bytes and scales) and the model runs in one process. Training
-  (in-memory nn.Parameters) therefore keeps the differentiable ops, on CUDA too.
+- kernels None (auto): on a CUDA device, when triton imports and the weights come from a checkpoint (the
+  kernels read its raw E4M3 / packed FP4 bytes and scales): in one process, or on each rank of several
+  whose weights are its ShardedWeights (engine/serve/parallel.py: the rank's slices in the stored
+  formats; its routed experts only, the others' slots passed to the MoE kernel as -1; the partial index
+  scores all_reduced before the top-k). Training (in-memory nn.Parameters) therefore keeps the
+  differentiable ops, on CUDA too.
 - True: wherever it can run (a checkpoint is still needed). On CUDA `kernels.dispatch` picks Triton; on
   the CPU the Triton versions run under TRITON_INTERPRET=1 (set before triton is imported), else the
   kernels' own references (float64 on the packed formats).
@@ -73,15 +76,23 @@ def checkpoint_backed(weights) -> bool:
     return getattr(weights, "reader", None) is not None
 
 
+def shards_stored_bytes(weights) -> bool:
+    """A rank's weight source that hands out its slices in the stored formats (engine/serve/parallel.py
+    ShardedWeights), so the kernels of one rank read only its shard."""
+    return callable(getattr(weights, "stored", None)) and getattr(weights, "parallel", None) is not None
+
+
 def decide(flag: bool | None, weights, device, parallel=None) -> bool:
     """Whether a model on `device` runs the kernel ops (see the module docstring)."""
     device = torch.device(device)
     if flag is False:
         return False
+    rank_ready = parallel is None or shards_stored_bytes(weights)
     if flag is None:
-        return device.type == "cuda" and parallel is None and checkpoint_backed(weights) and triton_importable()
-    if parallel is not None:
-        raise KernelPathError("the kernel path runs in one process; this model is one rank of several")
+        return device.type == "cuda" and rank_ready and checkpoint_backed(weights) and triton_importable()
+    if not rank_ready:
+        raise KernelPathError("one rank of several runs the kernel path on its shard of the stored bytes: "
+                              "its weights must be a ShardedWeights (engine.run.api.load(parallel=...))")
     if not checkpoint_backed(weights):
         raise KernelPathError("the kernel path reads a checkpoint's stored bytes; these weights are in-memory "
                               "tensors (kernels=True needs weights from engine.run.api.load)")
@@ -143,23 +154,26 @@ class TritonOps:
 
     # -- raw weights --------------------------------------------------------------------------
     def _fp8_weight(self, base: str):
-        """(E4M3 [N, K], E8M0 [ceil(N/32), K/32]) on the device, or None if `base` is not stored so."""
+        """(E4M3 [N, K], E8M0 [ceil(N/32), K/32]) on the device, or None if `base` is not stored so (or, on
+        one rank of several, its slice does not fall on the 32 x 32 scale blocks)."""
         if base not in self._raw:
             name, scale = base + ".weight", base + ".scale"
             hit = None
             if name in self.reader and scale in self.reader and self.reader.entry(name).dtype == "F8_E4M3":
                 w, s = self._stored(name), self._stored(scale)
-                if w.dim() == 2 and tuple(s.shape) == (-(-w.shape[0] // 32), w.shape[1] // 32) and w.shape[1] % 32 == 0:
+                if w is not None and s is not None and w.dim() == 2 and tuple(s.shape) == (-(-w.shape[0] // 32), w.shape[1] // 32) and w.shape[1] % 32 == 0:
                     hit = (w, s)
             self._raw[base] = hit
         return self._raw[base]
 
-    def _stored(self, name: str) -> torch.Tensor:
+    def _stored(self, name: str) -> torch.Tensor | None:
         """A tensor in its stored dtype on the device: the weight source's own copy where it keeps one
-        (engine/ops/stored.py StoredWeights), else read and moved here."""
+        (engine/ops/stored.py StoredWeights; a rank's slice, engine/serve/parallel.py ShardedWeights; None
+        where it has none), else read and moved here."""
         stored = getattr(self.weights, "stored", None)
-        hit = stored(name) if stored is not None else None
-        return hit if hit is not None else self.reader.tensor(name).to(self.device)
+        if stored is not None:
+            return stored(name)
+        return self.reader.tensor(name).to(self.device)
 
     def forget(self, prefix: str) -> None:
         """Drop the device weights of names starting with `prefix` (a bench freeing a layer)."""
@@ -167,21 +181,24 @@ class TritonOps:
             for name in [n for n in cache if n.startswith(prefix)]:
                 del cache[name]
 
-    def _expert_weights(self, prefix: str, n_experts: int):
-        """Stacked packed FP4 experts of one layer: w1, w1_scale, w3, w3_scale, w2, w2_scale, or None."""
-        if prefix not in self._experts:
+    def _expert_weights(self, prefix: str, n_experts: int, owned: tuple[int, int] | None = None):
+        """Stacked packed FP4 experts of one layer: w1, w1_scale, w3, w3_scale, w2, w2_scale, or None.
+        owned (expert parallel): only experts [a, b), this rank's."""
+        a, b = owned if owned is not None else (0, n_experts)
+        key = prefix if owned is None else f"{prefix}[{a}:{b}]"
+        if key not in self._experts:
             stacked = getattr(self.weights, "stacked_experts", None)
-            hit = stacked(prefix, n_experts) if stacked is not None else None  # held stacked: no copy
-            first = f"{prefix}experts.0.w1.weight"
+            hit = stacked(prefix, n_experts) if stacked is not None and owned is None else None  # no copy
+            first = f"{prefix}experts.{a}.w1.weight"
             if hit is None and first in self.reader and self.reader.entry(first).dtype == "I8":
                 parts = []
                 for w in ("w1", "w3", "w2"):
                     for leaf in ("weight", "scale"):
                         parts.append(torch.stack([self._stored(f"{prefix}experts.{e}.{w}.{leaf}")
-                                                  for e in range(n_experts)]))
+                                                  for e in range(a, b)]))
                 hit = tuple(parts)
-            self._experts[prefix] = hit
-        return self._experts[prefix]
+            self._experts[key] = hit
+        return self._experts[key]
 
     # -- the ops ------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input):
@@ -288,6 +305,8 @@ class TritonOps:
             b = slice(a, a + QUERY_BLOCK)
             scores = scores_fn(qp[b], qs[b], ik_packed, ik_scale, w[b], vis[b],
                                None if pool is None else pool[b].contiguous(), block)  # [B, N], -inf masked
+            if indexer.parallel is not None:  # this rank's index heads: a partial sum, before any top-k
+                scores = indexer.parallel.all_reduce(scores)
             if role.candidate_source:
                 shared.candidates[b] = self.select_blocks(scores, visible[b], cfg.candidate_topk_blocks, block, n)
             sel = topk_fn(scores, kp2, vis[b])[:, :k].long()
@@ -323,10 +342,12 @@ class TritonOps:
         """The routed experts from the raw packed FP4 weights: x [T, dim] (rounded for the expert GEMM by
         `linear(x, None)`), experts/weights [T, k] -> [T, dim] fp32; the base op when not stored so."""
         n_experts = cfg.experts_of(layer)[0]
-        raw = self._expert_weights(prefix, n_experts) if owned is None and self.active(layer) else None
+        raw = self._expert_weights(prefix, n_experts, owned) if self.active(layer) else None
         if raw is not None:
             limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else 3e38  # the reference clamps only for a positive limit
-            args = (linear(x, None).to(torch.bfloat16).contiguous(), *raw, experts.to(torch.int32).contiguous(),
+            ids = experts if owned is None else torch.where((experts >= owned[0]) & (experts < owned[1]),
+                                                            experts - owned[0], -1)  # -1: another rank's
+            args = (linear(x, None).to(torch.bfloat16).contiguous(), *raw, ids.to(torch.int32).contiguous(),
                     weights.float().contiguous())
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args,
                          {"swiglu_limit": limit})

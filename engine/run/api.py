@@ -242,7 +242,8 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
       CPU too (the Triton interpreter, or the kernels' references, run the same path);
     - the CPU ops on another device: DeviceWeights (every weight dequantized once and kept there);
     - the CPU ops on the CPU: the lazy CheckpointWeights (a byte-bounded cache of `cache_bytes`);
-    - parallel: ShardedWeights, each rank's shard dequantized (not on the stored-format path yet);
+    - parallel: ShardedWeights, each rank's shard; in the stored formats when the kernel ops run (the
+      same rule, on the rank's device), else dequantized and cached;
     kernels: the Triton kernel ops (None: on CUDA; see engine/ops/triton.py);
     threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them);
     numerics (engine/ops): "reference" (default: the official bf16 dtype flow) or "fp32"."""
@@ -271,12 +272,13 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
         except TokenizerError as err:
             raise EngineError(str(err)) from None
     weights = CheckpointWeights(reader, cache_bytes)
-    if parallel is not None:  # one rank of several: its shard, dequantized (not on the stored-format path yet)
+    if parallel is not None:  # one rank of several: its shard (in the stored formats for the kernel ops)
         from ..serve.parallel import ParallelError, ShardedWeights
         try:
             weights = ShardedWeights(weights, parallel, cfg, cache_bytes)
         except ParallelError as err:
             raise EngineError(str(err)) from None
+        weights.stored_formats = decide(kernels, weights, parallel.device, parallel)
     elif decide(kernels, weights, device):  # the model's own rule for the kernel ops (for_model asks it too)
         from ..ops.stored import StoredWeights
         weights = StoredWeights(weights, device)

@@ -11,7 +11,10 @@ The split follows the release's reference code:
 A `Parallel` object is the model's only handle on the group; with one process there is none (the
 model's `parallel` is None) and nothing here is called. `ShardedWeights` gives each rank only its
 slice of a weight, reading from a release-layout checkpoint only the rows it needs when the split is
-along dim 0.
+along dim 0. For the kernel ops (engine/ops/triton.py) it hands out the slices in their stored formats
+(`stored`: E4M3 rows or columns with their 32 x 32 scale blocks, owned experts' packed FP4), and with
+`stored_formats` set its float values of FP8/FP4 weights are made per call and not kept, as
+engine/ops/stored.py StoredWeights does in one process.
 """
 
 from __future__ import annotations
@@ -186,13 +189,18 @@ class ShardedWeights:
     ones whole, routed experts only when this rank owns them. Over a CheckpointWeights, a dim-0
     slice reads only its rows (and the matching scale rows) from the shard file."""
 
-    def __init__(self, base, parallel: Parallel, cfg: ModelConfig, cache_bytes: int = 2 << 30):
+    def __init__(self, base, parallel: Parallel, cfg: ModelConfig, cache_bytes: int = 2 << 30,
+                 stored_formats: bool = False):
+        from ..ops.stored import HandedOut
         check_splittable(cfg, parallel.world)
         self.base, self.parallel, self.cfg = base, parallel, cfg
         self.reader = getattr(base, "reader", None)
         self.device = parallel.device
         self.cache = TensorCache(cache_bytes)
         self.bytes_read = 0  # stored bytes read for split weights (tests of laziness)
+        self.stored_formats = stored_formats  # the kernel ops run: FP8/FP4 float values are not kept
+        self._stored: dict[str, torch.Tensor | None] = {}
+        self._handed = HandedOut()
 
     # the WeightSource surface
     def has(self, name: str) -> bool:
@@ -205,10 +213,64 @@ class ShardedWeights:
         return self.base.rows(name, index)
 
     def get(self, name: str) -> torch.Tensor:
+        if self.stored_formats:
+            value = self._from_stored(name)
+            if value is not None:
+                return value
         if self.device.type == "cpu" and split_of(name) is None:
             self._check_expert(name)
             return self.base.get(name)  # the base's own cache already holds it
         return self.cache.get(name, lambda n: self._load(n).to(self.device))
+
+    # the stored formats (the kernel ops on this rank)
+    def stored(self, name: str) -> torch.Tensor | None:
+        """This rank's slice of `name` in its stored dtype on the rank's device (kept); None when the
+        checkpoint has no such tensor, or a split FP8 weight's slice does not fall on its scale blocks."""
+        if self.reader is None or name not in self.reader:
+            return None
+        self._check_expert(name)
+        if name not in self._stored:
+            self._stored[name] = self._stored_slice(name)
+        return self._stored[name]
+
+    def stored_name_of(self, value: torch.Tensor) -> str | None:
+        """The FP8/FP4 weight whose float value `get` handed out as `value` (stored_formats), else None."""
+        return self._handed.name_of(value)
+
+    def _stored_slice(self, name: str) -> torch.Tensor | None:
+        reader = self.reader
+        entry = reader.entry(name)
+        weight = name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name
+        split = split_of(weight)
+        if split is None:
+            return reader.tensor(name).to(self.device)
+        rows = reader.entry(weight).shape[split.dim] if weight in reader else entry.shape[split.dim]
+        a, b = self.parallel.split(rows, split.what)
+        scaled = weight.endswith(".weight") and weight[: -len(".weight")] + ".scale" in reader
+        if scaled and (a % WEIGHT_BLOCK or b % WEIGHT_BLOCK):
+            return None  # the slice would cut a scale block: the float path (get) serves this weight
+        if name != weight:  # a scale: its blocks of 32 along the split axis
+            a, b = a // WEIGHT_BLOCK, b // WEIGHT_BLOCK
+        if split.dim == 0 and len(entry.shape) == 2 and hasattr(reader, "read_rows"):
+            t = reader.read_rows(name, np.arange(a, b))  # only this rank's rows leave the file
+        else:
+            t = reader.tensor(name).narrow(split.dim, a, b - a).contiguous()
+        self.bytes_read += t.numel() * t.element_size()
+        return t.to(self.device)
+
+    def _from_stored(self, name: str) -> torch.Tensor | None:
+        """The float value of an FP8/FP4 weight from this rank's stored slice, made for this call and
+        remembered (stored_name_of); None for any other weight (the cached float path)."""
+        from ..ops.stored import QUANTIZED, dequantize
+        if self.reader is None or not name.endswith(".weight") or name not in self.reader \
+                or self.stored_dtype(name) not in QUANTIZED:
+            return None
+        w, s = self.stored(name), self.stored(name[: -len(".weight")] + ".scale")
+        if w is None or s is None:
+            return None
+        value = dequantize(w, s)
+        self._handed.remember(value, name)
+        return value
 
     def _check_expert(self, name: str) -> None:
         expert = expert_of(name)
