@@ -63,8 +63,10 @@ class ModuloTokenizer:
 # -- weights made on the device, in the release formats -------------------------------------------------
 
 class GeneratedWeights:
-    """A rank's shard of random weights, stored as the release stores them and dequantized to fp32
-    on first use (byte-bounded LRU). Engram table rows are computed from (table, row, column)."""
+    """A rank's shard of random weights, stored as the release stores them. For the kernel ops
+    (`stored_formats`, engine/ops/triton.py) the shard's stored tensors are read as they are (`reader`,
+    `stored`) and FP8/FP4 float values are made per call, not kept; else dequantized to fp32 on first use
+    (byte-bounded LRU). Engram table rows are computed from (table, row, column)."""
 
     def __init__(self, cfg, parallel, seed: int = 0, cache_bytes: int = 8 << 30):
         from engine.checkpoint.layout import tensor_specs
@@ -78,7 +80,7 @@ class GeneratedWeights:
         self.specs = {s.name: s for s in tensor_specs(cfg)
                       if s.part == "weight" and s.group != "vision" and s.stage is None and s.layer is not None
                       or s.name in ("embed.weight", "head.weight", "norm.weight")}
-        self.stored: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.shard: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # name -> (stored, scale)
         self.cache = TensorCache(cache_bytes)
         self.seed = seed
         started = time.perf_counter()
@@ -87,8 +89,17 @@ class GeneratedWeights:
                 continue  # rows on demand
             if not self._mine(name):
                 continue
-            self.stored[name] = self._make(name, spec)
+            self.shard[name] = self._make(name, spec)
         self.generate_s = time.perf_counter() - started
+        from engine.ops.stored import HandedOut, TensorReader
+        tensors = {}
+        for name, (w, scale) in self.shard.items():
+            tensors[name] = w
+            if scale is not None:
+                tensors[name[: -len(".weight")] + ".scale"] = scale
+        self.reader = TensorReader(tensors)  # the rank's shard as the kernel ops read stored bytes
+        self.stored_formats = False
+        self._handed = HandedOut()
 
     def _mine(self, name: str) -> bool:
         from engine.serve.parallel import expert_of
@@ -119,7 +130,7 @@ class GeneratedWeights:
 
     def resident_bytes(self) -> int:
         return sum(w.numel() * w.element_size() + (0 if s is None else s.numel() * s.element_size())
-                   for w, s in self.stored.values())
+                   for w, s in self.shard.values())
 
     # the WeightSource surface
     def has(self, name: str) -> bool:
@@ -128,14 +139,25 @@ class GeneratedWeights:
     def stored_dtype(self, name: str) -> str:
         return self.specs[name].dtype
 
+    def stored(self, name: str) -> torch.Tensor | None:
+        """The rank's stored tensor (its slice already), or None."""
+        return self.reader.tensors.get(name)
+
+    def stored_name_of(self, value: torch.Tensor) -> str | None:
+        return self._handed.name_of(value)
+
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.stored:
+        if name not in self.shard:
             raise KeyError(f"weight '{name}' is not held by this rank")
+        if self.stored_formats and self.shard[name][1] is not None:  # made per call, recognised by the ops
+            value = self._dequantize(name)
+            self._handed.remember(value, name)
+            return value
         return self.cache.get(name, self._dequantize)
 
     def _dequantize(self, name: str) -> torch.Tensor:
         from engine import quant
-        w, s = self.stored[name]
+        w, s = self.shard[name]
         if w.dtype == torch.int8:
             return quant.dequantize_fp4_weight(w, s, 32)
         if w.dtype == torch.float8_e4m3fn:
@@ -232,6 +254,7 @@ def rank_main(args) -> dict | None:
     from engine.model.block import Block
     from engine.run.api import Engine
     from engine.config import release_config
+    from engine.ops.triton import decide
     from engine.serve.parallel import Parallel
     from engine.serve.service import EngineService, follow, make_server
 
@@ -246,8 +269,10 @@ def rank_main(args) -> dict | None:
     if n_layers < cfg.n_layers:
         cfg = first_layers(cfg, n_layers)
     weights = GeneratedWeights(cfg, parallel, cache_bytes=args.cache_gb << 30)
+    kernels = {"auto": None, "on": True, "off": False}[args.kernels]
+    weights.stored_formats = decide(kernels, weights, parallel.device, parallel)
     engine = Engine(cfg, weights, ModuloTokenizer(cfg), source="random release-format weights",
-                    identity=f"random-{'smoke' if args.smoke else 'release'}", parallel=parallel)
+                    identity=f"random-{'smoke' if args.smoke else 'release'}", parallel=parallel, kernels=kernels)
     device = parallel.device
     block_s: dict[int, float] = {}
     block_forward = Block.forward
@@ -290,6 +315,7 @@ def rank_main(args) -> dict | None:
         report = {"device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                   "world": parallel.world, "tokens": args.tokens, "n_layers": cfg.n_layers, "smoke": args.smoke,
                   "prompt_s": round(prompt_s, 3), "layers": layers, "memory": memory,
+                  "ops": type(engine.model.ops).__name__,
                   "json_layers": len(result.layers)}
     # click-to-view: the app's request for one layer through the service
     if parallel.rank == 0:
@@ -400,6 +426,8 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=None, help="spawn N ranks here instead of using torchrun")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None)
     p.add_argument("--cache-gb", type=int, default=8, help="dequantized-weight cache per rank (GB)")
+    p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
+                   help="the Triton kernel ops on each rank's stored shard (auto: on CUDA)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the 256-token warm-up run")
     p.add_argument("--smoke", action="store_true", help="tiny config, gloo on the CPU (2 ranks unless --nproc)")
     p.add_argument("--out", help="write the report as JSON here")

@@ -192,14 +192,17 @@ def test_a_model_that_does_not_split_says_which_count():
     check_splittable(tiny_config(), 2)
 
 
-def test_bench_smoke_runs_the_multi_gpu_script_on_two_cpu_processes(tmp_path):
+@pytest.mark.parametrize("kernels", ["auto", "on"])
+def test_bench_smoke_runs_the_multi_gpu_script_on_two_cpu_processes(tmp_path, kernels):
     """benches/parallel.py --smoke: generated release-format shards, all layers timed, memory per rank,
-    and click-to-view through the service, on 2 gloo processes."""
+    and click-to-view through the service, on 2 gloo processes; `--kernels on`: each rank's kernel ops
+    on its stored shard (the kernels' references on the CPU)."""
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, "benches/parallel.py", "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "benches/parallel.py", "--smoke", "--kernels", kernels, "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = __import__("json").loads(out.read_text())
+    assert report["ops"] == ("TritonOps" if kernels == "on" else "ReferenceOps")
     assert report["world"] == 2 and report["tokens"] == 96 and report["json_layers"] == 8
     assert [row["layer"] for row in report["layers"]] == list(range(8))
     assert all(row["time_s"] > 0 and row["roofline_fp8_s"] > 0 for row in report["layers"])
