@@ -226,7 +226,10 @@ TOPK_CFGS = [{}, dict(block=4096, groups=4096, num_warps=16, select="count"), di
              dict(num_warps=8, block=2048), dict(num_warps=8, block=2048, select="hist"),
              dict(num_warps=4, block=2048), dict(num_warps=4, block=2048, select="hist"),
              dict(num_warps=16, block=2048, select="hist"), dict(num_warps=8, groups=2048, select="hist"),
-             dict(num_warps=4, block=1024, groups=2048, select="hist")]
+             dict(num_warps=4, block=1024, groups=2048, select="hist"),
+             # around the eleventh session's winner (now the default): fewer warps, smaller tiles, fewer groups
+             dict(num_warps=2, block=1024, groups=2048, select="hist"), dict(num_warps=4, block=512, groups=2048, select="hist"),
+             dict(num_warps=4, block=1024, groups=1024, select="hist"), dict(num_warps=4, block=1024, groups=2048, select="count")]
 
 
 def case_topk(bw, mm):
