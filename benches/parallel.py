@@ -150,9 +150,7 @@ class GeneratedWeights:
         if name not in self.shard:
             raise KeyError(f"weight '{name}' is not held by this rank")
         if self.stored_formats and self.shard[name][1] is not None:  # made per call, recognised by the ops
-            value = self._dequantize(name)
-            self._handed.remember(value, name)
-            return value
+            return self._handed.dequantized(name, *self.shard[name], self.reader)
         return self.cache.get(name, self._dequantize)
 
     def _dequantize(self, name: str) -> torch.Tensor:

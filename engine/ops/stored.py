@@ -96,6 +96,19 @@ class HandedOut:
 
     def __init__(self):
         self._by_storage: dict[int, tuple] = {}  # storage pointer -> (weakref to the value's storage, name)
+        self._checked: set[str] = set()  # names whose value went through the reader's NaN/inf check
+
+    def dequantized(self, name: str, w: torch.Tensor, scale: torch.Tensor, reader) -> torch.Tensor:
+        """The float value of stored bytes w + scale for this call: checked for NaN/inf by the reader
+        once per name (CheckpointReader's `_checked`: warned once, listed in `nonfinite`; the stored
+        bytes do not change) and remembered."""
+        value = dequantize(w, scale)
+        check = getattr(reader, "_checked", None)
+        if check is not None and name not in self._checked:
+            self._checked.add(name)
+            check(name, value)
+        self.remember(value, name)
+        return value
 
     def remember(self, value: torch.Tensor, name: str) -> None:
         # the storage, not the tensor: a view made under inference_mode does not keep its base alive
@@ -139,7 +152,6 @@ class StoredWeights:
         self._float: dict[str, torch.Tensor] = {}
         self._handed = HandedOut()
         self._stacks: dict[str, tuple] = {}  # routed-expert prefix -> stacks (stacked here from a checkpoint)
-        self._nan_checked: set[str] = set()  # names whose dequantized value went through the NaN/inf check
         self._loads = 0
 
     # -- the stored bytes --------------------------------------------------------------------------
@@ -219,12 +231,7 @@ class StoredWeights:
             raise KeyError(f"weight '{name}' is missing")
         scale = self.stored(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
         if self.stored_dtype(name) in QUANTIZED and scale is not None:
-            value = dequantize(w, scale)
-            if name not in self._nan_checked:  # the stored bytes do not change: once is enough
-                self._nan_checked.add(name)
-                self._check(name, value)
-            self._handed.remember(value, name)
-            return value
+            return self._handed.dequantized(name, w, scale, self.reader)
         value = self._float[name] = self._check(name, w.float())
         return value
 

@@ -261,16 +261,14 @@ class ShardedWeights:
     def _from_stored(self, name: str) -> torch.Tensor | None:
         """The float value of an FP8/FP4 weight from this rank's stored slice, made for this call and
         remembered (stored_name_of); None for any other weight (the cached float path)."""
-        from ..ops.stored import QUANTIZED, dequantize
+        from ..ops.stored import QUANTIZED
         if self.reader is None or not name.endswith(".weight") or name not in self.reader \
                 or self.stored_dtype(name) not in QUANTIZED:
             return None
         w, s = self.stored(name), self.stored(name[: -len(".weight")] + ".scale")
         if w is None or s is None:
             return None
-        value = dequantize(w, s)
-        self._handed.remember(value, name)
-        return value
+        return self._handed.dequantized(name, w, s, self.reader)
 
     def _check_expert(self, name: str) -> None:
         expert = expert_of(name)
