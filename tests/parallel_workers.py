@@ -1,10 +1,11 @@
 """Runs the engine on a written checkpoint in N gloo processes (tests/test_engine_parallel.py).
 
-python -m tests.parallel_workers CHECKPOINT OUT.pt WORLD IDS_CSV [kernels]
+python -m tests.parallel_workers CHECKPOINT OUT.pt WORLD|single IDS_CSV [kernels]
 Each rank loads only its shard (ShardedWeights over the checkpoint); rank 0 saves, for activations
 in float and FP8-rounded (the release's kernels), the run's JSON and the prefill logits, plus what
 each rank read. With `kernels`: the kernel ops (engine/ops/triton.py; on the CPU the kernels' own
-references) on each rank's stored slices, FP8-rounded activations only (the kernels' inputs). FP8 rounding turns the all_reduce's different summation order (~1e-7) into an
+references) on each rank's stored slices, FP8-rounded activations only (the kernels' inputs). `single`:
+the single-process runs (`reference`) in this process, saved the same way. FP8 rounding turns the all_reduce's different summation order (~1e-7) into an
 occasional rounding flip (~1e-3 downstream), so exact agreement is checked without it.
 """
 
@@ -83,8 +84,12 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: str, ids: list
 
 
 def main(argv: list[str]) -> int:
-    checkpoint, out, world, ids = argv[0], argv[1], int(argv[2]), [int(v) for v in argv[3].split(",")]
+    checkpoint, out, ids = argv[0], argv[1], [int(v) for v in argv[3].split(",")]
     kernels = argv[4:] == ["kernels"]
+    if argv[2] == "single":
+        torch.save(reference(checkpoint, ids, kernels), out)
+        return 0
+    world = int(argv[2])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_rank, args=(world, free_port(), checkpoint, out, ids, kernels), nprocs=world, join=True)
     return 0

@@ -3,6 +3,7 @@ the single-process probes; each rank reads only its slice of the split weights."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,13 +26,20 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_parallel"), 1, 3)
 
 
-@pytest.fixture(scope="module")
-def two_ranks(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks") / "rank0.pt"
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel_workers", str(checkpoint), str(out), "2",
-                           ",".join(map(str, IDS))], capture_output=True, text=True, timeout=240)
+def workers(checkpoint, out, world: str, *extra: str) -> dict:
+    """tests/parallel_workers.py in a fresh process. Without TRITON_INTERPRET (other test modules set it
+    in this process): on the CPU the kernel ops then run the kernels' own references, not the
+    interpreter (their Triton versions have the interpreter tests of their own)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel_workers", str(checkpoint), str(out), world,
+                           ",".join(map(str, IDS)), *extra], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint, tmp_path_factory):
+    return workers(checkpoint, tmp_path_factory.mktemp("ranks") / "rank0.pt", "2")
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +49,7 @@ def single(checkpoint):
 
 @pytest.fixture(scope="module")
 def two_ranks_kernels(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks_kernels") / "rank0.pt"
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel_workers", str(checkpoint), str(out), "2",
-                           ",".join(map(str, IDS)), "kernels"], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    return workers(checkpoint, tmp_path_factory.mktemp("ranks_kernels") / "rank0.pt", "2", "kernels")
 
 
 # The caches are stored in FP8/FP4 (and activations FP8-rounded in the release mode), so a last-bit
@@ -59,7 +63,7 @@ def test_two_processes_give_the_single_process_probes(two_ranks, single, quantiz
     assert_same_probes(two_ranks[quantized]["json"], single[quantized]["json"])
 
 
-def test_two_processes_on_the_kernel_ops(two_ranks_kernels, checkpoint):
+def test_two_processes_on_the_kernel_ops(two_ranks_kernels, checkpoint, tmp_path):
     """Each rank runs the kernel ops (on the CPU the kernels' references) on its stored slices: the FP8
     linears on its rows or columns, the MoE kernel on its experts, the index scores of its heads
     all_reduced before the top-k. Not bit-equal to one process: like the official reference's
@@ -69,7 +73,7 @@ def test_two_processes_on_the_kernel_ops(two_ranks_kernels, checkpoint):
     without the index scores' all_reduce 0.68)."""
     assert two_ranks_kernels["ops"] == "TritonOps"
     par = two_ranks_kernels[True]["json"]
-    one = reference(str(checkpoint), IDS, kernels=True)[True]["json"]
+    one = workers(checkpoint, tmp_path / "single.pt", "single", "kernels")[True]["json"]
     assert par["token_ids"] == one["token_ids"] and par["cache_bytes"] == one["cache_bytes"]
     overlap = lambda a, b: np.mean([len(set(r) & set(s)) / max(1, len(set(r) | set(s))) for r, s in zip(a, b)])
     for L in ("0", "1"):
@@ -198,8 +202,9 @@ def test_bench_smoke_runs_the_multi_gpu_script_on_two_cpu_processes(tmp_path, ke
     and click-to-view through the service, on 2 gloo processes; `--kernels on`: each rank's kernel ops
     on its stored shard (the kernels' references on the CPU)."""
     out = tmp_path / "smoke.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as in `workers`
     proc = subprocess.run([sys.executable, "benches/parallel.py", "--smoke", "--kernels", kernels, "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = __import__("json").loads(out.read_text())
     assert report["ops"] == ("TritonOps" if kernels == "on" else "ReferenceOps")
