@@ -154,13 +154,9 @@ class GeneratedWeights:
         return self.cache.get(name, self._dequantize)
 
     def _dequantize(self, name: str) -> torch.Tensor:
-        from engine import quant
+        from engine.ops.stored import dequantize
         w, s = self.shard[name]
-        if w.dtype == torch.int8:
-            return quant.dequantize_fp4_weight(w, s, 32)
-        if w.dtype == torch.float8_e4m3fn:
-            return quant.dequantize_fp8_weight(w, s, 32)
-        return w.float()
+        return w.float() if s is None else dequantize(w, s)
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Engram rows [*index.shape, head_dim]: about N(0, 1), FP8-rounded per 32 like the stored table."""

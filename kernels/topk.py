@@ -370,7 +370,8 @@ SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": 
 
 
 def default_groups(rows: int) -> int:
-    """Group maxima per row: more groups, fewer entries re-read (~k groups qualify), dearer bound."""
+    """Group maxima per row where no measured default applies (the indexer's fused maxima; the split
+    path): more groups, fewer entries re-read (~k groups qualify), dearer bound."""
     return 4096 if rows >= ROWS_MIN else 8192
 
 

@@ -4,9 +4,10 @@ python -m tests.parallel_workers CHECKPOINT OUT.pt WORLD|single IDS_CSV [kernels
 Each rank loads only its shard (ShardedWeights over the checkpoint); rank 0 saves, for activations
 in float and FP8-rounded (the release's kernels), the run's JSON and the prefill logits, plus what
 each rank read. With `kernels`: the kernel ops (engine/ops/triton.py; on the CPU the kernels' own
-references) on each rank's stored slices, FP8-rounded activations only (the kernels' inputs). `single`:
-the single-process runs (`reference`) in this process, saved the same way. FP8 rounding turns the all_reduce's different summation order (~1e-7) into an
-occasional rounding flip (~1e-3 downstream), so exact agreement is checked without it.
+references) on each rank's stored slices, FP8-rounded activations only (the kernels' inputs).
+`single`: the single-process runs (`reference`) in this process, saved the same way. FP8 rounding turns
+the all_reduce's different summation order (~1e-7) into an occasional rounding flip (~1e-3 downstream),
+so exact agreement is checked without it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ the single-process probes; each rank reads only its slice of the split weights."
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ from engine.serve.parallel import Parallel, ParallelError, ShardedWeights, check
 from engine.checkpoint.weights import CheckpointWeights, TensorWeights
 from tests.engine_helpers import tiny_config, write_tiny_checkpoint
 from tests.parallel_workers import reference
+from tests.triton_interp import env_without_interpreter
 
 IDS = [0] + [int(v) for v in np.random.default_rng(3).integers(5, 300, 63)]
 
@@ -30,9 +30,9 @@ def workers(checkpoint, out, world: str, *extra: str) -> dict:
     """tests/parallel_workers.py in a fresh process. Without TRITON_INTERPRET (other test modules set it
     in this process): on the CPU the kernel ops then run the kernels' own references, not the
     interpreter (their Triton versions have the interpreter tests of their own)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "tests.parallel_workers", str(checkpoint), str(out), world,
-                           ",".join(map(str, IDS)), *extra], capture_output=True, text=True, timeout=240, env=env)
+                           ",".join(map(str, IDS)), *extra], capture_output=True, text=True, timeout=240,
+                          env=env_without_interpreter())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
@@ -202,9 +202,8 @@ def test_bench_smoke_runs_the_multi_gpu_script_on_two_cpu_processes(tmp_path, ke
     and click-to-view through the service, on 2 gloo processes; `--kernels on`: each rank's kernel ops
     on its stored shard (the kernels' references on the CPU)."""
     out = tmp_path / "smoke.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as in `workers`
     proc = subprocess.run([sys.executable, "benches/parallel.py", "--smoke", "--kernels", kernels, "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env)
+                          capture_output=True, text=True, timeout=240, env=env_without_interpreter())
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = __import__("json").loads(out.read_text())
     assert report["ops"] == ("TritonOps" if kernels == "on" else "ReferenceOps")

@@ -11,13 +11,14 @@ case list less those two. The two tables, rows in the bench's case order and a k
 kept once (as the bench's one run keeps it), are the table the bench writes in one run."""
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.triton_interp import env_without_interpreter
 
 REPO = Path(__file__).resolve().parent.parent
 # found without importing triton: importing it here, before the interpreter tests set
@@ -43,7 +44,7 @@ def _rows(table: str) -> list[list[str]]:
 
 @pytest.mark.skipif(PTXAS is None or not PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_every_kernel_compiles_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = env_without_interpreter()
     commands = {"rest": [sys.executable, "-c", ALL_BUT_MHC, str(tmp_path / "rest")],
                 "mhc": [sys.executable, str(REPO / "benches" / "compile_sm90.py"), "--only", "mHC",
                         "--out", str(tmp_path / "mhc")]}

@@ -7,12 +7,13 @@ hand for one layer."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.triton_interp import env_without_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
@@ -31,7 +32,7 @@ sys.exit(bench.main(sys.argv[2:]))
 
 
 def start_bench(out: Path, interpret: bool, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = env_without_interpreter()
     args = ["--tiny", "--passes", "1", "--kernels", "on", "--tokens", str(TOKENS), "--decode", str(DECODE),
             "--out", str(out), *extra]
     if interpret:

@@ -20,8 +20,15 @@ this shape, keep the stock code.
 from __future__ import annotations
 
 import inspect
+import os
 
 _DONE = {"installed": False}
+
+
+def env_without_interpreter() -> dict:
+    """This process's environment without TRITON_INTERPRET, for a subprocess whose kernels must not be
+    interpreted (the kernel test modules set it in the suite's process; a child would inherit it)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def speed_up() -> bool:

@@ -90,6 +90,13 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quant.dequantize_fp8_weight(w, scale, 32)
 
 
+def nonfinite_checked(reader, name: str, value: torch.Tensor) -> torch.Tensor:
+    """value after the reader's NaN/inf check (CheckpointReader's `_checked`: warned once, listed in
+    `nonfinite`), where the reader has one."""
+    check = getattr(reader, "_checked", None)
+    return check(name, value) if check is not None else value
+
+
 class HandedOut:
     """Float values made from stored FP8/FP4 bytes, remembered by their storage (not kept alive), so the
     kernel ops can tell which stored weight a float value is and run on its bytes instead."""
@@ -103,10 +110,9 @@ class HandedOut:
         once per name (CheckpointReader's `_checked`: warned once, listed in `nonfinite`; the stored
         bytes do not change) and remembered."""
         value = dequantize(w, scale)
-        check = getattr(reader, "_checked", None)
-        if check is not None and name not in self._checked:
+        if name not in self._checked:
             self._checked.add(name)
-            check(name, value)
+            nonfinite_checked(reader, name, value)
         self.remember(value, name)
         return value
 
@@ -232,13 +238,8 @@ class StoredWeights:
         scale = self.stored(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
         if self.stored_dtype(name) in QUANTIZED and scale is not None:
             return self._handed.dequantized(name, w, scale, self.reader)
-        value = self._float[name] = self._check(name, w.float())
+        value = self._float[name] = nonfinite_checked(self.reader, name, w.float())
         return value
-
-    def _check(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """The reader's NaN/inf check (CheckpointReader: warned once, listed in `nonfinite`), if it has one."""
-        check = getattr(self.reader, "_checked", None)
-        return check(name, value) if check is not None else value
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         if self._rows is not None:

@@ -161,7 +161,8 @@ class TritonOps:
             hit = None
             if name in self.reader and scale in self.reader and self.reader.entry(name).dtype == "F8_E4M3":
                 w, s = self._stored(name), self._stored(scale)
-                if w is not None and s is not None and w.dim() == 2 and tuple(s.shape) == (-(-w.shape[0] // 32), w.shape[1] // 32) and w.shape[1] % 32 == 0:
+                blocks = None if w is None or w.dim() != 2 else (-(-w.shape[0] // 32), w.shape[1] // 32)
+                if s is not None and blocks is not None and tuple(s.shape) == blocks and w.shape[1] % 32 == 0:
                     hit = (w, s)
             self._raw[base] = hit
         return self._raw[base]

@@ -25,9 +25,9 @@ import torch
 
 from ..config import ModelConfig
 from ..model.engram import EngramLayout
+from ..profiling import profile_report
 from .batched import BatchedForward, StepOptions
 from .params import Trainee
-from ..profiling import profile_report
 
 
 def phase_name(frac: float, step: int, a) -> str:
@@ -147,9 +147,9 @@ class Run:
 
     def profiled_step(self, phase: Phase, ids: torch.Tensor, lr: float):
         """One step under torch.profiler: where a step's time goes, written to `profile.txt` beside the
-        log and noted as an event. Three tables: the forward's named parts and the autograd nodes
-        (kernel time launched inside each), the kernels by name, and the ops by their own kernel time;
-        and how much of the step's wall the GPU was busy (the rest waits on the host's launches)."""
+        log and noted as an event: engine/profiling.py's tables (the forward's named parts and the autograd
+        nodes, the kernels by name, the ops by their own kernel time and by the host's), and how much of the
+        step's wall the GPU was busy (the rest waits on the host's launches)."""
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
