@@ -146,12 +146,15 @@ def cases():
         x = torch.randn(tokens, dim).bfloat16()
         return lambda: moe.moe_fp4_triton(x, w1, s1, w3, s3, w2, s2, ids, tw, **cfg)
 
-    def picked(kind):  # the trainer's shapes: 4 heads of 128 over the picks (or 4 x 64: the indexer's KL)
+    def picked(kind):  # the trainer's shapes: 4 heads of 128 over 64 picks (or 4 x 64: the indexer's KL)
         q, e = torch.randn(2, 64, 4, 128).bfloat16(), torch.randn(2, 2048, 128).bfloat16()
-        idx, w = torch.randint(0, 2048, (2, 64, 64)), torch.rand(2, 64, 4, 64)
-        run = {"scores": lambda: sparse_attn_train.gather_scores(q, e, idx),
-               "combine": lambda: sparse_attn_train.gather_combine(w, e, idx),
-               "scatter": lambda: sparse_attn_train.scatter_picks(q, w, idx, 2048)}
+        idx = torch.randint(0, 2048, (2, 64, 64), dtype=torch.int32)
+        order, starts = sparse_attn_train.pick_index(idx, 2048)
+        do, lse = torch.randn(2, 64, 4, 128), torch.randn(2, 64, 4)
+        run = {"forward": lambda: sparse_attn_train.run_forward(q, e, idx, softmax=True),
+               "backward": lambda: sparse_attn_train.run_backward(q, e, idx, order, starts, do, lse, lse, lse),
+               "scores backward": lambda: sparse_attn_train.run_backward(q[..., :64], e[..., :64], idx, order, starts,
+                                                                         torch.randn(2, 64, 4, 64))}
         return run[kind]
 
     def mixing(tq):
@@ -171,8 +174,9 @@ def cases():
             ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),
             ("Sinkhorn backward (training)", lambda: sinkhorn.sinkhorn_backward(torch.randn(4096, 4, 4),
                                                                                torch.randn(4096, 4, 4), 20, 1e-6)),
-            ("picked scores (training)", picked("scores")), ("picked combine (training)", picked("combine")),
-            ("picked scatter (training)", picked("scatter"))]
+            ("picked attention forward (training)", picked("forward")),
+            ("picked attention backward + reduce (training)", picked("backward")),
+            ("picked scores backward + reduce (training)", picked("scores backward"))]
 
 
 def table(rows: list[dict], errors: dict) -> str:

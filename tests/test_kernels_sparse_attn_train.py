@@ -1,7 +1,8 @@
 """The trainer's picked-entry attention kernels (kernels/sparse_attn_train.py) on the CPU under
-TRITON_INTERPRET=1: each kernel against a float64 gather-and-einsum reference (picks at -1 skipped,
-sizes that are not powers of two), the two ops' gradients against float64 autograd of the gathered
-form, and the trainer's attention core with the ops against its gathered form."""
+TRITON_INTERPRET=1: the attention and the scores against float64 gather-and-einsum references (picks at
+-1 skipped, a token with none, sizes that are not powers of two), their gradients against float64
+autograd of the gathered forms, the CSR pick index against a hand count, and the trainer's attention
+core and whole step with the ops against their gathered forms."""
 
 import importlib
 import os
@@ -23,77 +24,110 @@ def _case(seed, B=2, T=5, H=4, D=32, N=7, K=3):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
     entries = torch.randn(B, N, D, generator=gen, dtype=torch.float64)
-    idx = torch.randint(0, N, (B, T, K), generator=gen)
+    idx = torch.randint(0, N, (B, T, K), generator=gen, dtype=torch.int32)
     idx[0, 1, K - 1] = -1        # a token with one pick missing
     idx[B - 1, T - 1] = -1       # a token with none
-    w = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
-    return q, entries, idx, w
+    return q, entries, idx
 
 
 def _gathered(entries, idx):
     B = entries.shape[0]
-    return entries[torch.arange(B)[:, None, None], idx.clamp_min(0)]          # [B, T, K, D]
+    return entries[torch.arange(B)[:, None, None], idx.long().clamp_min(0)]   # [B, T, K, D]
 
 
 def _reference_scores(q, entries, idx):
     return torch.einsum("bthd,btkd->bthk", q, _gathered(entries, idx)).masked_fill((idx < 0)[:, :, None, :], 0.0)
 
 
-def _reference_combine(w, entries, idx):
-    return torch.einsum("bthk,btkd->bthd", w.masked_fill((idx < 0)[:, :, None, :], 0.0), _gathered(entries, idx))
+def _reference_attention(q, entries, idx):
+    """(o, lse, s) of softmax attention over each token's picks, in q's dtype (float64)."""
+    s = _reference_scores(q, entries, idx).masked_fill((idx < 0)[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    return torch.einsum("bthk,btkd->bthd", p, _gathered(entries, idx)), lse, s
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(H=3, D=48, N=11, K=5), dict(B=1, T=9, H=1, D=16, N=4, K=4)])
-def test_kernels_match_the_gathered_float64_forms(poisoned, shape):
-    q, entries, idx, w = _case(random.randrange(2**31), **shape)
+def _ops(q, entries, idx):
+    return (q, entries, idx, *sat.pick_index(idx, entries.shape[1]))
+
+
+SHAPES = [dict(), dict(H=3, D=16, N=11, K=5, T=7), dict(B=1, T=9, H=1, D=64, N=4, K=4)]
+
+
+def test_pick_index_lists_each_entrys_picks_in_flat_order():
+    _, entries, idx = _case(random.randrange(2**31), T=9, N=6, K=4)
+    B, T, K = idx.shape
     N = entries.shape[1]
-    got = sat.gather_scores(q.float(), entries.float(), idx)
+    order, starts = sat.pick_index(idx, N)
+    assert order.dtype == starts.dtype == torch.int32 and int(starts[-1]) == int((idx >= 0).sum())
+    flat = idx.flatten().tolist()
+    for b in range(B):
+        for n in range(N):
+            e = b * N + n
+            run = order[starts[e]: starts[e + 1]].tolist()
+            want = [i for i, v in enumerate(flat) if v == n and i // (T * K) == b]
+            assert run == want, (b, n)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_and_scores_match_the_gathered_float64_forms(shape):
+    q, entries, idx = _case(random.randrange(2**31), **shape)
+    o, lse, s = sat.picked_attention(*_ops(q.float(), entries.float(), idx))
+    want_o, want_lse, want_s = _reference_attention(q, entries, idx)
+    assert torch.allclose(o.double(), want_o, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and bool((lse[-1, -1] == float("-inf")).all())
+    assert torch.allclose(lse.double().nan_to_num(neginf=0.0), want_lse.nan_to_num(neginf=0.0), atol=1e-5)
+    assert torch.equal(torch.isinf(s), torch.isinf(want_s)) and bool((o[-1, -1] == 0).all())
+    assert torch.allclose(s.double().nan_to_num(neginf=0.0), want_s.nan_to_num(neginf=0.0), atol=1e-5)
+    got = sat.picked_scores(*_ops(q.float(), entries.float(), idx))
     assert torch.allclose(got.double(), _reference_scores(q, entries, idx), atol=1e-5, rtol=1e-5)
-    got = sat.gather_combine(w.float(), entries.float(), idx)
-    assert torch.allclose(got.double(), _reference_combine(w, entries, idx), atol=1e-5, rtol=1e-5)
-    # the scatter: each pick's sum_h w a added to the entry it came from (hand loop)
-    want = torch.zeros(entries.shape, dtype=torch.float64)
-    per_pick = torch.einsum("bthk,bthd->btkd", w, q)
-    for b, t, j in torch.nonzero(idx >= 0).tolist():
-        want[b, idx[b, t, j]] += per_pick[b, t, j]
-    got = sat.scatter_picks(q.float(), w.float(), idx, N)
-    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_ops_gradients_match_float64_autograd_of_the_gathered_form():
-    q, entries, idx, w = _case(random.randrange(2**31))
-    g_s = torch.randn(*idx.shape[:2], q.shape[2], idx.shape[2], dtype=torch.float64)
-    g_o = torch.randn(q.shape, dtype=torch.float64)
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_gradients_match_float64_autograd_of_the_gathered_forms(shape):
+    """The attention with both outputs in the loss (as the trainer merges o and lse with the window),
+    and the scores: dq and the entries' gradient summed through the CSR index."""
+    q, entries, idx = _case(random.randrange(2**31), **shape)
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D = q.shape
+    g_o, g_l = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64), torch.randn(B, T, H, generator=gen,
+                                                                                        dtype=torch.float64)
+    g_s = torch.randn(B, T, H, idx.shape[2], generator=gen, dtype=torch.float64)
 
-    def loss(scores_fn, combine_fn, q_, e_, w_):
-        return (scores_fn(q_, e_, idx) * g_s).sum() + (combine_fn(w_, e_, idx) * g_o).sum()
+    def attention_loss(o, lse, s):
+        return (o * g_o).sum() + (lse.nan_to_num(neginf=0.0) * g_l).sum()
 
-    leaves = [t.clone().requires_grad_(True) for t in (q, entries, w)]
-    want = torch.autograd.grad(loss(_reference_scores, _reference_combine, *leaves), leaves)
-    leaves32 = [t.float().requires_grad_(True) for t in (q, entries, w)]
-    got = torch.autograd.grad(loss(sat.picked_scores, sat.picked_combine, *leaves32), leaves32)
-    for name, a, b in zip(("q", "entries", "w"), want, got):
-        assert b.dtype == torch.float32
+    ref_leaves = [q.clone().requires_grad_(True), entries.clone().requires_grad_(True)]
+    got_leaves = [q.float().requires_grad_(True), entries.float().requires_grad_(True)]
+    want = torch.autograd.grad(attention_loss(*_reference_attention(*ref_leaves, idx)), ref_leaves)
+    got = torch.autograd.grad(attention_loss(*sat.picked_attention(*_ops(*got_leaves, idx))), got_leaves)
+    for name, a, b in zip(("q", "entries"), want, got):
+        assert b.dtype == torch.float32 and float(a.abs().max()) > 0
         assert torch.allclose(b.double(), a, atol=1e-5, rtol=1e-5), name
-    # bf16 inputs: the gradients come back in bf16, computed in float32
+    want = torch.autograd.grad((_reference_scores(*ref_leaves, idx) * g_s).sum(), ref_leaves)
+    got = torch.autograd.grad((sat.picked_scores(*_ops(*got_leaves, idx)) * g_s.float()).sum(), got_leaves)
+    for name, a, b in zip(("a", "entries"), want, got):
+        assert torch.allclose(b.double(), a, atol=1e-5, rtol=1e-5), name
+    # bf16 inputs: the gradients come back in bf16
     qb, eb = q.bfloat16().requires_grad_(True), entries.bfloat16().requires_grad_(True)
-    dq, de = torch.autograd.grad((sat.picked_scores(qb, eb, idx) * g_s.float()).sum(), (qb, eb))
+    dq, de = torch.autograd.grad(sat.picked_attention(*_ops(qb, eb, idx))[0].sum(), (qb, eb))
     assert dq.dtype == de.dtype == torch.bfloat16
 
 
 def test_shapes_are_checked():
-    q, entries, idx, w = _case(1)
+    q, entries, idx = _case(1)
     with pytest.raises(ValueError, match="shapes disagree"):
-        sat.gather_scores(q.float(), entries[:, :, :16].float(), idx)
+        sat.picked_scores(*_ops(q.float(), entries[:, :, :16].float(), idx))
+    with pytest.raises(ValueError, match="power of two"):
+        sat.picked_attention(*_ops(q[..., :24].float(), entries[..., :24].float(), idx))
     with pytest.raises(ValueError, match=r"a \[B, T, H, D\]"):
-        sat.gather_scores(q[0].float(), entries.float(), idx)
-    with pytest.raises(ValueError, match="disagree"):
-        sat.gather_combine(w[..., :2].float(), entries.float(), idx)
+        sat.picked_scores(q[0].float(), entries.float(), idx, *sat.pick_index(idx, entries.shape[1]))
 
 
 def test_trainer_attention_core_with_the_ops_matches_its_gathered_form():
-    """engine/train/batched.py's attention core: picks attended through the ops (entries [B, N, D] and
-    idx) against the gathered [B, T, k, D] form, forward and gradients (float32, tiny config)."""
+    """engine/train/batched.py's attention core: window and picks in one softmax, the picks attended
+    through the op (their log-sum-exp merged with the window's) against the gathered [B, T, k, D] form,
+    forward, attention mass on the picks and gradients (float32, tiny config)."""
     from engine.config import load_config
     from engine.train.batched import BatchedForward
     from pathlib import Path
@@ -107,15 +141,17 @@ def test_trainer_attention_core_with_the_ops_matches_its_gathered_form():
     entries = torch.randn(B, N, D, generator=gen)
     idx = torch.randint(0, N, (B, T, K), generator=gen)
     valid = torch.rand(B, T, K, generator=gen) > 0.2
+    valid[1, 3] = False                                 # a token with no pick
     sink = torch.randn(H, generator=gen)
     leaves = lambda: [t.clone().requires_grad_(True) for t in (q, kv, entries)]
     a = leaves()
     o1, p1 = fwd._attend(a[0], a[1], (_gathered(a[2], idx), False, valid), sink)
     b = leaves()
-    o2, p2 = fwd._attend(b[0], b[1], ((b[2], idx), False, valid), sink)
-    assert torch.allclose(o1, o2, atol=1e-5) and torch.allclose(p1, p2, atol=1e-6)
+    in_place = idx.masked_fill(~valid, -1).int()
+    o2, p2 = fwd._attend(b[0], b[1], ((b[2], in_place, *sat.pick_index(in_place, N)), False, valid), sink)
+    assert torch.allclose(o1, o2, atol=1e-5) and torch.allclose(p1.masked_fill(~valid[:, :, None], 0), p2, atol=1e-6)
     g = torch.randn(o1.shape, generator=gen)
-    for x, y in zip(torch.autograd.grad((o1 * g).sum() + p1.sum(), a), torch.autograd.grad((o2 * g).sum() + p2.sum(), b)):
+    for x, y in zip(torch.autograd.grad((o1 * g).sum(), a), torch.autograd.grad((o2 * g).sum(), b)):
         assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
 
 

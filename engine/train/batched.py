@@ -270,12 +270,22 @@ class BatchedForward:
         if key not in gathered:
             if self.bf16:  # the attention reads them in bf16 anyway: half the bytes to gather and keep
                 entries = entries.to(torch.bfloat16)
-            if self.fused_picks:  # (entries [B, N, D], idx [B, T, k]): the kernels read the picks in place
-                gathered[key] = (entries, pick["idx"])
+            if self.fused_picks:  # (entries [B, N, D], idx, order, starts): the kernels read the picks in place
+                gathered[key] = (entries, *self._picks_in_place(pick, entries.shape[1]))
             else:
                 B = entries.shape[0]
                 gathered[key] = entries[torch.arange(B, device=entries.device)[:, None, None], pick["idx"]]
         return gathered[key]
+
+    @staticmethod
+    def _picks_in_place(pick: dict, n_entries: int) -> tuple:
+        """(idx [B, T, k] int32 with -1 for invalid picks, order, starts): the picks as the in-place
+        kernels take them, with their per-entry index for the backward; made once per pick set."""
+        if "in_place" not in pick:
+            with torch.no_grad():
+                idx = pick["idx"].masked_fill(~pick["valid"], -1).to(torch.int32)
+                pick["in_place"] = (idx, *picked_ops().pick_index(idx, n_entries))
+        return pick["in_place"]
 
     def _compress(self, role: LayerRole, x: torch.Tensor, freqs: torch.Tensor, opts: StepOptions):
         """A Full layer's entries: (rotated FP4 KV [B, N, D], rotated FP4 index keys [B, N, Di])."""
@@ -372,16 +382,15 @@ class BatchedForward:
         mask = torch.cat([first[None], band[None].expand(nC - 1, -1, -1)])          # [nC, W, 2W]
         s_win = s_win.masked_fill(~mask[None, :, :, None, :], NEG_INF).flatten(1, 2)  # [B, T, H, 2W]
         parts = [s_win]
+        sink = sink.view(1, 1, H, 1).expand(B, T, H, 1)
+        if glob is not None and isinstance(glob[0], tuple):
+            return self._attend_in_place(q, kk, s_win, sink, glob[0])
         if glob is not None:
-            # every entry [B, N, D] (dense warm-up, through the mask), the picks [B, T, k, D], or the
-            # picks to read in place: (entries [B, N, D], idx [B, T, k])
+            # every entry [B, N, D] (dense warm-up, through the mask) or the picks [B, T, k, D]
             src, dense, valid = glob
-            if isinstance(src, tuple):
-                s_glob = picked_ops().picked_scores(q, *src)
-            else:
-                s_glob = torch.einsum("bthd,bnd->bthn" if dense else "bthd,btkd->bthk", q, src)
+            s_glob = torch.einsum("bthd,bnd->bthn" if dense else "bthd,btkd->bthk", q, src)
             parts.append(s_glob.masked_fill(~valid[:, :, None, :], NEG_INF))
-        parts.append(sink.view(1, 1, H, 1).expand(B, T, H, 1))
+        parts.append(sink)
         logits = torch.cat(parts, dim=-1)
         probs = torch.softmax(logits.float(), dim=-1)
         p_win = probs[..., : 2 * W].view(B, nC, W, H, 2 * W)
@@ -389,12 +398,23 @@ class BatchedForward:
         p_glob = None
         if glob is not None:
             p_glob = probs[..., 2 * W: -1]
-            if isinstance(src, tuple):
-                o = o + picked_ops().picked_combine(p_glob, *src)
-            else:
-                eq = "bthn,bnd->bthd" if dense else "bthk,btkd->bthd"
-                o = o + torch.einsum(eq, p_glob.to(src.dtype), src)
+            eq = "bthn,bnd->bthd" if dense else "bthk,btkd->bthd"
+            o = o + torch.einsum(eq, p_glob.to(src.dtype), src)
         return o, p_glob
+
+    def _attend_in_place(self, q, kk, s_win, sink, picks: tuple):
+        """`_attend` with the picks read in place (kernels/sparse_attn_train.py): the window and the sink
+        in one softmax here, the picks in another inside the kernel, merged through their log-sum-exps
+        into the one softmax of the gathered form. Returns (o, the picks' probabilities, detached)."""
+        B, T, H, D = q.shape
+        nC, W = kk.shape[1], kk.shape[2] // 2
+        o_glob, lse_glob, s_glob = picked_ops().picked_attention(q, *picks)
+        logits = torch.cat([s_win, sink], dim=-1).float()
+        lse = torch.logaddexp(torch.logsumexp(logits, dim=-1), lse_glob)                 # [B, T, H]
+        p_win = torch.exp(logits[..., : 2 * W] - lse[..., None]).view(B, nC, W, H, 2 * W)
+        o = torch.einsum("bnchk,bnkd->bnchd", p_win.to(kk.dtype), kk).reshape(B, T, H, D)
+        o = o + (torch.exp(lse_glob - lse)[..., None] * o_glob).to(o.dtype)
+        return o, torch.exp(s_glob - lse.detach()[..., None])
 
     def _indexer_losses(self, src: int, users: list[int], shared: dict, opts: StepOptions, out: StepOut):
         """KL(attention mass on the picks || softmax of the index scores) over rows that picked
@@ -408,7 +428,7 @@ class BatchedForward:
         if pick["idx"] is None:
             dots = torch.einsum("bthd,bnd->btnh", qi, keys)
         elif self.fused_picks:
-            dots = picked_ops().picked_scores(qi, keys, pick["idx"]).transpose(2, 3)   # [B, T, k, h]
+            dots = picked_ops().picked_scores(qi, keys, *self._picks_in_place(pick, keys.shape[1])).transpose(2, 3)
         else:
             B, T, k = pick["idx"].shape
             sel_keys = keys[torch.arange(B, device=keys.device)[:, None, None], pick["idx"]]  # [B, T, k, Di]
