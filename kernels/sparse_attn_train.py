@@ -36,7 +36,10 @@ import triton.language as tl
 
 from ._formats import dot_dtype
 
-TOKENS_PER_PROGRAM = 4
+# measured on the H200 at 28 x 4,096 (benches/results/picked-attn-h200.md): one token and 2 warps per
+# program is the fastest of 1/2/4/8 tokens x 2/4/8 warps, forward (0.65 ms) and backward (2.7 ms)
+TOKENS_PER_PROGRAM = 1
+NUM_WARPS = 2
 REDUCE_CHUNK = 32
 
 
@@ -166,7 +169,8 @@ def _reduce_kernel(g_ptr, order_ptr, starts_ptr, out_ptr, D: tl.constexpr, CH: t
 
 # -- launchers ----------------------------------------------------------------------------------------
 
-def run_forward(q, entries, idx, softmax: bool, tokens_per_program: int = TOKENS_PER_PROGRAM, num_warps: int = 4):
+def run_forward(q, entries, idx, softmax: bool, tokens_per_program: int = TOKENS_PER_PROGRAM,
+                num_warps: int = NUM_WARPS):
     """(o, lse, s) of the attention (softmax) or (s, s, s) of the scores; the kernel without autograd."""
     B, T, H, D, N, K = _dims(q.shape, entries, idx)
     s = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
@@ -180,7 +184,7 @@ def run_forward(q, entries, idx, softmax: bool, tokens_per_program: int = TOKENS
 
 
 def run_backward(q, entries, idx, order, starts, grad, lse=None, dlse=None, delta=None,
-                 tokens_per_program: int = TOKENS_PER_PROGRAM, num_warps: int = 4):
+                 tokens_per_program: int = TOKENS_PER_PROGRAM, num_warps: int = NUM_WARPS):
     """(dq in q's dtype, dE in the entries' dtype): the attention's (lse given) or the scores'."""
     B, T, H, D, N, K = _dims(q.shape, entries, idx)
     dq = torch.empty(B, T, H, D, device=q.device, dtype=torch.float32)
