@@ -363,9 +363,10 @@ def group_size(n: int, groups: int = 2048) -> int:
 
 
 # The rows path's defaults: the fastest of the top-512 sweep over 4K x 64K logits on the H200
-# (benches/kernels.py --only topk: 1,318 us against 1,549 for block 4096, 4096 groups, 16 warps, "count";
-# benches/results/kernels-h200-topk.md). The split path (decode rows) keeps its own.
-ROWS_PATH_DEFAULTS = {"block": 1024, "groups": 2048, "num_warps": 4, "select": "hist"}
+# (benches/kernels.py --only topk, benches/results/kernels-h200-topk.md: 1,148 us in the second sweep
+# against 1,309 for the first sweep's winner, block 1024 with 4 warps, and 1,550 for block 4096, 4096
+# groups, 16 warps, "count"). The split path (decode rows) keeps its own.
+ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist"}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
