@@ -11,7 +11,9 @@ activation checkpointing): per (shape, phase) the first step (compiles) is timed
 steps, then the median of `--steps` timed steps. The table gives tokens/s, peak memory, and the ratio
 against the baseline at the same shape and phase. The baseline may be this tree itself with another
 environment (`--baseline . --baseline-env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, or
-`--current-env V41_FUSED_PICKS=1` for the picked entries read in place). Goal: 100 k tokens/s in the sparse phase on an H200.
+`--baseline-env V41_FUSED_PICKS=0` for the picked entries gathered, the trainer's form before the in-place
+kernels became its CUDA default). Goal: 100 k tokens/s in the sparse phase on an H200 (met: 106.7 k vs 91.3 k
+gathered at 28 x 4,096, benches/results/train-step-h200.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _fused_picks():
+    """The V41_FUSED_PICKS setting as the tree's trainer reads it (older trees: "1" or not; a tree
+    whose default is in place on CUDA measures the gathered form with V41_FUSED_PICKS=0)."""
+    try:
+        from engine.train.__main__ import fused_picks_setting
+    except ImportError:
+        return os.environ.get("V41_FUSED_PICKS") == "1"
+    return fused_picks_setting(os.environ)
+
+
 def _args_namespace(a) -> argparse.Namespace:
     """The training CLI's arguments, as both the current and older trees read them."""
     return argparse.Namespace(
@@ -36,7 +48,7 @@ def _args_namespace(a) -> argparse.Namespace:
         gamma=0.005, bf16=True, compile=True, checkpoint=True, seed=0, cpu=False, tiny=False, budget_s=60.0,
         deadline_s=0.0, max_steps=0, dense_frac=0.1, quant_frac=0.2, dense_every=0, warmup=1, log_every=10 ** 9,
         profile_step=0, profile_out=a.profile_out, smoke=False, init="",
-        fused_picks=os.environ.get("V41_FUSED_PICKS") == "1")
+        fused_picks=_fused_picks())
 
 
 def worker(a) -> None:

@@ -26,6 +26,8 @@ def test_tree_env_sets_the_tree_and_the_pairs():
 def test_the_worker_reads_the_fused_picks_setting(monkeypatch):
     a = argparse.Namespace(tree=str(ROOT), train="x.npy", seq_balance=0.0, profile_out="")
     monkeypatch.delenv("V41_FUSED_PICKS", raising=False)
-    assert train_step._args_namespace(a).fused_picks is False
+    assert train_step._args_namespace(a).fused_picks is None       # the trainer's default: in place on CUDA
     monkeypatch.setenv("V41_FUSED_PICKS", "1")
     assert train_step._args_namespace(a).fused_picks is True
+    monkeypatch.setenv("V41_FUSED_PICKS", "0")
+    assert train_step._args_namespace(a).fused_picks is False

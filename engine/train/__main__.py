@@ -30,6 +30,14 @@ DEFAULT_CONFIG = REPO / "assets" / "configs" / "small.json"
 TOKENIZER = REPO / "assets" / "tokenizer" / "tokenizer.json"
 
 
+
+def fused_picks_setting(env) -> bool | None:
+    """V41_FUSED_PICKS: "1" in place, "0" gathered, unset None (in place on CUDA: 1.17x the gathered
+    step at 28 x 4,096 on the H200, benches/results/train-step-h200.md; gathered on the CPU, where the
+    Triton kernels would need the interpreter)."""
+    value = env.get("V41_FUSED_PICKS")
+    return None if value is None else value == "1"
+
 def load_stream(paths: str, device) -> torch.Tensor:
     """Concatenated uint16 token files as one int32 tensor on `device`."""
     arrays = [np.load(p, mmap_mode="r") for p in paths.split(",") if p]
@@ -130,9 +138,9 @@ def main(argv=None) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 matrix products (autocast)")
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise-heavy parts (CUDA)")
     p.add_argument("--checkpoint", action="store_true", help="recompute attention, MoE and mHC in the backward")
-    p.add_argument("--fused-picks", action="store_true", default=os.environ.get("V41_FUSED_PICKS") == "1",
+    p.add_argument("--fused-picks", action="store_true", default=fused_picks_setting(os.environ),
                    help="attend the picked entries in place (kernels/sparse_attn_train.py), not gathered; "
-                        "default from V41_FUSED_PICKS=1")
+                        "default: V41_FUSED_PICKS=1 on, =0 off, unset: on where the device is CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--tiny", action="store_true")

@@ -97,7 +97,8 @@ class Run:
         self.cfg, self.trainee, self.args, self.device = cfg, trainee, args, device
         layout = EngramLayout.from_config(cfg) if cfg.engram_layer_ids else None
         speed = {"bf16": args.bf16, "compile_parts": args.compile and device.type == "cuda",
-                 "checkpoint": args.checkpoint, "fused_picks": args.fused_picks}
+                 "checkpoint": args.checkpoint,
+                 "fused_picks": device.type == "cuda" if args.fused_picks is None else args.fused_picks}
         self.fwd = BatchedForward(cfg, trainee.get, layout, lookup.to(device), **speed)
         self.dense_fwd = BatchedForward(cfg.replace(index_topk=1 << 20, candidate_topk_blocks=1 << 20),
                                         trainee.get, layout, lookup.to(device), **speed,
