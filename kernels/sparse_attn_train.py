@@ -95,16 +95,24 @@ def _token_heads(x_ptr, tok, hm, H: tl.constexpr, D: tl.constexpr, HP: tl.conste
 
 
 @triton.jit
+def _program_token(idx_ptr, e_ptr, i, n_tok, T, N, K, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr,
+                   KP: tl.constexpr, TPP: tl.constexpr, DT: tl.constexpr):
+    """This program's i-th token: (its flat index, mask of real heads, slots j, mask of real picks,
+    the picked entries [KP, D])."""
+    tok = tl.program_id(0).to(tl.int64) * TPP + i
+    live = tok < n_tok
+    j, ok, e = _token_picks(idx_ptr, e_ptr, tok, live, T, N, K, D, KP, DT)
+    return tok, (tl.arange(0, HP) < H) & live, j, ok, e
+
+
+@triton.jit
 def _attn_fwd_kernel(q_ptr, e_ptr, idx_ptr, o_ptr, lse_ptr, s_ptr, n_tok, T, N, K, H: tl.constexpr,
                      D: tl.constexpr, HP: tl.constexpr, KP: tl.constexpr, TPP: tl.constexpr,
                      SOFTMAX: tl.constexpr, DT: tl.constexpr):
     h = tl.arange(0, HP)
     d = tl.arange(0, D)
     for i in range(TPP):
-        tok = tl.program_id(0).to(tl.int64) * TPP + i
-        live = tok < n_tok
-        hm = (h < H) & live
-        j, ok, e = _token_picks(idx_ptr, e_ptr, tok, live, T, N, K, D, KP, DT)
+        tok, hm, j, ok, e = _program_token(idx_ptr, e_ptr, i, n_tok, T, N, K, H, D, HP, KP, TPP, DT)
         s = tl.dot(_token_heads(q_ptr, tok, hm, H, D, HP, DT), tl.trans(e))          # [HP, KP] float32
         out = hm[:, None] & (j < K)[None, :]
         if SOFTMAX:
@@ -130,10 +138,7 @@ def _bwd_kernel(q_ptr, e_ptr, idx_ptr, lse_ptr, do_ptr, dlse_ptr, delta_ptr, dq_
     h = tl.arange(0, HP)
     d = tl.arange(0, D)
     for i in range(TPP):
-        tok = tl.program_id(0).to(tl.int64) * TPP + i
-        live = tok < n_tok
-        hm = (h < H) & live
-        j, ok, e = _token_picks(idx_ptr, e_ptr, tok, live, T, N, K, D, KP, DT)
+        tok, hm, j, ok, e = _program_token(idx_ptr, e_ptr, i, n_tok, T, N, K, H, D, HP, KP, TPP, DT)
         q = _token_heads(q_ptr, tok, hm, H, D, HP, DT)
         if SOFTMAX:
             lse = tl.load(lse_ptr + tok * H + h, mask=hm, other=float("-inf"))

@@ -159,6 +159,22 @@ def check_same_bits(a, b) -> None:
         assert (lr.topk is None) == (b.layers[L].topk is None) and (lr.topk is None or torch.equal(lr.topk, b.layers[L].topk)), L
 
 
+def check_same_experts_but_near_ties(kern: dict, cpu: dict, bias: torch.Tensor, most: int = 1) -> None:
+    """One layer's routing on two routes: the same experts for every token but at most `most` near ties,
+    tokens where the CPU route's last chosen and first left-out expert (on score + bias) are closer than
+    twice the two routes' largest score difference on that token: a last-bit difference in an earlier
+    GEMM flips such a tie (run 9's layer 0, token 6: experts 6 and 7 apart by 1e-3, the routes' scores
+    by 1.6e-3)."""
+    chosen_k, chosen_c = kern["experts"].sort(-1).values, cpu["experts"].sort(-1).values
+    differ = (chosen_k != chosen_c).any(-1).nonzero().flatten().tolist()
+    assert len(differ) <= most, differ
+    for t in differ:
+        ranked = (cpu["scores"][t].float() + bias).sort(descending=True).values
+        k = chosen_c.shape[-1]
+        noise = (kern["scores"][t].float() - cpu["scores"][t].float()).abs().max()
+        assert ranked[k - 1] - ranked[k] <= 2 * noise, (t, float(ranked[k - 1] - ranked[k]), float(noise))
+
+
 def check_within_bf16_noise(got: dict) -> None:
     """tests/test_kernel_path.py test_all_kernels_in_the_forward_stay_within_bf16_noise's bounds."""
     kern, cpu, noise = got["stored"], got["cpu"], rel(got["bf16"].logits, got["cpu"].logits)
@@ -197,8 +213,8 @@ def test_kernel_route_against_the_cpu_route(shipped):
     ref = shipped["reference"]
     kern, cpu = ref["stored"], ref["cpu"]
     assert torch.isfinite(kern.logits).all()
-    assert torch.equal(kern.layers[0].routing["experts"].sort(-1).values,
-                       cpu.layers[0].routing["experts"].sort(-1).values)
+    check_same_experts_but_near_ties(kern.layers[0].routing, cpu.layers[0].routing,
+                                     ref["engine"].model.weights.get("layers.0.ffn.gate.bias").float())
     assert torch.equal(kern.layers[2].topk, cpu.layers[2].topk)
     check_within_bf16_noise(shipped["fp32"])
 
