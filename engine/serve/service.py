@@ -83,6 +83,7 @@ class Ticket:
     error: Exception | None = None
     done: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False      # the client stopped waiting (run timeout): drop the result
+    timed_out: bool = False      # not finished within the run timeout of its submission
 
     def queue_info(self) -> dict:
         started = self.started if self.started is not None else time.monotonic()
@@ -386,7 +387,12 @@ class EngineService:
         abandoned if running (its result is dropped)."""
         run_args(body, self.max_generate)
         ticket = self.queue.submit(client, body)
-        if not ticket.done.wait(self.run_timeout if timeout is None else timeout):
+        limit = self.run_timeout if timeout is None else timeout
+        ticket.done.wait(limit)
+        # judged by the run's own finish time, not by this thread's wake-up, which other threads holding
+        # the GIL (a run, a large reply being written) can delay past the deadline
+        if not ticket.done.is_set() or (ticket.finished is not None and ticket.finished - ticket.submitted > limit):
+            ticket.timed_out = True
             self.queue.cancel(ticket)
         return ticket
 
@@ -542,7 +548,7 @@ class _Handler(BaseHTTPRequestHandler):
         except QueueFull as err:
             self._error(429, "QueueFull", str(err))
             return
-        if not ticket.done.is_set():
+        if ticket.timed_out:
             self._error(504, "RunTimeout", f"the run did not finish within {self.service.run_timeout:g} s "
                         "(--run-timeout); ask for fewer tokens or a shorter prompt")
         elif isinstance(ticket.error, EngineError):
