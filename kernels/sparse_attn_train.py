@@ -4,9 +4,10 @@ and two differentiable ops built from them.
 The trainer's global branch attends, for each token t, the k entries its index source picked. Done
 with PyTorch ops it first gathers them into a [B, T, k, D] tensor (16 KB per token in bf16: written,
 read by the forward, the recompute and the backward, its gradient summed over the layers that share
-it, permuted and scattered back: ~0.33 s of a 1.25 s step on the H200). Here a program takes a few
-tokens and, for each, loads its picked rows of the sequence's entries [N, D] (a few hundred KB per
-sequence: they stay in L2) and multiplies them on the tensor cores (heads padded to 16 rows):
+it, permuted and scattered back: ~0.33 s of a 1.25 s step on the H200). Here a program takes one token
+(TOKENS_PER_PROGRAM: one measured fastest), loads its picked rows of the sequence's entries [N, D] (a
+few hundred KB per sequence: they stay in L2) and multiplies them on the tensor cores (heads padded to
+16 rows):
 
   picked_attention(q, E, idx, order, starts) -> (o, lse, s)
       s[t, h, j] = q[t, h] . E[idx[t, j]]                    (-inf where idx is -1)
@@ -43,8 +44,9 @@ NUM_WARPS = 2
 REDUCE_CHUNK = 32
 
 
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, 1 << max(0, (n - 1).bit_length()))
+def _pow2(n: int) -> int:
+    """A tile side for n rows: the next power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def _dims(heads: tuple, entries: torch.Tensor, idx: torch.Tensor):

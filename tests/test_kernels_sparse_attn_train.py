@@ -187,3 +187,28 @@ def test_whole_training_forward_and_backward_with_the_ops():
         assert float(a.abs().max()) > 0, name
         cos = float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
         assert cos > 0.995 and abs(float(b.norm() / a.norm()) - 1) < 2e-2, (name, cos)
+
+
+def test_the_bench_smoke_runs_on_the_cpu(tmp_path):
+    """benches/picked_attn.py end to end under the interpreter (tiny shapes, untimed): every row, and its
+    parity column, where the kernels' float32 products (the interpreter's dot) match the float32
+    gathered form and the bf16 gathered form does not."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "benches/picked_attn.py", "--device", "cpu", "--batch", "2", "--seq", "64",
+                           "--picks", "8", "--out", str(tmp_path)], cwd=repo, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "picked-attn.json").read_text())
+    assert [(r["m"], r["op"]) for r in report["rows"]] == [(m, op) for m in (2, 1)
+                                                           for op in ("attention", "KL scores", "pick_index")]
+    for p in report["parity"]:
+        if p["form"] == "in place bf16":
+            assert p["o"] < 1e-5, p
+        else:
+            assert p["o"] > 1e-4, p
+    assert "| 2 | 32 | attention |" in (tmp_path / "picked-attn.md").read_text()

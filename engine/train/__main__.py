@@ -30,13 +30,13 @@ DEFAULT_CONFIG = REPO / "assets" / "configs" / "small.json"
 TOKENIZER = REPO / "assets" / "tokenizer" / "tokenizer.json"
 
 
-
 def fused_picks_setting(env) -> bool | None:
     """V41_FUSED_PICKS: "1" in place, "0" gathered, unset None (in place on CUDA: 1.17x the gathered
     step at 28 x 4,096 on the H200, benches/results/train-step-h200.md; gathered on the CPU, where the
     Triton kernels would need the interpreter)."""
     value = env.get("V41_FUSED_PICKS")
     return None if value is None else value == "1"
+
 
 def load_stream(paths: str, device) -> torch.Tensor:
     """Concatenated uint16 token files as one int32 tensor on `device`."""
