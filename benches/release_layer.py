@@ -44,7 +44,7 @@ RELEASE_CONFIG = ROOT / "assets" / "configs" / "v41-flash.json"  # the release i
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
-GOAL_RATIO = 3.0
+from benches.release_graph import GOAL_RATIO, graph_decode, graph_row, graph_table, listed_host_syncs  # noqa: E402
 
 
 # -- which layers ---------------------------------------------------------------------------------
@@ -342,11 +342,13 @@ def _profiled(reports: dict | None, phase: str, device):
 
 
 def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, detail: bool,
-             profiles: dict | None = None) -> dict:
+             profiles: dict | None = None, graph: dict | None = None, syncs: list | None = None) -> dict:
     """One pass: reset the caches, prefill `layers` in order, then one decode chunk; the last layer is
-    timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode"}.
-    profiles: a dict to receive the last layer's profile per phase (a pass of its own: the profiler
-    slows what it watches)."""
+    timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode",
+    "decode_out"}. profiles: a dict to receive the last layer's profile per phase (a pass of its own: the
+    profiler slows what it watches). graph: a dict to receive the last layer's decode step captured as a
+    CUDA graph (`graph_decode`) instead of run eagerly. syncs: a list to receive the host syncs of the last
+    layer's decode step (CUDA's sync debug mode: file, line, message)."""
     from engine.model.attention import Shared
     target = layers[-1]
     model.reset()
@@ -370,9 +372,16 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
             if L == target:
                 _peak_reset(device)
             started = time.perf_counter()
-            with _profiled(profiles if L == target else None, phase, device):
-                block.forward(x, pre, positions, shared, (chunk_ids, dead, history), None, probe)
+            step = (chunk_ids, dead, history)
+            if L == target and phase == "decode" and graph is not None:
+                graph.update(graph_decode(block, x, pre, positions, shared, step, device))
+                continue
+            with _profiled(profiles if L == target else None, phase, device), \
+                    listed_host_syncs(syncs if L == target and phase == "decode" else None, device):
+                y, _ = block.forward(x, pre, positions, shared, step, None, probe)
                 _sync(device)
+            if L == target and phase == "decode":
+                out["decode_out"] = y
             if L == target:
                 out[f"{phase}_s"] = time.perf_counter() - started
                 out[f"peak_{phase}"] = _peak(device)
@@ -388,10 +397,11 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
     role = role_plan(cfg)[layer]
     layers = chain(cfg, layer)
     gen_s = sum(gen.add_layer(L) for L in layers)
-    passes, times, first_pass = [], [], None
+    passes, times, first_pass, syncs = [], [], None, []
     for attempt in range(args.passes):
         started = time.perf_counter()
-        got = run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail)
+        got = run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
+                       syncs=syncs if attempt == 0 else None)
         took = time.perf_counter() - started
         times.append(took)
         passes.append(got)
@@ -404,6 +414,9 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
     profiles: dict = {}
     if args.profile and warm and time.perf_counter() + times[-1] * 3 < deadline:
         run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, profiles)
+    graph: dict = {}
+    if args.graph and warm and time.perf_counter() + times[-1] * 2 < deadline:
+        run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, graph=graph)
     rows = []
     for phase in ("prefill", "decode"):
         if phase == "prefill":
@@ -423,6 +436,9 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
                      "generate_s": gen_s, "pass_s": [round(x, 3) for x in times], "status": "ok"})
         if phase in profiles:
             rows[-1]["profile"] = profiles[phase]
+        if phase == "decode":
+            rows[-1]["host_syncs"] = syncs
+            rows[-1].update(graph_row(graph, got.get("decode_out"), floor_s))
     return rows
 
 
@@ -450,6 +466,7 @@ def table(report: dict) -> str:
         lines.append(f"| {row['title']} | {row['layer']} | {row['phase']} {row['queries']} | {row['time_s'] * 1e3:.2f} | "
                      f"{row['flops'] / 1e9:.4g} | {row['bytes'] / 1e6:.4g} | {row['floor_s'] * 1e3:.4g} | {row['limit']} | "
                      f"{row['ratio']:.1f} | {'met' if row['goal_met'] else 'missed'} | {peak} | {row['touched_experts']} | {note} |")
+    lines += graph_table(report["rows"])
     lines += ["", f"Total wall time {report['wall_s']:.1f} s (budget {report['budget_s']:g} s)."]
     return "\n".join(lines) + "\n"
 
@@ -493,6 +510,8 @@ def parse(argv):
     p.add_argument("--passes", type=int, default=2, help="passes per role; the last is reported (the first compiles)")
     p.add_argument("--detail", action="store_true", help="also the detail probes (runner-ups, recall)")
     p.add_argument("--device", default=None)
+    p.add_argument("--graph", action="store_true",
+                   help="one more pass per role with the decode step captured as a CUDA graph and replayed")
     p.add_argument("--profile", action="store_true",
                    help="one more pass per role under torch.profiler: release-layer-profile.txt")
     p.add_argument("--out", default=os.environ.get("OUT", "."))

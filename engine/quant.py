@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .capture import capturing
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -203,7 +205,9 @@ def fp8_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     the byte round trip: bit-identical to dequantize_fp8(*quantize_fp8(x)) (tested), ~3x faster."""
     groups = x.float().unflatten(-1, (-1, block))
     amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
-    if not bool((amax < 2.0**100).all()):  # inf / NaN / beyond round_mantissa's range
+    # inf / NaN / beyond round_mantissa's range take the byte round trip; a graph being captured
+    # cannot ask (a host read), so there non-finite input gives the fast form's values
+    if not capturing() and not bool((amax < 2.0**100).all()):
         q, s = quantize_fp8(x, block)
         return dequantize_fp8(q, s, block)
     # E4M3 keeps 3 mantissa bits; below 2^-6 times the scale its steps stay 2^-9 (subnormals)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import quant
+from ..capture import capturing
 from ..config import ModelConfig
 from ..roles import FULL, REINDEX, LayerRole
 from .rope import layer_freqs, rotate
@@ -149,6 +150,10 @@ def topk_in_position_order(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     settled = (kth[:, 0] > NEG_INF) & ((scores == kth).sum(-1) == (values == kth).sum(-1))
     idx, order = indices.sort(dim=-1)
     picked = values.gather(-1, order)
+    if capturing():  # no host branch: every row through the tie-aware path, the settled keep theirs
+        tie_idx, tie_picked = _topk_with_ties(scores, kth, k)
+        keep = settled[:, None]
+        return torch.where(keep, idx, tie_idx), torch.where(keep, picked, tie_picked)
     if not bool(settled.all()):
         rows = (~settled).nonzero().squeeze(1)
         idx[rows], picked[rows] = _topk_with_ties(scores[rows], kth[rows], k)
@@ -333,10 +338,15 @@ class Indexer:
         else:
             block_idx, block_picked = picks
             if top_up:  # a kernel's top-k takes pool entries only: rows with fewer than k visible in the pool
-                short = ((block_idx >= 0).sum(-1) < visible.clamp(max=k)).nonzero().squeeze(1)
-                if short.numel():
+                short = (block_idx >= 0).sum(-1) < visible.clamp(max=k)
+                if capturing():  # no host branch: every row re-taken, the others keep the kernel's
+                    full_idx, full_picked = topk_in_position_order(ranking, k)
+                    block_idx = torch.where(short[:, None], full_idx, block_idx)
+                    block_picked = torch.where(short[:, None], full_picked, block_picked)
+                elif bool(short.any()):
+                    rows = short.nonzero().squeeze(1)
                     block_idx, block_picked = block_idx.clone(), block_picked.clone()
-                    block_idx[short], block_picked[short] = topk_in_position_order(ranking[short], k)
+                    block_idx[rows], block_picked[rows] = topk_in_position_order(ranking[rows], k)
         block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
         # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
         chosen = self.ops.break_ties(scores.detach(), ranking, visible, n, k, block_idx, block_picked, block_tied)

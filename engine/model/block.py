@@ -32,8 +32,9 @@ class Block:
     def forward(self, x: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, shared: Shared, tokens,
                 image_mask: torch.Tensor | None, probe: dict | None, after_attention=None):
         """-> (the stream after the block, the FFN's pre for the next collapse). tokens: (ids, dead,
-        history) for the Engram; after_attention(): called once the attention (the only part that
-        reads or writes caches) is done (engine/run/pipeline.py)."""
+        history[, the Engram's rows looked up already: Engram.lookup]) for the Engram; after_attention():
+        called once the attention (the only part that reads or writes caches) is done
+        (engine/run/pipeline.py)."""
         if self.engram is not None:
             x = self.engram.forward(x, *tokens)
         attn_in, a_pre, a_post, a_comb = self.hc.before_attention(x, pre)

@@ -322,15 +322,21 @@ class Engram:
         self.index = cfg.engram_layer_ids.index(layer)
         self.prefix = f"layers.{layer}.engram."
 
+    def lookup(self, ids: torch.Tensor, dead: torch.Tensor, history: tuple[torch.Tensor, torch.Tensor],
+               device: torch.device) -> torch.Tensor:
+        """The chunk's n-gram rows [T, n_rows, head_dim] on `device`: hashing is integer work on the
+        CPU, only the gathered rows go to the device (a host step: done before a CUDA graph replays)."""
+        rows = ngram_rows(self.layout, self.index, self.compressed(ids.cpu()), dead.cpu(), mark_dead(*history))
+        return self.weights.rows(self.prefix + "embed.weight", rows).to(device)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor,
-                history: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                history: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hc, dim] -> the stream after Engram; ids/dead [T] this chunk's tokens, history the
-        compressed ids and dead flags of the tokens before it."""
-        history = mark_dead(*history)
-        # hashing is integer work on the CPU; only the gathered rows go to the model's device
-        rows = ngram_rows(self.layout, self.index, self.compressed(ids.cpu()), dead.cpu(), history)
+        compressed ids and dead flags of the tokens before it; table: `lookup`'s rows, when looked up
+        already."""
         p, get = self.prefix, self.weights.get
-        table = self.weights.rows(p + "embed.weight", rows).to(x.device)  # [T, n_rows, head_dim]
+        if table is None:
+            table = self.lookup(ids, dead, history, x.device)
         if self.act_quant:
             table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
         ops = self.ops

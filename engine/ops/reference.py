@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..capture import capturing
 from .fp32 import NEG_INF, QUANTIZED, Fp32Ops, gather_entries, rms_norm
 
 ATTN_BLOCK = 64  # entries per step of the reference's sparse attention (its online softmax)
@@ -175,18 +176,28 @@ class ReferenceOps(Fp32Ops):
         scores over the row's full width (every entry of the source, -inf where not visible or, in a
         Reindex layer, outside the pool), sorted, entries not yet visible -1. Deterministic for a
         given row, so equal scores give the reference's picks (a prefill in one chunk)."""
+        if capturing():  # no host branch: every row re-picked, the untied keep theirs
+            top, got = self._full_width_topk(scores, ranking, visible, n, k)
+            has = tied.any(-1, keepdim=True)
+            return torch.where(has, top, idx), torch.where(has, got, picked)
         rows = tied.any(-1).nonzero().squeeze(1)
         if rows.numel() == 0:
             return idx, picked
-        full = torch.full((rows.numel(), n), NEG_INF, dtype=torch.bfloat16, device=scores.device)
-        width = min(n, scores.shape[1])
-        full[:, :width] = scores[rows, :width].to(torch.bfloat16)
-        top = full.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-        top = torch.where(top < visible[rows, None], top, -1)
+        top, got = self._full_width_topk(scores[rows], ranking[rows], visible[rows], n, k)
         idx, picked = idx.clone(), picked.clone()
-        idx[rows] = top
-        picked[rows] = ranking[rows].gather(-1, top.clamp_min(0).clamp_max(ranking.shape[1] - 1)).masked_fill(top < 0, NEG_INF)
+        idx[rows], picked[rows] = top, got
         return idx, picked
+
+    @staticmethod
+    def _full_width_topk(scores, ranking, visible, n: int, k: int):
+        """break_ties' picks for the rows given: (idx [R, k] sorted, -1 past visible; their ranking scores)."""
+        full = torch.full((scores.shape[0], n), NEG_INF, dtype=torch.bfloat16, device=scores.device)
+        width = min(n, scores.shape[1])
+        full[:, :width] = scores[:, :width].to(torch.bfloat16)
+        top = full.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        top = torch.where(top < visible[:, None], top, -1)
+        got = ranking.gather(-1, top.clamp_min(0).clamp_max(ranking.shape[1] - 1)).masked_fill(top < 0, NEG_INF)
+        return top, got
 
     def select_blocks(self, scores, visible, n_blocks: int, block: int, n: int) -> torch.Tensor:
         """The pool as the reference picks it: torch's topk over the bf16 block maxima of the row's

@@ -1,0 +1,115 @@
+"""benches/release_layer.py's decode step as a CUDA graph: capture, replay, the host syncs found on the way."""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+GOAL_RATIO = 3.0
+
+
+@contextmanager
+def listed_host_syncs(found: list | None, device):
+    """Record the host syncs of the enclosed CUDA work into `found` (torch's sync debug mode warns at
+    each; the warning names the Python line that asked); no-op for None or off the GPU."""
+    if found is None or device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found += sorted({f"{Path(w.filename).name}:{w.lineno} {str(w.message)[:80]}" for w in caught})
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def graph_decode(block, x, pre, positions, shared, step, device, replays: int = 20) -> dict:
+    """The layer's decode step captured once as a CUDA graph and replayed: what a serving loop pays per
+    step when the host is out of the way. The Engram's rows are looked up first (host hashing: a step
+    outside the graph, timed apart). Every live CUDA tensor is held while the graph lives (a graph
+    reads its inputs by address). -> {"graph_s": median replay, "lookup_s", "graph_out", "graph_peak"}
+    or {"graph_error": why}."""
+    out = {"lookup_s": 0.0}
+    if device.type != "cuda":
+        return {"graph_error": "CUDA graphs need a GPU"}
+    if block.engram is not None:
+        started = time.perf_counter()
+        step = (*step, block.engram.lookup(*step, device))
+        _sync(device)
+        out["lookup_s"] = time.perf_counter() - started
+    held = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_cuda]
+    try:
+        g = torch.cuda.CUDAGraph()
+        _sync(device)
+        with torch.cuda.graph(g):
+            y, _ = block.forward(x, pre, positions, shared, step, None, None)
+        g.replay()
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out.update(graph_s=sorted(times)[len(times) // 2], graph_out=y.clone(),
+                   graph_peak=torch.cuda.max_memory_allocated(device))
+    except Exception as err:  # noqa: BLE001 -- reported in the row, the eager figures still stand
+        out["graph_error"] = f"{type(err).__name__}: {err}".replace("\n", " ")[:400]
+    finally:
+        del held
+    return out
+
+
+def graph_row(graph: dict, eager_out, floor_s: float) -> dict:
+    """The decode row's CUDA-graph figures: replay time (+ the Engram's host lookup), its ratio to the
+    floor, and the largest difference from the eager step's output (relative to its largest value)."""
+    if not graph:
+        return {}
+    if "graph_error" in graph:
+        return {"graph_error": graph["graph_error"]}
+    step_s = graph["graph_s"] + graph["lookup_s"]
+    diff = None
+    if eager_out is not None:
+        diff = float((graph["graph_out"].float() - eager_out.float()).abs().max() / eager_out.float().abs().max())
+    return {"graph_s": graph["graph_s"], "lookup_s": graph["lookup_s"], "graph_ratio": step_s / floor_s,
+            "graph_goal_met": step_s / floor_s <= GOAL_RATIO, "graph_rel_diff": diff,
+            "graph_peak": graph["graph_peak"]}
+
+
+def graph_table(rows: list[dict]) -> list[str]:
+    """The report's lines for the decode rows' graph figures (none when no row has any)."""
+    graphed = [r for r in rows if r.get("status") == "ok" and r["phase"] == "decode"
+               and ("graph_s" in r or "graph_error" in r or r.get("host_syncs"))]
+    if not graphed:
+        return []
+    lines = ["", "Decode step as one CUDA graph (captured after the warm pass, median of 20 replays; "
+              "the Engram's host lookup timed apart and added; host syncs: CUDA's sync debug mode on "
+              "the first pass):", "",
+              "| role | layer | eager (ms) | graph (ms) | Engram lookup (ms) | x floor | goal | vs eager output | host syncs |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in graphed:
+        syncs = "; ".join(r.get("host_syncs") or []) or "none"
+        if "graph_s" not in r:
+            lines.append(f"| {r['title']} | {r['layer']} | {r['time_s'] * 1e3:.2f} | "
+                         f"{r.get('graph_error', 'not run')[:160]} | - | - | - | - | {syncs} |")
+            continue
+        diff = "-" if r["graph_rel_diff"] is None else f"{r['graph_rel_diff']:.1e}"
+        lines.append(f"| {r['title']} | {r['layer']} | {r['time_s'] * 1e3:.2f} | {r['graph_s'] * 1e3:.3f} | "
+                     f"{r['lookup_s'] * 1e3:.2f} | {r['graph_ratio']:.1f} | "
+                     f"{'met' if r['graph_goal_met'] else 'missed'} | {diff} | {syncs} |")
+    return lines
