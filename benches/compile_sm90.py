@@ -170,6 +170,8 @@ def cases():
             ("sparse attention decode b64", attention(64)), ("sparse attention prefill 4K", attention(4096)),
             ("MoE decode 1 token", experts(1)),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+            ("MoE prefill, prefetch", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3,
+                                              prefetch=True)),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
             ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),
             ("Sinkhorn backward (training)", lambda: sinkhorn.sinkhorn_backward(torch.randn(4096, 4, 4),

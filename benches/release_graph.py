@@ -27,7 +27,8 @@ def listed_host_syncs(found: list | None, device):
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    found += sorted({f"{Path(w.filename).name}:{w.lineno} {str(w.message)[:80]}" for w in caught})
+    found += sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                     if "synchronizing CUDA operation" in str(w.message)})
 
 
 def _sync(device) -> None:
@@ -98,8 +99,9 @@ def graph_table(rows: list[dict]) -> list[str]:
     if not graphed:
         return []
     lines = ["", "Decode step as one CUDA graph (captured after the warm pass, median of 20 replays; "
-              "the Engram's host lookup timed apart and added; host syncs: CUDA's sync debug mode on "
-              "the first pass):", "",
+              "the Engram's host lookup timed apart and added; host syncs: where the eager step waits on "
+              "the GPU, by CUDA's sync debug mode on the first pass; under capture each is a branch-free "
+              "form or, for the Engram, the lookup outside the graph):", "",
               "| role | layer | eager (ms) | graph (ms) | Engram lookup (ms) | x floor | goal | vs eager output | host syncs |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in graphed:

@@ -136,14 +136,20 @@ def _scale_words(s_ptr, row_off, kw, mask):
 
 
 @triton.jit
-def _fp4_tile(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    """[BR, BK] tile of an FP4 weight [N, KDIM] (int32 words, 8 nibbles each) decoded to DT, K in NIB
-    order within each 8-group (see the module docstring)."""
+def _fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr):
+    """The raw words [BR, BK/8] of a [BR, BK] tile of an FP4 weight [N, KDIM] and their scales (times
+    2^14, per word): apart from the decode so a K loop can issue the next tile's loads early."""
     KW: tl.constexpr = KDIM // 8
     kw = k0 // 8 + tl.arange(0, BK // 8)
     r64 = rows.to(tl.int64)
     wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=rmask[:, None], other=0)
-    sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+    return wd, _scale_words(s_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+
+
+@triton.jit
+def _fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr):
+    """Words and scales from `_fp4_words` -> the [BR, BK] tile in DT, K in NIB order within each
+    8-group (see the module docstring)."""
     a0, b0 = _nibble_pair(wd, 0)
     a1, b1 = _nibble_pair(wd, 1)
     a2, b2 = _nibble_pair(wd, 2)
@@ -154,7 +160,7 @@ def _fp4_tile(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexp
     p3 = tl.join((a3 * sc).to(DT), (b3 * sc).to(DT))
     # [BR, BK/8, half, A & 1, A >> 1] -> position half * 4 + (A & 1) * 2 + (A >> 1), nibble A + 4 * half
     t = tl.join(tl.join(p0, p1), tl.join(p2, p3))
-    return tl.reshape(t, (rows.shape[0], BK))
+    return tl.reshape(t, (wd.shape[0], BK))
 
 
 @triton.jit
@@ -352,7 +358,7 @@ def _block_ids(NBM, NBN: tl.constexpr, GROUP_M: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
                         limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                        GROUP_M: tl.constexpr):
+                        GROUP_M: tl.constexpr, PF: tl.constexpr):
     mb, nb = _block_ids(NBM, (INTER + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -370,14 +376,22 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     acc1 = tl.zeros([BN, BM], tl.float32)
     acc3 = tl.zeros([BN, BM], tl.float32)
     kk = tl.arange(0, BK)
+    w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK)
+    w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK)
     for k0 in range(0, DIM, BK):
         # x is in NIB order (permuted on the host), like the decoded tiles
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
-        a = _fp4_tile(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, DT)
-        acc1 = tl.dot(a, tl.trans(xt), acc1)
-        b = _fp4_tile(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, DT)
-        acc3 = tl.dot(b, tl.trans(xt), acc3)
+        if PF:  # this step's words were loaded last step; the next step's go out before the decode
+            w1c, s1c, w3c, s3c = w1n, s1n, w3n, s3n
+            k1 = tl.minimum(k0 + BK, DIM - BK)
+            w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK)
+            w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK)
+        else:
+            w1c, s1c = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK)
+            w3c, s3c = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK)
+        acc1 = tl.dot(_fp4_decoded(w1c, s1c, BK, DT), tl.trans(xt), acc1)
+        acc3 = tl.dot(_fp4_decoded(w3c, s3c, BK, DT), tl.trans(xt), acc3)
     g = tl.minimum(acc1, limit)
     u = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
@@ -390,7 +404,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, NBM,
                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, PF: tl.constexpr):
     mb, nb = _block_ids(NBM, (DIM + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -406,11 +420,16 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
     grow = e.to(tl.int64) * DIM + n_idx
     acc = tl.zeros([BN, BM], tl.float32)  # swap-AB as in the gate/up kernel: [weight rows, tokens]
     kk = tl.arange(0, BK)
+    wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK)
     for k0 in range(0, INTER, BK):
         ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * INTER + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
-        w = _fp4_tile(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, DT)
-        acc = tl.dot(w, tl.trans(ht), acc)
+        if PF:
+            wc, sc = wn, sn
+            wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK)
+        else:
+            wc, sc = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK)
+        acc = tl.dot(_fp4_decoded(wc, sc, BK, DT), tl.trans(ht), acc)
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
                   mask=rmask[None, :] & n_mask[:, None])
@@ -450,13 +469,15 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
                    gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
-                   gemv_down_num_warps: int | None = None):
+                   gemv_down_num_warps: int | None = None, prefetch: bool = False, maxnreg: int | None = None):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs); otherwise the grouped GEMM (block_m tokens x block_n rows x block_k, group_m).
     gemv_prefetch (run 4's candidate): each GEMV program loops over its gemv_iters K steps with the
     next step's loads issued before this step's decode (`_gemv_rows_prefetch`), so long K slices
     (few or no K splits, fewer atomics) keep loads in flight; gemv_down_num_warps: the down kernel's
-    warps (default gemv_num_warps)."""
+    warps (default gemv_num_warps). prefetch: the grouped GEMM's K loop loads the next step's weight
+    words before decoding this step's (ncu, run 6: the gate/up kernel's warps wait on those loads 31% of
+    the time); maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     if dim % 32 or inter % 32:
@@ -498,12 +519,13 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
     xp = _nib_order(x.contiguous())
+    launch = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages)
+        PF=prefetch, num_warps=num_warps, num_stages=num_stages, **launch)
     _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
         h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages)
+        PF=prefetch, num_warps=num_warps, num_stages=num_stages, **launch)
     return out

@@ -376,34 +376,41 @@ def _num_sms(device) -> int:
 
 
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
-                       block_h: int = 64, block_n: int | None = None, num_warps: int = 8, num_stages: int = 1,
-                       split: int | None = None, merge_heads: int = 8, d_split: int = 1, layout: str = "heads"):
+                       block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
+                       num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
+                       layout: str | None = None):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
-    block_h heads share each program (the dots' M; 64 fills a Hopper warpgroup MMA), block_n entries
-    per tile (None: 32 when the tokens fill the SMs, the H200's best prefill tile, else 16, which compiles
-    without spills for the split decode path), split = programs per (token, head block) over the entry lists (None: enough to fill the
-    SMs once, 1 for prefill), merged by a second kernel that also adds the sink. d_split = 2: two
-    programs per (token, head block, split), each computing all of S but only half of the output
-    columns: half the accumulator registers, no partials to merge, for 2x the QK^T work and decode.
+    layout (module docstring): None picks "entries" wherever its int32 offsets reach every cache entry,
+    else "heads" -- the H200's best on both paths (benches/results/kernels-h200-run3.md: prefill 4.40
+    vs 4.64 ms, decode batch 64 67.7 vs 81.2 us). block_h heads share each program (None: 32 for
+    "entries", 64 for "heads", which fills a Hopper warpgroup MMA), block_n entries per tile (None: 64
+    for "entries"; for "heads" 32 when the tokens fill the SMs, else 16, which compiles without spills
+    for the split decode path), split = programs per (token, head block) over the entry lists (None:
+    enough to fill the SMs once, 1 for prefill), merged by a second kernel that also adds the sink.
+    d_split = 2: two programs per (token, head block, split), each computing all of S but only half of
+    the output columns: half the accumulator registers, no partials to merge, for 2x the QK^T work.
     Host side: no tensor is made on or copied from the host, nothing is read back (CUDA-graph safe)."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
     if d % 64 or d & (d - 1):
         raise ValueError(f"sparse attention: head dim {d} must be a power of two >= 64")
     scale = d ** -0.5 if scale is None else scale
+    wide = max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31  # past the entries layout's int32 offsets
+    if layout is None:
+        layout = "heads" if wide else "entries"
     if layout not in ("heads", "entries"):
         raise ValueError(f"sparse attention: layout must be 'heads' or 'entries', got {layout!r}")
     if d_split not in (1, 2):
         raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
-    bh = min(block_h, h)
+    bh = min(block_h or (32 if layout == "entries" else 64), h)
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
-    if layout == "entries" and max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31:
+    if layout == "entries" and wide:
         raise ValueError("sparse attention: layout='entries' addresses the caches with int32 offsets; "
                          f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
     if block_n is None:
-        block_n = 32 if t * (h // bh) >= _num_sms(q.device) else 16
+        block_n = 64 if layout == "entries" else 32 if t * (h // bh) >= _num_sms(q.device) else 16
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
     if split is None:
         split = max(1, _num_sms(q.device) // max(1, t * (h // bh) * d_split))

@@ -436,7 +436,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     Knobs: block (entries per tile), cap (candidate buffer per row), groups (group maxima per row),
     bits (the radix fallback's digit width), rows_path (force a path), chunk (entries per group-maxima
     program on the split path), select ("count": the k-th keys by 16 counting steps; "hist": by 4 8-bit
-    histogram steps). tune: slice_len, num_warps. Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
+    histogram steps). tune: slice_len, num_warps, maxnreg (rows path: a register cap, so that more
+    rows are resident per SM; ncu, run 6: 126 registers held the kernel to 2 rows of 8 warps). Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
     if k & (k - 1):
@@ -464,7 +465,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
                                  n_groups, glist, cval, cidx, out, K=k, NGP=_pow2(n_groups), G=g,
                                  BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
                                  HAS_MAX=False, SEL=_select_code(select),
-                                 num_warps=tune.get("num_warps", defaults["num_warps"]))
+                                 num_warps=tune.get("num_warps", defaults["num_warps"]),
+                                 **({"maxnreg": tune["maxnreg"]} if tune.get("maxnreg") else {}))
         return out
     mblock = max(min(block, 1024), g)
     if chunk is None:  # ~512 programs over all rows

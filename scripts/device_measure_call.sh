@@ -7,7 +7,8 @@
 # a call of its own, e.g. RELEASE_LIMIT=480 bash scripts/device_measure_call.sh release
 # Steps: parity (kernel path vs CPU reference numerics, 1,000 tokens), ced (prefill timing),
 # kernels (benches/kernels.py), release (benches/release_layer.py; RELEASE_ARGS="--graph --profile" adds
-# the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels).
+# the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels; NCU_PAIRS="case:kernel ..."
+# picks them). KERNELS_ARGS="--only attn,moe" narrows the kernels step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder that comes back}"
@@ -23,12 +24,12 @@ for step in "$@"; do
               --out "$R/parity-gpu.md" --json "$R/parity-gpu.json" > "$R/parity.log" 2>&1 ;;
     ced) timeout 240 python3 benches/ced_prefill.py --device cuda --tokens 1024 4096 8000 --prompts 1 --repeat 5 \
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
-    kernels) timeout 220 python3 benches/kernels.py --out "$R" > "$R/kernels.log" 2>&1 ;;
+    kernels) timeout "${KERNELS_LIMIT:-220}" python3 benches/kernels.py ${KERNELS_ARGS:-} --out "$R" > "$R/kernels.log" 2>&1 ;;
     release) timeout "${RELEASE_LIMIT:-150}" python3 benches/release_layer.py ${RELEASE_ARGS:-} --out "$R" --budget-s "$(( ${RELEASE_LIMIT:-150} - 40 ))" > "$R/release.log" 2>&1 ;;
     profile) # Nsight Compute: the first launch of each kernel, one bench case per ncu run (-c counts launches
       # across every kernel the filter matches, so one run with -c 8 saw only the first case's kernel)
-      for pair in mhc:_mhc_main_kernel attn:_sparse_attn_kernel indexer:_indexer_kernel topk:_row_select_kernel \
-                  moe:_gemv_gate_up_kernel moe:_moe_gate_up_kernel; do
+      for pair in ${NCU_PAIRS:-mhc:_mhc_main_kernel attn:_sparse_attn_t_kernel indexer:_indexer_kernel \
+                  topk:_row_select_kernel moe:_gemv_gate_up_kernel moe:_moe_gate_up_kernel}; do
         timeout 45 ncu --clock-control none --kernel-name-base function -k "regex:${pair#*:}" -c 1 \
               --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
               --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
