@@ -133,6 +133,10 @@ def rel(a, b):
 
 # -- cases ---------------------------------------------------------------------------------------
 
+INDEXER_DECODE_CFGS = [{}, dict(maxnreg=128), dict(maxnreg=96), dict(num_warps=8), dict(num_warps=8, maxnreg=128),
+                       dict(chunk=2816), dict(chunk=704), dict(block_n=64), dict(block_n=256, maxnreg=128)]
+
+
 def case_indexer(bw, mm):
     h, d = 32, 128
     # decode: 1 query, 1M entries
@@ -165,9 +169,12 @@ def case_indexer(bw, mm):
     _, mx, cnt = indexer._launch(*args, None, 8, topk=512)
     LOG["indexer_decode_select_only_us"] = bench(
         lambda: (cnt.zero_(), topk.select_from_maxima(scores, 512, nv, mx, cnt)), graph=True)
-    same = torch.equal(got[0], want)
-    chk = f"scores rel {rel(ref_s, scores[0]):.1e}; top-512 identical {same}"
-    t = bench(lambda: indexer.indexer_topk_triton(*args), graph=True)
+    # launch shapes of the decode scoring (the default first): register caps (168 registers held it to 3
+    # blocks of 4 warps per SM, ncu run 6), warps, programs (chunk: keys per program), key tile
+    cfg, t, same = sweep("indexer_decode_cfgs", "indexer decode", INDEXER_DECODE_CFGS,
+                         lambda **c: indexer.indexer_topk_triton(*args, **c),
+                         lambda out: torch.equal(out[0], want), valid=bool, graph=True)
+    chk = f"scores rel {rel(ref_s, scores[0]):.1e}; top-512 identical {same}; cfg {cfg}"
     te = bench(eager, graph=True, rep=40)
     floor = n * 68 / bw * 1e6
     row("indexer + top-512, decode, 1M entries", t, floor, "HBM", f"{n * 68 / t / 1e6:.2f} TB/s", te, chk, 28)
@@ -208,6 +215,12 @@ def case_indexer(bw, mm):
     sc, mx, cnt = indexer._launch(*args, None, 8, topk=512)
     got = topk.select_from_maxima(sc, 512, nv, mx, cnt)
     LOG["indexer_prefill_select_only_us"] = bench(lambda: topk.select_from_maxima(sc, 512, nv, mx, cnt), rep=100)
+    # the rows path's tuned knobs (ROWS_PATH_DEFAULTS) on the indexer's maxima: capped, then also hist/2048
+    for name, kw in (("capped", dict(maxnreg=64)), ("tuned", dict(maxnreg=64, select="hist", block=2048))):
+        LOG[f"indexer_prefill_select_{name}_us"] = bench(
+            lambda: topk.select_from_maxima(sc, 512, nv, mx, cnt, **kw), rep=100)
+        LOG[f"indexer_prefill_select_{name}_identical_rows_0_255"] = torch.equal(
+            topk.select_from_maxima(sc, 512, nv, mx, cnt, **kw)[:256], want)
     LOG["indexer_prefill_select_identical_rows_0_255"] = torch.equal(got[:256], want)
     del sc, mx
     LOG["topk_decode_1M_us"] = bench(lambda: topk.topk_positions_triton(dec_scores, 512), graph=True)
@@ -222,11 +235,11 @@ def case_indexer(bw, mm):
 # top-512 over 4K x 64K logits: the rows path's launch shapes and run 4's select="hist" (the bound and
 # the threshold by 4 8-bit histogram steps instead of 16 counting steps of 3 reductions). Registers on
 # sm_90 (triton 3.7): 16 warps 112 (1 block/SM), 8 warps 128-203 (2 blocks/SM at 128), 4 warps 204-255
-# the default first (Nsight profiles a case's first launch), then around it: register caps for 3-4
-# rows resident per SM (126 registers held it to 2 of 8 warps, ncu run 6), 4 warps at 2,048 tiles
-TOPK_CFGS = [{}, dict(maxnreg=80), dict(maxnreg=64), dict(num_warps=4, maxnreg=128), dict(num_warps=4),
-             dict(num_warps=4, maxnreg=96), dict(num_warps=8, block=1024), dict(num_warps=8, block=1024, maxnreg=80),
-             dict(num_warps=8, groups=1024)]
+# the default first (Nsight profiles a case's first launch; capped at 64 registers since run 7), the
+# uncapped kernel (maxnreg 0: 126 registers held it to 2 rows of 8 warps per SM, ncu run 6), then around it
+TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_warps=16, maxnreg=64),
+             dict(num_warps=4, maxnreg=64), dict(block=4096, maxnreg=64), dict(groups=4096, maxnreg=64),
+             dict(groups=1024, maxnreg=64)]
 
 
 def case_topk(bw, mm):
@@ -397,14 +410,24 @@ def case_moe(bw, mm):
     te = (time.perf_counter() - t0) * 1e6
     # swap-AB tiles: block_n weight rows = wgmma M, block_m tokens = N (~64 tokens per expert here);
     # all compile for sm_90 on triton 3.6 and 3.7 without spills
+    # the bf16 tile decode, checked bit for bit first (tests/test_kernels_moe.py's case; the interpreter
+    # cannot run it): every FP4 byte under scale bytes 0..240, against engine.quant's decode
+    pk = torch.arange(256, dtype=torch.int32, device=DEV).repeat(256, 1).to(torch.uint8).view(torch.int8)
+    sb = (torch.arange(256, device=DEV) % 241).to(torch.uint8)[:, None].expand(256, 16).contiguous()
+    sb = sb.view(torch.float8_e8m0fnu)
+    exact = {bd: torch.equal(moe.fp4_tile_decoded(pk, sb, bd), (lambda v: v.bfloat16().float() if bd else v)(
+        moe._nib_order(moe._dequantize_fp4_device(pk, sb)))) for bd in (False, True)}
+    LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True]}
+    print(f"[moe] tile decode exact: {LOG['moe_tile_decode_exact']}", flush=True)
     # the default first (Nsight profiles a case's first launch); every 8-warp tile lost to the 4-warp
-    # ones in runs 2-6; prefetch: the next K step's weight words loaded before this step's decode
+    # ones in runs 2-6; prefetch (the next K step's weight words loaded before this step's decode) lost in
+    # run 7 (15.1 vs 13.2 ms); bf16_decode: FP4 straight into bf16 bits, no float32 round trip
     cfgs = [dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, prefetch=True),
-            dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, prefetch=True),
-            dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, prefetch=True),
-            dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, prefetch=True),
-            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=2, prefetch=True, group_m=8)]
+            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode=True),
+            dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, bf16_decode=True),
+            dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, bf16_decode=True),
+            dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, bf16_decode=True)]
     best, t, r = sweep("moe_cfgs", "moe", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, rep=100)
     flops = 2.0 * tq * k * 3 * inter * dim

@@ -266,7 +266,7 @@ def _interpreted() -> bool:
 
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
             block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
-            prefetch_keys=None):
+            prefetch_keys=None, maxnreg=None):
     """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None)."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
@@ -299,14 +299,15 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
         pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), n_groups, chunk,
         POOL_BLOCK=pool_block, H=h, D=d, BT=bt, BN=bn, GM=gm, HAS_POOL=pool_mask is not None,
         WRITE_MAX=topk is not None, FP8=not interp, ASM=(not interp) if key_asm is None else key_asm,
-        PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, num_warps=num_warps or 4)
+        PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, num_warps=num_warps or 4,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return out, (maxima if topk is not None else None), (counts if topk is not None else None)
 
 
 def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
                           pool_mask=None, pool_block: int = 8, **tune) -> torch.Tensor:
     """float32 [T, N] scores, -inf where masked. tune: block_t, block_n, chunk, num_warps, key_asm,
-    prefetch_keys (the decode loop; default for T < 16, D = 128)."""
+    prefetch_keys (the decode loop; default for T < 16, D = 128), maxnreg (a register cap)."""
     return _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, **tune)[0]
 
 

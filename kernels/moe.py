@@ -136,31 +136,82 @@ def _scale_words(s_ptr, row_off, kw, mask):
 
 
 @triton.jit
-def _fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr):
-    """The raw words [BR, BK/8] of a [BR, BK] tile of an FP4 weight [N, KDIM] and their scales (times
-    2^14, per word): apart from the decode so a K loop can issue the next tile's loads early."""
+def _nibble_pair_bf16(wd, A: tl.constexpr):
+    """int32 words -> (nibble A, nibble A+4) of each word as bf16 E2M1 value * 2^-126 (exact): the
+    3 magnitude bits land on the exponent's low 2 bits and the mantissa's top bit (E2M1's 0.5 on the
+    bf16 subnormal 2^-127)."""
+    if A < 2:
+        mag = (wd << (6 - 4 * A)) & 0x01C001C0
+    else:
+        mag = (wd >> (4 * A - 6)) & 0x01C001C0
+    bits = mag | ((wd << (12 - 4 * A)) & -2147450880)  # the two sign bits, as in _nibble_pair
+    lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """The raw words [BR, BK/8] of a [BR, BK] tile of an FP4 weight [N, KDIM] and their scales per word
+    (BD: bf16 2^(byte - 127), else float32 times 2^14): apart from the decode so a K loop can issue the
+    next tile's loads early."""
     KW: tl.constexpr = KDIM // 8
     kw = k0 // 8 + tl.arange(0, BK // 8)
     r64 = rows.to(tl.int64)
     wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=rmask[:, None], other=0)
-    return wd, _scale_words(s_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+    if BD:
+        byte = tl.load(s_ptr + (r64 * (KDIM // 32))[:, None] + (kw // 4)[None, :], mask=rmask[:, None],
+                       other=127).to(tl.int32)
+        # byte 0 is 2^-127: the bf16 subnormal 0x0040
+        sc = tl.where(byte == 0, 0x40, byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+    return wd, sc
 
 
 @triton.jit
-def _fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr):
+def _scaled_pair(wd, sc, A: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr):
+    """Nibbles A and A+4 of each word times their scale, in DT. BD: bf16 bits and two bf16 multiplies by
+    powers of two (exact: 2^126 makes the E2M1 value, the scale's product rounds as the float32 one
+    does); else fp16 bits, the convert to float32, one multiply and the convert to DT."""
+    if BD:
+        lo, hi = _nibble_pair_bf16(wd, A)
+        two126 = tl.full(wd.shape, 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # 2^126, from its bits
+        return (lo * two126 * sc).to(DT), (hi * two126 * sc).to(DT)
+    lo, hi = _nibble_pair(wd, A)
+    return (lo * sc).to(DT), (hi * sc).to(DT)
+
+
+@triton.jit
+def _fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr):
     """Words and scales from `_fp4_words` -> the [BR, BK] tile in DT, K in NIB order within each
     8-group (see the module docstring)."""
-    a0, b0 = _nibble_pair(wd, 0)
-    a1, b1 = _nibble_pair(wd, 1)
-    a2, b2 = _nibble_pair(wd, 2)
-    a3, b3 = _nibble_pair(wd, 3)
-    p0 = tl.join((a0 * sc).to(DT), (b0 * sc).to(DT))
-    p1 = tl.join((a1 * sc).to(DT), (b1 * sc).to(DT))
-    p2 = tl.join((a2 * sc).to(DT), (b2 * sc).to(DT))
-    p3 = tl.join((a3 * sc).to(DT), (b3 * sc).to(DT))
+    a0, b0 = _scaled_pair(wd, sc, 0, DT, BD)
+    a1, b1 = _scaled_pair(wd, sc, 1, DT, BD)
+    a2, b2 = _scaled_pair(wd, sc, 2, DT, BD)
+    a3, b3 = _scaled_pair(wd, sc, 3, DT, BD)
     # [BR, BK/8, half, A & 1, A >> 1] -> position half * 4 + (A & 1) * 2 + (A >> 1), nibble A + 4 * half
-    t = tl.join(tl.join(p0, p1), tl.join(p2, p3))
+    t = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
     return tl.reshape(t, (wd.shape[0], BK))
+
+
+@triton.jit
+def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BD: tl.constexpr):
+    rows = tl.arange(0, R)
+    wd, sc = _fp4_words(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM, BD)
+    tile = _fp4_decoded(wd, sc, KDIM, tl.bfloat16 if BD else tl.float32, BD).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * KDIM + tl.arange(0, KDIM)[None, :], tile)
+
+
+def fp4_tile_decoded(packed: torch.Tensor, scale: torch.Tensor, bf16_decode: bool) -> torch.Tensor:
+    """The grouped GEMM's tile decode alone, for checks: packed int8 [R, K/2] (R, K powers of two) and
+    E8M0 bytes [R, K/32] -> float32 [R, K] in NIB order. bf16_decode needs a GPU: the interpreter does
+    not emulate bf16 bit casts (its values come out 0)."""
+    r, k = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty(r, k, dtype=torch.float32, device=packed.device)
+    _decode_tile_kernel[(1,)](packed.contiguous().view(torch.int32), scale.contiguous().view(torch.uint8), out,
+                              R=r, KDIM=k, BD=bool(bf16_decode))
+    return out
 
 
 @triton.jit
@@ -358,7 +409,7 @@ def _block_ids(NBM, NBN: tl.constexpr, GROUP_M: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
                         limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                        GROUP_M: tl.constexpr, PF: tl.constexpr):
+                        GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr):
     mb, nb = _block_ids(NBM, (INTER + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -376,8 +427,8 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     acc1 = tl.zeros([BN, BM], tl.float32)
     acc3 = tl.zeros([BN, BM], tl.float32)
     kk = tl.arange(0, BK)
-    w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK)
-    w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK)
+    w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK, BD)
+    w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK, BD)
     for k0 in range(0, DIM, BK):
         # x is in NIB order (permuted on the host), like the decoded tiles
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
@@ -385,13 +436,13 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
         if PF:  # this step's words were loaded last step; the next step's go out before the decode
             w1c, s1c, w3c, s3c = w1n, s1n, w3n, s3n
             k1 = tl.minimum(k0 + BK, DIM - BK)
-            w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK)
-            w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK)
+            w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK, BD)
+            w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK, BD)
         else:
-            w1c, s1c = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK)
-            w3c, s3c = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK)
-        acc1 = tl.dot(_fp4_decoded(w1c, s1c, BK, DT), tl.trans(xt), acc1)
-        acc3 = tl.dot(_fp4_decoded(w3c, s3c, BK, DT), tl.trans(xt), acc3)
+            w1c, s1c = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
+            w3c, s3c = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
+        acc1 = tl.dot(_fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
+        acc3 = tl.dot(_fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
     g = tl.minimum(acc1, limit)
     u = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
@@ -404,7 +455,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, NBM,
                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                     GROUP_M: tl.constexpr, PF: tl.constexpr):
+                     GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr):
     mb, nb = _block_ids(NBM, (DIM + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -420,16 +471,17 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
     grow = e.to(tl.int64) * DIM + n_idx
     acc = tl.zeros([BN, BM], tl.float32)  # swap-AB as in the gate/up kernel: [weight rows, tokens]
     kk = tl.arange(0, BK)
-    wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK)
+    wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK, BD)
     for k0 in range(0, INTER, BK):
         ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * INTER + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
         if PF:
             wc, sc = wn, sn
-            wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK)
+            wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK,
+                                    BD)
         else:
-            wc, sc = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK)
-        acc = tl.dot(_fp4_decoded(wc, sc, BK, DT), tl.trans(ht), acc)
+            wc, sc = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
+        acc = tl.dot(_fp4_decoded(wc, sc, BK, DT, BD), tl.trans(ht), acc)
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
                   mask=rmask[None, :] & n_mask[:, None])
@@ -469,7 +521,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
                    gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
-                   gemv_down_num_warps: int | None = None, prefetch: bool = False, maxnreg: int | None = None):
+                   gemv_down_num_warps: int | None = None, prefetch: bool = False, maxnreg: int | None = None,
+                   bf16_decode: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs); otherwise the grouped GEMM (block_m tokens x block_n rows x block_k, group_m).
     gemv_prefetch (run 4's candidate): each GEMV program loops over its gemv_iters K steps with the
@@ -477,7 +530,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     (few or no K splits, fewer atomics) keep loads in flight; gemv_down_num_warps: the down kernel's
     warps (default gemv_num_warps). prefetch: the grouped GEMM's K loop loads the next step's weight
     words before decoding this step's (ncu, run 6: the gate/up kernel's warps wait on those loads 31% of
-    the time); maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM)."""
+    the time); maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM); bf16_decode:
+    the grouped GEMM decodes FP4 straight into bf16 bits (`_scaled_pair`), no float32 round trip."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     if dim % 32 or inter % 32:
@@ -520,12 +574,13 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     nbm = bexp.numel()
     xp = _nib_order(x.contiguous())
     launch = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
+    bd = bool(bf16_decode) and dt == tl.bfloat16  # the interpreter's dots run in float32
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        PF=prefetch, num_warps=num_warps, num_stages=num_stages, **launch)
+        PF=prefetch, BD=bd, num_warps=num_warps, num_stages=num_stages, **launch)
     _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
         h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        PF=prefetch, num_warps=num_warps, num_stages=num_stages, **launch)
+        PF=prefetch, BD=bd, num_warps=num_warps, num_stages=num_stages, **launch)
     return out

@@ -366,7 +366,9 @@ def group_size(n: int, groups: int = 2048) -> int:
 # (benches/kernels.py --only topk, benches/results/kernels-h200-topk.md: 1,148 us in the second sweep
 # against 1,309 for the first sweep's winner, block 1024 with 4 warps, and 1,550 for block 4096, 4096
 # groups, 16 warps, "count"). The split path (decode rows) keeps its own.
-ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist"}
+# maxnreg 64: 4 rows of 8 warps resident per SM instead of 2 (126 registers uncapped): 938 vs 1,159 us
+# over 4K x 64K on the H200 (benches/results/kernels-h200-run7.md)
+ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
@@ -388,13 +390,19 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _cap(maxnreg: int | None) -> dict:
+    """Launch options for a register cap (none when 0 or None)."""
+    return {"maxnreg": int(maxnreg)} if maxnreg else {}
+
+
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int = 4096,
                        bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
-                       num_warps: int = 8, select: str = "count") -> torch.Tensor:
+                       num_warps: int = 8, select: str = "count", maxnreg: int | None = None) -> torch.Tensor:
     """Top-k of values [R, L] given maxima [R, n_groups] of groups of G = ceil-pow2(L / n_groups)
     entries, and counts int32 [R] already zeroed (split path). -> int32 [R, k].
     The maxima buffer is scratch afterwards (the rows path lists group ids over it).
-    select: how the k-th keys are found, "count" (2 bits a step) or "hist" (8-bit histograms)."""
+    select: how the k-th keys are found, "count" (2 bits a step) or "hist" (8-bit histograms);
+    maxnreg: the rows path's register cap."""
     r, n = values.shape
     dev = values.device
     n_groups = maxima.shape[1]
@@ -414,7 +422,8 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
         glist = torch.empty(r, cap, dtype=torch.int32, device=dev)
         _row_select_kernel[(r,)](values, values.stride(0), n, lens, maxima, n_groups, glist, cval, cidx, out,
                                  K=k, NGP=ngp, G=g, BLOCK=max(block, g), CAP=cap, BITS=bits,
-                                 HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, num_warps=num_warps)
+                                 HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, num_warps=num_warps,
+                                 **_cap(maxnreg))
         return out
     gb = min(g, block)
     gpp = max(1, block // g)
@@ -466,7 +475,7 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
                                  BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
                                  HAS_MAX=False, SEL=_select_code(select),
                                  num_warps=tune.get("num_warps", defaults["num_warps"]),
-                                 **({"maxnreg": tune["maxnreg"]} if tune.get("maxnreg") else {}))
+                                 **_cap(tune.get("maxnreg", defaults.get("maxnreg"))))
         return out
     mblock = max(min(block, 1024), g)
     if chunk is None:  # ~512 programs over all rows

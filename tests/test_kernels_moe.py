@@ -52,6 +52,24 @@ def gen():
     return torch.Generator().manual_seed(random.randrange(2**31))
 
 
+def _every_byte_under_every_scale():
+    """256 rows x 512: each row's 16 groups hold all 256 FP4 bytes; row r's scale byte is r % 241."""
+    rows, kdim = 256, 512
+    packed = torch.arange(256, dtype=torch.int32).repeat(rows, 1).to(torch.uint8).view(torch.int8)
+    scale = (torch.arange(rows) % 241).to(torch.uint8)[:, None].expand(rows, kdim // 32).contiguous()
+    return packed, scale.view(torch.float8_e8m0fnu)
+
+
+def test_tile_decode_every_byte_and_scale():
+    """The grouped GEMM's tile decode (float32 form; the bf16 form needs a GPU, where benches/kernels.py
+    checks it the same way) for every FP4 byte under every E8M0 scale byte up to 2^113 (the float32
+    form's scale word, 2^(byte - 113), leaves the exponent field past that; checkpoint scales sit near
+    2^-10), subnormal products included: equal to engine.quant's decode, in NIB order."""
+    packed, scale = _every_byte_under_every_scale()
+    assert torch.equal(moe.fp4_tile_decoded(packed, scale, False),
+                       moe._nib_order(moe._dequantize_fp4_device(packed, scale)))
+
+
 def test_nib_order_is_the_decoders_order():
     a = torch.arange(16.0).reshape(1, 16)
     got = moe._nib_order(a)[0].tolist()
