@@ -299,7 +299,7 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
         pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), n_groups, chunk,
         POOL_BLOCK=pool_block, H=h, D=d, BT=bt, BN=bn, GM=gm, HAS_POOL=pool_mask is not None,
         WRITE_MAX=topk is not None, FP8=not interp, ASM=(not interp) if key_asm is None else key_asm,
-        PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, num_warps=num_warps or 4,
+        PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, num_warps=num_warps or (8 if decode else 4),
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out, (maxima if topk is not None else None), (counts if topk is not None else None)
 
@@ -307,7 +307,8 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
 def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
                           pool_mask=None, pool_block: int = 8, **tune) -> torch.Tensor:
     """float32 [T, N] scores, -inf where masked. tune: block_t, block_n, chunk, num_warps, key_asm,
-    prefetch_keys (the decode loop; default for T < 16, D = 128), maxnreg (a register cap)."""
+    prefetch_keys (the decode loop; default for T < 16, D = 128), maxnreg (a register cap). Decode runs
+    8 warps a program: 136 vs 162 us at 4 (1M keys with its top-512, benches/results/kernels-h200-run8.md)."""
     return _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, **tune)[0]
 
 

@@ -366,8 +366,8 @@ def group_size(n: int, groups: int = 2048) -> int:
 # (benches/kernels.py --only topk, benches/results/kernels-h200-topk.md: 1,148 us in the second sweep
 # against 1,309 for the first sweep's winner, block 1024 with 4 warps, and 1,550 for block 4096, 4096
 # groups, 16 warps, "count"). The split path (decode rows) keeps its own.
-# maxnreg 64: 4 rows of 8 warps resident per SM instead of 2 (126 registers uncapped): 938 vs 1,159 us
-# over 4K x 64K on the H200 (benches/results/kernels-h200-run7.md)
+# maxnreg 64: 4 rows of 8 warps resident per SM instead of 2 (126 registers uncapped): 933 vs 1,149 us
+# over 4K x 64K on the H200 (benches/results/kernels-h200-run8.md)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
@@ -395,14 +395,17 @@ def _cap(maxnreg: int | None) -> dict:
     return {"maxnreg": int(maxnreg)} if maxnreg else {}
 
 
-def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int = 4096,
+def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int | None = None,
                        bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
-                       num_warps: int = 8, select: str = "count", maxnreg: int | None = None) -> torch.Tensor:
+                       num_warps: int | None = None, select: str | None = None,
+                       maxnreg: int | None = None) -> torch.Tensor:
     """Top-k of values [R, L] given maxima [R, n_groups] of groups of G = ceil-pow2(L / n_groups)
     entries, and counts int32 [R] already zeroed (split path). -> int32 [R, k].
     The maxima buffer is scratch afterwards (the rows path lists group ids over it).
     select: how the k-th keys are found, "count" (2 bits a step) or "hist" (8-bit histograms);
-    maxnreg: the rows path's register cap."""
+    maxnreg: the rows path's register cap (0: none). Unset knobs: ROWS_PATH_DEFAULTS or
+    SPLIT_PATH_DEFAULTS (the indexer's 4K x 64K prefill select: 668 us tuned vs 1,370 us with the split
+    path's knobs, benches/results/kernels-h200-run8.md)."""
     r, n = values.shape
     dev = values.device
     n_groups = maxima.shape[1]
@@ -412,7 +415,10 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
     ngp = _pow2(n_groups)
     cap = max(min(_pow2(cap), _pow2(n)), k)  # a row never has more candidates than entries
     rows_path = r >= ROWS_MIN if rows_path is None else rows_path
-    sel = _select_code(select)
+    defaults = ROWS_PATH_DEFAULTS if rows_path else SPLIT_PATH_DEFAULTS
+    block, num_warps = block or defaults["block"], num_warps or defaults["num_warps"]
+    sel = _select_code(select or defaults["select"])
+    maxnreg = defaults.get("maxnreg") if maxnreg is None else maxnreg
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
     lens = lengths if lengths is not None else dummy
     cval = torch.empty(r, cap, dtype=torch.float32, device=dev)
