@@ -406,10 +406,23 @@ def _block_ids(NBM, NBN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _fp4_dot_scaled(wb_ptr, s_ptr, rows, rmask, k0, b_tile, acc, KDIM: tl.constexpr, BK: tl.constexpr):
+    """acc + W[rows, k0:k0+BK] @ b_tile through tl.dot_scaled: the weight's raw FP4 bytes (wb_ptr: uint8
+    [N, KDIM/2], low nibble first, as e2m1 packs) with its E8M0 bytes, Triton's own MXFP4 upcast (K in
+    natural order). GPU only: the interpreter has no dot_scaled."""
+    r64 = rows.to(tl.int64)
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    ks = k0 // 32 + tl.arange(0, BK // 32)
+    wb = tl.load(wb_ptr + r64[:, None] * (KDIM // 2) + kb[None, :], mask=rmask[:, None], other=0)
+    sb = tl.load(s_ptr + r64[:, None] * (KDIM // 32) + ks[None, :], mask=rmask[:, None], other=127)
+    return tl.dot_scaled(wb, sb, "e2m1", b_tile, None, "bf16", acc)
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
                         limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                        GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr):
+                        GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
     mb, nb = _block_ids(NBM, (INTER + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -427,27 +440,33 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     acc1 = tl.zeros([BN, BM], tl.float32)
     acc3 = tl.zeros([BN, BM], tl.float32)
     kk = tl.arange(0, BK)
-    w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK, BD)
-    w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK, BD)
+    if PF:
+        w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK, BD)
+        w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK, BD)
     for k0 in range(0, DIM, BK):
-        # x is in NIB order (permuted on the host), like the decoded tiles
+        # x is in NIB order (permuted on the host), like the decoded tiles (natural order for SC)
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
-        if PF:  # this step's words were loaded last step; the next step's go out before the decode
-            w1c, s1c, w3c, s3c = w1n, s1n, w3n, s3n
-            k1 = tl.minimum(k0 + BK, DIM - BK)
-            w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK, BD)
-            w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK, BD)
+        if SC:
+            acc1 = _fp4_dot_scaled(w1_ptr, s1_ptr, grow, n_mask, k0, tl.trans(xt), acc1, DIM, BK)
+            acc3 = _fp4_dot_scaled(w3_ptr, s3_ptr, grow, n_mask, k0, tl.trans(xt), acc3, DIM, BK)
         else:
-            w1c, s1c = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
-            w3c, s3c = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
-        acc1 = tl.dot(_fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
-        acc3 = tl.dot(_fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
+            if PF:  # this step's words were loaded last step; the next step's go out before the decode
+                w1c, s1c, w3c, s3c = w1n, s1n, w3n, s3n
+                k1 = tl.minimum(k0 + BK, DIM - BK)
+                w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK, BD)
+                w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK, BD)
+            else:
+                w1c, s1c = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
+                w3c, s3c = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
+            acc1 = tl.dot(_fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
+            acc3 = tl.dot(_fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
     g = tl.minimum(acc1, limit)
     u = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
-    # stored in NIB order along I: the down kernel's decoded w2 tiles expect it
-    tl.store(h_ptr + rows[None, :].to(tl.int64) * INTER + _nib_position(n_idx)[:, None],
+    # stored in NIB order along I: the down kernel's decoded w2 tiles expect it (SC: natural order)
+    col = n_idx if SC else _nib_position(n_idx)
+    tl.store(h_ptr + rows[None, :].to(tl.int64) * INTER + col[:, None],
              h.to(h_ptr.dtype.element_ty), mask=rmask[None, :] & n_mask[:, None])
 
 
@@ -455,7 +474,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, NBM,
                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                     GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr):
+                     GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
     mb, nb = _block_ids(NBM, (DIM + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -471,17 +490,21 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
     grow = e.to(tl.int64) * DIM + n_idx
     acc = tl.zeros([BN, BM], tl.float32)  # swap-AB as in the gate/up kernel: [weight rows, tokens]
     kk = tl.arange(0, BK)
-    wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK, BD)
+    if PF:
+        wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK, BD)
     for k0 in range(0, INTER, BK):
         ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * INTER + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
-        if PF:
-            wc, sc = wn, sn
-            wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK,
-                                    BD)
+        if SC:
+            acc = _fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
         else:
-            wc, sc = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
-        acc = tl.dot(_fp4_decoded(wc, sc, BK, DT, BD), tl.trans(ht), acc)
+            if PF:
+                wc, sc = wn, sn
+                wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK,
+                                    BD)
+            else:
+                wc, sc = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
+            acc = tl.dot(_fp4_decoded(wc, sc, BK, DT, BD), tl.trans(ht), acc)
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
                   mask=rmask[None, :] & n_mask[:, None])
@@ -522,7 +545,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, prefetch: bool = False, maxnreg: int | None = None,
-                   bf16_decode: bool = False):
+                   bf16_decode: bool = False, scaled: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 8-row gate/up blocks: 83.6-84.4 vs 86.5-87.4 us at 16 in runs 7 and 8); otherwise
     the grouped GEMM (block_m tokens x block_n rows x block_k, group_m).
@@ -532,7 +555,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     warps (default gemv_num_warps). prefetch: the grouped GEMM's K loop loads the next step's weight
     words before decoding this step's (ncu, run 6: the gate/up kernel's warps wait on those loads 31% of
     the time); maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM); bf16_decode:
-    the grouped GEMM decodes FP4 straight into bf16 bits (`_scaled_pair`), no float32 round trip."""
+    the grouped GEMM decodes FP4 straight into bf16 bits (`_scaled_pair`), no float32 round trip; scaled:
+    the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled (Triton's MXFP4 path; on the GPU
+    only, the interpreter keeps the bit-assembly decode)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     if dim % 32 or inter % 32:
@@ -573,15 +598,20 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     dt = dot_dtype()
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
-    xp = _nib_order(x.contiguous())
+    sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
+    if sc and (prefetch or bf16_decode):
+        raise ValueError("scaled=True decodes inside tl.dot_scaled: no prefetch or bf16_decode with it")
+    xp = x.contiguous() if sc else _nib_order(x.contiguous())
+    if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
+        w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
     launch = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
     bd = bool(bf16_decode) and dt == tl.bfloat16  # the interpreter's dots run in float32
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        PF=prefetch, BD=bd, num_warps=num_warps, num_stages=num_stages, **launch)
+        PF=prefetch, BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
     _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
         h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        PF=prefetch, BD=bd, num_warps=num_warps, num_stages=num_stages, **launch)
+        PF=prefetch, BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
     return out
