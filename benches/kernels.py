@@ -408,10 +408,9 @@ def case_moe(bw, mm):
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, prefetch=True),
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode=True),
             # scaled: Triton's own MXFP4 upcast inside tl.dot_scaled (no decoded tile through shared memory)
-            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, scaled=True),
-            dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, scaled=True),
-            dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, scaled=True),
-            dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scaled=True),
+            dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
+            dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, bf16_decode=True),
+            # scaled (Triton's MXFP4 upcast in tl.dot_scaled): 17.6-29.3 ms in run 10; its best kept
             dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3, scaled=True)]
     best, t, r = sweep("moe_cfgs", "moe", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, rep=100)
@@ -428,12 +427,12 @@ def case_moe(bw, mm):
     want = eager(x, ids, tw)
     touched = int(torch.unique(ids).numel())
     base = dict(block_m=16, block_n=64, num_warps=4)
-    # run 9 (bit-assembly decode): the default 4.56 ms best; prefetch, BK 128/256, BN 128, 1 stage,
-    # bf16_decode all 4.76-8.64 ms (benches/results/kernels-h200-run9.md); the two nearest kept
-    cfgs = [dict(), dict(base, block_k=128, num_stages=1), dict(base, block_k=128, prefetch=True, bf16_decode=True),
-            dict(scaled=True), dict(base, block_k=128, scaled=True), dict(base, block_k=256, scaled=True),
-            dict(base, block_k=128, scaled=True, num_stages=4), dict(base, block_n=128, block_k=128, scaled=True),
-            dict(base, block_k=256, scaled=True, num_warps=8, block_n=128)]
+    # run 9 (bit-assembly decode, a scale byte loaded per word): the default 4.56 ms best; prefetch,
+    # BK 128/256, BN 128, 1 stage, bf16_decode 4.76-8.64 ms; run 10: scaled 4.65-10.4 ms
+    # (benches/results/kernels-h200-run9.md, -run10.md); now one load per scale byte
+    cfgs = [dict(), dict(base, block_k=128), dict(base, block_k=128, num_stages=4), dict(base, block_k=256),
+            dict(base, block_n=128, block_k=128), dict(base, bf16_decode=True), dict(base, block_k=128, bf16_decode=True),
+            dict(scaled=True)]
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)
