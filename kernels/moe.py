@@ -128,11 +128,20 @@ def _nibble_pair(wd, A: tl.constexpr):
 
 
 @triton.jit
-def _scale_words(s_ptr, row_off, kw, mask):
-    """E8M0 scale of each word's 32-group (4 words a group) times 2^14, float32 [R, W]."""
-    byte = tl.load(s_ptr + row_off[:, None] + (kw // 4)[None, :], mask=mask, other=127).to(tl.int32)
-    # 2^(byte - 127) * 2^14 straight from the exponent bits: normal for every byte, even 0
-    return ((byte + 14) << 23).to(tl.float32, bitcast=True)
+def _scale_bytes(s_ptr, row_off, kw0, W: tl.constexpr, mask):
+    """E8M0 bytes of words kw0 .. kw0 + W - 1 (kw0 and W multiples of 4: 4 words share a 32-group's
+    byte) as int32 [R, W]: one load per byte, widened in registers (a load per word made 4x the L1
+    requests: ncu, the 64-token decode step, L1 92.9% busy, 77% of global sectors excess)."""
+    g = kw0 // 4 + tl.arange(0, W // 4)
+    byte = tl.load(s_ptr + row_off[:, None] + g[None, :], mask=mask, other=127).to(tl.int32)
+    return tl.reshape(tl.broadcast_to(byte[:, :, None], (row_off.shape[0], W // 4, 4)), (row_off.shape[0], W))
+
+
+@triton.jit
+def _scale_words(s_ptr, row_off, kw0, W: tl.constexpr, mask):
+    """E8M0 scale of words kw0 .. kw0 + W - 1 times 2^14, float32 [R, W]."""
+    # 2^(byte - 127) * 2^14 straight from the exponent bits: normal for every byte up to 240
+    return ((_scale_bytes(s_ptr, row_off, kw0, W, mask) + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -159,16 +168,11 @@ def _fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constex
     kw = k0 // 8 + tl.arange(0, BK // 8)
     r64 = rows.to(tl.int64)
     wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=rmask[:, None], other=0)
-    # one load per scale byte (4 words share it), then widened to the words: a load per word made 4x
-    # the L1 requests (ncu, the 64-token decode step: L1 92.9% busy, 77% of sectors excess)
-    ks = k0 // 32 + tl.arange(0, BK // 32)
-    byte = tl.load(s_ptr + (r64 * (KDIM // 32))[:, None] + ks[None, :], mask=rmask[:, None], other=127)
-    byte = tl.reshape(tl.broadcast_to(byte.to(tl.int32)[:, :, None], (rows.shape[0], BK // 32, 4)),
-                      (rows.shape[0], BK // 8))
     if BD:  # bf16 2^(byte - 127); byte 0 is 2^-127: the bf16 subnormal 0x0040
+        byte = _scale_bytes(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
         sc = tl.where(byte == 0, 0x40, byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:  # float32 2^(byte - 127) * 2^14, as _scale_words
-        sc = ((byte + 14) << 23).to(tl.float32, bitcast=True)
+    else:
+        sc = _scale_words(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
     return wd, sc
 
 
@@ -269,24 +273,24 @@ def _gemv_rows_prefetch(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_fir
     kw = kw_first + tl.arange(0, BKW)
     woff = r64[:, None] * KW + kw[None, :]
     wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
-    sc = _scale_words(s_ptr, soff, kw, rmask[:, None])
+    sc = _scale_words(s_ptr, soff, kw_first, BKW, rmask[:, None])
     wdb = wd
     scb = sc
     if TWO:
         wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
-        scb = _scale_words(sb_ptr, soff, kw, rmask[:, None])
+        scb = _scale_words(sb_ptr, soff, kw_first, BKW, rmask[:, None])
     acc = tl.zeros([rows.shape[0], BKW], tl.float32)
     accb = tl.zeros([rows.shape[0], BKW], tl.float32)
     for it in range(NIT):
         nmask = rmask[:, None] & (it + 1 < NIT)
         kwn = kw + BKW
         wdn = tl.load(w_ptr + woff + BKW, mask=nmask, other=0)
-        scn = _scale_words(s_ptr, soff, kwn, nmask)
+        scn = _scale_words(s_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
         wdbn = wdn
         scbn = scn
         if TWO:
             wdbn = tl.load(wb_ptr + woff + BKW, mask=nmask, other=0)
-            scbn = _scale_words(sb_ptr, soff, kwn, nmask)
+            scbn = _scale_words(sb_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
         acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
         wd, sc, wdb, scb, kw, woff = wdn, scn, wdbn, scbn, kwn, woff + BKW
     if TWO:
@@ -311,10 +315,10 @@ def _gemv_rows(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM:
         kw = kw_first + it * BKW + tl.arange(0, BKW)
         woff = r64[:, None] * KW + kw[None, :]
         wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
-        sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+        sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
         if TWO:
             wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
-            scb = _scale_words(sb_ptr, r64 * (KDIM // 32), kw, rmask[:, None])
+            scb = _scale_words(sb_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
         else:
             wdb, scb = wd, sc
         acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
@@ -527,9 +531,10 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def _gemv_split(kw: int, block_kw: int, iters: int) -> tuple[int, int, int]:
-    """Words per step (the largest power of two <= block_kw dividing kw), unrolled steps per program (the
-    largest divisor of the step count <= iters) and the number of K splits: no masked K tail."""
-    bkw = _pow2_divisor(kw, block_kw)
+    """Words per step (the largest power of two <= block_kw dividing kw, at least one scale group's 4),
+    unrolled steps per program (the largest divisor of the step count <= iters) and the number of K
+    splits: no masked K tail."""
+    bkw = _pow2_divisor(kw, max(block_kw, 4))
     steps = kw // bkw
     nit = max(d for d in range(1, max(1, iters) + 1) if steps % d == 0)
     return bkw, nit, steps // nit
@@ -548,7 +553,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, prefetch: bool = False, maxnreg: int | None = None,
-                   bf16_decode: bool = False, scaled: bool = False):
+                   bf16_decode: bool = True, scaled: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 8-row gate/up blocks: 83.6-84.4 vs 86.5-87.4 us at 16 in runs 7 and 8); otherwise
     the grouped GEMM (block_m tokens x block_n rows x block_k, group_m).
@@ -557,8 +562,10 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     (few or no K splits, fewer atomics) keep loads in flight; gemv_down_num_warps: the down kernel's
     warps (default gemv_num_warps). prefetch: the grouped GEMM's K loop loads the next step's weight
     words before decoding this step's (ncu, run 6: the gate/up kernel's warps wait on those loads 31% of
-    the time); maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM); bf16_decode:
-    the grouped GEMM decodes FP4 straight into bf16 bits (`_scaled_pair`), no float32 round trip; scaled:
+    the time); maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM); bf16_decode
+    (default; where the dots run in bf16, i.e. not under the interpreter): the grouped GEMM decodes FP4
+    straight into bf16 bits (`_scaled_pair`), no float32 round trip (H200 run 11: 2.68 vs 3.00 ms at the
+    64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked in benches/kernels.py); scaled:
     the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled (Triton's MXFP4 path; on the GPU
     only, the interpreter keeps the bit-assembly decode)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)

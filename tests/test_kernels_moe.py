@@ -93,7 +93,7 @@ def test_gemv_path_prefetch(gen, t, iters, every_byte):
     from one step per program to the whole K range in one program (iters 8: no K split, no atomics in
     gate/up), every FP4 byte and small scale bytes included."""
     args = _case(gen, t, every_byte=every_byte)
-    got = moe.moe_fp4_triton(*args, gemv_block_n=32, gemv_block_kw=2, gemv_iters=iters, gemv_down_block_n=16,
+    got = moe.moe_fp4_triton(*args, gemv_block_n=32, gemv_block_kw=4, gemv_iters=iters, gemv_down_block_n=16,
                              gemv_down_block_kw=4, gemv_down_iters=iters, gemv_prefetch=True,
                              gemv_down_num_warps=2)
     assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
@@ -104,6 +104,7 @@ def test_gemv_split():
     assert moe._gemv_split(288, 64, 3) == (32, 3, 3)  # release down: 288 = 9 x 32 words
     assert moe._gemv_split(288, 32, 4) == (32, 3, 3)  # 4 steps do not divide 9: 3
     assert moe._gemv_split(16, 128, 2) == (16, 1, 1)
+    assert moe._gemv_split(16, 2, 8) == (4, 4, 1)  # a step holds at least one scale group's 4 words
 
 
 def test_gemv_path_every_fp4_byte(gen):
