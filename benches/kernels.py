@@ -365,7 +365,7 @@ def case_moe(bw, mm):
     # GEMV split-K knobs (defaults first): runs 2-8 swept rows x words per step x unrolled steps and
     # gemv_prefetch (every prefetch shape 20-60% slower, runs 5, 7, 8; logs in benches/results); kept:
     # the default, the old 16-row default, and the two nearest shapes
-    dcfgs = [dict(), dict(gemv_block_n=16), dict(gemv_down_block_n=16),
+    dcfgs = [dict(), dict(gemv_block_n=8), dict(gemv_down_block_n=16),
              dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3)]
     dbest, t, r = sweep("moe_decode_cfgs", "moe decode", dcfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                         lambda out: rel(want, out), valid=lambda v: v < 1e-3, graph=True)

@@ -549,13 +549,14 @@ def _words(w: torch.Tensor) -> torch.Tensor:
 def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                    swiglu_limit: float = 10.0, block_m: int | None = None, block_n: int | None = None,
                    block_k: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 4,
-                   gemv_max_pairs: int = 16, gemv_block_n: int = 8, gemv_block_kw: int = 128,
+                   gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
                    gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, prefetch: bool = False, maxnreg: int | None = None,
                    bf16_decode: bool = True, scaled: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
-    (gemv_* knobs; 8-row gate/up blocks: 83.6-84.4 vs 86.5-87.4 us at 16 in runs 7 and 8); otherwise
+    (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
+    was loaded once; 8 rows had won by 3% before); otherwise
     the grouped GEMM (block_m tokens x block_n rows x block_k, group_m).
     gemv_prefetch (run 4's candidate): each GEMV program loops over its gemv_iters K steps with the
     next step's loads issued before this step's decode (`_gemv_rows_prefetch`), so long K slices
@@ -609,13 +610,13 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
-    if sc and (prefetch or bf16_decode):
-        raise ValueError("scaled=True decodes inside tl.dot_scaled: no prefetch or bf16_decode with it")
+    if sc and prefetch:
+        raise ValueError("scaled=True decodes inside tl.dot_scaled: no prefetch with it")
     xp = x.contiguous() if sc else _nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
     launch = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
-    bd = bool(bf16_decode) and dt == tl.bfloat16  # the interpreter's dots run in float32
+    bd = bool(bf16_decode) and dt == tl.bfloat16 and not sc  # the interpreter's dots run in float32
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
