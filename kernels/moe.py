@@ -23,13 +23,9 @@ Two paths (moe_fp4_triton picks by the number of (token, expert) pairs P = T * k
   orientation (decoded tile as the transposed B operand) fails in TritonGPUOptimizeDotOperands with
   "Illegal shared layout ... collapsedTmaShape [2, 2048]" (the joins' [.., 2] shape given an MMA
   shared layout).
-FP4 decode ("bit assembly"): an int32 word holds 8 nibbles; for A = 0..3 one shift-and-mask pair builds
-two fp16 bit patterns at once (nibble A in the low half, nibble A+4 in the high half):
-  half = (n & 7) << 9 | (n & 8) << 12  ->  fp16 value = E2M1 value * 2^-14 exactly
-(the E2M1 subnormal 0.5 lands on an fp16 subnormal, which fp16 hardware never flushes); the fp16 ->
-fp32 convert is exact and the E8M0 scale (times 2^14) is one fp32 multiply, all normal numbers.
-The tensor-core path orders K inside each 8-group as NIB = (0, 2, 1, 3, 4, 6, 5, 7) (the joins' order),
-so x is permuted the same way once on the host and h is stored permuted by the gate/up kernel.
+FP4 weights are decoded in registers by kernels/fp4_tiles.py (bit assembly; the tensor-core path's K
+order inside each 8-group is NIB = (0, 2, 1, 3, 4, 6, 5, 7), so x is permuted the same way once on the
+host and h is stored permuted by the gate/up kernel).
 """
 
 from __future__ import annotations
@@ -41,6 +37,8 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import dot_dtype
+from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_words, nib_order, nib_position, nibble_pair,
+                               scale_words)
 
 
 def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
@@ -111,122 +109,6 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     return order, expert, begin.to(torch.int32), end.to(torch.int32)
 
 
-# -- FP4 decode ------------------------------------------------------------------------------------
-
-@triton.jit
-def _nibble_pair(wd, A: tl.constexpr):
-    """int32 words -> (nibble A, nibble A+4) of each word as float32 E2M1 value * 2^-14 (exact)."""
-    if A == 3:
-        mag = (wd >> 3) & 0x0E000E00
-    else:
-        mag = (wd << (9 - 4 * A)) & 0x0E000E00
-    # -2147450880 = 0x80008000 as an int32: the two sign bits
-    bits = mag | ((wd << (12 - 4 * A)) & -2147450880)
-    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _scale_bytes(s_ptr, row_off, kw0, W: tl.constexpr, mask):
-    """E8M0 bytes of words kw0 .. kw0 + W - 1 (kw0 and W multiples of 4: 4 words share a 32-group's
-    byte) as int32 [R, W]: one load per byte, widened in registers (a load per word made 4x the L1
-    requests: ncu, the 64-token decode step, L1 92.9% busy, 77% of global sectors excess)."""
-    g = kw0 // 4 + tl.arange(0, W // 4)
-    byte = tl.load(s_ptr + row_off[:, None] + g[None, :], mask=mask, other=127).to(tl.int32)
-    return tl.reshape(tl.broadcast_to(byte[:, :, None], (row_off.shape[0], W // 4, 4)), (row_off.shape[0], W))
-
-
-@triton.jit
-def _scale_words(s_ptr, row_off, kw0, W: tl.constexpr, mask):
-    """E8M0 scale of words kw0 .. kw0 + W - 1 times 2^14, float32 [R, W]."""
-    # 2^(byte - 127) * 2^14 straight from the exponent bits: normal for every byte up to 240
-    return ((_scale_bytes(s_ptr, row_off, kw0, W, mask) + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nibble_pair_bf16(wd, A: tl.constexpr):
-    """int32 words -> (nibble A, nibble A+4) of each word as bf16 E2M1 value * 2^-126 (exact): the
-    3 magnitude bits land on the exponent's low 2 bits and the mantissa's top bit (E2M1's 0.5 on the
-    bf16 subnormal 2^-127)."""
-    if A < 2:
-        mag = (wd << (6 - 4 * A)) & 0x01C001C0
-    else:
-        mag = (wd >> (4 * A - 6)) & 0x01C001C0
-    bits = mag | ((wd << (12 - 4 * A)) & -2147450880)  # the two sign bits, as in _nibble_pair
-    lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    """The raw words [BR, BK/8] of a [BR, BK] tile of an FP4 weight [N, KDIM] and their scales per word
-    (BD: bf16 2^(byte - 127), else float32 times 2^14): apart from the decode so a K loop can issue the
-    next tile's loads early."""
-    KW: tl.constexpr = KDIM // 8
-    kw = k0 // 8 + tl.arange(0, BK // 8)
-    r64 = rows.to(tl.int64)
-    wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=rmask[:, None], other=0)
-    if BD:  # bf16 2^(byte - 127); byte 0 is 2^-127: the bf16 subnormal 0x0040
-        byte = _scale_bytes(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
-        sc = tl.where(byte == 0, 0x40, byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        sc = _scale_words(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
-    return wd, sc
-
-
-@triton.jit
-def _scaled_pair(wd, sc, A: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr):
-    """Nibbles A and A+4 of each word times their scale, in DT. BD: bf16 bits and two bf16 multiplies by
-    powers of two (exact: 2^126 makes the E2M1 value, the scale's product rounds as the float32 one
-    does); else fp16 bits, the convert to float32, one multiply and the convert to DT."""
-    if BD:
-        lo, hi = _nibble_pair_bf16(wd, A)
-        two126 = tl.full(wd.shape, 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # 2^126, from its bits
-        return (lo * two126 * sc).to(DT), (hi * two126 * sc).to(DT)
-    lo, hi = _nibble_pair(wd, A)
-    return (lo * sc).to(DT), (hi * sc).to(DT)
-
-
-@triton.jit
-def _fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr):
-    """Words and scales from `_fp4_words` -> the [BR, BK] tile in DT, K in NIB order within each
-    8-group (see the module docstring)."""
-    a0, b0 = _scaled_pair(wd, sc, 0, DT, BD)
-    a1, b1 = _scaled_pair(wd, sc, 1, DT, BD)
-    a2, b2 = _scaled_pair(wd, sc, 2, DT, BD)
-    a3, b3 = _scaled_pair(wd, sc, 3, DT, BD)
-    # [BR, BK/8, half, A & 1, A >> 1] -> position half * 4 + (A & 1) * 2 + (A >> 1), nibble A + 4 * half
-    t = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
-    return tl.reshape(t, (wd.shape[0], BK))
-
-
-@triton.jit
-def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BD: tl.constexpr):
-    rows = tl.arange(0, R)
-    wd, sc = _fp4_words(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM, BD)
-    tile = _fp4_decoded(wd, sc, KDIM, tl.bfloat16 if BD else tl.float32, BD).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * KDIM + tl.arange(0, KDIM)[None, :], tile)
-
-
-def fp4_tile_decoded(packed: torch.Tensor, scale: torch.Tensor, bf16_decode: bool) -> torch.Tensor:
-    """The grouped GEMM's tile decode alone, for checks: packed int8 [R, K/2] (R, K powers of two) and
-    E8M0 bytes [R, K/32] -> float32 [R, K] in NIB order. bf16_decode needs a GPU: the interpreter does
-    not emulate bf16 bit casts (its values come out 0)."""
-    r, k = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(r, k, dtype=torch.float32, device=packed.device)
-    _decode_tile_kernel[(1,)](packed.contiguous().view(torch.int32), scale.contiguous().view(torch.uint8), out,
-                              R=r, KDIM=k, BD=bool(bf16_decode))
-    return out
-
-
-@triton.jit
-def _nib_position(n):
-    """Column of original K index n in NIB order (swap of the two low bits; NIB is its own inverse)."""
-    return (n & -4) | ((n & 1) << 1) | ((n >> 1) & 1)
-
-
 # -- decode path: GEMV -------------------------------------------------------------------------------
 
 @triton.jit
@@ -248,11 +130,11 @@ def _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW: tl.constexpr, SPLIT_L
     for A in tl.static_range(4):
         vlo = _gemv_vec(v_ptr, kw, A, KW, SPLIT_LAYOUT)[None, :]
         vhi = _gemv_vec(v_ptr, kw, A + 4, KW, SPLIT_LAYOUT)[None, :]
-        lo, hi = _nibble_pair(wd, A)  # two separate += so each product is one FFMA into the running part
+        lo, hi = nibble_pair(wd, A)  # two separate += so each product is one FFMA into the running part
         part += lo * vlo
         part += hi * vhi
         if TWO:
-            lo, hi = _nibble_pair(wdb, A)
+            lo, hi = nibble_pair(wdb, A)
             partb += lo * vlo
             partb += hi * vhi
     acc += part * sc
@@ -273,24 +155,24 @@ def _gemv_rows_prefetch(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_fir
     kw = kw_first + tl.arange(0, BKW)
     woff = r64[:, None] * KW + kw[None, :]
     wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
-    sc = _scale_words(s_ptr, soff, kw_first, BKW, rmask[:, None])
+    sc = scale_words(s_ptr, soff, kw_first, BKW, rmask[:, None])
     wdb = wd
     scb = sc
     if TWO:
         wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
-        scb = _scale_words(sb_ptr, soff, kw_first, BKW, rmask[:, None])
+        scb = scale_words(sb_ptr, soff, kw_first, BKW, rmask[:, None])
     acc = tl.zeros([rows.shape[0], BKW], tl.float32)
     accb = tl.zeros([rows.shape[0], BKW], tl.float32)
     for it in range(NIT):
         nmask = rmask[:, None] & (it + 1 < NIT)
         kwn = kw + BKW
         wdn = tl.load(w_ptr + woff + BKW, mask=nmask, other=0)
-        scn = _scale_words(s_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
+        scn = scale_words(s_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
         wdbn = wdn
         scbn = scn
         if TWO:
             wdbn = tl.load(wb_ptr + woff + BKW, mask=nmask, other=0)
-            scbn = _scale_words(sb_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
+            scbn = scale_words(sb_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
         acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
         wd, sc, wdb, scb, kw, woff = wdn, scn, wdbn, scbn, kwn, woff + BKW
     if TWO:
@@ -315,10 +197,10 @@ def _gemv_rows(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM:
         kw = kw_first + it * BKW + tl.arange(0, BKW)
         woff = r64[:, None] * KW + kw[None, :]
         wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
-        sc = _scale_words(s_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
+        sc = scale_words(s_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
         if TWO:
             wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
-            scb = _scale_words(sb_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
+            scb = scale_words(sb_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
         else:
             wdb, scb = wd, sc
         acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
@@ -413,19 +295,6 @@ def _block_ids(NBM, NBN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _fp4_dot_scaled(wb_ptr, s_ptr, rows, rmask, k0, b_tile, acc, KDIM: tl.constexpr, BK: tl.constexpr):
-    """acc + W[rows, k0:k0+BK] @ b_tile through tl.dot_scaled: the weight's raw FP4 bytes (wb_ptr: uint8
-    [N, KDIM/2], low nibble first, as e2m1 packs) with its E8M0 bytes, Triton's own MXFP4 upcast (K in
-    natural order). GPU only: the interpreter has no dot_scaled."""
-    r64 = rows.to(tl.int64)
-    kb = k0 // 2 + tl.arange(0, BK // 2)
-    ks = k0 // 32 + tl.arange(0, BK // 32)
-    wb = tl.load(wb_ptr + r64[:, None] * (KDIM // 2) + kb[None, :], mask=rmask[:, None], other=0)
-    sb = tl.load(s_ptr + r64[:, None] * (KDIM // 32) + ks[None, :], mask=rmask[:, None], other=127)
-    return tl.dot_scaled(wb, sb, "e2m1", b_tile, None, "bf16", acc)
-
-
-@triton.jit
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
                         limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
@@ -448,31 +317,31 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     acc3 = tl.zeros([BN, BM], tl.float32)
     kk = tl.arange(0, BK)
     if PF:
-        w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK, BD)
-        w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK, BD)
+        w1n, s1n = fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK, BD)
+        w3n, s3n = fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK, BD)
     for k0 in range(0, DIM, BK):
         # x is in NIB order (permuted on the host), like the decoded tiles (natural order for SC)
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
         if SC:
-            acc1 = _fp4_dot_scaled(w1_ptr, s1_ptr, grow, n_mask, k0, tl.trans(xt), acc1, DIM, BK)
-            acc3 = _fp4_dot_scaled(w3_ptr, s3_ptr, grow, n_mask, k0, tl.trans(xt), acc3, DIM, BK)
+            acc1 = fp4_dot_scaled(w1_ptr, s1_ptr, grow, n_mask, k0, tl.trans(xt), acc1, DIM, BK)
+            acc3 = fp4_dot_scaled(w3_ptr, s3_ptr, grow, n_mask, k0, tl.trans(xt), acc3, DIM, BK)
         else:
             if PF:  # this step's words were loaded last step; the next step's go out before the decode
                 w1c, s1c, w3c, s3c = w1n, s1n, w3n, s3n
                 k1 = tl.minimum(k0 + BK, DIM - BK)
-                w1n, s1n = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK, BD)
-                w3n, s3n = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK, BD)
+                w1n, s1n = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK, BD)
+                w3n, s3n = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK, BD)
             else:
-                w1c, s1c = _fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
-                w3c, s3c = _fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
-            acc1 = tl.dot(_fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
-            acc3 = tl.dot(_fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
+                w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
+                w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
+            acc1 = tl.dot(fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
+            acc3 = tl.dot(fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
     g = tl.minimum(acc1, limit)
     u = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
     # stored in NIB order along I: the down kernel's decoded w2 tiles expect it (SC: natural order)
-    col = n_idx if SC else _nib_position(n_idx)
+    col = n_idx if SC else nib_position(n_idx)
     tl.store(h_ptr + rows[None, :].to(tl.int64) * INTER + col[:, None],
              h.to(h_ptr.dtype.element_ty), mask=rmask[None, :] & n_mask[:, None])
 
@@ -498,29 +367,23 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
     acc = tl.zeros([BN, BM], tl.float32)  # swap-AB as in the gate/up kernel: [weight rows, tokens]
     kk = tl.arange(0, BK)
     if PF:
-        wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK, BD)
+        wn, sn = fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK, BD)
     for k0 in range(0, INTER, BK):
         ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * INTER + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
         if SC:
-            acc = _fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
+            acc = fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
         else:
             if PF:
                 wc, sc = wn, sn
-                wn, sn = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK,
+                wn, sn = fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK,
                                     BD)
             else:
-                wc, sc = _fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
-            acc = tl.dot(_fp4_decoded(wc, sc, BK, DT, BD), tl.trans(ht), acc)
+                wc, sc = fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
+            acc = tl.dot(fp4_decoded(wc, sc, BK, DT, BD), tl.trans(ht), acc)
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
                   mask=rmask[None, :] & n_mask[:, None])
-
-
-def _nib_order(a: torch.Tensor) -> torch.Tensor:
-    """[R, K] -> [R, K] with K in NIB order inside each 8-group (swap of the two low index bits)."""
-    r, kdim = a.shape
-    return a.reshape(r, kdim // 8, 2, 2, 2).transpose(-1, -2).reshape(r, kdim)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -612,7 +475,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
     if sc and prefetch:
         raise ValueError("scaled=True decodes inside tl.dot_scaled: no prefetch with it")
-    xp = x.contiguous() if sc else _nib_order(x.contiguous())
+    xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
     launch = {} if maxnreg is None else {"maxnreg": int(maxnreg)}

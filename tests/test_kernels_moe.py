@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import kernels._formats
+import kernels.fp4_tiles
 import kernels.moe
 
-for _m in (kernels._formats, kernels.moe):
+for _m in (kernels._formats, kernels.fp4_tiles, kernels.moe):
     importlib.reload(_m)
 
 from engine import quant as Q  # noqa: E402
-from kernels import moe  # noqa: E402
+from kernels import fp4_tiles, moe  # noqa: E402
 
 
 def _rel(a, b):
@@ -66,15 +67,15 @@ def test_tile_decode_every_byte_and_scale():
     form's scale word, 2^(byte - 113), leaves the exponent field past that; checkpoint scales sit near
     2^-10), subnormal products included: equal to engine.quant's decode, in NIB order."""
     packed, scale = _every_byte_under_every_scale()
-    assert torch.equal(moe.fp4_tile_decoded(packed, scale, False),
-                       moe._nib_order(moe._dequantize_fp4_device(packed, scale)))
+    assert torch.equal(fp4_tiles.fp4_tile_decoded(packed, scale, False),
+                       fp4_tiles.nib_order(moe._dequantize_fp4_device(packed, scale)))
 
 
 def test_nib_order_is_the_decoders_order():
     a = torch.arange(16.0).reshape(1, 16)
-    got = moe._nib_order(a)[0].tolist()
+    got = fp4_tiles.nib_order(a)[0].tolist()
     assert got == [0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15]
-    assert torch.equal(moe._nib_order(moe._nib_order(a)), a)
+    assert torch.equal(fp4_tiles.nib_order(fp4_tiles.nib_order(a)), a)
 
 
 @pytest.mark.parametrize("t,iters", [(1, 1), (2, 2), (1, 4)])

@@ -18,6 +18,7 @@ import kernels.quant
 import kernels.topk
 import kernels.indexer
 import kernels.sparse_attn
+import kernels.fp4_tiles
 import kernels.moe
 import kernels.mhc
 import kernels.fp8_linear
@@ -25,7 +26,7 @@ import kernels.dispatch
 from tests.test_kernels_mhc import _inputs as mhc_inputs
 
 # if another test imported the kernels without the interpreter, re-create the jit functions
-for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.moe,
+for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles, kernels.moe,
            kernels.mhc, kernels.fp8_linear, kernels.dispatch):
     importlib.reload(_m)
 

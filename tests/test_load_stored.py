@@ -37,6 +37,7 @@ import torch
 
 import kernels._formats
 import kernels.dispatch
+import kernels.fp4_tiles
 import kernels.fp8_linear
 import kernels.indexer
 import kernels.mhc
@@ -46,7 +47,7 @@ import kernels.sparse_attn
 import kernels.topk
 
 # if another test imported the kernels without the interpreter, re-create the jit functions
-for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.moe,
+for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles, kernels.moe,
            kernels.mhc, kernels.fp8_linear, kernels.dispatch):
     importlib.reload(_m)
 

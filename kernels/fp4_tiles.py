@@ -1,0 +1,153 @@
+"""FP4 (E2M1) weight tiles with E8M0 scales per 32, decoded in registers for the MoE kernels (kernels/moe.py).
+
+Bit assembly: an int32 word holds 8 nibbles; for A = 0..3 one shift-and-mask pair builds two 16-bit
+patterns at once (nibble A in the low half, nibble A+4 in the high half):
+- fp16 form: half = (n & 7) << 9 | (n & 8) << 12 -> fp16 value = E2M1 value * 2^-14 exactly (the E2M1
+  subnormal 0.5 lands on an fp16 subnormal, which fp16 hardware never flushes); the fp16 -> fp32
+  convert is exact and the E8M0 scale (times 2^14) one fp32 multiply.
+- bf16 form (tensor-core tiles): the 3 magnitude bits on bf16's low exponent bits and top mantissa bit
+  -> E2M1 value * 2^-126 exactly; times 2^126 and the scale as two exact bf16 multiplies.
+Scale bytes are loaded once per 32-group and widened in registers (a load per word made 4x the L1
+requests). Tiles come out with K in NIB = (0, 2, 1, 3, 4, 6, 5, 7) order inside each 8-group (the
+joins' order); `nib_order` permutes an activation the same way. `fp4_dot_scaled` is the other route:
+the raw bytes into Triton's own MXFP4 upcast (tl.dot_scaled; GPU only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def nibble_pair(wd, A: tl.constexpr):
+    """int32 words -> (nibble A, nibble A+4) of each word as float32 E2M1 value * 2^-14 (exact)."""
+    if A == 3:
+        mag = (wd >> 3) & 0x0E000E00
+    else:
+        mag = (wd << (9 - 4 * A)) & 0x0E000E00
+    # -2147450880 = 0x80008000 as an int32: the two sign bits
+    bits = mag | ((wd << (12 - 4 * A)) & -2147450880)
+    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def scale_bytes(s_ptr, row_off, kw0, W: tl.constexpr, mask):
+    """E8M0 bytes of words kw0 .. kw0 + W - 1 (kw0 and W multiples of 4: 4 words share a 32-group's
+    byte) as int32 [R, W]: one load per byte, widened in registers (a load per word made 4x the L1
+    requests: ncu, the 64-token decode step, L1 92.9% busy, 77% of global sectors excess)."""
+    g = kw0 // 4 + tl.arange(0, W // 4)
+    byte = tl.load(s_ptr + row_off[:, None] + g[None, :], mask=mask, other=127).to(tl.int32)
+    return tl.reshape(tl.broadcast_to(byte[:, :, None], (row_off.shape[0], W // 4, 4)), (row_off.shape[0], W))
+
+
+@triton.jit
+def scale_words(s_ptr, row_off, kw0, W: tl.constexpr, mask):
+    """E8M0 scale of words kw0 .. kw0 + W - 1 times 2^14, float32 [R, W]."""
+    # 2^(byte - 127) * 2^14 straight from the exponent bits: normal for every byte up to 240
+    return ((scale_bytes(s_ptr, row_off, kw0, W, mask) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nibble_pair_bf16(wd, A: tl.constexpr):
+    """int32 words -> (nibble A, nibble A+4) of each word as bf16 E2M1 value * 2^-126 (exact): the
+    3 magnitude bits land on the exponent's low 2 bits and the mantissa's top bit (E2M1's 0.5 on the
+    bf16 subnormal 2^-127)."""
+    if A < 2:
+        mag = (wd << (6 - 4 * A)) & 0x01C001C0
+    else:
+        mag = (wd >> (4 * A - 6)) & 0x01C001C0
+    bits = mag | ((wd << (12 - 4 * A)) & -2147450880)  # the two sign bits, as in nibble_pair
+    lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """The raw words [BR, BK/8] of a [BR, BK] tile of an FP4 weight [N, KDIM] and their scales per word
+    (BD: bf16 2^(byte - 127), else float32 times 2^14): apart from the decode so a K loop can issue the
+    next tile's loads early."""
+    KW: tl.constexpr = KDIM // 8
+    kw = k0 // 8 + tl.arange(0, BK // 8)
+    r64 = rows.to(tl.int64)
+    wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=rmask[:, None], other=0)
+    if BD:  # bf16 2^(byte - 127); byte 0 is 2^-127: the bf16 subnormal 0x0040
+        byte = scale_bytes(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
+        sc = tl.where(byte == 0, 0x40, byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        sc = scale_words(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
+    return wd, sc
+
+
+@triton.jit
+def _scaled_pair(wd, sc, A: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr):
+    """Nibbles A and A+4 of each word times their scale, in DT. BD: bf16 bits and two bf16 multiplies by
+    powers of two (exact: 2^126 makes the E2M1 value, the scale's product rounds as the float32 one
+    does); else fp16 bits, the convert to float32, one multiply and the convert to DT."""
+    if BD:
+        lo, hi = nibble_pair_bf16(wd, A)
+        two126 = tl.full(wd.shape, 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)  # 2^126, from its bits
+        return (lo * two126 * sc).to(DT), (hi * two126 * sc).to(DT)
+    lo, hi = nibble_pair(wd, A)
+    return (lo * sc).to(DT), (hi * sc).to(DT)
+
+
+@triton.jit
+def fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr):
+    """Words and scales from `fp4_words` -> the [BR, BK] tile in DT, K in NIB order within each
+    8-group (see the module docstring)."""
+    a0, b0 = _scaled_pair(wd, sc, 0, DT, BD)
+    a1, b1 = _scaled_pair(wd, sc, 1, DT, BD)
+    a2, b2 = _scaled_pair(wd, sc, 2, DT, BD)
+    a3, b3 = _scaled_pair(wd, sc, 3, DT, BD)
+    # [BR, BK/8, half, A & 1, A >> 1] -> position half * 4 + (A & 1) * 2 + (A >> 1), nibble A + 4 * half
+    t = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
+    return tl.reshape(t, (wd.shape[0], BK))
+
+
+@triton.jit
+def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BD: tl.constexpr):
+    rows = tl.arange(0, R)
+    wd, sc = fp4_words(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM, BD)
+    tile = fp4_decoded(wd, sc, KDIM, tl.bfloat16 if BD else tl.float32, BD).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * KDIM + tl.arange(0, KDIM)[None, :], tile)
+
+
+def fp4_tile_decoded(packed: torch.Tensor, scale: torch.Tensor, bf16_decode: bool) -> torch.Tensor:
+    """The grouped GEMM's tile decode alone, for checks: packed int8 [R, K/2] (R, K powers of two) and
+    E8M0 bytes [R, K/32] -> float32 [R, K] in NIB order. bf16_decode needs a GPU: the interpreter does
+    not emulate bf16 bit casts (its values come out 0)."""
+    r, k = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty(r, k, dtype=torch.float32, device=packed.device)
+    _decode_tile_kernel[(1,)](packed.contiguous().view(torch.int32), scale.contiguous().view(torch.uint8), out,
+                              R=r, KDIM=k, BD=bool(bf16_decode))
+    return out
+
+
+@triton.jit
+def nib_position(n):
+    """Column of original K index n in NIB order (swap of the two low bits; NIB is its own inverse)."""
+    return (n & -4) | ((n & 1) << 1) | ((n >> 1) & 1)
+
+
+@triton.jit
+def fp4_dot_scaled(wb_ptr, s_ptr, rows, rmask, k0, b_tile, acc, KDIM: tl.constexpr, BK: tl.constexpr):
+    """acc + W[rows, k0:k0+BK] @ b_tile through tl.dot_scaled: the weight's raw FP4 bytes (wb_ptr: uint8
+    [N, KDIM/2], low nibble first, as e2m1 packs) with its E8M0 bytes, Triton's own MXFP4 upcast (K in
+    natural order). GPU only: the interpreter has no dot_scaled."""
+    r64 = rows.to(tl.int64)
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    ks = k0 // 32 + tl.arange(0, BK // 32)
+    wb = tl.load(wb_ptr + r64[:, None] * (KDIM // 2) + kb[None, :], mask=rmask[:, None], other=0)
+    sb = tl.load(s_ptr + r64[:, None] * (KDIM // 32) + ks[None, :], mask=rmask[:, None], other=127)
+    return tl.dot_scaled(wb, sb, "e2m1", b_tile, None, "bf16", acc)
+
+
+def nib_order(a: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R, K] with K in NIB order inside each 8-group (swap of the two low index bits)."""
+    r, kdim = a.shape
+    return a.reshape(r, kdim // 8, 2, 2, 2).transpose(-1, -2).reshape(r, kdim)
