@@ -298,7 +298,7 @@ def _block_ids(NBM, NBN: tl.constexpr, GROUP_M: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
                         limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                        GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
+                        GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
     mb, nb = _block_ids(NBM, (INTER + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -316,9 +316,6 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     acc1 = tl.zeros([BN, BM], tl.float32)
     acc3 = tl.zeros([BN, BM], tl.float32)
     kk = tl.arange(0, BK)
-    if PF:
-        w1n, s1n = fp4_words(w1_ptr, s1_ptr, grow, n_mask, 0, DIM, BK, BD)
-        w3n, s3n = fp4_words(w3_ptr, s3_ptr, grow, n_mask, 0, DIM, BK, BD)
     for k0 in range(0, DIM, BK):
         # x is in NIB order (permuted on the host), like the decoded tiles (natural order for SC)
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
@@ -327,14 +324,8 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
             acc1 = fp4_dot_scaled(w1_ptr, s1_ptr, grow, n_mask, k0, tl.trans(xt), acc1, DIM, BK)
             acc3 = fp4_dot_scaled(w3_ptr, s3_ptr, grow, n_mask, k0, tl.trans(xt), acc3, DIM, BK)
         else:
-            if PF:  # this step's words were loaded last step; the next step's go out before the decode
-                w1c, s1c, w3c, s3c = w1n, s1n, w3n, s3n
-                k1 = tl.minimum(k0 + BK, DIM - BK)
-                w1n, s1n = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k1, DIM, BK, BD)
-                w3n, s3n = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k1, DIM, BK, BD)
-            else:
-                w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
-                w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
+            w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
+            w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
             acc1 = tl.dot(fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
             acc3 = tl.dot(fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
     g = tl.minimum(acc1, limit)
@@ -350,7 +341,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, NBM,
                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                     GROUP_M: tl.constexpr, PF: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
+                     GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
     mb, nb = _block_ids(NBM, (DIM + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -366,20 +357,13 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
     grow = e.to(tl.int64) * DIM + n_idx
     acc = tl.zeros([BN, BM], tl.float32)  # swap-AB as in the gate/up kernel: [weight rows, tokens]
     kk = tl.arange(0, BK)
-    if PF:
-        wn, sn = fp4_words(w2_ptr, s2_ptr, grow, n_mask, 0, INTER, BK, BD)
     for k0 in range(0, INTER, BK):
         ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * INTER + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
         if SC:
             acc = fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
         else:
-            if PF:
-                wc, sc = wn, sn
-                wn, sn = fp4_words(w2_ptr, s2_ptr, grow, n_mask, tl.minimum(k0 + BK, INTER - BK), INTER, BK,
-                                    BD)
-            else:
-                wc, sc = fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
+            wc, sc = fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
             acc = tl.dot(fp4_decoded(wc, sc, BK, DT, BD), tl.trans(ht), acc)
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
@@ -415,7 +399,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
                    gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
-                   gemv_down_num_warps: int | None = None, prefetch: bool = False, maxnreg: int | None = None,
+                   gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool = True, scaled: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
@@ -424,9 +408,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     gemv_prefetch (run 4's candidate): each GEMV program loops over its gemv_iters K steps with the
     next step's loads issued before this step's decode (`_gemv_rows_prefetch`), so long K slices
     (few or no K splits, fewer atomics) keep loads in flight; gemv_down_num_warps: the down kernel's
-    warps (default gemv_num_warps). prefetch: the grouped GEMM's K loop loads the next step's weight
-    words before decoding this step's (ncu, run 6: the gate/up kernel's warps wait on those loads 31% of
-    the time); maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM); bf16_decode
+    warps (default gemv_num_warps). maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM); bf16_decode
     (default; where the dots run in bf16, i.e. not under the interpreter): the grouped GEMM decodes FP4
     straight into bf16 bits (`_scaled_pair`), no float32 round trip (H200 run 11: 2.68 vs 3.00 ms at the
     64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked in benches/kernels.py); scaled:
@@ -473,8 +455,6 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
-    if sc and prefetch:
-        raise ValueError("scaled=True decodes inside tl.dot_scaled: no prefetch with it")
     xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
@@ -483,9 +463,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        PF=prefetch, BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
+        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
     _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
         h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        PF=prefetch, BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
+        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
     return out
