@@ -300,7 +300,8 @@ def case_moe(bw, mm):
     print(f"[moe] tile decode exact: {LOG['moe_tile_decode_exact']}", flush=True)
     # the default first (Nsight profiles a case's first launch); every 8-warp tile lost to the 4-warp
     # ones in runs 2-6; loading the next K step's weight words before this step's decode lost in runs
-    # 7-11 (14.98 vs 12.99 ms) and is gone; bf16_decode (FP4 straight into bf16 bits) is the default since run 11 (10.3 vs 10.6 ms)
+    # 7-11 (14.98 vs 12.99 ms) and is gone; bf16_decode (FP4 straight into bf16 bits) is the default since
+    # run 11 (10.3 vs 10.6 ms)
     cfgs = [dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode=False),
             dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),

@@ -80,6 +80,12 @@ def e2m1_code(v):
     return code | (sign << 3)
 
 
+def register_cap(maxnreg: int | None) -> dict:
+    """Launch options for a register cap per thread (none for 0 or None): more programs per SM for a
+    kernel held to few by its registers, at the price of spills."""
+    return {"maxnreg": int(maxnreg)} if maxnreg else {}
+
+
 def dot_dtype():
     """Operand type for tl.dot: bf16 on the GPU; float32 under TRITON_INTERPRET=1, whose bf16 dot is
     wrong (seen with triton 3.7.1: a 16x16 bf16 product off by 1e10)."""

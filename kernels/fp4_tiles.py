@@ -69,8 +69,9 @@ def nibble_pair_bf16(wd, A: tl.constexpr):
 @triton.jit
 def fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """The raw words [BR, BK/8] of a [BR, BK] tile of an FP4 weight [N, KDIM] and their scales per word
-    (BD: bf16 2^(byte - 127), else float32 times 2^14): apart from the decode so a K loop can issue the
-    next tile's loads early."""
+    (BD: bf16 2^(byte - 127), else float32 times 2^14): apart from the decode, so that a kernel issues
+    several tiles' loads before any decode (the gate/up kernel: W1's and W3's; 243 registers at the
+    release's prefill tiles, 252 when each tile is loaded and decoded in turn)."""
     KW: tl.constexpr = KDIM // 8
     kw = k0 // 8 + tl.arange(0, BK // 8)
     r64 = rows.to(tl.int64)
@@ -110,10 +111,19 @@ def fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def fp4_tile(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+             BD: tl.constexpr):
+    """[BR, BK] tile of an FP4 weight [N, KDIM] (int32 words, 8 nibbles each) decoded to DT, K in NIB
+    order within each 8-group; BD: through bf16 bits (DT bf16)."""
+    wd, sc = fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM, BK, BD)
+    return fp4_decoded(wd, sc, BK, DT, BD)
+
+
+@triton.jit
 def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BD: tl.constexpr):
     rows = tl.arange(0, R)
-    wd, sc = fp4_words(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM, BD)
-    tile = fp4_decoded(wd, sc, KDIM, tl.bfloat16 if BD else tl.float32, BD).to(tl.float32)
+    tile = fp4_tile(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM, tl.bfloat16 if BD else tl.float32, BD)
+    tile = tile.to(tl.float32)
     tl.store(out_ptr + rows[:, None] * KDIM + tl.arange(0, KDIM)[None, :], tile)
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e4m3_value, e8m0_value, fp4_value
+from kernels._formats import e4m3_value, e8m0_value, fp4_value, register_cap
 from kernels.topk import _pow2, default_groups, select_from_maxima, topk_positions_reference
 
 
@@ -300,7 +300,7 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
         POOL_BLOCK=pool_block, H=h, D=d, BT=bt, BN=bn, GM=gm, HAS_POOL=pool_mask is not None,
         WRITE_MAX=topk is not None, FP8=not interp, ASM=(not interp) if key_asm is None else key_asm,
         PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, num_warps=num_warps or (8 if decode else 4),
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        **register_cap(maxnreg))
     return out, (maxima if topk is not None else None), (counts if topk is not None else None)
 
 

@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import dot_dtype
-from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_words, nib_order, nib_position, nibble_pair,
-                               scale_words)
+from kernels._formats import dot_dtype, register_cap
+from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_tile, fp4_words, nib_order, nib_position,
+                               nibble_pair, scale_words)
 
 
 def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
@@ -324,7 +324,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
             acc1 = fp4_dot_scaled(w1_ptr, s1_ptr, grow, n_mask, k0, tl.trans(xt), acc1, DIM, BK)
             acc3 = fp4_dot_scaled(w3_ptr, s3_ptr, grow, n_mask, k0, tl.trans(xt), acc3, DIM, BK)
         else:
-            w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)
+            w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)  # both loads before a decode
             w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
             acc1 = tl.dot(fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
             acc3 = tl.dot(fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
@@ -363,8 +363,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
         if SC:
             acc = fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
         else:
-            wc, sc = fp4_words(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, BD)
-            acc = tl.dot(fp4_decoded(wc, sc, BK, DT, BD), tl.trans(ht), acc)
+            acc = tl.dot(fp4_tile(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, DT, BD), tl.trans(ht), acc)
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
                   mask=rmask[None, :] & n_mask[:, None])
@@ -403,14 +402,14 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    bf16_decode: bool = True, scaled: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
-    was loaded once; 8 rows had won by 3% before); otherwise
-    the grouped GEMM (block_m tokens x block_n rows x block_k, group_m).
+    was loaded once; 8 rows had won by 3% before); otherwise the grouped GEMM (block_m tokens x
+    block_n rows x block_k, group_m).
     gemv_prefetch (run 4's candidate): each GEMV program loops over its gemv_iters K steps with the
     next step's loads issued before this step's decode (`_gemv_rows_prefetch`), so long K slices
     (few or no K splits, fewer atomics) keep loads in flight; gemv_down_num_warps: the down kernel's
-    warps (default gemv_num_warps). maxnreg: a register cap for the grouped GEMM's kernels (more programs per SM); bf16_decode
-    (default; where the dots run in bf16, i.e. not under the interpreter): the grouped GEMM decodes FP4
-    straight into bf16 bits (`_scaled_pair`), no float32 round trip (H200 run 11: 2.68 vs 3.00 ms at the
+    warps (default gemv_num_warps). maxnreg: a register cap for the grouped GEMM's kernels (more
+    programs per SM); bf16_decode (default; where the dots run in bf16, i.e. not under the
+    interpreter): the grouped GEMM decodes FP4 straight into bf16 bits, no float32 round trip (H200 run 11: 2.68 vs 3.00 ms at the
     64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked in benches/kernels.py); scaled:
     the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled (Triton's MXFP4 path; on the GPU
     only, the interpreter keeps the bit-assembly decode)."""
@@ -458,14 +457,13 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
-    launch = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
     bd = bool(bf16_decode) and dt == tl.bfloat16 and not sc  # the interpreter's dots run in float32
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
+        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
     _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
         h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **launch)
+        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
     return out

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._formats import register_cap
+
 
 def topk_positions_reference(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """values [R, L] float -> int32 [R, k]; entries at or past lengths[r] count as -inf."""
@@ -390,11 +392,6 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _cap(maxnreg: int | None) -> dict:
-    """Launch options for a register cap (none when 0 or None)."""
-    return {"maxnreg": int(maxnreg)} if maxnreg else {}
-
-
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int | None = None,
                        bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
                        num_warps: int | None = None, select: str | None = None,
@@ -429,7 +426,7 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
         _row_select_kernel[(r,)](values, values.stride(0), n, lens, maxima, n_groups, glist, cval, cidx, out,
                                  K=k, NGP=ngp, G=g, BLOCK=max(block, g), CAP=cap, BITS=bits,
                                  HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, num_warps=num_warps,
-                                 **_cap(maxnreg))
+                                 **register_cap(maxnreg))
         return out
     gb = min(g, block)
     gpp = max(1, block // g)
@@ -452,7 +449,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     bits (the radix fallback's digit width), rows_path (force a path), chunk (entries per group-maxima
     program on the split path), select ("count": the k-th keys by 16 counting steps; "hist": by 4 8-bit
     histogram steps). tune: slice_len, num_warps, maxnreg (rows path: a register cap, so that more
-    rows are resident per SM; ncu, run 6: 126 registers held the kernel to 2 rows of 8 warps). Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
+    rows are resident per SM; ncu, run 6: 126 registers held the kernel to 2 rows of 8 warps).
+    Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
     if k & (k - 1):
@@ -481,7 +479,7 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
                                  BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
                                  HAS_MAX=False, SEL=_select_code(select),
                                  num_warps=tune.get("num_warps", defaults["num_warps"]),
-                                 **_cap(tune.get("maxnreg", defaults.get("maxnreg"))))
+                                 **register_cap(tune.get("maxnreg", defaults.get("maxnreg"))))
         return out
     mblock = max(min(block, 1024), g)
     if chunk is None:  # ~512 programs over all rows

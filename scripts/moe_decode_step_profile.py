@@ -9,22 +9,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benches.kernel_bench import rand_fp4  # noqa: E402
 from kernels import moe  # noqa: E402
 
 
 def main() -> None:
     dev, e, inter, dim, k, tokens = "cuda", 384, 2304, 5120, 6, 64
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def fp4(rows, cols):
-        packed = torch.randint(-128, 128, (e, rows, cols // 2), dtype=torch.int8, device=dev, generator=gen)
-        scale = torch.randint(112, 124, (e, rows, cols // 32), dtype=torch.uint8, device=dev, generator=gen)
-        return packed, scale.view(torch.float8_e8m0fnu)
-
-    (w1, s1), (w3, s3), (w2, s2) = fp4(inter, dim), fp4(inter, dim), fp4(dim, inter)
-    x = torch.randn(tokens, dim, device=dev, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(tokens)]).int()
-    tw = torch.softmax(torch.randn(tokens, k, device=dev, generator=gen), -1)
+    torch.manual_seed(0)
+    (w1, s1), (w3, s3), (w2, s2) = (rand_fp4(shape, 32) for shape in ((e, inter, dim), (e, inter, dim), (e, dim, inter)))
+    x = torch.randn(tokens, dim, device=dev).bfloat16()
+    ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(tokens)]).int()
+    tw = torch.softmax(torch.randn(tokens, k, device=dev), -1)
     for _ in range(2):
         moe.moe_fp4_triton(x, w1, s1, w3, s3, w2, s2, ids, tw)
     torch.cuda.synchronize()

@@ -26,8 +26,8 @@ import kernels.dispatch
 from tests.test_kernels_mhc import _inputs as mhc_inputs
 
 # if another test imported the kernels without the interpreter, re-create the jit functions
-for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles, kernels.moe,
-           kernels.mhc, kernels.fp8_linear, kernels.dispatch):
+for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles,
+           kernels.moe, kernels.mhc, kernels.fp8_linear, kernels.dispatch):
     importlib.reload(_m)
 
 from engine import quant as Q  # noqa: E402

@@ -47,8 +47,8 @@ import kernels.sparse_attn
 import kernels.topk
 
 # if another test imported the kernels without the interpreter, re-create the jit functions
-for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles, kernels.moe,
-           kernels.mhc, kernels.fp8_linear, kernels.dispatch):
+for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles,
+           kernels.moe, kernels.mhc, kernels.fp8_linear, kernels.dispatch):
     importlib.reload(_m)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
