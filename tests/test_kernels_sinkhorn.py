@@ -32,14 +32,17 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("t", [1, 5, 64, 130])
 def test_forward_matches_the_engine_sinkhorn_in_float64(poisoned, t):
-    z = _logits(t, random.randrange(2**31))
+    seed = random.randrange(2**31)
+    z = _logits(t, seed)
     want = mhc.sinkhorn(z.double(), 20, 1e-6)          # the engine's own Sinkhorn, the reference
     got = sk.sinkhorn_forward(z, 20, 1e-6)
     assert got.shape == (t, 4, 4)
-    assert _rel(want, got) < 1e-6
-    # what Sinkhorn is for: columns sum to 1 (the last step), rows nearly
-    assert torch.allclose(got.sum(-2), torch.ones(t, 4), atol=1e-5)
-    assert torch.allclose(got.sum(-1), torch.ones(t, 4), atol=5e-2)  # 20 rounds on sharp logits: within 2%
+    assert _rel(want, got) < 1e-6, f"seed {seed}"
+    # what Sinkhorn is for: columns sum to 1 (the last step is a column normalisation)
+    assert torch.allclose(got.sum(-2), torch.ones(t, 4), atol=1e-5), f"seed {seed}"
+    # rows only approach 1 after 20 rounds on sharp logits (a few draws in a thousand stay >2% off, in
+    # float64 too): the kernel's row sums are the reference's, whatever they are
+    assert torch.allclose(got.sum(-1).double(), want.sum(-1), atol=1e-5), f"seed {seed}"
 
 
 @pytest.mark.parametrize("t,iters", [(3, 20), (70, 20), (9, 3), (4, 1)])
