@@ -324,9 +324,11 @@ def case_moe(bw, mm):
     base = dict(block_m=16, block_n=64, num_warps=4)
     # run 9 (bit-assembly decode, a scale byte loaded per word): the default 4.56 ms best; prefetch,
     # BK 128/256, BN 128, 1 stage, bf16_decode 4.76-8.64 ms; run 10: scaled 4.65-10.4 ms
-    # (benches/results/kernels-h200-run9.md, -run10.md); now one load per scale byte
-    cfgs = [dict(), dict(base, block_k=128), dict(base, block_k=128, num_stages=4), dict(base, block_k=256),
-            dict(base, block_n=128, block_k=128), dict(base, bf16_decode=False), dict(scaled=True)]
+    # (benches/results/kernels-h200-run9.md, -run10.md)
+    # runs 11-12 (one load per scale byte): BK 128/256, BN 128, fp32 decode all slower (2.92-3.76 ms)
+    cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
+            dict(base, num_stages=4), dict(base, group_m=1), dict(base, block_n=128, num_warps=8),
+            dict(base, block_k=32)]
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)
@@ -365,10 +367,13 @@ def case_mhc(bw, mm):
                     {**tok, "token_block": 128, "block_d": 32, "num_stages": 2},
                     {**tok, "token_block": 32, "block_d": 32, "num_stages": 3, "waves": 2},
                     {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "num_warps": 4}],
-             1: [{}, {"finish": "launch"}, {"waves": 1}, {"waves": 2}]}
+             1: [{}, {"finish": "launch"}, {"waves": 1}, {"waves": 2}],
+             # the release layer's decode step (2 x 84 us there, run 6's profile: 10x its 1-token time)
+             64: [{}, {"waves": 2}, {"waves": 4}, {"token_block": 32}, {"token_block": 64}, {"finish": "launch"},
+                  {"token_block": 8}, {**tok, "block_d": 32, "num_stages": 2}]}
     logged_only = {4096: [{"split": 2}, {"token_block": 32, "num_stages": 2, "waves": 2, "split": 2},
-                          {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: []}
-    for tq, goal in ((4096, 135), (1, 8)):
+                          {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: [], 64: []}
+    for tq, goal in ((4096, 135), (64, "-"), (1, 8)):
         x = torch.randn(tq, 4, dim, device=DEV).bfloat16()
         fn = torch.randn(24, 4 * dim, device=DEV) * 0.01
         scale, base = torch.rand(3, device=DEV) + 0.5, torch.randn(24, device=DEV) * 0.5
@@ -384,7 +389,7 @@ def case_mhc(bw, mm):
                 got = mhc.mhc_triton(*args, **cfg)
                 errs = [rel(a, b) for a, b in zip(want, got)]
                 chk = "rel " + "/".join(f"{e:.0e}" for e in errs)
-                times[str(cfg)] = (bench(lambda: mhc.mhc_triton(*args, **cfg), graph=tq == 1), chk)
+                times[str(cfg)] = (bench(lambda: mhc.mhc_triton(*args, **cfg), graph=tq <= 64), chk)
                 if not max(errs) < 1e-3:  # logged, never the row's pick
                     bad.add(str(cfg))
                 print(f"[sweep] mhc {tq} {cfg}: {times[str(cfg)][0]:.1f} us ({chk})", flush=True)
@@ -397,14 +402,20 @@ def case_mhc(bw, mm):
             raise RuntimeError(f"no mHC configuration ran at {tq} tokens (see the errors above)")
         best = min(ok, key=lambda c: times[c][0])
         t, chk = times[best]
-        te = bench(lambda: mhc_eager(*args), graph=tq == 1)
+        te = bench(lambda: mhc_eager(*args), graph=tq <= 64)
         byt = tq * (4 * dim * 2 * 2 + dim * 2 * 2) + fn.numel() * 4
         row(f"fused mHC (update+collapse+mixes+Sinkhorn), {tq} token{'s' if tq > 1 else ''}", t,
             byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, chk, goal)
 
 
 def case_linear(bw, mm):
-    for m_, n_, k_ in ((4096, 5120, 8192), (64, 5120, 8192)):
+    """The prefill product, then the release layer's decode-step shapes (64 rows), each swept against
+    the old launch (one split, 64 x 128 tiles of 8 warps: 131.8 us at 64 x 5120 x 8192, run 1)."""
+    old = dict(split_k=1, block_n=128, num_warps=8)
+    decode_cfgs = [dict(), old, dict(split_k=1), dict(waves=1), dict(waves=4), dict(num_stages=3),
+                   dict(num_stages=6), dict(block_n=128)]
+    for m_, n_, k_, what in ((4096, 5120, 8192, "wo_b"), (64, 5120, 8192, "wo_b"), (64, 32768, 1280, "wq_b"),
+                             (64, 1280, 5120, "wq_a"), (64, 2304, 5120, "shared expert w1")):
         x = torch.randn(m_, k_, device=DEV).bfloat16()
         w = (torch.randn(n_, k_, device=DEV) * 30).to(torch.float8_e4m3fn)
         ws = torch.randint(118, 124, (n_ // 32, k_ // 32), dtype=torch.uint8, device=DEV).view(torch.float8_e8m0fnu)
@@ -414,15 +425,23 @@ def case_linear(bw, mm):
             a = (q.float().unflatten(-1, (-1, 32)) * s.float().unsqueeze(-1)).flatten(-2)
             b = w.float() * ws.float().repeat_interleave(32, 0).repeat_interleave(32, 1)
             return (a @ b.T).bfloat16()
-        out = fp8_linear.fp8_linear_triton(x, w, ws)
-        chk = f"rel {rel(eager(), out):.1e}"
-        t = bench(lambda: fp8_linear.fp8_linear_triton(x, w, ws), graph=m_ <= 64, rep=100)
-        te = bench(eager, rep=100)
+        want = eager()
+        cfg = {}
+        if m_ <= 64:
+            cfg, t, r = sweep(f"linear_cfgs_{m_}x{n_}x{k_}", f"linear {m_}x{n_}x{k_}", decode_cfgs,
+                              lambda **c: fp8_linear.fp8_linear_triton(x, w, ws, **c), lambda out: rel(want, out),
+                              valid=lambda r: r < 1e-2, graph=True, rep=100)
+            LOG[f"linear_plan_{m_}x{n_}x{k_}"] = fp8_linear.fp8_linear_plan(m_, n_, k_, x.device)
+        else:
+            r = rel(want, fp8_linear.fp8_linear_triton(x, w, ws))
+            t = bench(lambda: fp8_linear.fp8_linear_triton(x, w, ws), rep=100)
+        te = bench(eager, rep=100, graph=m_ <= 64)
         flops = 2.0 * m_ * n_ * k_
         byt = n_ * k_ + m_ * k_ * 2 + m_ * n_ * 2
         floor = max(flops / mm, byt / bw) * 1e6
-        row(f"FP8 block-scaled linear {m_}x{n_}x{k_} (wo_b)", t, floor, "bf16 MMA" if m_ > 64 else "HBM",
-            f"{flops / t / 1e6:.0f} TFLOP/s, {byt / t / 1e6:.2f} TB/s", te, chk, "-")
+        row(f"FP8 block-scaled linear {m_}x{n_}x{k_} ({what})", t, floor, "bf16 MMA" if m_ > 64 else "HBM",
+            f"{flops / t / 1e6:.0f} TFLOP/s, {byt / t / 1e6:.2f} TB/s" + (f"; cfg {cfg}" if m_ <= 64 else ""),
+            te, f"rel {r:.1e}", "-")
 
 
 def case_quant(bw, mm):

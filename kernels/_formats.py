@@ -86,6 +86,21 @@ def register_cap(maxnreg: int | None) -> dict:
     return {"maxnreg": int(maxnreg)} if maxnreg else {}
 
 
+_SM_COUNT: dict = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); off the GPU the H200's 132, so the
+    interpreter takes the same launch shapes as the H200."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
 def dot_dtype():
     """Operand type for tl.dot: bf16 on the GPU; float32 under TRITON_INTERPRET=1, whose bf16 dot is
     wrong (seen with triton 3.7.1: a 16x16 bf16 product off by 1e10)."""

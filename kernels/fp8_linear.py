@@ -3,7 +3,8 @@ on the fly to E4M3 with one E8M0 scale per 32 (kernels.quant, bit-exact with eng
 
 x bf16 [M, K], w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N/32), K/32] -> bf16 [M, N].
 Each 32-wide K step is one FP8 tensor-core product, promoted to float32 and scaled there (so the
-tensor core's short accumulator never spans more than 32 products).
+tensor core's short accumulator never spans more than 32 products). Decode-sized products (<= 64 rows)
+split K over more programs (`fp8_linear_plan`) and add the float32 partials in a fixed order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e4m3_value, e8m0_value
+from kernels._formats import e4m3_value, e8m0_value, sm_count
 from kernels.quant import quantize_fp8_triton
 
 
@@ -42,8 +43,11 @@ def fp8_linear_reference(x, w, w_scale):
 
 
 @triton.jit
-def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
-                       BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, GROUP: tl.constexpr):
+def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
+                       BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, GROUP: tl.constexpr,
+                       PARTIAL: tl.constexpr):
+    """Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS) of 32.
+    PARTIAL: stored as float32 into split's slice of c [splits, M, N]; else as bf16 into c [M, N]."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -60,8 +64,9 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     nm = rn < N
     kk = tl.arange(0, 32)
     ks = K // 32
+    split = tl.program_id(1)
     acc = tl.zeros([BM, BN], tl.float32)
-    for kb in range(0, ks):
+    for kb in range(split * STEPS, tl.minimum(ks, (split + 1) * STEPS)):
         k0 = kb * 32
         a = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + (k0 + kk)[None, :], mask=mm[:, None], other=0)
         b = tl.load(b_ptr + rn[:, None].to(tl.int64) * K + (k0 + kk)[None, :], mask=nm[:, None], other=0)
@@ -72,20 +77,59 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
         else:
             p = tl.dot(e4m3_value(a.to(tl.int32)), tl.trans(e4m3_value(b.to(tl.int32))))
         acc += p * sa[:, None] * sb[None, :]
-    tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(tl.bfloat16),
+    out = c_ptr + split.to(tl.int64) * M * N if PARTIAL else c_ptr
+    tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(out.dtype.element_ty),
              mask=mm[:, None] & nm[None, :])
 
 
-def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
-                      num_stages: int = 4, native: bool | None = None):
+@triton.jit
+def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
+    tl.store(c_ptr + i, acc.to(tl.bfloat16), mask=mask)
+
+
+def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n: int | None = None,
+                    split_k: int | None = None, waves: float = 2.0) -> tuple[int, int, int, int]:
+    """(BM, BN, K steps per split, splits). Up to 64 rows (a decode step) the tiles are 64 x 64 and K
+    is split until about `waves` programs per SM run: without it a 64 x 5120 x 8192 product is 40
+    programs walking 256 K steps each (131.8 us on the H200 for a 10 us floor). Each split's partial
+    sums are added in a fixed order, so the result does not depend on the split's timing."""
+    small = m <= 64
+    bm = 64 if small else block_m
+    bn = block_n if block_n is not None else (64 if small else 128)
+    ks = k // 32
+    tiles = -(-m // bm) * -(-n // bn)
+    if split_k is None:
+        split_k = max(1, int(waves * sm_count(device)) // tiles) if small else 1
+    steps = -(-ks // max(1, min(int(split_k), ks)))
+    return bm, bn, steps, -(-ks // steps)
+
+
+def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = None, num_warps: int | None = None,
+                      num_stages: int = 4, native: bool | None = None, split_k: int | None = None,
+                      waves: float = 2.0):
+    """x [M, K] @ dequant(w)^T -> bf16 [M, N]; the launch shape from `fp8_linear_plan` (num_warps:
+    8 for 128-row tiles, 4 for the 64 x 64 tiles of a decode step)."""
     m, n, k = _check(x, w, w_scale)
     if native is None:
         native = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    q, s = quantize_fp8_triton(x)
-    bm = block_m if m > 64 else 64
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, block_n),)
+    if m == 0 or n == 0:
+        return out
+    q, s = quantize_fp8_triton(x)
+    bm, bn, steps, splits = fp8_linear_plan(m, n, k, x.device, block_m, block_n, split_k, waves)
+    nw = num_warps if num_warps is not None else (8 if bm * bn >= 128 * 128 else 4)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
     _fp8_linear_kernel[grid](q.view(torch.uint8), s.view(torch.uint8), w.contiguous().view(torch.uint8),
-                             w_scale.contiguous().view(torch.uint8), out, m, n, k, BM=bm, BN=block_n,
-                             NATIVE=native, GROUP=8, num_warps=num_warps, num_stages=num_stages)
+                             w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
+                             NATIVE=native, GROUP=8, PARTIAL=splits > 1, num_warps=nw, num_stages=num_stages)
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
     return out

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e4m3_value, e8m0_value, fp4_value, register_cap
+from kernels._formats import e4m3_value, e8m0_value, fp4_value, register_cap, sm_count
 from kernels.topk import _pow2, default_groups, select_from_maxima, topk_positions_reference
 
 
@@ -284,7 +284,7 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     step = max(gm, bn)
     prefetch = decode and d == 128 and gm <= bn
     if chunk is None:  # decode: ~6 programs per SM (2 waves at 3 resident); prefill: 4K entries (keys stay in L2)
-        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        n_sm = sm_count(dev)
         chunk = -(-n // (6 * n_sm)) if decode else 4096
     chunk = -(-max(chunk, step) // step) * step
     n_groups = triton.cdiv(n, gm)

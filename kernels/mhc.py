@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import dot_dtype
+from kernels._formats import dot_dtype, sm_count
 
 
 def _check(x, fn, scale, base, pre_prev, y, post_old, comb_old):
@@ -356,17 +356,8 @@ def _mhc_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_pt
 
 # -- launch ---------------------------------------------------------------------------------------
 
-_SM_COUNT: dict = {}
 _PIECES: dict = {}    # id(fn) -> (weakref to fn, fn._version, pieces, prepared tensor)
 _COUNTERS: dict = {}  # device -> int32 zeros, one arrival counter per token block
-
-
-def _sm_count(dev) -> int:
-    if dev.type != "cuda":
-        return 132  # the H200's, for the same split choices under the interpreter
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _SM_COUNT[dev]
 
 
 def _pow2_at_least(n: int) -> int:
@@ -453,7 +444,7 @@ def mhc_plan(t: int, dim: int, device, block_d: int | None = None, token_block: 
     tblocks = triton.cdiv(t, bt)
     if split_k is None:
         w = waves if waves is not None else (1.0 if use_dot else 4.0)
-        split_k = max(1, int(w * _sm_count(torch.device(device))) // tblocks)
+        split_k = max(1, int(w * sm_count(torch.device(device))) // tblocks)
     cps = triton.cdiv(nch, max(1, min(int(split_k), nch)))
     return bt, use_dot, bd, triton.cdiv(nch, cps), cps
 

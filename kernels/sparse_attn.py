@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import dot_dtype
+from kernels._formats import dot_dtype, sm_count
 
 
 def _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink):
@@ -369,12 +369,6 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr,
     tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], out.to(tl.bfloat16))
 
 
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
@@ -410,10 +404,10 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
         raise ValueError("sparse attention: layout='entries' addresses the caches with int32 offsets; "
                          f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
     if block_n is None:
-        block_n = 64 if layout == "entries" else 32 if t * (h // bh) >= _num_sms(q.device) else 16
+        block_n = 64 if layout == "entries" else 32 if t * (h // bh) >= sm_count(q.device) else 16
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
     if split is None:
-        split = max(1, _num_sms(q.device) // max(1, t * (h // bh) * d_split))
+        split = max(1, sm_count(q.device) // max(1, t * (h // bh) * d_split))
     split = max(1, min(int(split), tiles))
     sel_per = triton.cdiv(triton.cdiv(n_sel, block_n), split) * block_n
     win_per = triton.cdiv(triton.cdiv(n_win, block_n), split) * block_n

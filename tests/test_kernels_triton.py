@@ -188,6 +188,36 @@ def test_fp8_linear(poisoned, gen):
     assert _rel(want, got) < 1e-2, gen.initial_seed()
 
 
+@pytest.mark.parametrize("m,split_k", [(5, None), (5, 3), (64, 7), (1, 1)])
+def test_fp8_linear_split_k_matches_the_whole_k_sum(poisoned, gen, m, split_k):
+    """Decode-sized products split K (float32 partials added in split order): the reference's values,
+    and the unsplit kernel's to within one bf16 rounding of the output."""
+    x = torch.randn(m, 320, generator=gen).to(torch.bfloat16)
+    w, ws = Q.quantize_fp8_weight(torch.randn(100, 320, generator=gen))
+    want = fp8_linear.fp8_linear_reference(x, w, ws)
+    whole = fp8_linear.fp8_linear_triton(x, w, ws, split_k=1)
+    got = fp8_linear.fp8_linear_triton(x, w, ws, split_k=split_k)
+    assert _rel(want, got) < 1e-2, gen.initial_seed()
+    # one bf16 rounding apart (2^-7 relative), or float32 summation order apart where the value nearly cancels
+    tiny = 1e-5 * whole.float().abs().max().item()
+    assert torch.allclose(got.float(), whole.float(), rtol=2.0 ** -7, atol=tiny), gen.initial_seed()
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 5120, 8192), (64, 1280, 5120), (1, 512, 5120), (64, 32768, 1280),
+                                   (4096, 5120, 8192)])
+def test_fp8_linear_plan_fills_the_gpu_at_decode_and_covers_every_k_step(m, n, k):
+    bm, bn, steps, splits = fp8_linear.fp8_linear_plan(m, n, k, "cpu")  # the H200's 132 SMs off the GPU
+    ks = k // 32
+    assert steps * splits >= ks > steps * (splits - 1)  # every K step in exactly one split, none empty
+    programs = -(-m // bm) * -(-n // bn) * splits
+    if m <= 64:
+        assert (bm, bn) == (64, 64)
+        assert programs >= 132 or splits == ks  # a full wave, unless K cannot be cut finer
+        assert programs <= 4 * 132 or splits == 1
+    else:
+        assert splits == 1 and (bm, bn) == (128, 128)
+
+
 # -- dispatch ------------------------------------------------------------------------------------
 
 def test_dispatch_uses_reference_on_cpu_and_compare_reports(gen):
