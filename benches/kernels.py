@@ -350,6 +350,9 @@ def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):
     return (xn, col, *mhc.sinkhorn_split_reference(m, scale, base))
 
 
+MHC_TOKENS = (4096, 64, 1)
+
+
 def case_mhc(bw, mm):
     """Sweeps the launch shapes that compile on triton 3.6 within the H200's shared memory (64x64 tiles
     in 2 stages, 64x32 in 3, 32x32 tiles two programs per SM, the second finishing launch); the row takes
@@ -374,6 +377,8 @@ def case_mhc(bw, mm):
     logged_only = {4096: [{"split": 2}, {"token_block": 32, "num_stages": 2, "waves": 2, "split": 2},
                           {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: [], 64: []}
     for tq, goal in ((4096, 135), (64, "-"), (1, 8)):
+        if tq not in MHC_TOKENS:
+            continue
         x = torch.randn(tq, 4, dim, device=DEV).bfloat16()
         fn = torch.randn(24, 4 * dim, device=DEV) * 0.01
         scale, base = torch.rand(3, device=DEV) + 0.5, torch.randn(24, device=DEV) * 0.5
@@ -478,8 +483,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn, indexer, topk, moe, "
-                    "linear (default: all; topk is the top-512 sweep alone, on its own logits)")
+                    "linear, run in the order given (default: all; topk is the top-512 sweep alone, on its own "
+                    "logits)")
+    ap.add_argument("--mhc-tokens", default="4096,64,1",
+                    help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
+    global MHC_TOKENS
+    MHC_TOKENS = tuple(int(v) for v in args.mhc_tokens.split(","))
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     LOG["device"] = f"{props.name}, {props.multi_processor_count} SMs"
@@ -490,10 +500,12 @@ def main():
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     cases = dict(quant=case_quant, mhc=case_mhc, attn=case_attn, indexer=case_indexer, topk=case_topk,
                  moe=case_moe, linear=case_linear)
+    unknown = set(args.only.split(",")) - set(cases) if args.only else set()
+    if unknown:
+        ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")
     table = ""
-    for name, fn in cases.items():
-        if args.only and name not in args.only.split(","):
-            continue
+    for name in args.only.split(",") if args.only else cases:
+        fn = cases[name]
         t0 = time.time()
         try:
             fn(bw, mm)
