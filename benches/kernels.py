@@ -490,6 +490,11 @@ def main():
     args = ap.parse_args()
     global MHC_TOKENS
     MHC_TOKENS = tuple(int(v) for v in args.mhc_tokens.split(","))
+    cases = dict(quant=case_quant, mhc=case_mhc, attn=case_attn, indexer=case_indexer, topk=case_topk,
+                 moe=case_moe, linear=case_linear)
+    unknown = set(args.only.split(",")) - set(cases) if args.only else set()
+    if unknown:
+        ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     LOG["device"] = f"{props.name}, {props.multi_processor_count} SMs"
@@ -498,11 +503,6 @@ def main():
     bw, mm = ceilings()
     LOG["ceilings"] = dict(hbm_copy_TBps=bw / 1e12, bf16_mm_TFLOPs=mm / 1e12)
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
-    cases = dict(quant=case_quant, mhc=case_mhc, attn=case_attn, indexer=case_indexer, topk=case_topk,
-                 moe=case_moe, linear=case_linear)
-    unknown = set(args.only.split(",")) - set(cases) if args.only else set()
-    if unknown:
-        ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")
     table = ""
     for name in args.only.split(",") if args.only else cases:
         fn = cases[name]
