@@ -372,7 +372,9 @@ def case_mhc(bw, mm):
                     {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "num_warps": 4}],
              1: [{}, {"finish": "launch"}, {"waves": 1}, {"waves": 2}],
              # the release layer's decode step (2 x 84 us there, run 6's profile: 10x its 1-token time)
-             64: [{}, {"waves": 2}, {"waves": 4}, {"token_block": 32}, {"token_block": 64}, {"finish": "launch"},
+             # run 13 at 16-token blocks (then the default): 40.3 us; waves 2/4 44.0/50.0; 32-token blocks 25.1,
+             # 64-token 26.1; finish "launch" 40.9 (now 32-token blocks)
+             64: [{}, {"token_block": 16}, {"token_block": 64}, {"waves": 0.5}, {"waves": 2}, {"block_d": 64},
                   {"token_block": 8}, {**tok, "block_d": 32, "num_stages": 2}]}
     logged_only = {4096: [{"split": 2}, {"token_block": 32, "num_stages": 2, "waves": 2, "split": 2},
                           {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: [], 64: []}

@@ -95,13 +95,15 @@ def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.cons
 
 def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n: int | None = None,
                     split_k: int | None = None, waves: float = 2.0) -> tuple[int, int, int, int]:
-    """(BM, BN, K steps per split, splits). Up to 64 rows (a decode step) the tiles are 64 x 64 and K
+    """(BM, BN, K steps per split, splits). Up to 64 rows (a decode step) the tiles are 64 x 128 and K
     is split until about `waves` programs per SM run: without it a 64 x 5120 x 8192 product is 40
-    programs walking 256 K steps each (131.8 us on the H200 for a 10 us floor). Each split's partial
-    sums are added in a fixed order, so the result does not depend on the split's timing."""
+    programs walking 256 K steps each. H200, run 13, against that launch: 129.5 -> 35.7 us (wo_b),
+    72.4 -> 13.1-14.1 (wq_a), 72.6 -> 16.0 (shared expert), 31.1 -> 28.9 (wq_b); 64 x 64 tiles were
+    slower on three of the four. Each split's partial sums are added in a fixed order, so the result does
+    not depend on the split's timing."""
     small = m <= 64
     bm = 64 if small else block_m
-    bn = block_n if block_n is not None else (64 if small else 128)
+    bn = block_n if block_n is not None else 128
     ks = k // 32
     tiles = -(-m // bm) * -(-n // bn)
     if split_k is None:
@@ -114,7 +116,7 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
                       num_stages: int = 4, native: bool | None = None, split_k: int | None = None,
                       waves: float = 2.0):
     """x [M, K] @ dequant(w)^T -> bf16 [M, N]; the launch shape from `fp8_linear_plan` (num_warps:
-    8 for 128-row tiles, 4 for the 64 x 64 tiles of a decode step)."""
+    8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step: one warpgroup)."""
     m, n, k = _check(x, w, w_scale)
     if native is None:
         native = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"

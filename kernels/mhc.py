@@ -427,12 +427,13 @@ def mhc_plan(t: int, dim: int, device, block_d: int | None = None, token_block: 
 
     Below 9 tokens the mixes are fp32 FMAs over a small token block (a dot's 16+ rows would be mostly
     padding) and d is split as finely as `waves` (default 4) programs per SM allow: 1 token at dim 5120
-    is 160 programs of one 32-wide chunk. From 9 tokens they are tensor-core dots over 16/32/64-token
-    blocks, and d is split only to fill `waves` (default 1: at 64 tokens a program holds one SM) waves.
+    is 160 programs of one 32-wide chunk. From 9 tokens they are tensor-core dots over 16-token
+    blocks, 32-token blocks from 32 tokens (the 64-token decode step: 25.1 us against 40.3 at 16-token
+    blocks, H200 run 13), 64 from 2K; d is split only to fill `waves` (default 1) waves.
     d chunks (block_d) default to 32, 64 for 64-token blocks: 128 contiguous bytes of each bf16 row per
     step and half the steps; 4K tokens: 64 blocks x 2 splits = 128 programs of 40 chunks."""
     if token_block is None:
-        token_block = t if t < 16 else (16 if t < 512 else 32 if t < 2048 else 64)
+        token_block = t if t < 16 else (16 if t < 32 else 32 if t < 2048 else 64)
     if block_d is None:
         block_d = 64 if token_block >= 64 else 32
     bd = min(block_d, dim)

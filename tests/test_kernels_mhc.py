@@ -101,7 +101,8 @@ def test_mhc_plan_at_release_shapes():
     assert mhc.mhc_plan(1, 5120, "cpu") == (1, False, 32, 160, 1)
     assert mhc.mhc_plan(4096, 5120, "cpu") == (64, True, 64, 2, 40)
     assert mhc.mhc_plan(4096, 5120, "cpu", split_k=1)[3] == 1
-    assert mhc.mhc_plan(64, 5120, "cpu")[:4] == (16, True, 32, 32)  # a decode batch: 4 blocks x 32 splits
+    assert mhc.mhc_plan(64, 5120, "cpu")[:4] == (32, True, 32, 54)  # a decode batch: 2 blocks x 54 splits
+    assert mhc.mhc_plan(16, 5120, "cpu")[:2] == (16, True)
 
 
 def test_mhc_bad_shapes_and_options(gen):
