@@ -294,8 +294,9 @@ def case_moe(bw, mm):
     pk = torch.arange(256, dtype=torch.int32, device=DEV).repeat(256, 1).to(torch.uint8).view(torch.int8)
     sb = (torch.arange(256, device=DEV) % 241).to(torch.uint8)[:, None].expand(256, 16).contiguous()
     sb = sb.view(torch.float8_e8m0fnu)
-    exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), (lambda v: v.bfloat16().float() if bd else v)(
-        fp4_tiles.nib_order(moe._dequantize_fp4_device(pk, sb)))) for bd in (False, True)}
+    want = fp4_tiles.nib_order(moe._dequantize_fp4_device(pk, sb))
+    exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), want.bfloat16().float() if bd else want)
+             for bd in (False, True)}
     LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True]}
     print(f"[moe] tile decode exact: {LOG['moe_tile_decode_exact']}", flush=True)
     # the default first (Nsight profiles a case's first launch); every 8-warp tile lost to the 4-warp
@@ -327,8 +328,7 @@ def case_moe(bw, mm):
     # (benches/results/kernels-h200-run9.md, -run10.md)
     # runs 11-12 (one load per scale byte): BK 128/256, BN 128, fp32 decode all slower (2.92-3.76 ms)
     cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
-            dict(base, num_stages=4), dict(base, group_m=1), dict(base, block_n=128, num_warps=8),
-            dict(base, block_k=32)]
+            dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128)]
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)

@@ -24,8 +24,8 @@ Two paths (moe_fp4_triton picks by the number of (token, expert) pairs P = T * k
   "Illegal shared layout ... collapsedTmaShape [2, 2048]" (the joins' [.., 2] shape given an MMA
   shared layout).
 FP4 weights are decoded in registers by kernels/fp4_tiles.py (bit assembly; the tensor-core path's K
-order inside each 8-group is NIB = (0, 2, 1, 3, 4, 6, 5, 7), so x is permuted the same way once on the
-host and h is stored permuted by the gate/up kernel).
+order inside each 8-group is NIB: position 2 A + half holds index A + 4 half, so x is permuted the same
+way once on the host and h is stored permuted by the gate/up kernel).
 """
 
 from __future__ import annotations
@@ -409,8 +409,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     (few or no K splits, fewer atomics) keep loads in flight; gemv_down_num_warps: the down kernel's
     warps (default gemv_num_warps). maxnreg: a register cap for the grouped GEMM's kernels (more
     programs per SM); bf16_decode (default; where the dots run in bf16, i.e. not under the
-    interpreter): the grouped GEMM decodes FP4 straight into bf16 bits, no float32 round trip (H200 run 11: 2.68 vs 3.00 ms at the
-    64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked in benches/kernels.py); scaled:
+    interpreter): the grouped GEMM decodes FP4 straight into bf16 bits, no float32 round trip (H200
+    run 11: 2.68 vs 3.00 ms at the 64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked
+    in benches/kernels.py); scaled:
     the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled (Triton's MXFP4 path; on the GPU
     only, the interpreter keeps the bit-assembly decode)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)

@@ -72,10 +72,16 @@ def test_tile_decode_every_byte_and_scale():
 
 
 def test_nib_order_is_the_decoders_order():
+    """Position 2 A + half of each 8-group holds index A + 4 half: a word's two halves side by side."""
     a = torch.arange(16.0).reshape(1, 16)
     got = fp4_tiles.nib_order(a)[0].tolist()
-    assert got == [0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15]
-    assert torch.equal(fp4_tiles.nib_order(fp4_tiles.nib_order(a)), a)
+    assert got == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    packed = torch.tensor([[0x76543210, -0x1]], dtype=torch.int32).view(torch.int8)  # nibble n holds n
+    scale = torch.full((1, 2), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)   # 2^0
+    decoded = fp4_tiles.fp4_tile_decoded(packed[:, :4].contiguous().repeat(1, 4), scale[:, :1].contiguous(), 0)
+    codes = [Q.FP4_TABLE.tolist().index(v) for v in decoded[0, :8].tolist()]
+    assert codes == [0, 4, 1, 5, 2, 6, 3, 7]
+
 
 
 @pytest.mark.parametrize("t,iters", [(1, 1), (2, 2), (1, 4)])
