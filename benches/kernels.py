@@ -294,8 +294,8 @@ def case_moe(bw, mm):
     pk = torch.arange(256, dtype=torch.int32, device=DEV).repeat(256, 1).to(torch.uint8).view(torch.int8)
     sb = (torch.arange(256, device=DEV) % 241).to(torch.uint8)[:, None].expand(256, 16).contiguous()
     sb = sb.view(torch.float8_e8m0fnu)
-    want = fp4_tiles.nib_order(moe._dequantize_fp4_device(pk, sb))
-    exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), want.bfloat16().float() if bd else want)
+    tile = fp4_tiles.nib_order(moe._dequantize_fp4_device(pk, sb))  # not `want`: the sweeps below check against it
+    exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), tile.bfloat16().float() if bd else tile)
              for bd in (False, True)}
     LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True]}
     print(f"[moe] tile decode exact: {LOG['moe_tile_decode_exact']}", flush=True)
