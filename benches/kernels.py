@@ -8,6 +8,7 @@ bf16 matmul rate), speed-up over an eager PyTorch version in this run, and the p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -350,10 +351,7 @@ def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):
     return (xn, col, *mhc.sinkhorn_split_reference(m, scale, base))
 
 
-MHC_TOKENS = (4096, 64, 1)
-
-
-def case_mhc(bw, mm):
+def case_mhc(bw, mm, tokens=(4096, 64, 1)):
     """Sweeps the launch shapes that compile on triton 3.6 within the H200's shared memory (64x64 tiles
     in 2 stages, 64x32 in 3, 32x32 tiles two programs per SM, the second finishing launch); the row takes
     the fastest at fn cut in 3 bf16 pieces (the tested accuracy), 2-piece rows are logged only."""
@@ -379,7 +377,7 @@ def case_mhc(bw, mm):
     logged_only = {4096: [{"split": 2}, {"token_block": 32, "num_stages": 2, "waves": 2, "split": 2},
                           {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: [], 64: []}
     for tq, goal in ((4096, 135), (64, "-"), (1, 8)):
-        if tq not in MHC_TOKENS:
+        if tq not in tokens:
             continue
         x = torch.randn(tq, 4, dim, device=DEV).bfloat16()
         fn = torch.randn(24, 4 * dim, device=DEV) * 0.01
@@ -420,7 +418,7 @@ def case_linear(bw, mm):
     the old launch (one split, 64 x 128 tiles of 8 warps: 131.8 us at 64 x 5120 x 8192, run 1)."""
     old = dict(split_k=1, block_n=128, num_warps=8)
     decode_cfgs = [dict(), old, dict(split_k=1), dict(waves=1), dict(waves=4), dict(num_stages=3),
-                   dict(num_stages=6), dict(block_n=128)]
+                   dict(num_stages=6), dict(block_n=64)]  # 64 x 64 tiles: the first split-K default
     for m_, n_, k_, what in ((4096, 5120, 8192, "wo_b"), (64, 5120, 8192, "wo_b"), (64, 32768, 1280, "wq_b"),
                              (64, 1280, 5120, "wq_a"), (64, 2304, 5120, "shared expert w1")):
         x = torch.randn(m_, k_, device=DEV).bfloat16()
@@ -490,9 +488,8 @@ def main():
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
-    global MHC_TOKENS
-    MHC_TOKENS = tuple(int(v) for v in args.mhc_tokens.split(","))
-    cases = dict(quant=case_quant, mhc=case_mhc, attn=case_attn, indexer=case_indexer, topk=case_topk,
+    mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
+    cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn, indexer=case_indexer, topk=case_topk,
                  moe=case_moe, linear=case_linear)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:

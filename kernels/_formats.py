@@ -6,6 +6,7 @@ code runs on the GPU and under TRITON_INTERPRET=1, and no rounding mode of a nat
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -92,7 +93,6 @@ _SM_COUNT: dict = {}
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (cached); off the GPU the H200's 132, so the
     interpreter takes the same launch shapes as the H200."""
-    import torch
     device = torch.device(device)
     if device.type != "cuda":
         return 132

@@ -105,11 +105,11 @@ def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n:
     bm = 64 if small else block_m
     bn = block_n if block_n is not None else 128
     ks = k // 32
-    tiles = -(-m // bm) * -(-n // bn)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split_k is None:
         split_k = max(1, int(waves * sm_count(device)) // tiles) if small else 1
-    steps = -(-ks // max(1, min(int(split_k), ks)))
-    return bm, bn, steps, -(-ks // steps)
+    steps = triton.cdiv(ks, max(1, min(int(split_k), ks)))
+    return bm, bn, steps, triton.cdiv(ks, steps)
 
 
 def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = None, num_warps: int | None = None,

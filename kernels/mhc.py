@@ -445,7 +445,7 @@ def mhc_plan(t: int, dim: int, device, block_d: int | None = None, token_block: 
     tblocks = triton.cdiv(t, bt)
     if split_k is None:
         w = waves if waves is not None else (1.0 if use_dot else 4.0)
-        split_k = max(1, int(w * sm_count(torch.device(device))) // tblocks)
+        split_k = max(1, int(w * sm_count(device)) // tblocks)
     cps = triton.cdiv(nch, max(1, min(int(split_k), nch)))
     return bt, use_dot, bd, triton.cdiv(nch, cps), cps
 

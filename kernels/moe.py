@@ -411,9 +411,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     programs per SM); bf16_decode (default; where the dots run in bf16, i.e. not under the
     interpreter): the grouped GEMM decodes FP4 straight into bf16 bits, no float32 round trip (H200
     run 11: 2.68 vs 3.00 ms at the 64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked
-    in benches/kernels.py); scaled:
-    the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled (Triton's MXFP4 path; on the GPU
-    only, the interpreter keeps the bit-assembly decode)."""
+    in benches/kernels.py); scaled: the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled
+    (Triton's MXFP4 path; on the GPU only, the interpreter keeps the bit-assembly decode)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     if dim % 32 or inter % 32:
