@@ -396,13 +396,14 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    swiglu_limit: float = 10.0, block_m: int | None = None, block_n: int | None = None,
                    block_k: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 4,
                    gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
-                   gemv_iters: int = 1, gemv_down_block_n: int = 32, gemv_down_block_kw: int = 32,
+                   gemv_iters: int = 1, gemv_down_block_n: int = 16, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool = True, scaled: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
-    was loaded once; 8 rows had won by 3% before); otherwise the grouped GEMM (block_m tokens x
+    was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
+    H200 run 14, 72.6 vs 74.4 in run 13b); otherwise the grouped GEMM (block_m tokens x
     block_n rows x block_k, group_m).
     gemv_prefetch (run 4's candidate): each GEMV program loops over its gemv_iters K steps with the
     next step's loads issued before this step's decode (`_gemv_rows_prefetch`), so long K slices

@@ -221,7 +221,31 @@ def reference_on_kernels(cfg, weights, ids) -> dict:
         "topk_identical": {str(L): float((kern[L]["topk"] == cpu[L]["topk"]).all(-1).float().mean())
                            for L in cpu if "topk" in cpu[L]},
         "kernel_marks": {str(L): kern[L].get("topk_tied") is not None for L in cpu if "topk" in cpu[L]},
-        "logits_rel_l2": rel(logits, cpu_logits)}
+        "logits_rel_l2": rel(logits, cpu_logits), "grouped_out": grouped_out_on_kept_bf16(cfg, weights)}
+
+
+def grouped_out_on_kept_bf16(cfg, weights) -> dict:
+    """The kernel ops' wo_a product on the bf16 value they keep (never asking for the float weight)
+    against the reference's einsum on the float weight, over every layer's wo_a."""
+    from engine.ops import ops_for
+    from engine.ops.triton import TritonOps
+
+    ref, ops = ops_for("reference"), TritonOps(ops_for("reference"), weights, "cpu")
+    d = cfg.n_heads // cfg.o_groups * cfg.head_dim
+    o = torch.randn(5, cfg.o_groups, d, generator=torch.Generator().manual_seed(4))
+    same, exact, asked = [], [], []
+
+    def never():
+        asked.append(True)
+        raise AssertionError("the kernel ops asked for the float wo_a")
+
+    for L in range(cfg.n_layers):
+        name = f"layers.{L}.attn.wo_a"
+        value = lambda: weights.get(name + ".weight").view(cfg.o_groups, cfg.o_lora_rank, -1)  # noqa: B023
+        got = ops.grouped_out(o, never, name)
+        same.append(torch.equal(got, ref.grouped_out(o, value, name)))
+        exact.append(torch.equal(ops._bf16_weight(name).float(), weights.get(name + ".weight")))
+    return {"same_bits": all(same), "kept_exact": all(exact), "asked": len(asked), "layers": cfg.n_layers}
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +334,10 @@ def test_kernel_ops_wrapping_reference_numerics(worker):
     assert got["layer0_experts_same"], got
     assert got["topk_identical"]["2"] == 1.0, got["topk_identical"]
     assert all(got["kernel_marks"].values()), got["kernel_marks"]
+    # wo_a: the reference's bf16 product, bit for bit, on the kept bf16 value (the float weight never made)
+    wo_a = got["grouped_out"]
+    assert wo_a["same_bits"] and wo_a["kept_exact"] and wo_a["asked"] == 0, wo_a
+    assert wo_a["layers"] == _config().n_layers, wo_a
 
 
 def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):

@@ -100,9 +100,10 @@ class Fp32Ops:
         """RoPE on the last len(freqs)*2 dims (engine/model/rope.py), stored as an activation."""
         return self.act(rotate(x, positions, freqs, inverse))
 
-    def grouped_out(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-        """The grouped output projection: o [T, g, d] x wo_a [g, r, d] -> [T, g, r]."""
-        return self.act(torch.einsum("tgd,grd->tgr", o, wo_a))
+    def grouped_out(self, o: torch.Tensor, wo_a, name: str = "") -> torch.Tensor:
+        """The grouped output projection: o [T, g, d] x wo_a() [g, r, d] -> [T, g, r]. wo_a: the weight's
+        float value on demand (ops on stored bytes do not ask); name: its stored base name."""
+        return self.act(torch.einsum("tgd,grd->tgr", o, wo_a()))
 
     def break_ties(self, scores, ranking, visible, n: int, k: int, idx, picked, tied):
         """The top-k picks where a row's k-th score ties with unpicked entries. Here: as given (ties

@@ -41,6 +41,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from .. import quant as Q
+
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: fewer heads are zero-padded for attention and the indexer
 
 
@@ -109,8 +111,7 @@ def _e4m3_zeros(*shape, device):
 
 def reference_fp4(x, block):
     """The engine's own FP4 quantizer (E8M0 scales), where a capture stands in for the kernel's."""
-    from engine import quant
-    return quant.quantize_fp4(x, block, "e8m0")
+    return Q.quantize_fp4(x, block, "e8m0")
 
 
 class TritonOps:
@@ -133,6 +134,7 @@ class TritonOps:
         self.calls: Counter = Counter()
         self._raw: dict[str, tuple | None] = {}
         self._experts: dict[str, tuple | None] = {}
+        self._bf16: dict[str, torch.Tensor | None] = {}
 
     def __getattr__(self, name):  # every op the kernels do not take is the wrapped numerics'
         return getattr(self.base, name)
@@ -178,7 +180,7 @@ class TritonOps:
 
     def forget(self, prefix: str) -> None:
         """Drop the device weights of names starting with `prefix` (a bench freeing a layer)."""
-        for cache in (self._raw, self._experts):
+        for cache in (self._raw, self._experts, self._bf16):
             for name in [n for n in cache if n.startswith(prefix)]:
                 del cache[name]
 
@@ -234,15 +236,26 @@ class TritonOps:
             return self.base.gemm(x, w)
         return self._kernel("fp8_linear")(x.float().contiguous(), *hit[1]).float()
 
-    def grouped_out(self, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-        """The grouped output projection o [T, g, d] x wo_a [g, r, d] -> [T, g, r]. On CUDA with the
-        reference's numerics and a stored FP8 wo_a: one bf16 batched GEMM with fp32 accumulation (the
-        reference's bf16 GEMM; the FP8 values are exact in bf16), instead of an fp32 einsum."""
-        if self.device.type == "cuda" and self.compute and getattr(self.base, "name", "") == "reference" \
-                and self._stored_fp8(wo_a) is not None:
-            out = torch.bmm(o.transpose(0, 1).to(torch.bfloat16), wo_a.to(torch.bfloat16).transpose(1, 2))
-            return self.act(out.transpose(0, 1).float())
-        return self.base.grouped_out(o, wo_a)
+    def grouped_out(self, o: torch.Tensor, wo_a, name: str = "") -> torch.Tensor:
+        """The grouped output projection o [T, g, d] x wo_a() [g, r, d] -> [T, g, r]. With the reference's
+        numerics and wo_a stored FP8: one bf16 batched GEMM with fp32 accumulation (the
+        reference's bf16 GEMM) on the weight's bf16 value, made once from the stored bytes and kept
+        (the FP8 values are exact in bf16; the reference keeps wo_a in bf16 too), so wo_a() is never
+        called there; else the base op."""
+        if self.compute and getattr(self.base, "name", "") == "reference":
+            w = self._bf16_weight(name)
+            if w is not None:
+                w = w.view(o.shape[1], -1, o.shape[2])
+                out = torch.bmm(o.transpose(0, 1).to(torch.bfloat16), w.transpose(1, 2))
+                return self.act(out.transpose(0, 1).float())
+        return self.base.grouped_out(o, wo_a, name)
+
+    def _bf16_weight(self, base: str) -> torch.Tensor | None:
+        """bf16 [N, K] value of the stored FP8 weight `base` (exact), kept; None if not stored so."""
+        if base not in self._bf16:
+            raw = self._fp8_weight(base) if base else None
+            self._bf16[base] = None if raw is None else Q.dequantize_fp8_weight(*raw, 32).to(torch.bfloat16)
+        return self._bf16[base]
 
     def keeps_window_bytes(self, layer: int) -> bool:
         return self.active(layer)
