@@ -581,9 +581,8 @@ def main(argv=None) -> int:
         for L in sorted(gen.layers - later):
             gen.drop_layer(L)
             weights.forget(f"layers.{L}.")
-            for cache in (getattr(model.ops, "_raw", {}), getattr(model.ops, "_experts", {})):
-                for name in [n for n in cache if n.startswith(f"layers.{L}.")]:
-                    del cache[name]
+            if hasattr(model.ops, "forget"):  # the kernel ops' device copies of the stored bytes
+                model.ops.forget(f"layers.{L}.")
         if device.type == "cuda":
             torch.cuda.empty_cache()
         report["wall_s"] = time.perf_counter() - started
