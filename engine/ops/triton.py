@@ -215,8 +215,13 @@ class TritonOps:
             args = (x2, *raw)
             self._record(layer, "fp8_linear", ".".join(parts[2:]), args)
             if self.compute:
-                return self.act(self._kernel("fp8_linear")(*args).float().view(*x.shape[:-1], -1))
+                return self._bf16_act(self._kernel("fp8_linear")(*args)).view(*x.shape[:-1], -1)
         return self.base.linear(x, base, weights, act_quant, round_input)
+
+    def _bf16_act(self, y: torch.Tensor) -> torch.Tensor:
+        """A kernel's bf16 output as a float32 activation: already what `act` stores (bf16-rounded, or
+        kept as is), so without act's two rounding copies (about 20 launches of a decode step)."""
+        return y.float() if y.dtype == torch.bfloat16 else self.act(y.float())
 
     def _stored_fp8(self, w: torch.Tensor):
         """(name, raw) when `w` is the dequantized value of a stored FP8 weight the weight source handed
@@ -247,7 +252,7 @@ class TritonOps:
             if w is not None:
                 w = w.view(o.shape[1], -1, o.shape[2])
                 out = torch.bmm(o.transpose(0, 1).to(torch.bfloat16), w.transpose(1, 2))
-                return self.act(out.transpose(0, 1).float())
+                return self._bf16_act(out.transpose(0, 1))
         return self.base.grouped_out(o, wo_a, name)
 
     def _bf16_weight(self, base: str) -> torch.Tensor | None:
