@@ -8,6 +8,18 @@ Shapes (release: H = 32 heads, D = 128, groups of 32 with E8M0 scales, top-k 512
   pool_mask bool [T, ceil(N/pool_block)] or None: entry j allowed iff pool_mask[t, j // pool_block]
 score[t, j] = sum_h w[t,h] * relu(q[t,h] . k[j]); masked entries are -inf.
 `indexer_topk_*` returns int32 [T, k]: positions of the top min(k, allowed) scores, ascending, -1 padded.
+
+The scoring kernel takes both operands as E4M3, each query row's group exponents folded into its
+operand (exact while they span <= 14), and by default one K = 32 dot per group with the key's group
+scale applied to the fp32 result. key_fold=True (a knob, off by default) folds the keys' group
+exponents the same way: one K = D dot per tile and the key's common factor after the head sum, exact
+with an exact float32 dot (the interpreter) while every key's groups span <= 14, and faster on the
+H200 (prefill 4K x 64K: 5.13 ms, 3.82-3.98 with more programs per SM, against 7.87; decode 1M keys
+with its top-512: 148 us, 132 at 4 warps, against 139). It is off because the H200's FP8 MMA keeps 13
+mantissa bits when it adds a K = 32 block into a running accumulator: one FP4 group's dot (at most
+32 * 36 in steps of 1/4) fits them, so the per-group form is exact, but a chain of differently scaled
+groups does not: scores 1.3e-4 off a float64 reference (6e-8 per group), a 1M-key decode top-512
+changed. benches/kernels.py's prefill sweep times it and rejects it on its check.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e4m3_value, e8m0_value, fp4_value, register_cap, sm_count
+from kernels._formats import e4m3_code, e4m3_value, e8m0_value, fp4_value, register_cap, sm_count
 from kernels.topk import _pow2, default_groups, select_from_maxima, topk_positions_reference
 
 
@@ -57,7 +69,7 @@ def indexer_topk_reference(q_packed, q_scale, k_packed, k_scale, weights, n_visi
 
 
 # a jit function reads module globals only as constexpr (else: NameError at compile time on the GPU)
-_E4M3_ASM = tl.constexpr("""
+_E4M3_PTX = """
 {
 .reg .b32 a<2>;
 and.b32 a0, $2, 0x08080808;
@@ -70,7 +82,56 @@ shr.b32 a1, $2, 2;
 and.b32 a1, a1, 0x1c1c1c1c;
 or.b32 $1, a0, a1;
 }
+"""
+_E4M3_ASM = tl.constexpr(_E4M3_PTX)
+# then each byte pair through f16 (exact), times the byte's f16 factor ($3: bytes 0-1, $4: bytes 2-3),
+# rounded back to E4M3 (cvt.rn: the queries' rounding)
+_E4M3_SHIFTED_ASM = tl.constexpr(_E4M3_PTX + """
+{
+.reg .b16 x<4>;
+.reg .b32 f<4>;
+mov.b32 {x0, x1}, $0;
+mov.b32 {x2, x3}, $1;
+cvt.rn.f16x2.e4m3x2 f0, x0;
+cvt.rn.f16x2.e4m3x2 f1, x1;
+cvt.rn.f16x2.e4m3x2 f2, x2;
+cvt.rn.f16x2.e4m3x2 f3, x3;
+mul.rn.f16x2 f0, f0, $3;
+mul.rn.f16x2 f1, f1, $4;
+mul.rn.f16x2 f2, f2, $3;
+mul.rn.f16x2 f3, f3, $4;
+cvt.rn.satfinite.e4m3x2.f16x2 x0, f0;
+cvt.rn.satfinite.e4m3x2.f16x2 x1, f1;
+cvt.rn.satfinite.e4m3x2.f16x2 x2, f2;
+cvt.rn.satfinite.e4m3x2.f16x2 x3, f3;
+mov.b32 $0, {x0, x1};
+mov.b32 $1, {x2, x3};
+}
 """)
+
+
+@triton.jit
+def _exp2(e):
+    """float32 2^e for integer lanes e <= 127; 0 below 2^-126."""
+    return tl.where(e > -127, (tl.maximum(e, -126) + 127) << 23, 0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(v, FP8: tl.constexpr):
+    """float32 -> E4M3, round to nearest even (float8e4nv operand; interpreter: its exact float32 value)."""
+    if FP8:
+        return v.to(tl.float8e4nv)
+    else:
+        return e4m3_value(e4m3_code(v))
+
+
+@triton.jit
+def _e4m3_operand(e, FP8: tl.constexpr):
+    """E4M3 bytes (uint8) -> dot operand: float8e4nv, or (interpreter) their exact float32 values."""
+    if FP8:
+        return e.to(tl.float8e4nv, bitcast=True)
+    else:
+        return e4m3_value(e.to(tl.int32))
 
 
 @triton.jit
@@ -88,62 +149,73 @@ def _fp4_bytes_to_e4m3(b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _key_group(kp_ptr, ks_ptr, cols, kmask, g: tl.constexpr, HALF: tl.constexpr, NGRP: tl.constexpr,
-               FP8: tl.constexpr, ASM: tl.constexpr):
-    """Keys' group g (32 values) -> (operand [BN, 32] worth value * 2^-6 / scale, fp32 scale * 2^6 [BN])."""
-    j = tl.arange(0, 16)
+def _key_raw(kp_ptr, ks_ptr, cols, kmask, g: tl.constexpr, NG: tl.constexpr, HALF: tl.constexpr,
+             NGRP: tl.constexpr):
+    """Keys' groups g..g+NG-1 as loaded: packed bytes int8 [BN, 16 NG] and scale bytes int32 [BN, NG]."""
+    j = tl.arange(0, 16 * NG)
     b = tl.load(kp_ptr + cols[:, None].to(tl.int64) * HALF + g * 16 + j[None, :], mask=kmask[:, None], other=0)
-    e = _fp4_bytes_to_e4m3(b.to(tl.uint8, bitcast=True), ASM)
-    if FP8:
-        k = e.to(tl.float8e4nv, bitcast=True)
-    else:  # interpreter: exact fp32 values of the same E4M3 bytes
-        k = e4m3_value(e.to(tl.int32))
-    sc = tl.load(ks_ptr + cols.to(tl.int64) * NGRP + g, mask=kmask, other=127).to(tl.int32)
-    return k, e8m0_value(sc) * 64.0
-
-
-@triton.jit
-def _query_group(qp_ptr, qs_ptr, rows, rmask, qmax, g: tl.constexpr, HALF: tl.constexpr, NGRP: tl.constexpr,
-                 FP8: tl.constexpr):
-    """Queries' group g -> operand [32, NQ]: value * 2^(group exponent - row's max exponent + 6), exact in
-    E4M3 while a row's group exponents span at most 14 (beyond that the smallest groups round)."""
-    j = tl.arange(0, 16)
-    b = tl.load(qp_ptr + rows[:, None].to(tl.int64) * HALF + g * 16 + j[None, :], mask=rmask[:, None],
-                other=0).to(tl.int32)
-    ex = tl.load(qs_ptr + rows.to(tl.int64) * NGRP + g, mask=rmask, other=127).to(tl.int32) - qmax + 133
-    f = tl.where(ex > 0, tl.maximum(ex, 1) << 23, 0).to(tl.float32, bitcast=True)  # 2^(exp - qmax + 6)
-    v = tl.join(fp4_value(b & 15), fp4_value((b >> 4) & 15)).reshape(b.shape[0], 32) * f[:, None]
-    if FP8:
-        v = v.to(tl.float8e4nv)
-    return tl.trans(v)
-
-
-@triton.jit
-def _key_raw(kp_ptr, ks_ptr, cols, kmask, g: tl.constexpr, HALF: tl.constexpr, NGRP: tl.constexpr):
-    """Keys' group g as loaded: packed bytes int8 [BN, 16] and scale bytes int32 [BN]."""
-    j = tl.arange(0, 16)
-    b = tl.load(kp_ptr + cols[:, None].to(tl.int64) * HALF + g * 16 + j[None, :], mask=kmask[:, None], other=0)
-    return b, tl.load(ks_ptr + cols.to(tl.int64) * NGRP + g, mask=kmask, other=127).to(tl.int32)
+    gi = g + tl.arange(0, NG)
+    sc = tl.load(ks_ptr + cols[:, None].to(tl.int64) * NGRP + gi[None, :], mask=kmask[:, None], other=127)
+    return b, sc.to(tl.int32)
 
 
 @triton.jit
 def _key_dot(b, sc, q, FP8: tl.constexpr, ASM: tl.constexpr):
-    """One group's dot: keys' E4M3 operand [BN, 32] x queries [32, NQ], the keys' scale applied."""
-    e = _fp4_bytes_to_e4m3(b.to(tl.uint8, bitcast=True), ASM)
-    if FP8:
-        k = e.to(tl.float8e4nv, bitcast=True)
-    else:
-        k = e4m3_value(e.to(tl.int32))
-    return tl.dot(k, q) * (e8m0_value(sc) * 64.0)[:, None]
+    """One group's dot (the unfolded form): keys' E4M3 operand [BN, 32] worth value * 2^-6 x queries
+    [32, NQ], the keys' scale applied to the fp32 result."""
+    k = _e4m3_operand(_fp4_bytes_to_e4m3(b.to(tl.uint8, bitcast=True), ASM), FP8)
+    return tl.dot(k, q) * (e8m0_value(sc) * 64.0)
 
 
 @triton.jit
-def _visible_score(acc, wq, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols, POOL_BLOCK: tl.constexpr,
+def _key_folded(b, sc, FP8: tl.constexpr, ASM: tl.constexpr):
+    """All of the keys' groups (bytes [BN, D/2], scale bytes [BN, D/32]) -> (E4M3 operand [BN, D] worth
+    value * 2^(6 - s) rounded to nearest, s = the key's max group exponent - the group's, and the key's
+    factor 2^(max exponent - 133) [BN]). Exact while s <= 14 (0.5 * 2^-8 is E4M3's least subnormal);
+    beyond, values round to multiples of 2^-9 (a whole group is 0 from s = 19), as the queries do."""
+    BN: tl.constexpr = b.shape[0]
+    NG: tl.constexpr = sc.shape[1]
+    kmax = tl.max(sc, axis=1)
+    shift = kmax[:, None] - sc
+    bg = tl.reshape(b.to(tl.uint8, bitcast=True), (BN, NG, 16))
+    if ASM:  # factor 2^(12 - s) in f16: exact to s = 36, where every product already rounds to 0
+        up = _exp2(12 - shift).to(tl.float16)
+        lo, hi = tl.inline_asm_elementwise(_E4M3_SHIFTED_ASM, "=r,=r,r,r,r", [bg, up[:, :, None]],
+                                           dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        k = _e4m3_operand(tl.join(lo, hi).reshape(BN, NG * 32), FP8)
+    else:
+        bi = bg.to(tl.int32)
+        v = tl.join(fp4_value(bi & 15), fp4_value(bi >> 4)).reshape(BN, NG, 32) * _exp2(6 - shift)[:, :, None]
+        k = tl.reshape(_e4m3(v, FP8), (BN, NG * 32))
+    return k, e8m0_value(kmax) * 0.015625
+
+
+@triton.jit
+def _query_operand(qp_ptr, qs_ptr, rows, rmask, qmax, g: tl.constexpr, NG: tl.constexpr, HALF: tl.constexpr,
+                   NGRP: tl.constexpr, FP8: tl.constexpr):
+    """Queries' groups g..g+NG-1 -> operand [32 NG, NQ]: value * 2^(group exponent - row's max exponent
+    + 6), rounded to E4M3: exact while a row's group exponents span at most 14."""
+    NQ: tl.constexpr = rows.shape[0]
+    j = tl.arange(0, 16 * NG)
+    b = tl.load(qp_ptr + rows[:, None].to(tl.int64) * HALF + g * 16 + j[None, :], mask=rmask[:, None],
+                other=0).to(tl.int32)
+    gi = g + tl.arange(0, NG)
+    ex = tl.load(qs_ptr + rows[:, None].to(tl.int64) * NGRP + gi[None, :], mask=rmask[:, None], other=127)
+    f = _exp2(ex.to(tl.int32) - qmax[:, None] + 6)
+    v = tl.join(fp4_value(b & 15), fp4_value((b >> 4) & 15)).reshape(NQ, NG, 32) * f[:, :, None]
+    return tl.trans(tl.reshape(_e4m3(v, FP8), (NQ, NG * 32)))
+
+
+@triton.jit
+def _visible_score(acc, wq, kf, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols, POOL_BLOCK: tl.constexpr,
                    HAS_POOL: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, H: tl.constexpr):
     """A tile's index scores [BN, BT] from the per-head dots acc [BN, BT*H]: ReLU, head weights, head
-    sum; -inf where the entry is not visible to the query (or outside its candidate pool)."""
+    sum, times the keys' factor kf [BN] (None: none); -inf where the entry is not visible to the query
+    (or outside its candidate pool)."""
     s = tl.maximum(acc, 0.0) * wq[None, :]
     score = tl.sum(tl.reshape(s, (BN, BT, H)), axis=2)  # [BN, BT]
+    if kf is not None:
+        score = score * kf[:, None]
     allowed = cols[:, None] < n_vis[None, :]
     if HAS_POOL:
         pm = tl.load(pool_ptr + t[None, :] * n_pool_cols + cols[:, None] // POOL_BLOCK, mask=store_mask, other=0)
@@ -156,9 +228,13 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                     T, N, n_pool_cols, stride_out, n_groups, chunk, POOL_BLOCK: tl.constexpr,
                     H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr,
                     HAS_POOL: tl.constexpr, WRITE_MAX: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
-                    PREFETCH: tl.constexpr = False):
-    """Scores of BT queries x `chunk` entries: per 32-wide group one dot (keys [BN, 32] x queries
-    [32, BT*H], E4M3 operands, exact products), the key's group scale applied to the fp32 result.
+                    PREFETCH: tl.constexpr = False, KEY_FOLD: tl.constexpr = False):
+    """Scores of BT queries x `chunk` entries, E4M3 operands: one K = 32 dot per group, the key's group
+    scale applied to each fp32 result. KEY_FOLD: each key's group exponents folded into its operand as
+    the queries' are (_key_folded), one K = D dot per tile [BN, BT*H], and the key's remaining factor
+    2^(kmax - 133) > 0 applied after the ReLU and head sum (ReLU commutes with it); exact with an exact
+    fp32 dot (the interpreter) while every key's and query's group exponents span <= 14, not on the
+    H200's FP8 MMA (module docstring).
     WRITE_MAX: also the maxima of groups of GM entries (powers of two, GM < BN or a multiple of BN)
     and zeroed top-k counters. PREFETCH (decode; D = 128, GM <= BN): the next tile's key bytes are
     loaded before this tile's dots, every tile is computed (keys past the last visible one are masked
@@ -180,35 +256,47 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                           other=0).to(tl.int32), axis=1)
     # the rows' common factor 2^(qmax - 133) folded into the head weights (relu commutes with it)
     wq = tl.load(w_ptr + r, mask=rmask, other=0.0) * e8m0_value(qmax) * 0.015625
-    q0 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 0, HALF, NGRP, FP8)
-    if NGRP > 1:
-        q1 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 1, HALF, NGRP, FP8)
-    if NGRP > 2:
-        q2 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 2, HALF, NGRP, FP8)
-        q3 = _query_group(qp_ptr, qs_ptr, r, rmask, qmax, 3, HALF, NGRP, FP8)
+    if KEY_FOLD:
+        q = _query_operand(qp_ptr, qs_ptr, r, rmask, qmax, 0, NGRP, HALF, NGRP, FP8)  # [D, NQ]
+    else:
+        q0 = _query_operand(qp_ptr, qs_ptr, r, rmask, qmax, 0, 1, HALF, NGRP, FP8)
+        if NGRP > 1:
+            q1 = _query_operand(qp_ptr, qs_ptr, r, rmask, qmax, 1, 1, HALF, NGRP, FP8)
+        if NGRP > 2:
+            q2 = _query_operand(qp_ptr, qs_ptr, r, rmask, qmax, 2, 1, HALF, NGRP, FP8)
+            q3 = _query_operand(qp_ptr, qs_ptr, r, rmask, qmax, 3, 1, HALF, NGRP, FP8)
     vis_max = tl.max(n_vis, axis=0)
     n_start = pid_n * chunk
     if PREFETCH:
         n_end = tl.minimum(n_start + chunk, N)
         lim = tl.minimum(n_end, vis_max)
         cols = n_start + tl.arange(0, BN)
-        b0, s0 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 0, HALF, NGRP)
-        b1, s1 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 1, HALF, NGRP)
-        b2, s2 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 2, HALF, NGRP)
-        b3, s3 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 3, HALF, NGRP)
+        if KEY_FOLD:
+            b, sc = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 0, NGRP, HALF, NGRP)
+        else:
+            b0, s0 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 0, 1, HALF, NGRP)
+            b1, s1 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 1, 1, HALF, NGRP)
+            b2, s2 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 2, 1, HALF, NGRP)
+            b3, s3 = _key_raw(kp_ptr, ks_ptr, cols, cols < lim, 3, 1, HALF, NGRP)
         for n0 in range(n_start, n_end, BN):
             cols = n0 + tl.arange(0, BN)
             nxt = cols + BN
-            c0, u0 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 0, HALF, NGRP)
-            c1, u1 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 1, HALF, NGRP)
-            c2, u2 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 2, HALF, NGRP)
-            c3, u3 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 3, HALF, NGRP)
-            acc = _key_dot(b0, s0, q0, FP8, ASM)
-            acc += _key_dot(b1, s1, q1, FP8, ASM)
-            acc += _key_dot(b2, s2, q2, FP8, ASM)
-            acc += _key_dot(b3, s3, q3, FP8, ASM)
+            if KEY_FOLD:
+                b_next, sc_next = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 0, NGRP, HALF, NGRP)
+                k, kf = _key_folded(b, sc, FP8, ASM)
+                acc = tl.dot(k, q)
+            else:
+                c0, u0 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 0, 1, HALF, NGRP)
+                c1, u1 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 1, 1, HALF, NGRP)
+                c2, u2 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 2, 1, HALF, NGRP)
+                c3, u3 = _key_raw(kp_ptr, ks_ptr, nxt, nxt < lim, 3, 1, HALF, NGRP)
+                kf = None
+                acc = _key_dot(b0, s0, q0, FP8, ASM)
+                acc += _key_dot(b1, s1, q1, FP8, ASM)
+                acc += _key_dot(b2, s2, q2, FP8, ASM)
+                acc += _key_dot(b3, s3, q3, FP8, ASM)
             store_mask = t_mask[None, :] & (cols[:, None] < N)
-            score = _visible_score(acc, wq, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols,
+            score = _visible_score(acc, wq, kf, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols,
                                    POOL_BLOCK, HAS_POOL, BN, BT, H)
             tl.store(out_ptr + t[None, :].to(tl.int64) * stride_out + cols[:, None], score, mask=store_mask)
             if WRITE_MAX:
@@ -216,7 +304,10 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                 tl.store(max_ptr + t[None, :].to(tl.int64) * n_groups + sg[:, None],
                          tl.max(tl.reshape(score, (BN // GM, GM, BT)), axis=1),
                          mask=t_mask[None, :] & (sg[:, None] < n_groups))
-            b0, b1, b2, b3, s0, s1, s2, s3 = c0, c1, c2, c3, u0, u1, u2, u3
+            if KEY_FOLD:
+                b, sc = b_next, sc_next
+            else:
+                b0, b1, b2, b3, s0, s1, s2, s3 = c0, c1, c2, c3, u0, u1, u2, u3
     else:
         STEP: tl.constexpr = GM if GM > BN else BN
         for g0 in range(n_start, tl.minimum(n_start + chunk, N), STEP):
@@ -234,17 +325,19 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                                  mask=t_mask[None, :] & (sg[:, None] < n_groups))
                 else:
                     kmask = cols < N
-                    k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 0, HALF, NGRP, FP8, ASM)
-                    acc = tl.dot(k, q0) * ksc[:, None]  # [BN, NQ]
-                    if NGRP > 1:
-                        k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 1, HALF, NGRP, FP8, ASM)
-                        acc += tl.dot(k, q1) * ksc[:, None]
-                    if NGRP > 2:
-                        k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 2, HALF, NGRP, FP8, ASM)
-                        acc += tl.dot(k, q2) * ksc[:, None]
-                        k, ksc = _key_group(kp_ptr, ks_ptr, cols, kmask, 3, HALF, NGRP, FP8, ASM)
-                        acc += tl.dot(k, q3) * ksc[:, None]
-                    score = _visible_score(acc, wq, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols,
+                    if KEY_FOLD:
+                        b, sc = _key_raw(kp_ptr, ks_ptr, cols, kmask, 0, NGRP, HALF, NGRP)
+                        k, kf = _key_folded(b, sc, FP8, ASM)
+                        acc = tl.dot(k, q)  # [BN, NQ]
+                    else:
+                        kf = None
+                        acc = _key_dot(*_key_raw(kp_ptr, ks_ptr, cols, kmask, 0, 1, HALF, NGRP), q0, FP8, ASM)
+                        if NGRP > 1:
+                            acc += _key_dot(*_key_raw(kp_ptr, ks_ptr, cols, kmask, 1, 1, HALF, NGRP), q1, FP8, ASM)
+                        if NGRP > 2:
+                            acc += _key_dot(*_key_raw(kp_ptr, ks_ptr, cols, kmask, 2, 1, HALF, NGRP), q2, FP8, ASM)
+                            acc += _key_dot(*_key_raw(kp_ptr, ks_ptr, cols, kmask, 3, 1, HALF, NGRP), q3, FP8, ASM)
+                    score = _visible_score(acc, wq, kf, cols, t, n_vis, store_mask, pool_ptr, n_pool_cols,
                                            POOL_BLOCK, HAS_POOL, BN, BT, H)
                     tl.store(out_ptrs, score, mask=store_mask)
                     if WRITE_MAX:
@@ -266,7 +359,7 @@ def _interpreted() -> bool:
 
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
             block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
-            prefetch_keys=None, maxnreg=None):
+            prefetch_keys=None, maxnreg=None, key_fold=False):
     """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None)."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
@@ -299,7 +392,8 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
         pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), n_groups, chunk,
         POOL_BLOCK=pool_block, H=h, D=d, BT=bt, BN=bn, GM=gm, HAS_POOL=pool_mask is not None,
         WRITE_MAX=topk is not None, FP8=not interp, ASM=(not interp) if key_asm is None else key_asm,
-        PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, num_warps=num_warps or (8 if decode else 4),
+        PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, KEY_FOLD=bool(key_fold),
+        num_warps=num_warps or (8 if decode else 4),
         **register_cap(maxnreg))
     return out, (maxima if topk is not None else None), (counts if topk is not None else None)
 
@@ -307,7 +401,8 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
 def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,
                           pool_mask=None, pool_block: int = 8, **tune) -> torch.Tensor:
     """float32 [T, N] scores, -inf where masked. tune: block_t, block_n, chunk, num_warps, key_asm,
-    prefetch_keys (the decode loop; default for T < 16, D = 128), maxnreg (a register cap). Decode runs
+    prefetch_keys (the decode loop; default for T < 16, D = 128), maxnreg (a register cap), key_fold
+    (the keys' exponents in their operands: faster, not exact on the H200: module docstring). Decode runs
     8 warps a program: 136 vs 162 us at 4 (1M keys with its top-512, benches/results/kernels-h200-run8.md)."""
     return _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, **tune)[0]
 
