@@ -1,5 +1,6 @@
 """Suite-wide settings."""
 
+import random
 import sys
 
 import pytest
@@ -13,6 +14,12 @@ def _poison(t):
     if t.is_floating_point() and t.dtype.itemsize >= 2:
         return t.fill_(float("nan"))
     return t.view(torch.uint8).fill_(0xA5).view(t.dtype) if t.numel() else t
+
+
+@pytest.fixture
+def gen():
+    """A generator with a fresh random seed (the kernel tests: each run draws new inputs)."""
+    return torch.Generator().manual_seed(random.randrange(2**31))
 
 
 @pytest.fixture

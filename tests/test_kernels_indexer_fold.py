@@ -5,30 +5,14 @@ group exponents span <= 14 (the E4M3 subnormals included), rounded to the E4M3 g
 same scores as the default four-dot form. The H200's FP8 MMA adds chained K = 32 blocks at 13 mantissa
 bits, which is why the fold is a knob, off by default (the module's docstring has the measurement)."""
 
-import importlib
-import os
-import random
-
-os.environ["TRITON_INTERPRET"] = "1"
+from interpreted import interpreted  # first: the interpreter before triton
 
 import pytest
 import torch
 
-import kernels._formats
-import kernels.topk
-import kernels.indexer
+from engine import quant as Q
 
-for _m in (kernels._formats, kernels.topk, kernels.indexer):
-    importlib.reload(_m)
-
-from engine import quant as Q  # noqa: E402
-from kernels import indexer  # noqa: E402
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(random.randrange(2**31))
-
+_, _, indexer = interpreted("_formats", "topk", "indexer")
 
 def _pack(codes):
     """E2M1 codes (0..15) [..., K] -> packed int8 [..., K/2], low nibble first."""

@@ -2,30 +2,14 @@
 on the CPU interpreter, against float64 PyTorch references, including the paths the GPU's default shapes
 do not take at these sizes (the radix fallback, tl.sort, groups wider than a tile)."""
 
-import importlib
-import os
-import random
-
-os.environ["TRITON_INTERPRET"] = "1"
+from interpreted import interpreted  # first: the interpreter before triton
 
 import pytest
 import torch
 
-import kernels._formats
-import kernels.topk
-import kernels.indexer
+from engine import quant as Q
 
-for _m in (kernels._formats, kernels.topk, kernels.indexer):
-    importlib.reload(_m)
-
-from engine import quant as Q  # noqa: E402
-from kernels import indexer, topk  # noqa: E402
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(random.randrange(2**31))
-
+_, topk, indexer = interpreted("_formats", "topk", "indexer")
 
 def _ties(gen, rows, n):
     v = torch.randn(rows, n, generator=gen)

@@ -7,7 +7,6 @@ allocates (the partial-sum workspace included) are NaN-poisoned so an unwritten 
 
 import importlib
 import os
-import random
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
 
@@ -21,10 +20,6 @@ for _m in (kernels._formats, kernels.mhc):  # re-create the jit functions if imp
     importlib.reload(_m)
 
 from kernels import mhc  # noqa: E402
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(random.randrange(2**31))
 
 
 def _rel(a, b):

@@ -3,7 +3,6 @@ float64 reference: the decode-time GEMV path and the grouped tensor-core path wi
 
 import importlib
 import os
-import random
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
 
@@ -47,10 +46,6 @@ def _case(gen, t, e=6, inter=64, dim=128, k=3, every_byte=False):
     tw = torch.rand(t, k, generator=gen)
     return (x, *_weights(gen, e, inter, dim, every_byte), ids, tw)
 
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(random.randrange(2**31))
 
 
 def _every_byte_under_every_scale():

@@ -6,7 +6,6 @@ allocate are poisoned (NaN / sentinel bytes) so an unwritten element fails the c
 
 import importlib
 import os
-import random
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
 
@@ -32,12 +31,6 @@ for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kerne
 
 from engine import quant as Q  # noqa: E402
 from kernels import dispatch, fp8_linear, indexer, mhc, moe, quant, sparse_attn, topk  # noqa: E402
-
-@pytest.fixture
-def gen():
-    seed = random.randrange(2**31)
-    g = torch.Generator().manual_seed(seed)
-    return g
 
 
 def _rel(a, b):
