@@ -502,8 +502,8 @@ def main():
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
-    cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn, indexer=case_indexer, topk=case_topk,
-                 moe=case_moe, linear=case_linear)
+    cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
+                 indexer=case_indexer, topk=case_topk, moe=case_moe, linear=case_linear)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")

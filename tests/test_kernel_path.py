@@ -241,10 +241,10 @@ def grouped_out_on_kept_bf16(cfg, weights) -> dict:
 
     for L in range(cfg.n_layers):
         name = f"layers.{L}.attn.wo_a"
-        value = lambda: weights.get(name + ".weight").view(cfg.o_groups, cfg.o_lora_rank, -1)  # noqa: B023
+        w = weights.get(name + ".weight")
         got = ops.grouped_out(o, never, name)
-        same.append(torch.equal(got, ref.grouped_out(o, value, name)))
-        exact.append(torch.equal(ops._bf16_weight(name).float(), weights.get(name + ".weight")))
+        same.append(torch.equal(got, ref.grouped_out(o, lambda: w.view(cfg.o_groups, cfg.o_lora_rank, -1), name)))
+        exact.append(torch.equal(ops._bf16_weight(name).float(), w))
     return {"same_bits": all(same), "kept_exact": all(exact), "asked": len(asked), "layers": cfg.n_layers}
 
 

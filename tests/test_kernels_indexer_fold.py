@@ -14,6 +14,7 @@ from engine import quant as Q
 
 _, _, indexer = interpreted("_formats", "topk", "indexer")
 
+
 def _pack(codes):
     """E2M1 codes (0..15) [..., K] -> packed int8 [..., K/2], low nibble first."""
     c = codes.to(torch.uint8)

@@ -11,6 +11,7 @@ from engine import quant as Q
 
 _, topk, indexer = interpreted("_formats", "topk", "indexer")
 
+
 def _ties(gen, rows, n):
     v = torch.randn(rows, n, generator=gen)
     v[0, ::3] = float("-inf")

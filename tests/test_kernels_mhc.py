@@ -5,21 +5,12 @@ finishing launch) is checked against the float64 reference at small shapes; outp
 allocates (the partial-sum workspace included) are NaN-poisoned so an unwritten element fails.
 """
 
-import importlib
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+from interpreted import interpreted  # first: the interpreter before triton
 
 import pytest
 import torch
 
-import kernels._formats
-import kernels.mhc
-
-for _m in (kernels._formats, kernels.mhc):  # re-create the jit functions if imported without the interpreter
-    importlib.reload(_m)
-
-from kernels import mhc  # noqa: E402
+_, mhc = interpreted("_formats", "mhc")
 
 
 def _rel(a, b):

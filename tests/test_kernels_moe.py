@@ -1,23 +1,14 @@
 """The FP4 MoE kernels (kernels/moe.py), both paths, on the CPU under TRITON_INTERPRET=1, against the
 float64 reference: the decode-time GEMV path and the grouped tensor-core path with its NIB K order."""
 
-import importlib
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+from interpreted import interpreted  # first: the interpreter before triton
 
 import pytest
 import torch
 
-import kernels._formats
-import kernels.fp4_tiles
-import kernels.moe
+from engine import quant as Q
 
-for _m in (kernels._formats, kernels.fp4_tiles, kernels.moe):
-    importlib.reload(_m)
-
-from engine import quant as Q  # noqa: E402
-from kernels import fp4_tiles, moe  # noqa: E402
+_, fp4_tiles, moe = interpreted("_formats", "fp4_tiles", "moe")
 
 
 def _rel(a, b):

@@ -2,21 +2,17 @@
 backward against float64 PyTorch (the engine's sinkhorn and its autograd gradient), token counts that
 do not fill a block, outputs NaN-poisoned so an unwritten element fails, and the op's autograd."""
 
-import importlib
-import os
-import random
+from interpreted import interpreted  # first: the interpreter before triton
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+import random
 
 import pytest
 import torch
 
-import kernels.sinkhorn
+from engine.model import mhc
 
-importlib.reload(kernels.sinkhorn)  # re-create the jit functions if imported without the interpreter
+sk = interpreted("sinkhorn")
 
-from engine.model import mhc  # noqa: E402
-from kernels import sinkhorn as sk  # noqa: E402
 
 def _logits(t: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)

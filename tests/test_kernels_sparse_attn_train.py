@@ -4,20 +4,15 @@ TRITON_INTERPRET=1: the attention and the scores against float64 gather-and-eins
 autograd of the gathered forms, the CSR pick index against a hand count, and the trainer's attention
 core and whole step with the ops against their gathered forms."""
 
-import importlib
+from interpreted import interpreted  # first: the interpreter before triton
+
 import os
 import random
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
 
 import pytest
 import torch
 
-import kernels.sparse_attn_train
-
-importlib.reload(kernels.sparse_attn_train)  # re-create the jit functions if imported without the interpreter
-
-from kernels import sparse_attn_train as sat  # noqa: E402
+sat = interpreted("sparse_attn_train")
 
 
 def _case(seed, B=2, T=5, H=4, D=32, N=7, K=3):

@@ -4,33 +4,16 @@ Inputs are fresh random draws each run (the seed is in the failure message); out
 allocate are poisoned (NaN / sentinel bytes) so an unwritten element fails the comparison.
 """
 
-import importlib
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
+from interpreted import interpreted  # first: the interpreter before triton
 
 import pytest
 import torch
 
-import kernels._formats
-import kernels.quant
-import kernels.topk
-import kernels.indexer
-import kernels.sparse_attn
-import kernels.fp4_tiles
-import kernels.moe
-import kernels.mhc
-import kernels.fp8_linear
-import kernels.dispatch
+from engine import quant as Q
 from tests.test_kernels_mhc import _inputs as mhc_inputs
 
-# if another test imported the kernels without the interpreter, re-create the jit functions
-for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles,
-           kernels.moe, kernels.mhc, kernels.fp8_linear, kernels.dispatch):
-    importlib.reload(_m)
-
-from engine import quant as Q  # noqa: E402
-from kernels import dispatch, fp8_linear, indexer, mhc, moe, quant, sparse_attn, topk  # noqa: E402
+_, quant, topk, indexer, sparse_attn, _, moe, mhc, fp8_linear, dispatch = interpreted(
+    "_formats", "quant", "topk", "indexer", "sparse_attn", "fp4_tiles", "moe", "mhc", "fp8_linear", "dispatch")
 
 
 def _rel(a, b):

@@ -25,31 +25,15 @@ fp32 GEMM; with that op handed back to the wrapped numerics the two routes agree
 
 from __future__ import annotations
 
-import importlib
-import os
+from interpreted import interpreted  # first: the interpreter before triton (tests/ is on the path)
+
 import sys
 from pathlib import Path
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels below
 
 import pytest
 import torch
 
-import kernels._formats
-import kernels.dispatch
-import kernels.fp4_tiles
-import kernels.fp8_linear
-import kernels.indexer
-import kernels.mhc
-import kernels.moe
-import kernels.quant
-import kernels.sparse_attn
-import kernels.topk
-
-# if another test imported the kernels without the interpreter, re-create the jit functions
-for _m in (kernels._formats, kernels.quant, kernels.topk, kernels.indexer, kernels.sparse_attn, kernels.fp4_tiles,
-           kernels.moe, kernels.mhc, kernels.fp8_linear, kernels.dispatch):
-    importlib.reload(_m)
+interpreted("_formats", "quant", "topk", "indexer", "sparse_attn", "fp4_tiles", "moe", "mhc", "fp8_linear", "dispatch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
