@@ -31,17 +31,33 @@ def listed_host_syncs(found: list | None, device):
                      if "synchronizing CUDA operation" in str(w.message)})
 
 
+@contextmanager
+def profiled(reports: dict | None, phase: str, device):
+    """Profile the enclosed work into reports[phase] (engine.profiling's tables); no-op for None."""
+    if reports is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    from engine.profiling import profile_report
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+    reports[phase] = profile_report(prof, cuda)
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def graph_decode(block, x, pre, positions, shared, step, device, replays: int = 20) -> dict:
+def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict | None = None,
+                 replays: int = 20) -> dict:
     """The layer's decode step captured once as a CUDA graph and replayed: what a serving loop pays per
     step when the host is out of the way. The Engram's rows are looked up first (host hashing: a step
     outside the graph, timed apart). Every live CUDA tensor is held while the graph lives (a graph
     reads its inputs by address). -> {"graph_s": median replay, "lookup_s", "graph_out", "graph_peak"}
-    or {"graph_error": why}."""
+    or {"graph_error": why}. profiles: a dict to receive one more replay's profile ("decode graph": the
+    kernels the graph runs, which differ from the eager step's where a host branch has a branch-free form)."""
     out = {"lookup_s": 0.0}
     if device.type != "cuda":
         return {"graph_error": "CUDA graphs need a GPU"}
@@ -69,6 +85,9 @@ def graph_decode(block, x, pre, positions, shared, step, device, replays: int = 
             times.append(start.elapsed_time(end) / 1e3)
         out.update(graph_s=sorted(times)[len(times) // 2], graph_out=y.clone(),
                    graph_peak=torch.cuda.max_memory_allocated(device))
+        with profiled(profiles, "decode graph", device):
+            g.replay()
+            _sync(device)
     except Exception as err:  # noqa: BLE001 -- reported in the row, the eager figures still stand
         out["graph_error"] = f"{type(err).__name__}: {err}".replace("\n", " ")[:400]
     finally:

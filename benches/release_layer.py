@@ -32,7 +32,6 @@ import os
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +43,8 @@ RELEASE_CONFIG = ROOT / "assets" / "configs" / "v41-flash.json"  # the release i
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
-from benches.release_graph import GOAL_RATIO, graph_decode, graph_row, graph_table, listed_host_syncs  # noqa: E402
+from benches.release_graph import (GOAL_RATIO, graph_decode, graph_row, graph_table, listed_host_syncs,  # noqa: E402
+                                   profiled)
 
 
 # -- which layers ---------------------------------------------------------------------------------
@@ -327,27 +327,14 @@ def _peak(device) -> float | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-@contextmanager
-def _profiled(reports: dict | None, phase: str, device):
-    """Profile the enclosed work into reports[phase] (engine.profiling's tables); no-op for None."""
-    if reports is None:
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
-    from engine.profiling import profile_report
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        yield
-    reports[phase] = profile_report(prof, cuda)
-
-
 def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, detail: bool,
              profiles: dict | None = None, graph: dict | None = None, syncs: list | None = None) -> dict:
     """One pass: reset the caches, prefill `layers` in order, then one decode chunk; the last layer is
     timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode",
     "decode_out"}. profiles: a dict to receive the last layer's profile per phase (a pass of its own: the
     profiler slows what it watches). graph: a dict to receive the last layer's decode step captured as a
-    CUDA graph (`graph_decode`) instead of run eagerly. syncs: a list to receive the host syncs of the last
+    CUDA graph (`graph_decode`) instead of run eagerly; with profiles too, one replay is profiled into
+    profiles["decode graph"]. syncs: a list to receive the host syncs of the last
     layer's decode step (CUDA's sync debug mode: file, line, message)."""
     from engine.model.attention import Shared
     target = layers[-1]
@@ -374,9 +361,9 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
             started = time.perf_counter()
             step = (chunk_ids, dead, history)
             if L == target and phase == "decode" and graph is not None:
-                graph.update(graph_decode(block, x, pre, positions, shared, step, device))
+                graph.update(graph_decode(block, x, pre, positions, shared, step, device, profiles))
                 continue
-            with _profiled(profiles if L == target else None, phase, device), \
+            with profiled(profiles if L == target else None, phase, device), \
                     listed_host_syncs(syncs if L == target and phase == "decode" else None, device):
                 y, _ = block.forward(x, pre, positions, shared, step, None, probe)
                 _sync(device)
@@ -417,7 +404,8 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
         run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, profiles)
     graph: dict = {}
     if args.graph and warm and time.perf_counter() + times[-1] * 2 < deadline:
-        run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, graph=graph)
+        run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
+                 profiles if args.profile else None, graph=graph)
     rows = []
     for phase in ("prefill", "decode"):
         if phase == "prefill":
@@ -437,6 +425,8 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
                      "generate_s": gen_s, "pass_s": [round(x, 3) for x in times], "status": "ok"})
         if phase in profiles:
             rows[-1]["profile"] = profiles[phase]
+        if phase == "decode" and "decode graph" in profiles:
+            rows[-1]["graph_profile"] = profiles["decode graph"]
         if phase == "decode":
             rows[-1]["host_syncs"] = syncs
             rows[-1].update(graph_row(graph, got.get("decode_out"), floor_s))
@@ -476,12 +466,14 @@ def profile_text(report: dict) -> str:
     """The profiled rows' tables, one section per role and phase (--profile)."""
     parts = []
     for row in report["rows"]:
-        prof = row.get("profile")
-        if prof:
-            parts.append(f"## {row['title']}, layer {row['layer']}, {row['phase']} {row['queries']}: "
-                         f"{row['time_s'] * 1e3:.2f} ms unprofiled; profiled: kernels {prof['kernel_s'] * 1e3:.2f} ms "
-                         f"in {prof['launches']} launches, GPU busy {prof['busy_s'] * 1e3:.2f} ms of "
-                         f"{prof['span_s'] * 1e3:.2f} ms\n\n{prof['text']}\n")
+        for key, what, took in (("profile", row["phase"], row["time_s"]),
+                                ("graph_profile", "decode graph replay", row.get("graph_s"))):
+            prof = row.get(key)
+            if prof:
+                parts.append(f"## {row['title']}, layer {row['layer']}, {what} {row['queries']}: "
+                             f"{took * 1e3:.2f} ms unprofiled; profiled: kernels {prof['kernel_s'] * 1e3:.2f} ms "
+                             f"in {prof['launches']} launches, GPU busy {prof['busy_s'] * 1e3:.2f} ms of "
+                             f"{prof['span_s'] * 1e3:.2f} ms\n\n{prof['text']}\n")
     return "\n".join(parts)
 
 
@@ -491,7 +483,8 @@ def write(report: dict, out: Path) -> None:
     text = profile_text(report)
     if text:
         (out / "release-layer-profile.txt").write_text(f"# Release-size layers profiled, {report['device']}\n\n{text}")
-    rows = [{**r, "profile": {k: v for k, v in r["profile"].items() if k != "text"}} if r.get("profile") else r
+    rows = [{**r, **{key: {k: v for k, v in r[key].items() if k != "text"}
+                       for key in ("profile", "graph_profile") if r.get(key)}}
             for r in report["rows"]]  # the tables live in the .txt
     (out / "release-layer.json").write_text(json.dumps({**report, "rows": rows}, indent=1, default=str))
 
