@@ -97,3 +97,16 @@ def test_shape_errors():
         engram_forward(x, rows[:-1], wkv, qw, kw, eps=1e-6)
     with pytest.raises(EngramError, match="q_weight"):
         engram_forward(x, rows, wkv, qw[:-1], kw, eps=1e-6)
+    short = wkv[:-1]  # fetched lazily: the product's width is checked instead
+    with pytest.raises(EngramError, match="wkv gave"):
+        engram_forward(x, rows, lambda: short, qw, kw, eps=1e-6, gemm=lambda flat, fetch: flat @ fetch().t())
+
+
+def test_fetched_weight_matches_the_tensor():
+    """wkv as a function: gemm gets the function (the kernel ops may never fetch it), same result."""
+    x, rows, wkv, qw, kw = make_inputs(2)
+    fetched = []
+    got = engram_forward(x, rows, lambda: fetched.append(1) or wkv, qw, kw, eps=1e-20,
+                         gemm=lambda flat, fetch: flat @ fetch().t())
+    assert fetched == [1]
+    assert torch.equal(got, engram_forward(x, rows, wkv, qw, kw, eps=1e-20))

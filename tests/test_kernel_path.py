@@ -84,7 +84,7 @@ def _worker(ckpt: str, part: str) -> dict:
     out["ref_calls"] = ref_calls
     # exact-precision kernels only (mHC, quantizer, indexer scores, top-k): the bf16-output ops left to
     # the wrapped numerics
-    saved = {name: getattr(TritonOps, name) for name in ("linear", "sparse_attention", "routed_experts")}
+    saved = {name: getattr(TritonOps, name) for name in ("linear", "gemm_of", "sparse_attention", "routed_experts")}
     for name in saved:
         setattr(TritonOps, name, lambda self, *a, _name=name, **k: getattr(self.base, _name)(*a, **k))
     logits, topk, calls, kernel_collect = forward(True)
@@ -203,7 +203,7 @@ def reference_on_kernels(cfg, weights, ids) -> dict:
     kinds = {"topk", "mhc", "routing"}
     cpu_logits, cpu = _probed(cfg, weights, ids, ops_for("reference"), kinds)
     wrapped = TritonOps(ops_for("reference"), weights, "cpu")
-    handed_back = ("linear", "sparse_attention", "routed_experts", "index_topk", "mhc_attention", "mhc_ffn")
+    handed_back = ("linear", "gemm_of", "sparse_attention", "routed_experts", "index_topk", "mhc_attention", "mhc_ffn")
     for name in handed_back:  # on the instance: every op the kernels take goes to the wrapped numerics
         setattr(wrapped, name, getattr(wrapped.base, name))
     same_logits, same = _probed(cfg, weights, ids, wrapped, kinds)

@@ -161,6 +161,12 @@ def test_stored_weights_keep_no_float_copy_and_feed_the_fp8_kernel():
     want = x.double() @ value.double().t()
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-2  # bf16 output of the FP8 kernel
     assert torch.equal(ops.gemm(x, value.clone()), x @ value.clone().t())  # any other tensor: the base op
+    # by name (the Engram's wkv): the same kernel on the stored bytes, the float value never fetched
+    fetched = []
+    by_name = ops.gemm_of(x, lambda: fetched.append(1), "layers.0.engram.wkv.weight")
+    assert fetched == [] and ops.calls["fp8_linear"] == 2 and torch.equal(by_name, got)
+    other = torch.randn(8, 96, generator=g)
+    assert torch.equal(ops.gemm_of(x, lambda: other, "layers.0.other.weight"), x @ other.t())  # not stored FP8
     del value
     import gc
     gc.collect()

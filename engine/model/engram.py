@@ -274,7 +274,9 @@ def engram_forward(
     """The stream after Engram: x + gate * value per copy, same shape and dtype as x.
 
     x: [T, hc, dim]; rows_embed: [T, n_rows, head_dim] (dequantized table rows, ngram_rows order);
-    wkv: [(hc + 1) * dim, n_rows * head_dim] (keys of copies 0..hc-1, then the value);
+    wkv: [(hc + 1) * dim, n_rows * head_dim] (keys of copies 0..hc-1, then the value), or a function
+    that fetches it: then gemm(flat, wkv) gets the function and fetches the value only if it needs it
+    (the kernel ops run the stored FP8 bytes instead of a fresh 0.6 GB float copy each step);
     q_weight, k_weight: [hc, dim]; token_mask: optional BoolTensor [T], False = leave untouched.
     Computed in float32 (float64 if x is float64). act (engine/ops): how the wkv GEMM's output is
     stored (bf16 in the reference's numerics); by default as computed. gemm: x @ w^T in the
@@ -286,7 +288,7 @@ def engram_forward(
     if rows_embed.dim() != 3 or rows_embed.shape[0] != n_tok:
         raise EngramError(f"rows_embed must be [T={n_tok}, n_rows, head_dim], got {tuple(rows_embed.shape)}")
     in_features = rows_embed.shape[1] * rows_embed.shape[2]
-    if tuple(wkv.shape) != ((hc + 1) * dim, in_features):
+    if not callable(wkv) and tuple(wkv.shape) != ((hc + 1) * dim, in_features):
         raise EngramError(f"wkv must be [{(hc + 1) * dim}, {in_features}], got {tuple(wkv.shape)}")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(w.shape) != (hc, dim):
@@ -294,7 +296,10 @@ def engram_forward(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
 
     flat = rows_embed.reshape(n_tok, in_features).to(compute)
-    kv = act(gemm(flat, wkv.to(compute)))  # [T, (hc + 1) * dim]
+    kv = act(gemm(flat, wkv if callable(wkv) else wkv.to(compute)))  # [T, (hc + 1) * dim]
+    if kv.shape != (n_tok, (hc + 1) * dim):
+        raise EngramError(f"wkv gave [{', '.join(map(str, kv.shape))}] from [{n_tok}, {in_features}], "
+                          f"not [{n_tok}, {(hc + 1) * dim}]")
     key = kv[:, : hc * dim].reshape(n_tok, hc, dim)
     value = kv[:, hc * dim :]  # [T, dim], shared by every copy
     h = x.to(compute)
@@ -339,6 +344,7 @@ class Engram:
             table = self.lookup(ids, dead, history, x.device)
         if self.act_quant:
             table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
-        ops = self.ops
-        return ops.act(engram_forward(x, table, get(p + "wkv.weight"), get(p + "q_weight"), get(p + "k_weight"),
-                                      self.cfg.norm_eps, token_mask=~dead, act=ops.act, gemm=ops.gemm))
+        ops, wkv = self.ops, p + "wkv.weight"
+        return ops.act(engram_forward(x, table, lambda: get(wkv), get(p + "q_weight"), get(p + "k_weight"),
+                                      self.cfg.norm_eps, token_mask=~dead, act=ops.act,
+                                      gemm=lambda flat, fetch: ops.gemm_of(flat, fetch, wkv)))

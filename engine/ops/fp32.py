@@ -124,6 +124,10 @@ class Fp32Ops:
         """x [M, K] @ w [N, K]^T for FP8/FP4 weights and FP8 activations (both dequantized), fp32."""
         return x @ w.t()
 
+    def gemm_of(self, x: torch.Tensor, fetch, name: str) -> torch.Tensor:
+        """`gemm` with the weight `name` fetched by fetch() (the kernel ops may run its stored bytes)."""
+        return self.gemm(x, fetch().to(x.dtype))
+
     # mHC: the mixes, the collapse of the copies into a sub-layer's input, the update of the stream
     def hc_mixes(self, x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
         return mhc.hc_mixes(x, fn, scale, base, hc, iters, hc_eps, norm_eps)

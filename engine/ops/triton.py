@@ -26,7 +26,8 @@ the linears; the wrapped numerics' `act` stores what the kernels return.
 Weights: the raw bytes come from the weight source's own device copy where it keeps one
 (engine/ops/stored.py StoredWeights: `stored`, `stacked_experts`, no fp32 copies), else from its
 reader. An FP8 weight the model asks for as a float (wo_a, the Engram's wkv) is recognised by
-`stored_name_of` and run on its stored bytes (`grouped_out`, `gemm`).
+`stored_name_of` and run on its stored bytes (`gemm`); wo_a and the Engram's wkv are asked for by name
+(`grouped_out`, `gemm_of`), so their float values are never made.
 
 `compute=False` with `capture_layer=L` only records the kernels' inputs at layer L (the wrapped ops
 compute): engine/run/parity.py compares each kernel with its reference on them.
@@ -240,6 +241,18 @@ class TritonOps:
         if hit is None or hit[1][0].shape != w.shape:
             return self.base.gemm(x, w)
         return self._kernel("fp8_linear")(x.float().contiguous(), *hit[1]).float()
+
+    def gemm_of(self, x: torch.Tensor, fetch, name: str) -> torch.Tensor:
+        """x @ W^T for the weight `name` (the Engram's wkv): on its stored E4M3 bytes by `fp8_linear` when
+        it is stored so (x already E4M3-rounded per 32 by the caller: re-quantized exactly), so its float
+        value is never made (a 0.6 GB dequantization each decode step at release size, 0.9 ms on the
+        H200); else the base op on fetch()."""
+        raw = None
+        if self.compute and self.act_quant and x.dim() == 2 and name.endswith(".weight"):
+            raw = self._fp8_weight(name[: -len(".weight")])
+        if raw is None or raw[0].shape[1] != x.shape[1]:
+            return self.base.gemm_of(x, fetch, name)
+        return self._kernel("fp8_linear")(x.float().contiguous(), *raw).float()
 
     def grouped_out(self, o: torch.Tensor, wo_a, name: str = "") -> torch.Tensor:
         """The grouped output projection o [T, g, d] x wo_a() [g, r, d] -> [T, g, r]. With the reference's
