@@ -220,6 +220,7 @@ class Generated:
         self.specs = {s.name: s for s in tensor_specs(cfg) if s.stage is None and s.group != "vision"}
         self.reader = TensorReader({})
         self.layers: set[int] = set()
+        self._pools: dict[str, torch.Tensor] = {}
 
     def add_layer(self, layer: int) -> float:
         """Generate one layer's tensors; returns the seconds it took."""
@@ -268,15 +269,23 @@ class Generated:
         prefix = f"layers.{layer}."
         self.reader.tensors = {n: t for n, t in self.reader.tensors.items() if not n.startswith(prefix)}
         self.reader.experts.pop(prefix + "ffn.", None)
+        self._pools = {n: t for n, t in self._pools.items() if not n.startswith(prefix)}
         self.layers.discard(layer)
 
+    POOL_ROWS = 1 << 16
+
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """Engram table rows [*index.shape, head_dim]: about N(0, 1), FP8-rounded per 32 as stored."""
+        """Engram table rows [*index.shape, head_dim]: row r is pool row r mod POOL_ROWS, a pool of rows
+        about N(0, 1), FP8-rounded per 32 as stored, made once per table (the full table, 16M rows, is
+        never made): a lookup is one gather on the device, as from a table held there."""
         from engine import quant
-        cols = self.specs[name].logical_shape[-1]
-        g = torch.Generator(device=self.device).manual_seed(int(index.numel()) + self.seed)
-        values = torch.randn(index.numel(), cols, device=self.device, generator=g)
-        return quant.fp8_roundtrip(values, 32).view(*index.shape, cols)
+        pool = self._pools.get(name)
+        if pool is None:
+            cols = self.specs[name].logical_shape[-1]
+            g = torch.Generator(device=self.device).manual_seed(self.seed + len(name))
+            values = torch.randn(self.POOL_ROWS, cols, device=self.device, generator=g)
+            pool = self._pools[name] = quant.fp8_roundtrip(values, 32)
+        return pool[index.to(self.device) % self.POOL_ROWS]
 
 
 def weight_source(gen: Generated, mode: str):
