@@ -81,6 +81,18 @@ def e2m1_code(v):
     return code | (sign << 3)
 
 
+@triton.jit
+def cast_rne(v, ty: tl.constexpr):
+    """float32 v as `ty`; to bf16 rounded to nearest even by bit arithmetic (the interpreter's cast
+    truncates; the GPU's rounds to nearest even: the same bits either way), other types by the cast."""
+    if ty == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000  # a carry into the exponent is the right answer
+        return tl.where(v != v, v, b.to(tl.float32, bitcast=True)).to(tl.bfloat16)  # NaN stays NaN
+    else:
+        return v.to(ty)
+
+
 def register_cap(maxnreg: int | None) -> dict:
     """Launch options for a register cap per thread (none for 0 or None): more programs per SM for a
     kernel held to few by its registers, at the price of spills."""

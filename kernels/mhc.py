@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import dot_dtype, sm_count
+from kernels._formats import cast_rne, dot_dtype, sm_count
 
 
 def _check(x, fn, scale, base, pre_prev, y, post_old, comb_old):
@@ -188,7 +188,7 @@ def _update(yv, x0, x1, x2, x3, p, ca, cb, cc, cd, out_ty: tl.constexpr):
     """One stream of the post/comb update, rounded to the stream's dtype (the mixes and the collapse
     see the stored stream): p y + ca x0 + cb x1 + cc x2 + cd x3 ([BT] coefficients, [BT, BD] tiles)."""
     v = p[:, None] * yv + ca[:, None] * x0 + cb[:, None] * x1 + cc[:, None] * x2 + cd[:, None] * x3
-    return v.to(out_ty)
+    return cast_rne(v, out_ty)
 
 
 @triton.jit
@@ -302,7 +302,7 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         v3 = n3.to(tl.float32)
         sq += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
         col = q0[:, None] * v0 + q1[:, None] * v1 + q2[:, None] * v2 + q3[:, None] * v3
-        tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], col.to(xc_ptr.dtype.element_ty), mask=m2)
+        tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], cast_rne(col, xc_ptr.dtype.element_ty), mask=m2)
         if USE_DOT and TOKENS_M:
             xa = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), (BT, 4 * BD)).to(DOT_DT)
             for pc in tl.static_range(NP):

@@ -9,8 +9,10 @@ from interpreted import interpreted  # first: the interpreter before triton
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-_, mhc = interpreted("_formats", "mhc")
+formats, mhc = interpreted("_formats", "mhc")
 
 
 def _rel(a, b):
@@ -79,6 +81,41 @@ def test_mhc_bf16_stream_fn_split_pieces(poisoned, gen, t, kw):
         assert 1e-7 < err[2] < 3e-5, (err, gen.initial_seed())   # the third piece is doing work
     else:
         assert err[2] < 1e-6, err
+
+
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y_ptr + i, formats.cast_rne(tl.load(x_ptr + i), tl.bfloat16))
+
+
+def test_bf16_stores_round_to_nearest_even(gen):
+    """cast_rne: float32 -> bf16 as torch (and the GPU) round it, where the interpreter's own cast
+    truncates: normal values over 60 binades, ties to even both ways, overflow to inf, inf and NaN."""
+    mags = 2.0 ** torch.randint(-60, 60, (4000,), generator=gen).float()
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.3961776e38, 3.3895314e38])
+    x = torch.cat([torch.randn(4000, generator=gen) * mags, ties,
+                   torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])])
+    x = torch.cat([x, torch.zeros(4096 - x.numel())])
+    got = torch.empty(4096, dtype=torch.bfloat16)
+    _cast_kernel[(1,)](x, got, N=4096)
+    want = x.bfloat16()
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
+    assert (x.to(torch.bfloat16) != x).sum() > 3000  # most values do round
+
+
+def test_bf16_stream_update_is_stored_rounded(poisoned, gen):
+    """A bf16 stream with the post/comb update: X' is stored in bf16 rounded to nearest (the mixes read
+    those values, as the reference's do), within one bf16 step of the float64 reference's rounding."""
+    args = _inputs(gen, 20, 64, torch.bfloat16, True)
+    want = mhc.mhc_reference(*args)
+    got = mhc.mhc_triton(*args, token_block=16, split_k=1)
+    assert got[0].dtype == torch.bfloat16
+    step = (want[0].float().abs() * 2.0**-7).clamp_min(1e-30)
+    assert ((got[0].float() - want[0].float()).abs() <= step).all()
+    assert (got[0] == want[0]).float().mean() > 0.99
 
 
 def test_mhc_plan_at_release_shapes():

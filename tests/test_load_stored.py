@@ -41,7 +41,7 @@ from engine.checkpoint.weights import CheckpointWeights, DeviceWeights, random_w
 from engine.ops import triton as K  # noqa: E402
 from engine.ops.stored import StoredWeights  # noqa: E402
 from engine.run.api import DEFAULT_CHECKPOINT, Engine, load  # noqa: E402
-from engine_helpers import random_ids, tiny_config  # noqa: E402
+from engine_helpers import check_same_experts_but_near_ties, random_ids, tiny_config  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the dog."  # 18 tokens with the shipped tokenizer
 PROBES = ("topk", "routing")
@@ -136,22 +136,6 @@ def check_same_bits(a, b) -> None:
         assert torch.equal(lr.routing["experts"], b.layers[L].routing["experts"]), L
         assert torch.equal(lr.routing["weights"], b.layers[L].routing["weights"]), L
         assert (lr.topk is None) == (b.layers[L].topk is None) and (lr.topk is None or torch.equal(lr.topk, b.layers[L].topk)), L
-
-
-def check_same_experts_but_near_ties(kern: dict, cpu: dict, bias: torch.Tensor, most: int = 1) -> None:
-    """One layer's routing on two routes: the same experts for every token but at most `most` near ties,
-    tokens where the CPU route's last chosen and first left-out expert (on score + bias) are closer than
-    twice the two routes' largest score difference on that token: a last-bit difference in an earlier
-    GEMM flips such a tie (run 9's layer 0, token 6: experts 6 and 7 apart by 1e-3, the routes' scores
-    by 1.6e-3)."""
-    chosen_k, chosen_c = kern["experts"].sort(-1).values, cpu["experts"].sort(-1).values
-    differ = (chosen_k != chosen_c).any(-1).nonzero().flatten().tolist()
-    assert len(differ) <= most, differ
-    for t in differ:
-        ranked = (cpu["scores"][t].float() + bias).sort(descending=True).values
-        k = chosen_c.shape[-1]
-        noise = (kern["scores"][t].float() - cpu["scores"][t].float()).abs().max()
-        assert ranked[k - 1] - ranked[k] <= 2 * noise, (t, float(ranked[k - 1] - ranked[k]), float(noise))
 
 
 def check_within_bf16_noise(got: dict) -> None:
