@@ -178,6 +178,26 @@ def test_topk_in_position_order_with_ties_and_short_rows():
         assert picked[t].tolist() == [row[j] for j in sorted(best)] + [float("-inf")] * (k - len(best))
 
 
+@pytest.mark.parametrize("n,k", [(50, 8), (4096, 512), (300, 512), (40000, 64)])
+def test_position_helpers_against_topk_and_sort(n, k):
+    """compact_positions = the k smallest of where(mask, position, n) (rows with more than k chosen keep
+    their first k); sorted_positions = an int64 sort, values and order, whatever narrow type it sorts in."""
+    from engine.model.attention import compact_positions, sorted_positions
+    g = torch.Generator().manual_seed(n)
+    mask = torch.rand(12, n, generator=g) < torch.rand(12, 1, generator=g)
+    mask[0] = False
+    pos = torch.where(mask, torch.arange(n), n)
+    want = pos.topk(min(k, n), -1, largest=False, sorted=True).values
+    got = compact_positions(mask, k)
+    assert got.dtype == torch.long and got.shape == (12, k)
+    assert torch.equal(got[:, :min(k, n)], want) and (got[:, n:] == n).all()
+    idx = torch.stack([torch.randperm(n, generator=g)[:min(k, n)] for _ in range(12)])
+    idx[:, 0] = -1  # the padding value sorts first
+    values, order = sorted_positions(idx, n)
+    want_values, want_order = idx.sort(-1)
+    assert values.dtype == torch.long and torch.equal(values, want_values) and torch.equal(order, want_order)
+
+
 def test_candidate_pool_blocks_and_restriction():
     g = torch.Generator().manual_seed(5)
     T, N, block = 6, 21, 4

@@ -185,3 +185,21 @@ def test_profile_pass_writes_a_section_per_phase(tmp_path):
     assert text.count("## ") == 4 and "Self CPU time total" in text
     rows = [r for r in data["rows"] if r["status"] == "ok"]
     assert len(rows) == 4 and all(set(r["profile"]) == {"kernel_s", "busy_s", "span_s", "launches"} for r in rows)
+
+
+def test_graph_row_and_table_judge_the_back_to_back_replay():
+    """The decode row's graph figures: the goal is judged on the back-to-back replay (+ the Engram's host
+    lookup); the single replay is shown beside it; an error row keeps the table's columns."""
+    import torch
+    from benches.release_graph import graph_row, graph_table
+    eager = torch.tensor([1.0, -2.0])
+    graph = {"graph_s": 2.5e-3, "graph_single_s": 3.4e-3, "lookup_s": 0.4e-3, "graph_out": eager + 0.02,
+             "graph_peak": 1}
+    row = graph_row(graph, eager, floor_s=1e-3)
+    assert row["graph_ratio"] == pytest.approx(2.9) and row["graph_goal_met"]
+    assert row["graph_rel_diff"] == pytest.approx(0.01)
+    assert not graph_row({**graph, "lookup_s": 0.6e-3}, eager, 1e-3)["graph_goal_met"]  # 3.1x
+    base = {"status": "ok", "phase": "decode", "title": "SWA-only", "layer": 0, "time_s": 9e-3}
+    lines = graph_table([{**base, **row}, {**base, "graph_error": "RuntimeError: capture failed"}])
+    assert lines[-2].startswith("| SWA-only | 0 | 9.00 | 2.500 | 3.400 | 0.40 | 2.9 | met | 1.0e-02 | none |")
+    assert lines[-1].count("|") == lines[-2].count("|") and "capture failed" in lines[-1]

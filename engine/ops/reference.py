@@ -194,7 +194,8 @@ class ReferenceOps(Fp32Ops):
         full = torch.full((scores.shape[0], n), NEG_INF, dtype=torch.bfloat16, device=scores.device)
         width = min(n, scores.shape[1])
         full[:, :width] = scores[:, :width].to(torch.bfloat16)
-        top = full.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        from ..model.attention import sorted_positions
+        top = sorted_positions(full.topk(k, dim=-1, sorted=False).indices, n)[0]
         top = torch.where(top < visible[:, None], top, -1)
         got = ranking.gather(-1, top.clamp_min(0).clamp_max(ranking.shape[1] - 1)).masked_fill(top < 0, NEG_INF)
         return top, got
