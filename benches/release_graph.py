@@ -51,10 +51,11 @@ def _sync(device) -> None:
 
 
 def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict | None = None,
-                 replays: int = 20) -> dict:
+                 replays: int = 20, host_lookup: bool = False) -> dict:
     """The layer's decode step captured once as a CUDA graph and replayed: what a serving loop pays per
-    step when the host is out of the way. The Engram's rows are looked up first (host hashing: a step
-    outside the graph, timed apart). Every live CUDA tensor is held while the graph lives (a graph
+    step when the host is out of the way. The Engram hashes its n-grams and gathers its table rows
+    inside the graph, its n-gram history kept on the device (host_lookup: on the host first, as the
+    engine's own loop does, a step outside the graph, timed apart and added). Every live CUDA tensor is held while the graph lives (a graph
     reads its inputs by address). -> {"graph_s": mean of `replays` replays back to back,
     "graph_single_s": median of single replays, each timed alone, "lookup_s", "graph_out", "graph_peak"}
     or {"graph_error": why}. profiles: a dict to receive one more replay's profile ("decode graph": the
@@ -62,11 +63,15 @@ def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict 
     out = {"lookup_s": 0.0}
     if device.type != "cuda":
         return {"graph_error": "CUDA graphs need a GPU"}
-    if block.engram is not None:
+    if block.engram is not None and host_lookup:
         started = time.perf_counter()
         step = (*step, block.engram.lookup(*step, device))
         _sync(device)
         out["lookup_s"] = time.perf_counter() - started
+    elif block.engram is not None:  # the n-gram history kept on the device: hashing and gather in the graph
+        ids, dead, (hist_ids, hist_dead) = step
+        step = (ids, dead, (hist_ids.to(device), hist_dead.to(device)))
+        block.engram.lookup(*step, device)  # once before capture: its constants copied to the device
     held = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_cuda]
     try:
         g = torch.cuda.CUDAGraph()
@@ -129,10 +134,10 @@ def graph_table(rows: list[dict]) -> list[str]:
         return []
     lines = ["", "Decode step as one CUDA graph (captured after the warm pass; graph: the mean of 20 replays "
               "back to back, the layer's share of a whole-step graph; one replay: the median of 20 replays "
-              "each timed alone, its own launch included; the Engram's host lookup timed apart and added; "
-              "host syncs: where the eager step waits on the GPU, by CUDA's sync debug mode on the first "
-              "pass; under capture each is a branch-free form or, for the Engram, the lookup outside the "
-              "graph):", "",
+              "each timed alone, its own launch included; the Engram hashes and gathers inside the graph, its "
+              "n-gram history on the device (a host lookup, where one ran, timed apart and added); host "
+              "syncs: where the eager step waits on the GPU, by CUDA's sync debug mode on the first pass; "
+              "under capture each is a branch-free form):", "",
               "| role | layer | eager (ms) | graph (ms) | one replay (ms) | Engram lookup (ms) | x floor | goal | "
               "vs eager output | host syncs |",
               "|---|---|---|---|---|---|---|---|---|---|"]

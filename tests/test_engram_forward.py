@@ -110,3 +110,22 @@ def test_fetched_weight_matches_the_tensor():
                          gemm=lambda flat, fetch: flat @ fetch().t())
     assert fetched == [1]
     assert torch.equal(got, engram_forward(x, rows, wkv, qw, kw, eps=1e-20))
+
+
+def test_hashing_without_host_reads_gives_the_same_rows():
+    """ngram_rows under a graph capture (branch_free: the range checks, which read values back, are
+    skipped) gives the rows of the checked form, history and dead positions included."""
+    from engine.capture import branch_free
+    from engine.config import release_config
+    from engine.model.engram import EngramLayout, mark_dead, ngram_rows
+
+    layout = EngramLayout.from_config(release_config())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, layout.compressed_vocab_size, (64,), generator=g)
+    history = mark_dead(torch.randint(0, layout.compressed_vocab_size, (40,), generator=g),
+                        torch.rand(40, generator=g) < 0.2)
+    dead = torch.rand(64, generator=g) < 0.1
+    want = ngram_rows(layout, 1, ids, dead, history)
+    with branch_free():
+        got = ngram_rows(layout, 1, ids, dead, history)
+    assert torch.equal(got, want) and want.shape == (64, 24)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import quant
+from ..capture import capturing
 
 DEAD = -1  # marks a position that takes no part in any n-gram (image span)
 GATE_CLAMP = 1e-6  # |dot| floor before the signed square root
@@ -198,6 +199,23 @@ def mark_dead(compressed_ids: torch.Tensor, dead_mask: torch.Tensor | None) -> t
     return torch.where(dead_mask, torch.full_like(ids, DEAD), ids)
 
 
+_ON_DEVICE: dict = {}  # (primes, offsets, device) -> their tensors there (a copy to a GPU is not capturable)
+
+
+def _hash_constants(layout: "EngramLayout", layer_index: int, dev: torch.device):
+    """A layer's moduli per n-gram size ([n_heads] each) and row offsets as int64 tensors on `dev`; made
+    on the CPU per call, kept per device elsewhere (made by the first call, before any graph capture)."""
+    primes, offsets = layout.primes[layer_index], layout.offsets[layer_index]
+    key = (primes, offsets, dev)
+    hit = _ON_DEVICE.get(key) if dev.type != "cpu" else None
+    if hit is None:
+        hit = ([torch.tensor(p, dtype=torch.long, device=dev) for p in primes],
+               torch.tensor(offsets, dtype=torch.long, device=dev))
+        if dev.type != "cpu":
+            _ON_DEVICE[key] = hit
+    return hit
+
+
 def ngram_rows(
     layout: EngramLayout,
     layer_index: int,
@@ -219,22 +237,27 @@ def ngram_rows(
     ids = torch.as_tensor(compressed_ids, dtype=torch.long)
     if ids.dim() != 1:
         raise EngramError(f"compressed_ids must be 1-D [T], got shape {tuple(ids.shape)}")
-    if ids.numel() and (ids.min() < 0 or ids.max() >= layout.compressed_vocab_size):
+    # integer work on the ids' device; the range checks read values back, so a graph capture skips them
+    checked = not capturing()
+    if checked and ids.numel() and (ids.min() < 0 or ids.max() >= layout.compressed_vocab_size):
         raise EngramError(f"compressed ids must lie in [0, {layout.compressed_vocab_size})")
+    dev = ids.device
     current = mark_dead(ids, dead_mask)
     lookback = layout.max_ngram_size - 1
     if history is None:
         past = current.new_empty(0)
     else:
         past = torch.as_tensor(history, dtype=torch.long).reshape(-1)[-lookback:] if lookback else current[:0]
-        if past.numel() and (past.min() < DEAD or past.max() >= layout.compressed_vocab_size):
+        past = past.to(dev)
+        if checked and past.numel() and (past.min() < DEAD or past.max() >= layout.compressed_vocab_size):
             raise EngramError(f"history ids must be DEAD (-1) or lie in [0, {layout.compressed_vocab_size})")
     seq = torch.cat([past, current])  # [P + T]
     n_past, n_tok = past.numel(), current.numel()
-    positions = torch.arange(n_past, n_past + n_tok)  # [T], indices into seq
+    positions = torch.arange(n_past, n_past + n_tok, device=dev)  # [T], indices into seq
 
     multipliers = layout.multipliers[layer_index]
-    blocked = torch.zeros(n_tok, dtype=torch.bool)
+    primes, offsets = _hash_constants(layout, layer_index, dev)
+    blocked = torch.zeros(n_tok, dtype=torch.bool, device=dev)
     rolling = None
     columns = []
     for shift in range(layout.max_ngram_size):
@@ -246,9 +269,8 @@ def ngram_rows(
         rolling = product if rolling is None else torch.bitwise_xor(rolling, product)
         if shift == 0:
             continue
-        primes = torch.tensor(layout.primes[layer_index][shift - 1], dtype=torch.long)  # [n_heads]
-        columns.append(rolling.unsqueeze(-1) % primes)  # [T, n_heads]
-    rows = torch.cat(columns, dim=-1) + torch.tensor(layout.offsets[layer_index], dtype=torch.long)
+        columns.append(rolling.unsqueeze(-1) % primes[shift - 1])  # [T, n_heads]
+    rows = torch.cat(columns, dim=-1) + offsets
     return rows  # [T, n_cols]
 
 
@@ -329,9 +351,14 @@ class Engram:
 
     def lookup(self, ids: torch.Tensor, dead: torch.Tensor, history: tuple[torch.Tensor, torch.Tensor],
                device: torch.device) -> torch.Tensor:
-        """The chunk's n-gram rows [T, n_rows, head_dim] on `device`: hashing is integer work on the
-        CPU, only the gathered rows go to the device (a host step: done before a CUDA graph replays)."""
-        rows = ngram_rows(self.layout, self.index, self.compressed(ids.cpu()), dead.cpu(), mark_dead(*history))
+        """The chunk's n-gram rows [T, n_rows, head_dim] on `device`. Hashing is integer work, done where
+        the history is: on the CPU as the engine keeps it (only the gathered rows go to the device: a host
+        step, done before a CUDA graph replays), or, with the history on the ids' device, there (no read
+        back: a decode step captured whole, its table rows gathered on the device where the weight
+        source can)."""
+        where = history[0].device
+        rows = ngram_rows(self.layout, self.index, self.compressed(ids.to(where)), dead.to(where),
+                          mark_dead(*history))
         return self.weights.rows(self.prefix + "embed.weight", rows).to(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, dead: torch.Tensor,

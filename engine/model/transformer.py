@@ -41,6 +41,7 @@ class Model:
             if weights.has("layers.0.ffn.experts.0.w1.weight") else False
         self.engram_layout = EngramLayout.from_config(cfg) if cfg.engram_layer_ids else None
         self.compressed_vocab = None
+        self._compressed_on: dict = {}  # its copies on other devices (Engram hashing there)
         self.reset()
 
     # -- weights --------------------------------------------------------------------------------
@@ -107,6 +108,11 @@ class Model:
                 raise RuntimeError(f"tokenizer's compressed vocab has {size} ids, config says "
                                    f"engram_compressed_vocab_size={self.cfg.engram_compressed_vocab_size}")
             self.compressed_vocab = torch.tensor(lookup, dtype=torch.long)
+        if ids.device != self.compressed_vocab.device:  # hashing on the device (Engram.lookup): a copy there
+            table = self._compressed_on.get(ids.device)
+            if table is None:
+                table = self._compressed_on[ids.device] = self.compressed_vocab.to(ids.device)
+            return table[ids]
         return self.compressed_vocab[ids]
 
     def forward(self, ids: torch.Tensor, image_mask: torch.Tensor | None = None,
