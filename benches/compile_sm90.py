@@ -104,7 +104,7 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import fp8_linear, indexer, mhc, moe, quant, sinkhorn, sparse_attn, sparse_attn_train, topk
+    from kernels import fp8_linear, indexer, mhc, moe, quant, rmsnorm, sinkhorn, sparse_attn, sparse_attn_train, topk
 
     def quantizers():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
@@ -173,6 +173,8 @@ def cases():
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                     num_stages=3, bf16_decode=False)),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
+            ("RMSNorm 4096 x 5120", lambda: rmsnorm.rms_norm_triton(torch.randn(4096, 5120), torch.randn(5120), 1e-6,
+                                                                   round_bf16=True)),
             ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),
             ("Sinkhorn backward (training)", lambda: sinkhorn.sinkhorn_backward(torch.randn(4096, 4, 4),
                                                                                torch.randn(4096, 4, 4), 20, 1e-6)),

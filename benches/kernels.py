@@ -21,7 +21,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import quant as Q  # noqa: E402
-from kernels import fp4_tiles, fp8_linear, indexer, mhc, moe, quant, sparse_attn, topk  # noqa: E402
+from kernels import fp4_tiles, fp8_linear, indexer, mhc, moe, quant, rmsnorm, sparse_attn, topk  # noqa: E402
 
 from benches.kernel_bench import (DEV, LOG, bench, ceilings, fp4_dev, kernel_breakdown, rand_fp4, rel,  # noqa: E402
                                   row, sweep)
@@ -494,18 +494,32 @@ def case_quant(bw, mm):
         f"bit-exact vs engine.quant (kv/index/window): {ok}", "-")
 
 
+def case_norm(bw, mm):
+    """RMSNorm 4096 x 5120 (PERFORMANCE.md's row): float32 in, bf16-rounded float32 out, as the kernel path
+    runs it; eager = engine.ops' rms_norm and the reference's rounding (its seven launches)."""
+    x, w = torch.randn(4096, 5120, device=DEV), torch.randn(5120, device=DEV)
+    want = rmsnorm.rms_norm_reference(x, w, 1e-6, round_bf16=True)
+    got = rmsnorm.rms_norm_triton(x, w, 1e-6, round_bf16=True)
+    same = (got == want).float().mean().item()
+    t = bench(lambda: rmsnorm.rms_norm_triton(x, w, 1e-6, round_bf16=True), rep=100)
+    te = bench(lambda: rmsnorm.rms_norm_reference(x, w, 1e-6, round_bf16=True), rep=100)
+    byt = x.numel() * 8  # one float32 read, one float32 write
+    row("RMSNorm 4096 x 5120 (float32, bf16-rounded out)", t, byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s",
+        te, f"equal to the reference's rounding: {same:.6f} of values", 23)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn, indexer, topk, moe, "
-                    "linear, run in the order given (default: all; topk is the top-512 sweep alone, on its own "
+                    "linear, norm, run in the order given (default: all; topk is the top-512 sweep alone, on its own "
                     "logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
-                 indexer=case_indexer, topk=case_topk, moe=case_moe, linear=case_linear)
+                 indexer=case_indexer, topk=case_topk, moe=case_moe, linear=case_linear, norm=case_norm)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")

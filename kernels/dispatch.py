@@ -15,6 +15,7 @@ from kernels import indexer as _idx
 from kernels import mhc as _mhc
 from kernels import moe as _moe
 from kernels import quant as _q
+from kernels import rmsnorm as _rms
 from kernels import sparse_attn as _attn
 from kernels import topk as _topk
 
@@ -28,6 +29,7 @@ _PAIRS = {
     "fp8_linear": (_lin.fp8_linear_reference, _lin.fp8_linear_triton),
     "quantize_fp4": (_q.quantize_fp4_reference, _q.quantize_fp4_triton),
     "quantize_fp8": (_q.quantize_fp8_reference, _q.quantize_fp8_triton),
+    "rms_norm": (_rms.rms_norm_reference, _rms.rms_norm_triton),
 }
 
 
@@ -70,6 +72,10 @@ def moe_fp4(*args, **kwargs):
 
 def mhc(*args, **kwargs):
     return _call("mhc", *args, **kwargs)
+
+
+def rms_norm(*args, **kwargs):
+    return _call("rms_norm", *args, **kwargs)
 
 
 def fp8_linear(*args, **kwargs):

@@ -84,7 +84,8 @@ def _worker(ckpt: str, part: str) -> dict:
     out["ref_calls"] = ref_calls
     # exact-precision kernels only (mHC, quantizer, indexer scores, top-k): the bf16-output ops left to
     # the wrapped numerics
-    saved = {name: getattr(TritonOps, name) for name in ("linear", "gemm_of", "sparse_attention", "routed_experts")}
+    saved = {name: getattr(TritonOps, name) for name in ("linear", "gemm_of", "rms_norm", "sparse_attention",
+                                                                 "routed_experts")}
     for name in saved:
         setattr(TritonOps, name, lambda self, *a, _name=name, **k: getattr(self.base, _name)(*a, **k))
     logits, topk, calls, kernel_collect = forward(True)
@@ -203,7 +204,8 @@ def reference_on_kernels(cfg, weights, ids) -> dict:
     kinds = {"topk", "mhc", "routing"}
     cpu_logits, cpu = _probed(cfg, weights, ids, ops_for("reference"), kinds)
     wrapped = TritonOps(ops_for("reference"), weights, "cpu")
-    handed_back = ("linear", "gemm_of", "sparse_attention", "routed_experts", "index_topk", "mhc_attention", "mhc_ffn")
+    handed_back = ("linear", "gemm_of", "rms_norm", "sparse_attention", "routed_experts", "index_topk", "mhc_attention",
+                   "mhc_ffn")
     for name in handed_back:  # on the instance: every op the kernels take goes to the wrapped numerics
         setattr(wrapped, name, getattr(wrapped.base, name))
     same_logits, same = _probed(cfg, weights, ids, wrapped, kinds)
@@ -338,7 +340,7 @@ def test_kernel_ops_wrapping_reference_numerics(worker):
     got = worker["reference_kernels"]
     assert got["numerics"] == "reference" and got["finite"]
     assert set(got["calls"]) == {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores",
-                                 "topk_positions"}
+                                 "topk_positions", "rms_norm"}
     assert got["handed_back_bits"] and got["handed_back_calls"] == {}, got
     assert got["layer0_mixes_rel"] < 1e-5, got
     assert got["layer0_routing"] == "ok", got["layer0_routing"]
@@ -356,7 +358,7 @@ def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):
     FP8/FP4 rounding and top-k decisions flip). Stated tolerance: at most 2x that change."""
     got, noise = worker["all_kernels"], worker["bf16_reference"]
     assert set(got["calls"]) == {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores",
-                                 "topk_positions"}
+                                 "topk_positions", "rms_norm"}
     assert got["finite"]
     assert got["rel_l2"] <= 2 * noise["rel_l2"], (got, noise)
     # the first Full layer's selections are taken before most of the drift

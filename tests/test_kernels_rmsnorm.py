@@ -1,0 +1,49 @@
+"""The RMSNorm kernel (kernels/rmsnorm.py) on the CPU under TRITON_INTERPRET=1, against a float64 loop."""
+
+from interpreted import interpreted  # first: the interpreter before triton
+
+import pytest
+import torch
+
+_, rmsnorm = interpreted("_formats", "rmsnorm")
+
+
+def _float64(x, weight, eps):
+    """Row by row in float64: x / sqrt(mean(x^2) + eps) * weight."""
+    x = x.double().reshape(-1, x.shape[-1])
+    out = torch.empty_like(x)
+    for i, row in enumerate(x):
+        out[i] = row / torch.sqrt((row * row).sum() / row.numel() + eps)
+    if weight is not None:
+        out = out * weight.double()
+    return out
+
+
+@pytest.mark.parametrize("lead,d,with_weight,rows_per_program", [
+    ((64,), 5120, True, None),      # a decode step's rows at the release's width: one row a program
+    ((5, 3), 512, False, None),     # per-head rows, several a program, no weight
+    ((33,), 1000, True, 4),         # a width that is no power of two, a partial last block
+])
+def test_matches_float64_and_rounds_as_the_reference(gen, lead, d, with_weight, rows_per_program):
+    x = torch.randn(*lead, d, generator=gen) * 3
+    weight = torch.randn(d, generator=gen) if with_weight else None
+    want = _float64(x, weight, 1e-6).view(*lead, d)
+    got = rmsnorm.rms_norm_triton(x, weight, 1e-6, rows_per_program=rows_per_program)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert ((got.double() - want).abs() <= 4e-7 * want.abs() + 1e-30).all(), gen.initial_seed()  # a few fp32 ulps
+    # bf16-rounded output: the reference's rounding of its own float32 result, but where the two float32
+    # results straddle a rounding boundary (one bf16 step apart, rare)
+    got_r = rmsnorm.rms_norm_triton(x, weight, 1e-6, round_bf16=True, rows_per_program=rows_per_program)
+    want_r = rmsnorm.rms_norm_reference(x, weight, 1e-6, round_bf16=True)
+    assert torch.equal(got_r.bfloat16().float(), got_r)  # values are bf16
+    differ = got_r != want_r
+    assert differ.float().mean() < 1e-3, gen.initial_seed()
+    assert ((got_r - want_r).abs()[differ] <= want_r.abs()[differ] * 2.0**-7).all()
+
+
+def test_empty_rows_and_bad_shapes(gen):
+    assert rmsnorm.rms_norm_triton(torch.zeros(0, 64), None, 1e-6).shape == (0, 64)
+    with pytest.raises(ValueError, match="weight must be"):
+        rmsnorm.rms_norm_triton(torch.randn(2, 64, generator=gen), torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        rmsnorm.rms_norm_triton(torch.randn(1, 32768, generator=gen), None, 1e-6)
