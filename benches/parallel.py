@@ -143,13 +143,10 @@ class GeneratedWeights:
         """The rank's stored tensor (its slice already), or None."""
         return self.reader.tensors.get(name)
 
-    def stored_name_of(self, value: torch.Tensor) -> str | None:
-        return self._handed.name_of(value)
-
     def get(self, name: str) -> torch.Tensor:
         if name not in self.shard:
             raise KeyError(f"weight '{name}' is not held by this rank")
-        if self.stored_formats and self.shard[name][1] is not None:  # made per call, recognised by the ops
+        if self.stored_formats and self.shard[name][1] is not None:  # made per call, not kept
             return self._handed.dequantized(name, *self.shard[name], self.reader)
         return self.cache.get(name, self._dequantize)
 

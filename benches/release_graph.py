@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,24 +50,19 @@ def _sync(device) -> None:
 
 
 def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict | None = None,
-                 replays: int = 20, host_lookup: bool = False) -> dict:
+                 replays: int = 20) -> dict:
     """The layer's decode step captured once as a CUDA graph and replayed: what a serving loop pays per
     step when the host is out of the way. The Engram hashes its n-grams and gathers its table rows
-    inside the graph, its n-gram history kept on the device (host_lookup: on the host first, as the
-    engine's own loop does, a step outside the graph, timed apart and added). Every live CUDA tensor is held while the graph lives (a graph
-    reads its inputs by address). -> {"graph_s": mean of `replays` replays back to back,
-    "graph_single_s": median of single replays, each timed alone, "lookup_s", "graph_out", "graph_peak"}
+    inside the graph, its n-gram history kept on the device (the engine's own loop keeps it on the CPU
+    and looks up on the host). Every live CUDA tensor is held while the graph lives (a graph reads its
+    inputs by address). -> {"graph_s": mean of `replays` replays back to back, "graph_single_s":
+    median of single replays, each timed alone, "graph_out", "graph_peak"}
     or {"graph_error": why}. profiles: a dict to receive one more replay's profile ("decode graph": the
     kernels the graph runs, which differ from the eager step's where a host branch has a branch-free form)."""
-    out = {"lookup_s": 0.0}
+    out = {}
     if device.type != "cuda":
         return {"graph_error": "CUDA graphs need a GPU"}
-    if block.engram is not None and host_lookup:
-        started = time.perf_counter()
-        step = (*step, block.engram.lookup(*step, device))
-        _sync(device)
-        out["lookup_s"] = time.perf_counter() - started
-    elif block.engram is not None:  # the n-gram history kept on the device: hashing and gather in the graph
+    if block.engram is not None:  # the n-gram history kept on the device: hashing and gather in the graph
         ids, dead, (hist_ids, hist_dead) = step
         step = (ids, dead, (hist_ids.to(device), hist_dead.to(device)))
         block.engram.lookup(*step, device)  # once before capture: its constants copied to the device
@@ -110,19 +104,18 @@ def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict 
 
 
 def graph_row(graph: dict, eager_out, floor_s: float) -> dict:
-    """The decode row's CUDA-graph figures: replay time (+ the Engram's host lookup), its ratio to the
-    floor, and the largest difference from the eager step's output (relative to its largest value)."""
+    """The decode row's CUDA-graph figures: replay time, its ratio to the floor, and the largest
+    difference from the eager step's output (relative to its largest value)."""
     if not graph:
         return {}
     if "graph_error" in graph:
         return {"graph_error": graph["graph_error"]}
-    step_s = graph["graph_s"] + graph["lookup_s"]
+    ratio = graph["graph_s"] / floor_s
     diff = None
     if eager_out is not None:
         diff = float((graph["graph_out"].float() - eager_out.float()).abs().max() / eager_out.float().abs().max())
-    return {"graph_s": graph["graph_s"], "graph_single_s": graph.get("graph_single_s"),
-            "lookup_s": graph["lookup_s"], "graph_ratio": step_s / floor_s,
-            "graph_goal_met": step_s / floor_s <= GOAL_RATIO, "graph_rel_diff": diff,
+    return {"graph_s": graph["graph_s"], "graph_single_s": graph["graph_single_s"], "graph_ratio": ratio,
+            "graph_goal_met": ratio <= GOAL_RATIO, "graph_rel_diff": diff,
             "graph_peak": graph["graph_peak"]}
 
 
@@ -135,21 +128,19 @@ def graph_table(rows: list[dict]) -> list[str]:
     lines = ["", "Decode step as one CUDA graph (captured after the warm pass; graph: the mean of 20 replays "
               "back to back, the layer's share of a whole-step graph; one replay: the median of 20 replays "
               "each timed alone, its own launch included; the Engram hashes and gathers inside the graph, its "
-              "n-gram history on the device (a host lookup, where one ran, timed apart and added); host "
-              "syncs: where the eager step waits on the GPU, by CUDA's sync debug mode on the first pass; "
-              "under capture each is a branch-free form):", "",
-              "| role | layer | eager (ms) | graph (ms) | one replay (ms) | Engram lookup (ms) | x floor | goal | "
-              "vs eager output | host syncs |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "n-gram history on the device; host syncs: where the eager step waits on the GPU, by CUDA's "
+              "sync debug mode on the first pass; under capture each is a branch-free form):", "",
+              "| role | layer | eager (ms) | graph (ms) | one replay (ms) | x floor | goal | vs eager output | "
+              "host syncs |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in graphed:
         syncs = "; ".join(r.get("host_syncs") or []) or "none"
         if "graph_s" not in r:
             lines.append(f"| {r['title']} | {r['layer']} | {r['time_s'] * 1e3:.2f} | "
-                         f"{r.get('graph_error', 'not run')[:160]} | - | - | - | - | - | {syncs} |")
+                         f"{r.get('graph_error', 'not run')[:160]} | - | - | - | - | {syncs} |")
             continue
         diff = "-" if r["graph_rel_diff"] is None else f"{r['graph_rel_diff']:.1e}"
-        single = "-" if r.get("graph_single_s") is None else f"{r['graph_single_s'] * 1e3:.3f}"
         lines.append(f"| {r['title']} | {r['layer']} | {r['time_s'] * 1e3:.2f} | {r['graph_s'] * 1e3:.3f} | "
-                     f"{single} | {r['lookup_s'] * 1e3:.2f} | {r['graph_ratio']:.1f} | "
+                     f"{r['graph_single_s'] * 1e3:.3f} | {r['graph_ratio']:.1f} | "
                      f"{'met' if r['graph_goal_met'] else 'missed'} | {diff} | {syncs} |")
     return lines

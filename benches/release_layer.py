@@ -307,16 +307,13 @@ def weight_source(gen: Generated, mode: str):
                     del d[n]
 
     class Fp32Kept(BenchWeights):
-        """DeviceWeights' behaviour: every float value `get` makes is kept (no stored_name_of match)."""
+        """DeviceWeights' behaviour: every float value `get` makes is kept."""
         def get(self, name):
             hit = self._float.get(name)
             if hit is None:
                 hit = self._float[name] = super().get(name)
                 self._handed.clear()
             return hit
-
-        def stored_name_of(self, value):
-            return None
 
         def stacked_experts(self, prefix, n_experts):
             return None  # today's ops stack the per-expert tensors themselves

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels._formats import cast_rne
 
+MAX_WIDTH = 16384  # the longest row one program holds in registers
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                        round_bf16: bool = False) -> torch.Tensor:
@@ -51,8 +52,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     d = x.shape[-1]
     if weight is not None and tuple(weight.shape) != (d,):
         raise ValueError(f"weight must be [{d}], got {tuple(weight.shape)}")
-    if d > 16384:
-        raise ValueError(f"rows of {d} values do not fit one program (at most 16384)")
+    if d > MAX_WIDTH:
+        raise ValueError(f"rows of {d} values do not fit one program (at most {MAX_WIDTH})")
     x2 = x.reshape(-1, d).contiguous()
     rows = x2.shape[0]
     out = torch.empty(rows, d, dtype=torch.float32, device=x.device)

@@ -17,10 +17,8 @@ to bf16 makes, and the first Full layer (2) picking the same entries for >= 75% 
 (test_all_kernels_in_the_forward_stay_within_bf16_noise); with `reference` numerics layer 0 routing the
 same experts and layer 2 picking the same entries (test_kernel_ops_wrapping_reference_numerics).
 Against the kernel ops over the lazy CheckpointWeights (what load(kernels=True) served on the CPU
-before; its float values are DeviceWeights'): bit for bit, but for the one op the stored source adds:
-an FP8 weight handed out as a float is recognised (`stored_name_of`) and run on its stored bytes, the
-Engram's wkv GEMM (`TritonOps.gemm`: fp8_linear, bf16 output) where the lazy route has the numerics'
-fp32 GEMM; with that op handed back to the wrapped numerics the two routes agree bit for bit.
+before; its float values are DeviceWeights'): bit for bit, with the same kernel calls (the Engram's
+wkv is asked for by name on both, `TritonOps.gemm_of`, and runs on its stored bytes).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ packed FP4 + E8M0 for the routed experts, BF16/F32 for the rest) and kept so. Th
 bytes (`stored`, `stacked_experts`, engine/ops/triton.py). What still asks for a float value (`get`):
 - a BF16/F32 weight (norms, gate, compressor, mHC, sinks: ~20 MB a release layer) is widened to
   float32 once and kept;
-- an FP8/FP4 weight is dequantized on the device for that call only (not kept) and remembered by
-  its storage, so the kernel ops recognise it (`stored_name_of`) and run on its stored bytes instead
-  (wo_a's grouped GEMM, the Engram's wkv); the float value is then dropped with the caller's reference.
+- an FP8/FP4 weight is dequantized on the device for that call only (not kept; remembered by its
+  storage without keeping it alive, so tests can count what is still referenced: `alive`); the
+  kernel ops ask for wo_a and the Engram's wkv by name and run their stored bytes instead.
 Each float value made is checked once for NaN/inf by the checkpoint reader (its `nonfinite` warning).
 The routed experts of a checkpoint are held once, stacked over experts (`stacked_experts`); each
 expert's tensors are views of the stacks.
@@ -98,8 +98,8 @@ def nonfinite_checked(reader, name: str, value: torch.Tensor) -> torch.Tensor:
 
 
 class HandedOut:
-    """Float values made from stored FP8/FP4 bytes, remembered by their storage (not kept alive), so the
-    kernel ops can tell which stored weight a float value is and run on its bytes instead."""
+    """Float values made from stored FP8/FP4 bytes, remembered by their storage (not kept alive): `alive`
+    counts those still referenced somewhere."""
 
     def __init__(self):
         self._by_storage: dict[int, tuple] = {}  # storage pointer -> (weakref to the value's storage, name)
@@ -128,17 +128,6 @@ class HandedOut:
     def alive(self) -> int:
         """How many handed-out values are still referenced somewhere (none is kept here)."""
         return sum(1 for ref, _ in self._by_storage.values() if ref() is not None)
-
-    def name_of(self, value: torch.Tensor) -> str | None:
-        """The name `value` (or the value it is a view of) was handed out as, while it lives; else None."""
-        try:
-            storage = value.untyped_storage()
-        except (RuntimeError, AttributeError, NotImplementedError):
-            return None
-        hit = self._by_storage.get(storage.data_ptr())
-        if hit is None or hit[0]() is not storage:
-            return None
-        return hit[1]
 
 
 class StoredWeights:
@@ -214,11 +203,6 @@ class StoredWeights:
     def loads(self) -> int:
         """Tensors read from the reader so far (tests of laziness)."""
         return self._loads
-
-    def stored_name_of(self, value: torch.Tensor) -> str | None:
-        """The name of the FP8/FP4 weight whose dequantized value `value` is (or is a view of), if it
-        was handed out by `get` and is still alive; else None."""
-        return self._handed.name_of(value)
 
     # -- the WeightSource surface ---------------------------------------------------------------
     def has(self, name: str) -> bool:

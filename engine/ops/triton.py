@@ -25,9 +25,9 @@ the linears; the wrapped numerics' `act` stores what the kernels return.
 
 Weights: the raw bytes come from the weight source's own device copy where it keeps one
 (engine/ops/stored.py StoredWeights: `stored`, `stacked_experts`, no fp32 copies), else from its
-reader. An FP8 weight the model asks for as a float (wo_a, the Engram's wkv) is recognised by
-`stored_name_of` and run on its stored bytes (`gemm`); wo_a and the Engram's wkv are asked for by name
-(`grouped_out`, `gemm_of`), so their float values are never made.
+reader. The FP8 weights the model uses outside a linear, wo_a and the Engram's wkv, are asked for by
+name (`grouped_out`, `gemm_of`), so the kernel ops run their stored bytes and never make their float
+values.
 
 `compute=False` with `capture_layer=L` only records the kernels' inputs at layer L (the wrapped ops
 compute): engine/run/parity.py compares each kernel with its reference on them.
@@ -222,33 +222,20 @@ class TritonOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """One kernel (kernels/rmsnorm.py) where the wrapped numerics take seven launches: float32, its
         output bf16-rounded in the kernel for `reference` numerics (what their `act` stores)."""
-        if not self.compute or x.shape[-1] > 16384:
+        from kernels.rmsnorm import MAX_WIDTH
+        if not self.compute or x.shape[-1] > MAX_WIDTH:
             return self.base.rms_norm(x, weight, eps)
-        rounded = getattr(self.base, "name", "") == "reference"
-        return self._kernel("rms_norm")(x, weight, eps, rounded)
+        return self._kernel("rms_norm")(x, weight, eps, self._bf16_stream)
+
+    @property
+    def _bf16_stream(self) -> bool:
+        """The wrapped numerics store activations as bf16 values (`reference`), so kernels may too."""
+        return getattr(self.base, "name", "") == "reference"
 
     def _bf16_act(self, y: torch.Tensor) -> torch.Tensor:
         """A kernel's bf16 output as a float32 activation: already what `act` stores (bf16-rounded, or
         kept as is), so without act's two rounding copies (about 20 launches of a decode step)."""
         return y.float() if y.dtype == torch.bfloat16 else self.act(y.float())
-
-    def _stored_fp8(self, w: torch.Tensor):
-        """(name, raw) when `w` is the dequantized value of a stored FP8 weight the weight source handed
-        out (engine/ops/stored.py stored_name_of), so its stored bytes can be used instead; else None."""
-        lookup = getattr(self.weights, "stored_name_of", None)
-        name = lookup(w) if lookup is not None else None
-        if name is None or not name.endswith(".weight"):
-            return None
-        raw = self._fp8_weight(name[: -len(".weight")])
-        return None if raw is None else (name, raw)
-
-    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x @ w^T; for a stored FP8 weight (the Engram's wkv) on its E4M3 bytes by `fp8_linear` (x, already
-        E4M3-rounded per 32 by the caller, re-quantizes exactly), else the base op."""
-        hit = self._stored_fp8(w) if self.compute and self.act_quant and x.dim() == 2 else None
-        if hit is None or hit[1][0].shape != w.shape:
-            return self.base.gemm(x, w)
-        return self._kernel("fp8_linear")(x.float().contiguous(), *hit[1]).float()
 
     def gemm_of(self, x: torch.Tensor, fetch, name: str) -> torch.Tensor:
         """x @ W^T for the weight `name` (the Engram's wkv): on its stored E4M3 bytes by `fp8_linear` when
@@ -268,7 +255,7 @@ class TritonOps:
         reference's bf16 GEMM) on the weight's bf16 value, made once from the stored bytes and kept
         (the FP8 values are exact in bf16; the reference keeps wo_a in bf16 too), so wo_a() is never
         called there; else the base op."""
-        if self.compute and getattr(self.base, "name", "") == "reference":
+        if self.compute and self._bf16_stream:
             w = self._bf16_weight(name)
             if w is not None:
                 w = w.view(o.shape[1], -1, o.shape[2])
@@ -405,7 +392,7 @@ class TritonOps:
         # reads half the bytes, stores the update in bf16 before its mixes read it (as the reference
         # does) and takes its bf16 3-piece dots instead of tf32x3 (H200 run 15a: 2 x 42 us a decode step
         # in float32, 25 us in the bf16 bench)
-        stream = torch.bfloat16 if getattr(self.base, "name", "") == "reference" else torch.float32
+        stream = torch.bfloat16 if self._bf16_stream else torch.float32
         args = (x.to(stream).contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
                 None if y is None else y.to(stream).contiguous(), post_old, comb_old)
         kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters}

@@ -233,10 +233,6 @@ class ShardedWeights:
             self._stored[name] = self._stored_slice(name)
         return self._stored[name]
 
-    def stored_name_of(self, value: torch.Tensor) -> str | None:
-        """The FP8/FP4 weight whose float value `get` handed out as `value` (stored_formats), else None."""
-        return self._handed.name_of(value)
-
     def _stored_slice(self, name: str) -> torch.Tensor | None:
         reader = self.reader
         entry = reader.entry(name)
@@ -260,7 +256,7 @@ class ShardedWeights:
 
     def _from_stored(self, name: str) -> torch.Tensor | None:
         """The float value of an FP8/FP4 weight from this rank's stored slice, made for this call and
-        remembered (stored_name_of); None for any other weight (the cached float path)."""
+        not kept; None for any other weight (the cached float path)."""
         from ..ops.stored import QUANTIZED
         if self.reader is None or not name.endswith(".weight") or name not in self.reader \
                 or self.stored_dtype(name) not in QUANTIZED:
