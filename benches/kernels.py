@@ -349,6 +349,18 @@ def case_moe(bw, mm):
     byt = touched * per_expert
     row(f"FP4 MoE decode step, 64 tokens ({touched} experts)", t, byt / bw * 1e6, "HBM",
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e}", "-")
+    # the FP8 tensor-core form (kernels/moe_f8.py): the reference's numerics (h quantized to E4M3 per 32,
+    # bf16 roundings), so checked against its own float32 reference, not the bf16 form's eager
+    want8 = moe.moe_fp4_reference(x, *W, ids, tw, fp8_mma=True)
+    LOG["moe_decode64_f8_ref_vs_bf16_form_ref"] = rel(want8, want)
+    f8 = dict(fp8_mma=True)
+    cfgs = [dict(f8), dict(f8, block_m=8), dict(f8, block_n=128), dict(f8, block_k=128), dict(f8, num_stages=4),
+            dict(f8, block_m=8, block_k=128), dict(f8, num_stages=2)]
+    best, t, r = sweep("moe_decode64_f8_cfgs", "moe decode 64 fp8", cfgs,
+                       lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                       lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=True)
+    row(f"FP4 MoE decode step on FP8 MMA, 64 tokens ({touched} experts)", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
 
 
 def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):

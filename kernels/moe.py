@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
+from kernels import moe_f8
 from kernels._formats import dot_dtype, register_cap
 from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_tile, fp4_words, nib_order, nib_position,
                                nibble_pair, scale_words)
@@ -55,9 +56,13 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 
 
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
-                      swiglu_limit: float = 10.0):
-    """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere)."""
+                      swiglu_limit: float = 10.0, fp8_mma: bool = False):
+    """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); fp8_mma:
+    with the FP8 form's numerics, the reference's (kernels/moe_f8.py)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
+    if fp8_mma:
+        return moe_f8.moe_f8_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
+                                       swiglu_limit)
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
     out = torch.zeros(t, dim, dtype=cdt, device=x.device)
     xf = x.to(cdt)
@@ -402,7 +407,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_iters: int = 1, gemv_down_block_n: int = 16, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
-                   bf16_decode: bool = True, scaled: bool = False):
+                   bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -416,9 +421,12 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     interpreter): the grouped GEMM decodes FP4 straight into bf16 bits, no float32 round trip (H200
     run 11: 2.68 vs 3.00 ms at the 64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked
     in benches/kernels.py); scaled: the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled
-    (Triton's MXFP4 path; on the GPU only, the interpreter keeps the bit-assembly decode)."""
+    (Triton's MXFP4 path; on the GPU only, the interpreter keeps the bit-assembly decode); fp8_mma: the
+    grouped GEMMs on FP8 tensor cores with the reference's numerics (kernels/moe_f8.py)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
+    if fp8_mma:  # one form for every width: the GEMV path keeps the bf16 form's numerics
+        gemv_max_pairs = 0
     if dim % 32 or inter % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
     u8 = torch.uint8
@@ -452,9 +460,14 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     bk = min(block_k, inter, dim)
     if dim % bk or inter % bk or bk % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the K block {bk} (a multiple of 32)")
+    dt = dot_dtype()
+    if fp8_mma:
+        return moe_f8.grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, moe_align(topk_ids, e, block_m),
+                                 swiglu_limit, block_m=block_m, block_n=block_n, block_k=bk, group_m=group_m,
+                                 num_warps=num_warps, num_stages=num_stages, interpreted=dt != tl.bfloat16,
+                                 launch_options=register_cap(maxnreg))
     order, bexp, bbeg, bend = moe_align(topk_ids, e, block_m)
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
-    dt = dot_dtype()
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled

@@ -121,6 +121,7 @@ class TritonOps:
     holds (kernel, case, args, kwargs) of `capture_layer`."""
 
     kernels = True
+    moe_fp8_mma = False  # the routed experts on FP8 tensor cores, the reference's numerics (kernels/moe_f8.py)
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -377,9 +378,9 @@ class TritonOps:
             args = (linear(x, None).to(torch.bfloat16).contiguous(), *raw, ids.to(torch.int32).contiguous(),
                     weights.float().contiguous())
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args,
-                         {"swiglu_limit": limit})
+                         {"swiglu_limit": limit, "fp8_mma": self.moe_fp8_mma})
             if self.compute:
-                return self._kernel("moe_fp4")(*args, swiglu_limit=limit).float()
+                return self._kernel("moe_fp4")(*args, swiglu_limit=limit, fp8_mma=self.moe_fp8_mma).float()
         return self.base.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear, owned)
 
     def _mhc(self, layer: int, case: str, x, fn, scale, base, pre_prev, update, hc_eps, norm_eps, iters):

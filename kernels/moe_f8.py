@@ -1,0 +1,258 @@
+"""FP4 routed experts on FP8 tensor cores: the grouped GEMMs of kernels/moe.py with E4M3 operands.
+
+The activations entering an FP4 GEMM are E4M3 with an E8M0 scale per 32 (ARCHITECTURE.md section 3;
+engine/model/moe.py: `linear(x, None)` before the gate/up GEMM, `linear(act(h * w), None)` before the
+down GEMM), and an E2M1 value is an E4M3 value: so both operands go to the tensor cores as E4M3 bytes
+and each 32-wide K group's product is scaled by its two E8M0 scales in the fp32 accumulator.
+
+Against the bf16 form (kernels/moe.py), per weight value: no bf16 multiplies (the scale moves from the
+weight tile to the group's [rows, tokens] partial sums), one byte instead of two through shared memory on
+the way to the MMA operand, and an FP8 MMA of twice the bf16 rate. The E2M1 -> E4M3 decode is bit
+placement: nibble s e1 e0 m -> byte s 0 0 e1 e0 m 0 0, the E4M3 value of E2M1 value * 2^-6 (E2M1's
+subnormal 0.5 lands on E4M3's subnormal 2^-7), so the weight's scale carries 2^-6. Four bytes (eight
+values) take seven 32-bit operations in one inline PTX block on the GPU; the interpreter, which has no
+inline PTX, runs the same placement byte by byte.
+
+Numerics are the reference's (engine/model/moe.py), not the bf16 form's: gate and up rounded to bf16
+before the SwiGLU, h * w rounded to bf16 and quantized to E4M3 per 32 (bit for bit as engine.quant),
+each expert's output rounded to bf16 before the sum over a token's experts. What differs is the order of
+sums, and the FP8 MMA's accumulation inside one 32-wide group (Hopper keeps ~14 significant bits there;
+each group's partial then joins an fp32 accumulator).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine import quant as Q
+from kernels._formats import cast_rne, e4m3_code, e4m3_value, e8m0_value, pow2_scale_up
+
+E2M1_AS_E4M3 = 2.0 ** -6  # the decoded weight byte's E4M3 value over the E2M1 value
+_ASM = True
+
+
+@triton.jit
+def e2m1_bytes_as_e4m3(b, ASM: tl.constexpr):
+    """uint8 bytes of two E2M1 codes each -> (low nibble, high nibble) as E4M3 bytes of value * 2^-6."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 a, b;
+            shl.b32 a, $2, 2;
+            and.b32 a, a, 0x1C1C1C1C;
+            shl.b32 b, $2, 4;
+            and.b32 b, b, 0x80808080;
+            or.b32 $0, a, b;
+            shr.b32 a, $2, 2;
+            and.b32 a, a, 0x1C1C1C1C;
+            and.b32 b, $2, 0x80808080;
+            or.b32 $1, a, b;
+            }
+            """,
+            constraints="=r,=r,r", args=[b], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        lo = ((b & 7) << 2) | ((b & 8) << 4)
+        hi = ((b >> 2) & 0x1C) | (b & 0x80)
+    return lo, hi
+
+
+@triton.jit
+def as_operand(byte, DT: tl.constexpr):
+    """E4M3 bytes (uint8) as the dot's operand: the bytes themselves on the GPU (DT fp8), float32 values
+    under the interpreter (DT float32: its dots take no FP8)."""
+    if DT == tl.float8e4nv:
+        return byte.to(tl.float8e4nv, bitcast=True)
+    else:
+        return e4m3_value(byte.to(tl.int32)).to(DT)
+
+
+@triton.jit
+def weight_group(wb_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    """One 32-wide K group (from kg) of rows (all valid) of an FP4 weight (uint8 [N, KDIM/2], E8M0
+    [N, KDIM/32]): the [R, 32] E4M3 operand (K in HALVES order) and the group's scale times 2^6, float32
+    [R], exact for scale bytes up to 248 (2^121)."""
+    j = tl.arange(0, 16)
+    b = tl.load(wb_ptr + rows64[:, None] * (KDIM // 2) + (kg // 2 + j)[None, :])
+    lo, hi = e2m1_bytes_as_e4m3(b, ASM)
+    # K in HALVES order: position 16 half + j holds K 2 j + half (byte j's low nibble in the first half)
+    tile = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (rows64.shape[0], 32))
+    sb = tl.load(s_ptr + rows64 * (KDIM // 32) + kg // 32).to(tl.int32)
+    return as_operand(tile, DT), ((sb + 6) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127) * 2^6
+
+
+@triton.jit
+def halves_position(k):
+    """Column of K index k in HALVES order: within each 32-group, position 16 (k & 1) + (k & 31) / 2."""
+    return (k & -32) | ((k & 1) << 4) | ((k & 31) >> 1)
+
+
+def halves_order(a: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R, K] in HALVES order (the decoded weight groups' K order: even K first, then odd)."""
+    r, kdim = a.shape
+    return a.reshape(r, kdim // 32, 16, 2).transpose(-1, -2).reshape(r, kdim)
+
+
+@triton.jit
+def act_group(a_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr):
+    """One 32-wide K group of an E4M3 activation (float8_e4m3fn [rows, KDIM] for an FP8 DT, else its bytes;
+    E8M0 [rows, KDIM/32]; rows all valid): the [R, 32] operand and the group's scales, float32 [R] (scale
+    bytes from 1: the quantizer's never go below 2^-22). Loaded as FP8, not as
+    bytes cast in registers: so the tile goes straight to the MMA's shared layout (a byte tile cast in
+    registers took a shared-memory round trip and a fence per group)."""
+    k = kg + tl.arange(0, 32)
+    a = tl.load(a_ptr + rows64[:, None] * KDIM + k[None, :])
+    sb = tl.load(s_ptr + rows64 * (KDIM // 32) + kg // 32).to(tl.int32)
+    if DT != tl.float8e4nv:
+        a = as_operand(a, DT)
+    return a, (sb << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, NB_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+           GROUP_M: tl.constexpr):
+    """This program's expert e (< 0: nothing to do), its BM pairs' sorted rows (padding: the first row
+    again) and their mask, the pair ids and the first of its BN weight rows."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * NB_N  # GROUP_M token blocks sweep all N blocks together (kernels/moe.py)
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(NBM - first, GROUP_M)
+    mb = first + (pid % per_group) % size
+    nb = (pid % per_group) // size
+    e = tl.load(bexp_ptr + mb)
+    begin = tl.load(bbeg_ptr + mb)
+    rows = begin + tl.arange(0, BM)
+    rmask = rows < tl.load(bend_ptr + mb)
+    rows = tl.where(rmask, rows, begin)  # padding columns repeat the first pair: read, computed, never stored
+    return e, rows, rmask, tl.load(order_ptr + rows), nb * BN
+
+
+@triton.jit
+def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr,
+                       tw_ptr, h8_ptr, hs_ptr, limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr,
+                       TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    """h8, hs [P sorted, INTER] (E4M3, E8M0 per 32) = quantized bf16(w * SwiGLU(bf16(W1 x), bf16(W3 x)))
+    for a block of BM pairs of one expert and BN rows of I. Swap-AB as in kernels/moe.py: the weight
+    group is the register A operand (M = rows), the tokens' group the shared B operand."""
+    e, rows, rmask, pair, n0 = _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, (INTER + BN - 1) // BN,
+                                      BM, BN, GROUP_M)
+    if e < 0:
+        return
+    n_idx = n0 + tl.arange(0, BN)
+    n_mask = n_idx < INTER
+    grow = e.to(tl.int64) * INTER + tl.minimum(n_idx, INTER - 1)  # rows past I: a real row, never stored
+    tok = (pair // TOPK).to(tl.int64)
+    acc1 = tl.zeros([BN, BM], tl.float32)
+    acc3 = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(0, DIM, BK):
+        for g in tl.static_range(BK // 32):
+            kg = k0 + 32 * g
+            xt, sx = act_group(x8_ptr, xs_ptr, tok, kg, DIM, DT)
+            a1, s1 = weight_group(w1_ptr, s1_ptr, grow, kg, DIM, DT, ASM)
+            a3, s3 = weight_group(w3_ptr, s3_ptr, grow, kg, DIM, DT, ASM)
+            acc1 += tl.dot(a1, tl.trans(xt)) * (s1[:, None] * sx[None, :])
+            acc3 += tl.dot(a3, tl.trans(xt)) * (s3[:, None] * sx[None, :])
+    g = tl.minimum(cast_rne(acc1, tl.bfloat16).to(tl.float32), limit)  # act(gate), clamped
+    u = cast_rne(acc3, tl.bfloat16).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
+    h = cast_rne(g / (1.0 + tl.exp(-g)) * u * tw[None, :], tl.bfloat16).to(tl.float32)  # act(h * w)
+    # E4M3 with an E8M0 scale per 32 consecutive I (rows here), as engine.quant.quantize_fp8
+    hg = tl.reshape(h, (BN // 32, 32, BM))
+    scale = pow2_scale_up(tl.maximum(tl.max(tl.abs(hg), axis=1), 1e-4), 1.0 / 448.0)  # [BN/32, BM]
+    q = e4m3_code(tl.minimum(tl.maximum(tl.div_rn(hg, tl.broadcast_to(scale[:, None, :], hg.shape)), -448.0), 448.0))
+    q = tl.reshape(q, (BN, BM))
+    r64 = rows.to(tl.int64)
+    tl.store(h8_ptr + r64[None, :] * INTER + halves_position(n_idx)[:, None], q.to(tl.uint8).to(h8_ptr.dtype.element_ty, bitcast=True), mask=rmask[None, :] & n_mask[:, None])
+    grp = n0 // 32 + tl.arange(0, BN // 32)  # this tile's groups along I
+    sbyte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    tl.store(hs_ptr + r64[None, :] * (INTER // 32) + grp[:, None], sbyte.to(tl.uint8),
+             mask=rmask[None, :] & (grp < INTER // 32)[:, None])
+
+
+@triton.jit
+def _down_f8_kernel(h8_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr, NBM,
+                    DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DT: tl.constexpr,
+                    ASM: tl.constexpr):
+    """out[token] += bf16(W2 h) over a block of BM pairs of one expert and BN rows of dim (fp32 atomics; h
+    carries the routing weight already)."""
+    e, rows, rmask, pair, n0 = _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, (DIM + BN - 1) // BN,
+                                      BM, BN, GROUP_M)
+    if e < 0:
+        return
+    n_idx = n0 + tl.arange(0, BN)
+    n_mask = n_idx < DIM
+    grow = e.to(tl.int64) * DIM + tl.minimum(n_idx, DIM - 1)
+    r64 = rows.to(tl.int64)
+    acc = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(0, INTER, BK):
+        for g in tl.static_range(BK // 32):
+            kg = k0 + 32 * g
+            ht, sh = act_group(h8_ptr, hs_ptr, r64, kg, INTER, DT)
+            a, s = weight_group(w2_ptr, s2_ptr, grow, kg, INTER, DT, ASM)
+            acc += tl.dot(a, tl.trans(ht)) * (s[:, None] * sh[None, :])
+    y = cast_rne(acc, tl.bfloat16).to(tl.float32)  # act(gemm(h, w2)), per expert
+    tok = (pair // TOPK).to(tl.int64)
+    tl.atomic_add(out_ptr + tok[None, :] * DIM + n_idx[:, None], y, mask=rmask[None, :] & n_mask[:, None])
+
+
+def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: float, *, block_m: int,
+               block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, interpreted: bool,
+               launch_options: dict):
+    """The two grouped FP8 GEMMs: x bf16 [T, dim] (values on the E4M3-per-32 grid: re-quantizing them is
+    exact), packed FP4 weights and E8M0 scales as in kernels/moe.py, tw float32 [T, k], aligned =
+    moe_align(ids, E, block_m). -> float32 [T, dim]."""
+    from kernels.quant import quantize_fp8_triton
+    order, bexp, bbeg, bend = aligned
+    t, dim = x.shape
+    e, inter, _ = w1.shape
+    k = tw.shape[1]
+    if block_k % 32 or dim % block_k or inter % block_k or block_n % 32:
+        raise ValueError(f"the FP8 grouped GEMM needs K blocks of whole 32-groups dividing dim {dim} and I "
+                         f"{inter}, and row blocks of whole groups (block_k {block_k}, block_n {block_n})")
+    u8 = torch.uint8
+    x8, xs = quantize_fp8_triton(x, 32)
+    x8, xs = halves_order(x8), xs.view(u8)
+    if interpreted:  # the interpreter reads bytes (act_group)
+        x8 = x8.view(u8)
+    w1b, w3b, w2b = (w.contiguous().view(u8) for w in (w1, w3, w2))
+    s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
+    p = t * k
+    h8 = torch.empty(p, inter, dtype=u8 if interpreted else torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(p, inter // 32, dtype=u8, device=x.device)
+    out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
+    nbm = bexp.numel()
+    dt = tl.float32 if interpreted else tl.float8e4nv
+    common = dict(TOPK=k, BM=block_m, BN=block_n, BK=block_k, GROUP_M=group_m, DT=dt, ASM=not interpreted and _ASM,
+                  num_warps=num_warps, num_stages=num_stages, **launch_options)
+    _gate_up_f8_kernel[(nbm * triton.cdiv(inter, block_n),)](
+        x8, xs, w1b, s1, w3b, s3, order, bexp, bbeg, bend, tw.float().contiguous(), h8, hs, float(limit), nbm,
+        DIM=dim, INTER=inter, **common)
+    _down_f8_kernel[(nbm * triton.cdiv(dim, block_n),)](
+        h8, hs, w2b, s2, order, bexp, bbeg, bend, out, nbm, DIM=dim, INTER=inter, **common)
+    return out
+
+
+def moe_f8_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
+                     swiglu_limit: float = 10.0):
+    """engine/model/moe.py's routed experts in float64 (float32 off the CPU) on dequantized weights: x and
+    w * h quantized to E4M3 per 32 (engine.quant), gate, up, w * h and each expert's output rounded to bf16."""
+    cdt = torch.float64 if x.device.type == "cpu" else torch.float32
+    bf16 = lambda v: v.float().to(torch.bfloat16).to(cdt)
+    fp8 = lambda v: Q.dequantize_fp8(*Q.quantize_fp8(v.float().cpu(), 32), 32).to(device=v.device, dtype=cdt)
+    xq = fp8(x)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=cdt, device=x.device)
+    for ex in torch.unique(topk_ids).tolist():
+        if ex < 0:  # another rank's expert
+            continue
+        tok, slot = (topk_ids == ex).nonzero(as_tuple=True)
+        a, b, c = (Q.dequantize_fp4(w[ex], s[ex], 32).to(cdt)
+                   for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale)))
+        gate, up = bf16(xq[tok] @ a.T).clamp(max=swiglu_limit), bf16(xq[tok] @ b.T).clamp(-swiglu_limit, swiglu_limit)
+        h = fp8(bf16(gate * torch.sigmoid(gate) * up * topk_weights[tok, slot].to(cdt)[:, None]))
+        out.index_add_(0, tok, bf16(h @ c.T))
+    return out.float()
