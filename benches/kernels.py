@@ -354,13 +354,26 @@ def case_moe(bw, mm):
     want8 = moe.moe_fp4_reference(x, *W, ids, tw, fp8_mma=True)
     LOG["moe_decode64_f8_ref_vs_bf16_form_ref"] = rel(want8, want)
     f8 = dict(fp8_mma=True)
-    cfgs = [dict(f8), dict(f8, block_m=8), dict(f8, block_n=128), dict(f8, block_k=128), dict(f8, num_stages=4),
-            dict(f8, block_m=8, block_k=128), dict(f8, num_stages=2)]
+    # run 16b (scale bytes through tl.load, a shared-memory hop each): BN 64 3.20 ms, 128 2.55, BM 8 5.9
+    cfgs = [dict(f8), dict(f8, num_warps=8), dict(f8, block_n=256, num_warps=8), dict(f8, block_n=64),
+            dict(f8, block_m=8), dict(f8, num_stages=4), dict(f8, block_k=128)]
     best, t, r = sweep("moe_decode64_f8_cfgs", "moe decode 64 fp8", cfgs,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=True)
     row(f"FP4 MoE decode step on FP8 MMA, 64 tokens ({touched} experts)", t, byt / bw * 1e6, "HBM",
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
+    for name, tq, cfgs in (("1 token", 1, [dict(f8), dict(f8, num_warps=8)]),
+                           ("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
+                                                 dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)])):
+        x = torch.randn(tq, dim, device=DEV).bfloat16()
+        ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tq)]).int()
+        tw = torch.softmax(torch.randn(tq, k, device=DEV), -1) * 1.5
+        want8 = moe.moe_fp4_reference(x, *W, ids, tw, fp8_mma=True)
+        best, t, r = sweep(f"moe_f8_{name}_cfgs", f"moe fp8 {name}", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                           lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=tq == 1)
+        floor, limit = (k * per_expert / bw * 1e6, "HBM") if tq == 1 else (flops / mm * 1e6, "bf16 MMA")
+        row(f"FP4 MoE on FP8 MMA, {name}", t, floor, limit, f"cfg {best}", "-", f"rel {r:.1e} (FP8 form's reference)",
+            39 if tq == 1 else 3200)
 
 
 def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):

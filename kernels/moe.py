@@ -455,8 +455,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         return out
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64
-    if block_n is None:
-        block_n = 64 if block_m == 16 else 128  # weight rows are the wgmma M: at least 64
+    if block_n is None:  # weight rows are the wgmma M: at least 64 (the FP8 form: 128 halves its waits per row)
+        block_n = 64 if block_m == 16 and not fp8_mma else 128
     bk = min(block_k, inter, dim)
     if dim % bk or inter % bk or bk % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the K block {bk} (a multiple of 32)")

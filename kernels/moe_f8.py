@@ -60,6 +60,18 @@ def e2m1_bytes_as_e4m3(b, ASM: tl.constexpr):
 
 
 @triton.jit
+def scale_bytes_at(ptrs, ASM: tl.constexpr):
+    """The E8M0 bytes at ptrs (uint8 pointers), int32. On the GPU as inline PTX loads, which keep the
+    pointers' layout (the accumulator's slices): tl.load's coalesced layout cost a shared-memory round trip
+    with two barriers per group to reach the accumulator's layout (sm_90 SASS)."""
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs).to(tl.int32)
+
+
+@triton.jit
 def as_operand(byte, DT: tl.constexpr):
     """E4M3 bytes (uint8) as the dot's operand: the bytes themselves on the GPU (DT fp8), float32 values
     under the interpreter (DT float32: its dots take no FP8)."""
@@ -79,7 +91,7 @@ def weight_group(wb_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr
     lo, hi = e2m1_bytes_as_e4m3(b, ASM)
     # K in HALVES order: position 16 half + j holds K 2 j + half (byte j's low nibble in the first half)
     tile = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (rows64.shape[0], 32))
-    sb = tl.load(s_ptr + rows64 * (KDIM // 32) + kg // 32).to(tl.int32)
+    sb = scale_bytes_at(s_ptr + rows64 * (KDIM // 32) + kg // 32, ASM)
     return as_operand(tile, DT), ((sb + 6) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127) * 2^6
 
 
@@ -96,7 +108,7 @@ def halves_order(a: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def act_group(a_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr):
+def act_group(a_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     """One 32-wide K group of an E4M3 activation (float8_e4m3fn [rows, KDIM] for an FP8 DT, else its bytes;
     E8M0 [rows, KDIM/32]; rows all valid): the [R, 32] operand and the group's scales, float32 [R] (scale
     bytes from 1: the quantizer's never go below 2^-22). Loaded as FP8, not as
@@ -104,7 +116,7 @@ def act_group(a_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr):
     registers took a shared-memory round trip and a fence per group)."""
     k = kg + tl.arange(0, 32)
     a = tl.load(a_ptr + rows64[:, None] * KDIM + k[None, :])
-    sb = tl.load(s_ptr + rows64 * (KDIM // 32) + kg // 32).to(tl.int32)
+    sb = scale_bytes_at(s_ptr + rows64 * (KDIM // 32) + kg // 32, ASM)
     if DT != tl.float8e4nv:
         a = as_operand(a, DT)
     return a, (sb << 23).to(tl.float32, bitcast=True)
@@ -148,13 +160,22 @@ def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr
     acc1 = tl.zeros([BN, BM], tl.float32)
     acc3 = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, DIM, BK):
-        for g in tl.static_range(BK // 32):
-            kg = k0 + 32 * g
-            xt, sx = act_group(x8_ptr, xs_ptr, tok, kg, DIM, DT)
-            a1, s1 = weight_group(w1_ptr, s1_ptr, grow, kg, DIM, DT, ASM)
-            a3, s3 = weight_group(w3_ptr, s3_ptr, grow, kg, DIM, DT, ASM)
-            acc1 += tl.dot(a1, tl.trans(xt)) * (s1[:, None] * sx[None, :])
-            acc3 += tl.dot(a3, tl.trans(xt)) * (s3[:, None] * sx[None, :])
+        for g in tl.static_range(0, BK // 32, 2):  # two groups' four MMAs in flight before their sums
+            ka, kb = k0 + 32 * g, k0 + 32 * g + 32
+            xa, sxa = act_group(x8_ptr, xs_ptr, tok, ka, DIM, DT, ASM)
+            xb, sxb = act_group(x8_ptr, xs_ptr, tok, kb, DIM, DT, ASM)
+            a1, s1a = weight_group(w1_ptr, s1_ptr, grow, ka, DIM, DT, ASM)
+            a3, s3a = weight_group(w3_ptr, s3_ptr, grow, ka, DIM, DT, ASM)
+            b1, s1b = weight_group(w1_ptr, s1_ptr, grow, kb, DIM, DT, ASM)
+            b3, s3b = weight_group(w3_ptr, s3_ptr, grow, kb, DIM, DT, ASM)
+            pa1 = tl.dot(a1, tl.trans(xa))
+            pa3 = tl.dot(a3, tl.trans(xa))
+            pb1 = tl.dot(b1, tl.trans(xb))
+            pb3 = tl.dot(b3, tl.trans(xb))
+            acc1 += pa1 * (s1a[:, None] * sxa[None, :])
+            acc3 += pa3 * (s3a[:, None] * sxa[None, :])
+            acc1 += pb1 * (s1b[:, None] * sxb[None, :])
+            acc3 += pb3 * (s3b[:, None] * sxb[None, :])
     g = tl.minimum(cast_rne(acc1, tl.bfloat16).to(tl.float32), limit)  # act(gate), clamped
     u = cast_rne(acc3, tl.bfloat16).to(tl.float32)
     u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -190,11 +211,16 @@ def _down_f8_kernel(h8_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_pt
     r64 = rows.to(tl.int64)
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, INTER, BK):
-        for g in tl.static_range(BK // 32):
-            kg = k0 + 32 * g
-            ht, sh = act_group(h8_ptr, hs_ptr, r64, kg, INTER, DT)
-            a, s = weight_group(w2_ptr, s2_ptr, grow, kg, INTER, DT, ASM)
-            acc += tl.dot(a, tl.trans(ht)) * (s[:, None] * sh[None, :])
+        for g in tl.static_range(0, BK // 32, 2):  # two groups' MMAs in flight before their sums
+            ka, kb = k0 + 32 * g, k0 + 32 * g + 32
+            ha, sha = act_group(h8_ptr, hs_ptr, r64, ka, INTER, DT, ASM)
+            hb, shb = act_group(h8_ptr, hs_ptr, r64, kb, INTER, DT, ASM)
+            a, sa = weight_group(w2_ptr, s2_ptr, grow, ka, INTER, DT, ASM)
+            b, sb = weight_group(w2_ptr, s2_ptr, grow, kb, INTER, DT, ASM)
+            pa = tl.dot(a, tl.trans(ha))
+            pb = tl.dot(b, tl.trans(hb))
+            acc += pa * (sa[:, None] * sha[None, :])
+            acc += pb * (sb[:, None] * shb[None, :])
     y = cast_rne(acc, tl.bfloat16).to(tl.float32)  # act(gemm(h, w2)), per expert
     tok = (pair // TOPK).to(tl.int64)
     tl.atomic_add(out_ptr + tok[None, :] * DIM + n_idx[:, None], y, mask=rmask[None, :] & n_mask[:, None])
@@ -211,8 +237,8 @@ def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: 
     t, dim = x.shape
     e, inter, _ = w1.shape
     k = tw.shape[1]
-    if block_k % 32 or dim % block_k or inter % block_k or block_n % 32:
-        raise ValueError(f"the FP8 grouped GEMM needs K blocks of whole 32-groups dividing dim {dim} and I "
+    if block_k % 64 or dim % block_k or inter % block_k or block_n % 32:
+        raise ValueError(f"the FP8 grouped GEMM needs K blocks of whole 32-group pairs dividing dim {dim} and I "
                          f"{inter}, and row blocks of whole groups (block_k {block_k}, block_n {block_n})")
     u8 = torch.uint8
     x8, xs = quantize_fp8_triton(x, 32)

@@ -1,0 +1,115 @@
+"""The FP4 experts on FP8 tensor cores (kernels/moe_f8.py) on the CPU under TRITON_INTERPRET=1: the E2M1 ->
+E4M3 bit placement for every byte, the HALVES K order, and the whole grouped path against its float64
+reference and against engine/model/moe.py's routed experts with the reference numerics."""
+
+from interpreted import interpreted  # first: the interpreter before triton
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from engine import quant as Q
+from engine.model.moe import routed_experts
+from engine.ops.reference import ReferenceOps
+from test_kernels_moe import _case, _rel
+
+_formats, fp4_tiles, moe_f8, moe = interpreted("_formats", "fp4_tiles", "moe_f8", "moe")
+
+
+@triton.jit
+def _placed_kernel(b_ptr, lo_ptr, hi_ptr):
+    b = tl.load(b_ptr + tl.arange(0, 256))
+    lo, hi = moe_f8.e2m1_bytes_as_e4m3(b, False)
+    tl.store(lo_ptr + tl.arange(0, 256), lo)
+    tl.store(hi_ptr + tl.arange(0, 256), hi)
+
+
+def test_every_fp4_byte_placed_as_e4m3():
+    """Both nibbles of all 256 bytes: the E4M3 byte's value (read by torch's own float8_e4m3fn) is the E2M1
+    value times 2^-6, sign included (zero, -0, the subnormal 0.5 on E4M3's subnormal 2^-7, and 6), so the
+    weight's scale times 2^6 restores it exactly."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    lo, hi = torch.empty(256, dtype=torch.uint8), torch.empty(256, dtype=torch.uint8)
+    _placed_kernel[(1,)](b, lo, hi)
+    for placed, nibble in ((lo, b & 15), (hi, b >> 4)):
+        value, want = placed.view(torch.float8_e4m3fn).float() * 64, Q.FP4_TABLE[nibble.long()]
+        assert torch.equal(value, want) and torch.equal(torch.signbit(value), torch.signbit(want))
+
+
+def test_halves_order_and_position_agree():
+    """Within each 32-group, even K first then odd: the activation's permutation (halves_order, host)
+    and the hidden state's stored column (halves_position, kernel) are the same map."""
+    a = torch.arange(64).reshape(1, 64)
+    order = moe_f8.halves_order(a)[0]
+    assert order[:16].tolist() == list(range(0, 32, 2)) and order[16:32].tolist() == list(range(1, 32, 2))
+
+    @triton.jit
+    def positions(out_ptr):
+        k = tl.arange(0, 64)
+        tl.store(out_ptr + moe_f8.halves_position(k), k)
+
+    got = torch.empty(64, dtype=torch.int32)
+    positions[(1,)](got)
+    assert torch.equal(got.long(), order)
+
+
+@pytest.mark.parametrize("t,e,k,block_m,block_n,block_k", [(13, 4, 2, 16, 32, 64), (5, 6, 3, 8, 32, 128),
+                                                           (40, 6, 3, 16, 64, 64)])
+def test_fp8_form_against_its_reference(gen, t, e, k, block_m, block_n, block_k):
+    """Every FP4 byte and small scale bytes in w1; several token blocks per expert, padding columns, I (64)
+    split over row blocks. The FP8 form keeps the reference's numerics, which the bf16 form does not
+    (it skips the E4M3 rounding of w * h and the bf16 roundings): 5% apart on these cases."""
+    args = _case(gen, t, e=e, k=k, every_byte=True)
+    got = moe.moe_fp4_triton(*args, fp8_mma=True, block_m=block_m, block_n=block_n, block_k=block_k)
+    want = moe.moe_fp4_reference(*args, fp8_mma=True)
+    assert _rel(want, got) < 1e-6, gen.initial_seed()
+    assert (got == want).float().mean() > 0.99  # float32 sums of exact products, rounded to bf16 as float64's
+    assert _rel(moe.moe_fp4_reference(*args), want) > 1e-2
+
+
+def test_fp8_form_is_the_engines_routed_experts(gen):
+    """kernels/moe_f8.py against engine/model/moe.py's routed experts under the reference numerics
+    (ReferenceOps: bf16 act, fp32 sums per 32-K block; the activation and w * h through the engine's FP8
+    round trip): the same computation, up to the order of sums inside each block."""
+    x, w1, s1, w3, s3, w2, s2, ids, tw = _case(gen, 9, e=5, k=3)
+    stacks = {"w1": (w1, s1), "w3": (w3, s3), "w2": (w2, s2)}
+    weights = {f"f.experts.{ex}.{n}.weight": Q.dequantize_fp4(w[ex], s[ex], 32)
+               for ex in range(5) for n, (w, s) in stacks.items()}
+    cfg = SimpleNamespace(moe_inter_dim=w1.shape[1], dim=x.shape[1], swiglu_limit=10.0)
+    ops = ReferenceOps()
+    mine = routed_experts(cfg, "f.", x.float(), ids.long(), tw, weights.__getitem__,
+                          lambda v, base: Q.fp8_roundtrip(v, 32), act=ops.act, gemm=ops.gemm)
+    got = moe.moe_fp4_triton(x, w1, s1, w3, s3, w2, s2, ids, tw, fp8_mma=True, block_m=16, block_n=32)
+    assert _rel(mine, got) < 1e-6, gen.initial_seed()
+
+
+def test_fp8_form_skips_other_ranks_slots(gen):
+    """Expert parallel (-1 ids: another rank's slots): each rank's share is its experts' reference, and
+    the shares add up to the whole."""
+    x, w1, s1, w3, s3, w2, s2, ids, tw = _case(gen, 5, e=4, k=2)
+    whole = moe.moe_fp4_reference(x, w1, s1, w3, s3, w2, s2, ids, tw, fp8_mma=True)
+    shares = []
+    for a, b in ((0, 2), (2, 4)):
+        local = torch.where((ids >= a) & (ids < b), ids - a, -1).to(torch.int32)
+        stacks = (w1[a:b], s1[a:b], w3[a:b], s3[a:b], w2[a:b], s2[a:b])
+        got = moe.moe_fp4_triton(x, *stacks, local, tw, fp8_mma=True, block_m=16, block_n=32)
+        assert _rel(moe.moe_fp4_reference(x, *stacks, local, tw, fp8_mma=True), got) < 1e-6, gen.initial_seed()
+        shares.append(got)
+    assert _rel(whole, shares[0] + shares[1]) < 1e-6, gen.initial_seed()
+
+
+def test_fp8_form_takes_every_width(gen):
+    """One token (where the bf16 form takes its GEMV path) runs the same FP8 grouped path: one numerics
+    for every batch width."""
+    args = _case(gen, 1)
+    got = moe.moe_fp4_triton(*args, fp8_mma=True)
+    assert _rel(moe.moe_fp4_reference(*args, fp8_mma=True), got) < 1e-6, gen.initial_seed()
+
+
+def test_fp8_form_rejects_ragged_blocks(gen):
+    args = _case(gen, 3)
+    with pytest.raises(ValueError, match="row blocks of whole groups"):
+        moe.moe_fp4_triton(*args, fp8_mma=True, block_m=16, block_n=48)
