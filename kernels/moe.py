@@ -37,7 +37,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels import moe_f8
-from kernels._formats import dot_dtype, register_cap
+from kernels._formats import dot_dtype, e4m3_value, register_cap
 from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_tile, fp4_words, nib_order, nib_position,
                                nibble_pair, scale_words)
 
@@ -56,13 +56,14 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 
 
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
-                      swiglu_limit: float = 10.0, fp8_mma: bool = False):
-    """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); fp8_mma:
-    with the FP8 form's numerics, the reference's (kernels/moe_f8.py)."""
+                      swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None):
+    """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
+    `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
-    if fp8_mma:
+    hidden = _hidden(hidden, fp8_mma)
+    if hidden is not None:
         return moe_f8.moe_f8_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
-                                       swiglu_limit)
+                                       swiglu_limit, bf16_acts=hidden == "reference")
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
     out = torch.zeros(t, dim, dtype=cdt, device=x.device)
     xf = x.to(cdt)
@@ -77,6 +78,16 @@ def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, top
         h = F.silu((xe @ a.T).clamp(max=swiglu_limit)) * (xe @ b.T).clamp(-swiglu_limit, swiglu_limit)
         out.index_add_(0, tok, (h @ c.T) * topk_weights[tok, slot].to(cdt)[:, None])
     return out.float()
+
+
+def _hidden(hidden: str | None, fp8_mma: bool) -> str | None:
+    """The hidden state's numerics: None (the bf16 form's own: w * h unquantized, w after the down GEMM),
+    "reference" or "fp32" (engine/model/moe.py under those numerics: w * h quantized to E4M3 per 32; the
+    reference's bf16 roundings of gate, up, w * h and each expert's output). The FP8 form: "reference"
+    unless told."""
+    if hidden not in (None, "reference", "fp32"):
+        raise ValueError(f"unknown hidden-state numerics {hidden!r}: None, 'reference' or 'fp32'")
+    return "reference" if hidden is None and fp8_mma else hidden
 
 
 def _dequantize_fp4_device(packed, scale):
@@ -304,9 +315,10 @@ def _block_ids(NBM, NBN: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
-                        limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+                        tw_ptr, limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                        GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
+                        GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr, FH: tl.constexpr,
+                        RB: tl.constexpr):
     mb, nb = _block_ids(NBM, (INTER + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -315,7 +327,8 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     r1 = tl.load(bend_ptr + mb)
     rows = r0 + tl.arange(0, BM)
     rmask = rows < r1
-    tok = tl.load(order_ptr + rows, mask=rmask, other=0) // TOPK
+    pair = tl.load(order_ptr + rows, mask=rmask, other=0)
+    tok = pair // TOPK
     n_idx = nb * BN + tl.arange(0, BN)
     n_mask = n_idx < INTER
     grow = e.to(tl.int64) * INTER + n_idx
@@ -336,9 +349,13 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
             w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
             acc1 = tl.dot(fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
             acc3 = tl.dot(fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
-    g = tl.minimum(acc1, limit)
-    u = tl.minimum(tl.maximum(acc3, -limit), limit)
-    h = g / (1.0 + tl.exp(-g)) * u
+    if FH:  # the engine's hidden state, w included: its E4M3 values (bf16-exact) times their scales
+        q, scale = moe_f8.swiglu_e4m3(acc1, acc3, tl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM, RB)
+        h = tl.reshape(tl.reshape(e4m3_value(q), (BN // 32, 32, BM)) * scale[:, None, :], (BN, BM))
+    else:
+        g = tl.minimum(acc1, limit)
+        u = tl.minimum(tl.maximum(acc3, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
     # stored in NIB order along I: the down kernel's decoded w2 tiles expect it (SC: natural order)
     col = n_idx if SC else nib_position(n_idx)
     tl.store(h_ptr + rows[None, :].to(tl.int64) * INTER + col[:, None],
@@ -349,7 +366,8 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, NBM,
                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                     GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
+                     GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr, FH: tl.constexpr,
+                     RB: tl.constexpr):
     mb, nb = _block_ids(NBM, (DIM + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -372,9 +390,11 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
             acc = fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
         else:
             acc = tl.dot(fp4_tile(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, DT, BD), tl.trans(ht), acc)
-    tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
-    tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], acc * tw[None, :],
-                  mask=rmask[None, :] & n_mask[:, None])
+    if FH:  # w is in h already; each expert's output as the numerics' act stores it
+        y = moe_f8.act(acc, RB)
+    else:
+        y = acc * tl.load(tw_ptr + pair, mask=rmask, other=0.0)[None, :]
+    tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], y, mask=rmask[None, :] & n_mask[:, None])
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -407,7 +427,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_iters: int = 1, gemv_down_block_n: int = 16, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
-                   bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False):
+                   bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -422,10 +442,13 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     run 11: 2.68 vs 3.00 ms at the 64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked
     in benches/kernels.py); scaled: the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled
     (Triton's MXFP4 path; on the GPU only, the interpreter keeps the bit-assembly decode); fp8_mma: the
-    grouped GEMMs on FP8 tensor cores with the reference's numerics (kernels/moe_f8.py)."""
+    grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the
+    engine's numerics in either form (only the order of sums differs), grouped at every width."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
-    if fp8_mma:  # one form for every width: the GEMV path keeps the bf16 form's numerics
+    hidden = _hidden(hidden, fp8_mma)
+    fp8_hidden = hidden is not None
+    if fp8_hidden:  # one numerics for every width: the GEMV path keeps the bf16 form's own
         gemv_max_pairs = 0
     if dim % 32 or inter % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
@@ -457,6 +480,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         block_m = 16 if p <= 4 * e else 64
     if block_n is None:  # weight rows are the wgmma M: at least 64 (the FP8 form: 128 halves its waits per row)
         block_n = 64 if block_m == 16 and not fp8_mma else 128
+    if fp8_hidden and block_n % 32:
+        raise ValueError(f"the reference's hidden state is quantized per 32 rows: block_n {block_n} must hold "
+                         "row blocks of whole groups")
     bk = min(block_k, inter, dim)
     if dim % bk or inter % bk or bk % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the K block {bk} (a multiple of 32)")
@@ -465,22 +491,27 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         return moe_f8.grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, moe_align(topk_ids, e, block_m),
                                  swiglu_limit, block_m=block_m, block_n=block_n, block_k=bk, group_m=group_m,
                                  num_warps=num_warps, num_stages=num_stages, interpreted=dt != tl.bfloat16,
-                                 launch_options=register_cap(maxnreg))
+                                 launch_options=register_cap(maxnreg), bf16_acts=hidden == "reference")
     order, bexp, bbeg, bend = moe_align(topk_ids, e, block_m)
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
+    if fp8_hidden:  # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the engine's x is already)
+        from kernels.quant import quantize_fp8_triton
+        x = Q.dequantize_fp8(*quantize_fp8_triton(x, 32), 32).to(torch.bfloat16)
     xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
     bd = bool(bf16_decode) and dt == tl.bfloat16 and not sc  # the interpreter's dots run in float32
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
-        xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, float(swiglu_limit), nbm,
+        xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, tw, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
+        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages,
+        **register_cap(maxnreg))
     _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
         h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
+        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages,
+        **register_cap(maxnreg))
     return out

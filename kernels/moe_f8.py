@@ -123,6 +123,30 @@ def act_group(a_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr, AS
 
 
 @triton.jit
+def act(v, RB: tl.constexpr):
+    """An activation as the numerics store it: rounded to bf16 (RB: `reference`) or kept (`fp32`)."""
+    if RB:
+        return cast_rne(v, tl.bfloat16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def swiglu_e4m3(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
+    """The engine's hidden state from gate and up sums acc1, acc3 [BN rows of I, BM pairs] and the pairs'
+    routing weights tw [BM]: act(w * SwiGLU(act(gate), act(up))) quantized to E4M3 with an E8M0 scale per 32
+    consecutive rows, as engine.quant.quantize_fp8 -> (E4M3 codes int32 [BN, BM], scales float32
+    [BN/32, BM])."""
+    g = tl.minimum(act(acc1, RB), limit)  # clamped as engine/model/moe.py swiglu
+    u = tl.minimum(tl.maximum(act(acc3, RB), -limit), limit)
+    h = act(g / (1.0 + tl.exp(-g)) * u * tw[None, :], RB)
+    hg = tl.reshape(h, (BN // 32, 32, BM))
+    scale = pow2_scale_up(tl.maximum(tl.max(tl.abs(hg), axis=1), 1e-4), 1.0 / 448.0)  # [BN/32, BM]
+    q = e4m3_code(tl.minimum(tl.maximum(tl.div_rn(hg, tl.broadcast_to(scale[:, None, :], hg.shape)), -448.0), 448.0))
+    return tl.reshape(q, (BN, BM)), scale
+
+
+@triton.jit
 def _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, NB_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
            GROUP_M: tl.constexpr):
     """This program's expert e (< 0: nothing to do), its BM pairs' sorted rows (padding: the first row
@@ -145,7 +169,7 @@ def _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, NB_N: tl.constexpr, BM:
 def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr,
                        tw_ptr, h8_ptr, hs_ptr, limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr,
                        TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+                       GROUP_M: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, RB: tl.constexpr):
     """h8, hs [P sorted, INTER] (E4M3, E8M0 per 32) = quantized bf16(w * SwiGLU(bf16(W1 x), bf16(W3 x)))
     for a block of BM pairs of one expert and BN rows of I. Swap-AB as in kernels/moe.py: the weight
     group is the register A operand (M = rows), the tokens' group the shared B operand."""
@@ -161,31 +185,29 @@ def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr
     acc3 = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, DIM, BK):
         for g in tl.static_range(0, BK // 32, 2):  # two groups' four MMAs in flight before their sums
-            ka, kb = k0 + 32 * g, k0 + 32 * g + 32
+            ka = k0 + 32 * g
             xa, sxa = act_group(x8_ptr, xs_ptr, tok, ka, DIM, DT, ASM)
-            xb, sxb = act_group(x8_ptr, xs_ptr, tok, kb, DIM, DT, ASM)
             a1, s1a = weight_group(w1_ptr, s1_ptr, grow, ka, DIM, DT, ASM)
             a3, s3a = weight_group(w3_ptr, s3_ptr, grow, ka, DIM, DT, ASM)
-            b1, s1b = weight_group(w1_ptr, s1_ptr, grow, kb, DIM, DT, ASM)
-            b3, s3b = weight_group(w3_ptr, s3_ptr, grow, kb, DIM, DT, ASM)
-            pa1 = tl.dot(a1, tl.trans(xa))
-            pa3 = tl.dot(a3, tl.trans(xa))
-            pb1 = tl.dot(b1, tl.trans(xb))
-            pb3 = tl.dot(b3, tl.trans(xb))
-            acc1 += pa1 * (s1a[:, None] * sxa[None, :])
-            acc3 += pa3 * (s3a[:, None] * sxa[None, :])
-            acc1 += pb1 * (s1b[:, None] * sxb[None, :])
-            acc3 += pb3 * (s3b[:, None] * sxb[None, :])
-    g = tl.minimum(cast_rne(acc1, tl.bfloat16).to(tl.float32), limit)  # act(gate), clamped
-    u = cast_rne(acc3, tl.bfloat16).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
+            if g + 1 < BK // 32:
+                xb, sxb = act_group(x8_ptr, xs_ptr, tok, ka + 32, DIM, DT, ASM)
+                b1, s1b = weight_group(w1_ptr, s1_ptr, grow, ka + 32, DIM, DT, ASM)
+                b3, s3b = weight_group(w3_ptr, s3_ptr, grow, ka + 32, DIM, DT, ASM)
+                pa1 = tl.dot(a1, tl.trans(xa))
+                pa3 = tl.dot(a3, tl.trans(xa))
+                pb1 = tl.dot(b1, tl.trans(xb))
+                pb3 = tl.dot(b3, tl.trans(xb))
+                acc1 += pa1 * (s1a[:, None] * sxa[None, :])
+                acc3 += pa3 * (s3a[:, None] * sxa[None, :])
+                acc1 += pb1 * (s1b[:, None] * sxb[None, :])
+                acc3 += pb3 * (s3b[:, None] * sxb[None, :])
+            else:  # a last single group (K blocks of 32)
+                pa1 = tl.dot(a1, tl.trans(xa))
+                pa3 = tl.dot(a3, tl.trans(xa))
+                acc1 += pa1 * (s1a[:, None] * sxa[None, :])
+                acc3 += pa3 * (s3a[:, None] * sxa[None, :])
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
-    h = cast_rne(g / (1.0 + tl.exp(-g)) * u * tw[None, :], tl.bfloat16).to(tl.float32)  # act(h * w)
-    # E4M3 with an E8M0 scale per 32 consecutive I (rows here), as engine.quant.quantize_fp8
-    hg = tl.reshape(h, (BN // 32, 32, BM))
-    scale = pow2_scale_up(tl.maximum(tl.max(tl.abs(hg), axis=1), 1e-4), 1.0 / 448.0)  # [BN/32, BM]
-    q = e4m3_code(tl.minimum(tl.maximum(tl.div_rn(hg, tl.broadcast_to(scale[:, None, :], hg.shape)), -448.0), 448.0))
-    q = tl.reshape(q, (BN, BM))
+    q, scale = swiglu_e4m3(acc1, acc3, tw, limit, BN, BM, RB)
     r64 = rows.to(tl.int64)
     tl.store(h8_ptr + r64[None, :] * INTER + halves_position(n_idx)[:, None], q.to(tl.uint8).to(h8_ptr.dtype.element_ty, bitcast=True), mask=rmask[None, :] & n_mask[:, None])
     grp = n0 // 32 + tl.arange(0, BN // 32)  # this tile's groups along I
@@ -198,7 +220,7 @@ def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr
 def _down_f8_kernel(h8_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr, NBM,
                     DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DT: tl.constexpr,
-                    ASM: tl.constexpr):
+                    ASM: tl.constexpr, RB: tl.constexpr):
     """out[token] += bf16(W2 h) over a block of BM pairs of one expert and BN rows of dim (fp32 atomics; h
     carries the routing weight already)."""
     e, rows, rmask, pair, n0 = _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, (DIM + BN - 1) // BN,
@@ -212,33 +234,37 @@ def _down_f8_kernel(h8_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_pt
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, INTER, BK):
         for g in tl.static_range(0, BK // 32, 2):  # two groups' MMAs in flight before their sums
-            ka, kb = k0 + 32 * g, k0 + 32 * g + 32
+            ka = k0 + 32 * g
             ha, sha = act_group(h8_ptr, hs_ptr, r64, ka, INTER, DT, ASM)
-            hb, shb = act_group(h8_ptr, hs_ptr, r64, kb, INTER, DT, ASM)
             a, sa = weight_group(w2_ptr, s2_ptr, grow, ka, INTER, DT, ASM)
-            b, sb = weight_group(w2_ptr, s2_ptr, grow, kb, INTER, DT, ASM)
-            pa = tl.dot(a, tl.trans(ha))
-            pb = tl.dot(b, tl.trans(hb))
-            acc += pa * (sa[:, None] * sha[None, :])
-            acc += pb * (sb[:, None] * shb[None, :])
-    y = cast_rne(acc, tl.bfloat16).to(tl.float32)  # act(gemm(h, w2)), per expert
+            if g + 1 < BK // 32:
+                hb, shb = act_group(h8_ptr, hs_ptr, r64, ka + 32, INTER, DT, ASM)
+                b, sb = weight_group(w2_ptr, s2_ptr, grow, ka + 32, INTER, DT, ASM)
+                pa = tl.dot(a, tl.trans(ha))
+                pb = tl.dot(b, tl.trans(hb))
+                acc += pa * (sa[:, None] * sha[None, :])
+                acc += pb * (sb[:, None] * shb[None, :])
+            else:
+                acc += tl.dot(a, tl.trans(ha)) * (sa[:, None] * sha[None, :])
+    y = act(acc, RB)  # act(gemm(h, w2)), per expert
     tok = (pair // TOPK).to(tl.int64)
     tl.atomic_add(out_ptr + tok[None, :] * DIM + n_idx[:, None], y, mask=rmask[None, :] & n_mask[:, None])
 
 
 def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: float, *, block_m: int,
                block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, interpreted: bool,
-               launch_options: dict):
+               launch_options: dict, bf16_acts: bool = True):
     """The two grouped FP8 GEMMs: x bf16 [T, dim] (values on the E4M3-per-32 grid: re-quantizing them is
     exact), packed FP4 weights and E8M0 scales as in kernels/moe.py, tw float32 [T, k], aligned =
-    moe_align(ids, E, block_m). -> float32 [T, dim]."""
+    moe_align(ids, E, block_m); bf16_acts: the `reference` numerics' bf16 roundings (else `fp32`'s).
+    -> float32 [T, dim]."""
     from kernels.quant import quantize_fp8_triton
     order, bexp, bbeg, bend = aligned
     t, dim = x.shape
     e, inter, _ = w1.shape
     k = tw.shape[1]
-    if block_k % 64 or dim % block_k or inter % block_k or block_n % 32:
-        raise ValueError(f"the FP8 grouped GEMM needs K blocks of whole 32-group pairs dividing dim {dim} and I "
+    if block_k % 32 or dim % block_k or inter % block_k or block_n % 32:
+        raise ValueError(f"the FP8 grouped GEMM needs K blocks of whole 32-groups dividing dim {dim} and I "
                          f"{inter}, and row blocks of whole groups (block_k {block_k}, block_n {block_n})")
     u8 = torch.uint8
     x8, xs = quantize_fp8_triton(x, 32)
@@ -253,7 +279,7 @@ def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: 
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     nbm = bexp.numel()
     dt = tl.float32 if interpreted else tl.float8e4nv
-    common = dict(TOPK=k, BM=block_m, BN=block_n, BK=block_k, GROUP_M=group_m, DT=dt, ASM=not interpreted and _ASM,
+    common = dict(TOPK=k, BM=block_m, BN=block_n, BK=block_k, GROUP_M=group_m, DT=dt, ASM=not interpreted and _ASM, RB=bool(bf16_acts),
                   num_warps=num_warps, num_stages=num_stages, **launch_options)
     _gate_up_f8_kernel[(nbm * triton.cdiv(inter, block_n),)](
         x8, xs, w1b, s1, w3b, s3, order, bexp, bbeg, bend, tw.float().contiguous(), h8, hs, float(limit), nbm,
@@ -264,11 +290,12 @@ def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: 
 
 
 def moe_f8_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
-                     swiglu_limit: float = 10.0):
+                     swiglu_limit: float = 10.0, bf16_acts: bool = True):
     """engine/model/moe.py's routed experts in float64 (float32 off the CPU) on dequantized weights: x and
-    w * h quantized to E4M3 per 32 (engine.quant), gate, up, w * h and each expert's output rounded to bf16."""
+    w * h quantized to E4M3 per 32 (engine.quant); bf16_acts (`reference` numerics): gate, up, w * h and
+    each expert's output rounded to bf16."""
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
-    bf16 = lambda v: v.float().to(torch.bfloat16).to(cdt)
+    bf16 = (lambda v: v.float().to(torch.bfloat16).to(cdt)) if bf16_acts else (lambda v: v)
     fp8 = lambda v: Q.dequantize_fp8(*Q.quantize_fp8(v.float().cpu(), 32), 32).to(device=v.device, dtype=cdt)
     xq = fp8(x)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=cdt, device=x.device)

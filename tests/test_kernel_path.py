@@ -119,11 +119,9 @@ def _worker(ckpt: str, part: str) -> dict:
     got = {}
     for kernel, case, args, kwargs in capture.captured:
         ref = dispatch._PAIRS.get(kernel, (None,))[0]
-        if kernel == "moe_fp4":
-            # the engine's routing (probe) and no FP8 rounding of the hidden activation (the kernel keeps it)
-            no_h_rounding = lambda v, base: v.float() if base is None else model.linear(v, base)
+        if kernel == "moe_fp4":  # the engine's routing (probe), its FP8 rounding of x and of w * h
             mine = routed_experts(cfg, "layers.7.ffn.", args[0].float(), route["experts"], route["weights"],
-                                  model.get, no_h_rounding, act=plain.act, gemm=plain.gemm)
+                                  model.get, model.linear, act=plain.act, gemm=plain.gemm)
             got["moe_fp4"] = rel(ref(*args, **kwargs), mine)
         elif kernel == "fp8_linear":
             got[case] = rel(ref(*args).float(), model.linear(args[0], "layers.7." + case))
@@ -367,9 +365,9 @@ def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):
 
 def test_hooks_pass_the_engines_operands(worker):
     """The kernels' references on what the hooks captured reproduce the engine's own computation:
-    FP8 linears to bf16 output rounding; routed experts (given the engine's routing probe, without the
-    FP8 rounding of the hidden activation that the kernel does not do) to float rounding. A wrong
-    routing weight, expert id or scale layout is far outside these bounds."""
+    FP8 linears to bf16 output rounding; routed experts (given the engine's routing probe, the reference's
+    numerics: FP8 x and w * h, bf16 roundings) to float rounding. A wrong routing weight, expert id or
+    scale layout is far outside these bounds."""
     got = worker["hook_operands"]
     assert len(got) == 9, got
     for case, r in got.items():

@@ -56,7 +56,7 @@ def test_halves_order_and_position_agree():
     assert torch.equal(got.long(), order)
 
 
-@pytest.mark.parametrize("t,e,k,block_m,block_n,block_k", [(13, 4, 2, 16, 32, 64), (5, 6, 3, 8, 32, 128),
+@pytest.mark.parametrize("t,e,k,block_m,block_n,block_k", [(13, 4, 2, 16, 32, 64), (5, 6, 3, 8, 32, 32),
                                                            (40, 6, 3, 16, 64, 64)])
 def test_fp8_form_against_its_reference(gen, t, e, k, block_m, block_n, block_k):
     """Every FP4 byte and small scale bytes in w1; several token blocks per expert, padding columns, I (64)
@@ -68,6 +68,23 @@ def test_fp8_form_against_its_reference(gen, t, e, k, block_m, block_n, block_k)
     assert _rel(want, got) < 1e-6, gen.initial_seed()
     assert (got == want).float().mean() > 0.99  # float32 sums of exact products, rounded to bf16 as float64's
     assert _rel(moe.moe_fp4_reference(*args), want) > 1e-2
+
+
+@pytest.mark.parametrize("t,block_m,block_n,block_k,hidden", [(13, 16, 32, 64, "reference"), (1, 16, 64, 32, "fp32"),
+                                                                (40, 64, 64, 64, "reference"), (7, 16, 32, 32, "fp32")])
+def test_bf16_form_with_the_engines_hidden_state(gen, t, block_m, block_n, block_k, hidden):
+    """hidden: the bf16 form (kernels/moe.py, NIB order, its own tiles) computing the engine's numerics, as
+    the FP8 form does; one token takes the grouped path too (its GEMV keeps the bf16 form's own). The two
+    numerics differ (bf16 roundings), so each is checked against its own."""
+    args = _case(gen, t, e=4, k=2, every_byte=True)
+    got = moe.moe_fp4_triton(*args, hidden=hidden, block_m=block_m, block_n=block_n, block_k=block_k)
+    assert _rel(moe.moe_fp4_reference(*args, hidden=hidden), got) < 1e-6, gen.initial_seed()
+    other = "fp32" if hidden == "reference" else "reference"
+    assert _rel(moe.moe_fp4_reference(*args, hidden=other), got) > 1e-4
+    with pytest.raises(ValueError, match="whole groups"):
+        moe.moe_fp4_triton(*args, hidden=hidden, block_m=16, block_n=48)
+    with pytest.raises(ValueError, match="unknown hidden-state numerics"):
+        moe.moe_fp4_triton(*args, hidden="bf16")
 
 
 def test_fp8_form_is_the_engines_routed_experts(gen):

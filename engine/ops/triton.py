@@ -377,10 +377,13 @@ class TritonOps:
                                                             experts - owned[0], -1)  # -1: another rank's
             args = (linear(x, None).to(torch.bfloat16).contiguous(), *raw, ids.to(torch.int32).contiguous(),
                     weights.float().contiguous())
-            self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args,
-                         {"swiglu_limit": limit, "fp8_mma": self.moe_fp8_mma})
+            # the wrapped numerics' hidden state (w * h in E4M3 per 32; `reference`: bf16 gate, up, w * h and
+            # expert outputs), in either form
+            form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32",
+                    "fp8_mma": self.moe_fp8_mma}
+            self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
-                return self._kernel("moe_fp4")(*args, swiglu_limit=limit, fp8_mma=self.moe_fp8_mma).float()
+                return self._kernel("moe_fp4")(*args, **form).float()
         return self.base.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear, owned)
 
     def _mhc(self, layer: int, case: str, x, fn, scale, base, pre_prev, update, hc_eps, norm_eps, iters):
