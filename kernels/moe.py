@@ -240,14 +240,15 @@ def _gemv_pair_rows(ids_ptr, BN: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, NP, limit,
+def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, tw_ptr, NP, limit,
                          DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                          BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, KS: tl.constexpr,
-                         PF: tl.constexpr = False):
+                         PF: tl.constexpr = False, FH: tl.constexpr = False, RB: tl.constexpr = False):
     """Program (pair, row block, K split of KS): partial W1 x and W3 x added into gu [2, P, I] (fp32,
     zeroed); the last split of a row block to arrive (counter cnt [P, row blocks], zeroed) applies the
     clamped SwiGLU and writes h [P, 8, I/8] (row r at (r % 8) * I/8 + r // 8: the down kernel's
-    contiguous vector order)."""
+    contiguous vector order); FH: the engine's hidden state (moe_f8.swiglu_e4m3, w included; BN whole
+    32-row groups)."""
     p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, INTER)
     kw_first = tl.program_id(2) * (NIT * BKW)
     grow = e * INTER + rows
@@ -268,24 +269,32 @@ def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr,
         if done == KS - 1:
             g = tl.load(gp, mask=rmask, other=0.0, cache_modifier=".cg")
             u = tl.load(gp + NP * INTER, mask=rmask, other=0.0, cache_modifier=".cg")
-            _gemv_swiglu_store(h_ptr, p, rows, rmask, g, u, limit, INTER)
+            _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER, BN, FH, RB)
     else:
-        _gemv_swiglu_store(h_ptr, p, rows, rmask, g, u, limit, INTER)
+        _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER, BN, FH, RB)
 
 
 @triton.jit
-def _gemv_swiglu_store(h_ptr, p, rows, rmask, g, u, limit, INTER: tl.constexpr):
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = g / (1.0 + tl.exp(-g)) * u
+def _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER: tl.constexpr, BN: tl.constexpr,
+                       FH: tl.constexpr, RB: tl.constexpr):
+    if FH:  # as the grouped kernels' epilogue, for one pair: [BN, 1]
+        tw = tl.load(tw_ptr + p + tl.arange(0, 1))
+        q, scale = moe_f8.swiglu_e4m3(g[:, None], u[:, None], tw, limit, BN, 1, RB)
+        h = tl.reshape(tl.reshape(e4m3_value(q), (BN // 32, 32, 1)) * scale[:, None, :], (BN,))
+    else:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + p.to(tl.int64) * INTER + (rows % 8) * (INTER // 8) + rows // 8, h, mask=rmask)
 
 
 @triton.jit
 def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
                       DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                      BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, PF: tl.constexpr = False):
-    """Program (pair, row block, K split): tw * W2 h over its K slice added into out (fp32 atomics)."""
+                      BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, PF: tl.constexpr = False,
+                      FH: tl.constexpr = False, RB: tl.constexpr = False):
+    """Program (pair, row block, K split): tw * W2 h over its K slice added into out (fp32 atomics); FH (one
+    K split: the whole sum here): act(W2 h), w being in h already."""
     p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, DIM)
     kw_first = tl.program_id(2) * (NIT * BKW)
     if PF:
@@ -294,8 +303,11 @@ def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
     else:
         y, _ = _gemv_rows(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask,
                           kw_first, INTER, BKW, NIT, True, False)
-    tw = tl.load(tw_ptr + p)
-    tl.atomic_add(out_ptr + (p // TOPK).to(tl.int64) * DIM + rows, y * tw, mask=rmask)
+    if FH:
+        y = moe_f8.act(y, RB)
+    else:
+        y = y * tl.load(tw_ptr + p)
+    tl.atomic_add(out_ptr + (p // TOPK).to(tl.int64) * DIM + rows, y, mask=rmask)
 
 
 # -- prefill path: grouped tensor-core GEMM ----------------------------------------------------------
@@ -448,8 +460,11 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     p = t * k
     hidden = _hidden(hidden, fp8_mma)
     fp8_hidden = hidden is not None
-    if fp8_hidden:  # one numerics for every width: the GEMV path keeps the bf16 form's own
+    if fp8_mma:  # the FP8 form has no GEMV: grouped at every width
         gemv_max_pairs = 0
+    if fp8_hidden:  # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the engine's x is already)
+        from kernels.quant import quantize_fp8_triton
+        x = Q.dequantize_fp8(*quantize_fp8_triton(x, 32), 32).to(torch.bfloat16)
     if dim % 32 or inter % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
     u8 = torch.uint8
@@ -460,6 +475,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         elsewhere = topk_ids < 0
         ids = topk_ids.clamp_min(0).to(torch.int32).contiguous()
         tw = tw.masked_fill(elsewhere, 0.0).contiguous()
+        if fp8_hidden:  # whole 32-row groups per gate/up block; the down sum whole in one program (act)
+            gemv_block_n = -(-gemv_block_n // 32) * 32
+            gemv_down_iters = inter // 8
         (bkw1, it1, ks1), (bkw2, it2, ks2) = (_gemv_split(dim // 8, gemv_block_kw, gemv_iters),
                                               _gemv_split(inter // 8, gemv_down_block_kw, gemv_down_iters))
         nrb = triton.cdiv(inter, gemv_block_n)
@@ -469,11 +487,12 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         cnt = buf[t * dim + 2 * p * inter:].view(torch.int32)
         h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
         _gemv_gate_up_kernel[(p, nrb, ks1)](
-            x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, p, float(swiglu_limit), DIM=dim, INTER=inter,
-            TOPK=k, BN=gemv_block_n, BKW=bkw1, NIT=it1, KS=ks1, PF=gemv_prefetch, num_warps=gemv_num_warps)
+            x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p, float(swiglu_limit), DIM=dim, INTER=inter,
+            TOPK=k, BN=gemv_block_n, BKW=bkw1, NIT=it1, KS=ks1, PF=gemv_prefetch, FH=fp8_hidden,
+            RB=hidden == "reference", num_warps=gemv_num_warps)
         _gemv_down_kernel[(p, triton.cdiv(dim, gemv_down_block_n), ks2)](
             h, w2w, s2, ids, tw, out, DIM=dim, INTER=inter, TOPK=k,
-            BN=gemv_down_block_n, BKW=bkw2, NIT=it2, PF=gemv_prefetch,
+            BN=gemv_down_block_n, BKW=bkw2, NIT=it2, PF=gemv_prefetch, FH=fp8_hidden, RB=hidden == "reference",
             num_warps=gemv_down_num_warps or gemv_num_warps)
         return out
     if block_m is None:
@@ -497,9 +516,6 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
-    if fp8_hidden:  # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the engine's x is already)
-        from kernels.quant import quantize_fp8_triton
-        x = Q.dequantize_fp8(*quantize_fp8_triton(x, 32), 32).to(torch.bfloat16)
     xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))

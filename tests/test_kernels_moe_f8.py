@@ -71,18 +71,21 @@ def test_fp8_form_against_its_reference(gen, t, e, k, block_m, block_n, block_k)
 
 
 @pytest.mark.parametrize("t,block_m,block_n,block_k,hidden", [(13, 16, 32, 64, "reference"), (1, 16, 64, 32, "fp32"),
-                                                                (40, 64, 64, 64, "reference"), (7, 16, 32, 32, "fp32")])
+                                                                (40, 64, 64, 64, "reference"), (7, 16, 32, 32, "fp32"),
+                                                                (2, 16, 32, 32, "reference")])
 def test_bf16_form_with_the_engines_hidden_state(gen, t, block_m, block_n, block_k, hidden):
     """hidden: the bf16 form (kernels/moe.py, NIB order, its own tiles) computing the engine's numerics, as
-    the FP8 form does; one token takes the grouped path too (its GEMV keeps the bf16 form's own). The two
-    numerics differ (bf16 roundings), so each is checked against its own."""
+    the FP8 form does; up to 16 pairs on the GEMV path (1 and 2 tokens: its gate/up blocks widened to whole
+    32-row groups, the down sum in one program per row block). The two numerics differ (bf16 roundings), so
+    each is checked against its own."""
     args = _case(gen, t, e=4, k=2, every_byte=True)
-    got = moe.moe_fp4_triton(*args, hidden=hidden, block_m=block_m, block_n=block_n, block_k=block_k)
+    got = moe.moe_fp4_triton(*args, hidden=hidden, block_m=block_m, block_n=block_n, block_k=block_k,
+                             gemv_block_n=16, gemv_block_kw=4)
     assert _rel(moe.moe_fp4_reference(*args, hidden=hidden), got) < 1e-6, gen.initial_seed()
     other = "fp32" if hidden == "reference" else "reference"
     assert _rel(moe.moe_fp4_reference(*args, hidden=other), got) > 1e-4
     with pytest.raises(ValueError, match="whole groups"):
-        moe.moe_fp4_triton(*args, hidden=hidden, block_m=16, block_n=48)
+        moe.moe_fp4_triton(*args, hidden=hidden, block_m=16, block_n=48, gemv_max_pairs=0)
     with pytest.raises(ValueError, match="unknown hidden-state numerics"):
         moe.moe_fp4_triton(*args, hidden="bf16")
 
