@@ -37,6 +37,48 @@ def e4m3_value(byte):
     return tl.where((byte & 0x80) != 0, -val, val)
 
 
+# E2M1 -> E4M3 bit placement, four packed bytes (eight codes) per 32-bit lane: the low nibbles' bytes in $0,
+# the high nibbles' in $1 (a jit function reads module globals only as constexpr)
+E2M1_AS_E4M3_PTX = """
+{
+.reg .b32 a<2>;
+and.b32 a0, $2, 0x08080808;
+shl.b32 a0, a0, 4;
+and.b32 a1, $2, 0x07070707;
+shl.b32 a1, a1, 2;
+or.b32 $0, a0, a1;
+and.b32 a0, $2, 0x80808080;
+shr.b32 a1, $2, 2;
+and.b32 a1, a1, 0x1c1c1c1c;
+or.b32 $1, a0, a1;
+}
+"""
+_E2M1_AS_E4M3_ASM = tl.constexpr(E2M1_AS_E4M3_PTX)
+
+
+@triton.jit
+def e2m1_as_e4m3(b, ASM: tl.constexpr):
+    """Packed FP4 bytes (uint8, two E2M1 codes each) -> (low nibbles, high nibbles) as E4M3 bytes worth the
+    E2M1 value * 2^-6, exact: the code's sign to bit 7, its 3 magnitude bits to bits 4..2 (code 1, 0.5, lands
+    on the E4M3 subnormal 2^-7). ASM: four bytes per 32-bit lane in PTX (GPU); else plain uint8 lanes."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_AS_E4M3_ASM, "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8),
+                                           is_pure=True, pack=4)
+    else:
+        lo = ((b & 8) << 4) | ((b & 7) << 2)
+        hi = (b & 0x80) | ((b >> 2) & 0x1C)
+    return lo, hi
+
+
+@triton.jit
+def e4m3_operand(byte, FP8: tl.constexpr):
+    """E4M3 bytes (uint8) -> dot operand: float8e4nv (FP8), or (interpreter) their exact float32 values."""
+    if FP8:
+        return byte.to(tl.float8e4nv, bitcast=True)
+    else:
+        return e4m3_value(byte.to(tl.int32))
+
+
 @triton.jit
 def pow2_scale_up(amax, inv_max):
     """2^ceil(log2(amax * inv_max)) from the float's exponent bits, as engine.quant.pow2_scale_up."""

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e4m3_code, e4m3_value, e8m0_value, fp4_value, register_cap, sm_count
+from kernels._formats import (E2M1_AS_E4M3_PTX, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_value, e8m0_value,
+                             fp4_value, register_cap, sm_count)
 from kernels.topk import _pow2, default_groups, select_from_maxima, topk_positions_reference
 
 
@@ -68,25 +69,9 @@ def indexer_topk_reference(q_packed, q_scale, k_packed, k_scale, weights, n_visi
     return topk_positions_reference(scores, topk)
 
 
-# a jit function reads module globals only as constexpr (else: NameError at compile time on the GPU)
-_E4M3_PTX = """
-{
-.reg .b32 a<2>;
-and.b32 a0, $2, 0x08080808;
-shl.b32 a0, a0, 4;
-and.b32 a1, $2, 0x07070707;
-shl.b32 a1, a1, 2;
-or.b32 $0, a0, a1;
-and.b32 a0, $2, 0x80808080;
-shr.b32 a1, $2, 2;
-and.b32 a1, a1, 0x1c1c1c1c;
-or.b32 $1, a0, a1;
-}
-"""
-_E4M3_ASM = tl.constexpr(_E4M3_PTX)
 # then each byte pair through f16 (exact), times the byte's f16 factor ($3: bytes 0-1, $4: bytes 2-3),
 # rounded back to E4M3 (cvt.rn: the queries' rounding)
-_E4M3_SHIFTED_ASM = tl.constexpr(_E4M3_PTX + """
+_E4M3_SHIFTED_ASM = tl.constexpr(E2M1_AS_E4M3_PTX + """
 {
 .reg .b16 x<4>;
 .reg .b32 f<4>;
@@ -126,25 +111,10 @@ def _e4m3(v, FP8: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_operand(e, FP8: tl.constexpr):
-    """E4M3 bytes (uint8) -> dot operand: float8e4nv, or (interpreter) their exact float32 values."""
-    if FP8:
-        return e.to(tl.float8e4nv, bitcast=True)
-    else:
-        return e4m3_value(e.to(tl.int32))
-
-
-@triton.jit
 def _fp4_bytes_to_e4m3(b, ASM: tl.constexpr):
-    """Packed FP4 bytes (uint8 [R, C]) -> E4M3 bytes (uint8 [R, 2C]) worth value * 2^-6, exact: the E2M1
-    code's sign goes to bit 7 and its 3 magnitude bits to bits 4..2 (code 1, 0.5, lands on the E4M3
-    subnormal 2^-7). ASM: four bytes per 32-bit lane in PTX; else plain uint8 lanes."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8),
-                                           is_pure=True, pack=4)
-    else:
-        lo = ((b & 8) << 4) | ((b & 7) << 2)
-        hi = (b & 0x80) | ((b >> 2) & 0x1C)
+    """Packed FP4 bytes (uint8 [R, C]) -> E4M3 bytes (uint8 [R, 2C]) worth value * 2^-6 (_formats.e2m1_as_e4m3),
+    natural K order."""
+    lo, hi = e2m1_as_e4m3(b, ASM)
     return tl.join(lo, hi).reshape(b.shape[0], 2 * b.shape[1])
 
 
@@ -163,7 +133,7 @@ def _key_raw(kp_ptr, ks_ptr, cols, kmask, g: tl.constexpr, NG: tl.constexpr, HAL
 def _key_dot(b, sc, q, FP8: tl.constexpr, ASM: tl.constexpr):
     """One group's dot (the unfolded form): keys' E4M3 operand [BN, 32] worth value * 2^-6 x queries
     [32, NQ], the keys' scale applied to the fp32 result."""
-    k = _e4m3_operand(_fp4_bytes_to_e4m3(b.to(tl.uint8, bitcast=True), ASM), FP8)
+    k = e4m3_operand(_fp4_bytes_to_e4m3(b.to(tl.uint8, bitcast=True), ASM), FP8)
     return tl.dot(k, q) * (e8m0_value(sc) * 64.0)
 
 
@@ -182,7 +152,7 @@ def _key_folded(b, sc, FP8: tl.constexpr, ASM: tl.constexpr):
         up = _exp2(12 - shift).to(tl.float16)
         lo, hi = tl.inline_asm_elementwise(_E4M3_SHIFTED_ASM, "=r,=r,r,r,r", [bg, up[:, :, None]],
                                            dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-        k = _e4m3_operand(tl.join(lo, hi).reshape(BN, NG * 32), FP8)
+        k = e4m3_operand(tl.join(lo, hi).reshape(BN, NG * 32), FP8)
     else:
         bi = bg.to(tl.int32)
         v = tl.join(fp4_value(bi & 15), fp4_value(bi >> 4)).reshape(BN, NG, 32) * _exp2(6 - shift)[:, :, None]

@@ -27,36 +27,8 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import cast_rne, e4m3_code, e4m3_value, e8m0_value, pow2_scale_up
+from kernels._formats import cast_rne, e2m1_as_e4m3, e4m3_code, e4m3_operand, pow2_scale_up
 
-E2M1_AS_E4M3 = 2.0 ** -6  # the decoded weight byte's E4M3 value over the E2M1 value
-_ASM = True
-
-
-@triton.jit
-def e2m1_bytes_as_e4m3(b, ASM: tl.constexpr):
-    """uint8 bytes of two E2M1 codes each -> (low nibble, high nibble) as E4M3 bytes of value * 2^-6."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 a, b;
-            shl.b32 a, $2, 2;
-            and.b32 a, a, 0x1C1C1C1C;
-            shl.b32 b, $2, 4;
-            and.b32 b, b, 0x80808080;
-            or.b32 $0, a, b;
-            shr.b32 a, $2, 2;
-            and.b32 a, a, 0x1C1C1C1C;
-            and.b32 b, $2, 0x80808080;
-            or.b32 $1, a, b;
-            }
-            """,
-            constraints="=r,=r,r", args=[b], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    else:
-        lo = ((b & 7) << 2) | ((b & 8) << 4)
-        hi = ((b >> 2) & 0x1C) | (b & 0x80)
-    return lo, hi
 
 
 @triton.jit
@@ -72,27 +44,18 @@ def scale_bytes_at(ptrs, ASM: tl.constexpr):
 
 
 @triton.jit
-def as_operand(byte, DT: tl.constexpr):
-    """E4M3 bytes (uint8) as the dot's operand: the bytes themselves on the GPU (DT fp8), float32 values
-    under the interpreter (DT float32: its dots take no FP8)."""
-    if DT == tl.float8e4nv:
-        return byte.to(tl.float8e4nv, bitcast=True)
-    else:
-        return e4m3_value(byte.to(tl.int32)).to(DT)
-
-
-@triton.jit
 def weight_group(wb_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     """One 32-wide K group (from kg) of rows (all valid) of an FP4 weight (uint8 [N, KDIM/2], E8M0
     [N, KDIM/32]): the [R, 32] E4M3 operand (K in HALVES order) and the group's scale times 2^6, float32
     [R], exact for scale bytes up to 248 (2^121)."""
     j = tl.arange(0, 16)
     b = tl.load(wb_ptr + rows64[:, None] * (KDIM // 2) + (kg // 2 + j)[None, :])
-    lo, hi = e2m1_bytes_as_e4m3(b, ASM)
+    lo, hi = e2m1_as_e4m3(b, ASM)
     # K in HALVES order: position 16 half + j holds K 2 j + half (byte j's low nibble in the first half)
     tile = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (rows64.shape[0], 32))
     sb = scale_bytes_at(s_ptr + rows64 * (KDIM // 32) + kg // 32, ASM)
-    return as_operand(tile, DT), ((sb + 6) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127) * 2^6
+    scale = ((sb + 6) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127) * 2^6
+    return e4m3_operand(tile, DT == tl.float8e4nv), scale
 
 
 @triton.jit
@@ -118,7 +81,7 @@ def act_group(a_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr, AS
     a = tl.load(a_ptr + rows64[:, None] * KDIM + k[None, :])
     sb = scale_bytes_at(s_ptr + rows64 * (KDIM // 32) + kg // 32, ASM)
     if DT != tl.float8e4nv:
-        a = as_operand(a, DT)
+        a = e4m3_operand(a, False)
     return a, (sb << 23).to(tl.float32, bitcast=True)
 
 
@@ -209,7 +172,8 @@ def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr
     tw = tl.load(tw_ptr + pair, mask=rmask, other=0.0)
     q, scale = swiglu_e4m3(acc1, acc3, tw, limit, BN, BM, RB)
     r64 = rows.to(tl.int64)
-    tl.store(h8_ptr + r64[None, :] * INTER + halves_position(n_idx)[:, None], q.to(tl.uint8).to(h8_ptr.dtype.element_ty, bitcast=True), mask=rmask[None, :] & n_mask[:, None])
+    q = q.to(tl.uint8).to(h8_ptr.dtype.element_ty, bitcast=True)
+    tl.store(h8_ptr + r64[None, :] * INTER + halves_position(n_idx)[:, None], q, mask=rmask[None, :] & n_mask[:, None])
     grp = n0 // 32 + tl.arange(0, BN // 32)  # this tile's groups along I
     sbyte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
     tl.store(hs_ptr + r64[None, :] * (INTER // 32) + grp[:, None], sbyte.to(tl.uint8),
@@ -279,8 +243,8 @@ def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: 
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     nbm = bexp.numel()
     dt = tl.float32 if interpreted else tl.float8e4nv
-    common = dict(TOPK=k, BM=block_m, BN=block_n, BK=block_k, GROUP_M=group_m, DT=dt, ASM=not interpreted and _ASM, RB=bool(bf16_acts),
-                  num_warps=num_warps, num_stages=num_stages, **launch_options)
+    common = dict(TOPK=k, BM=block_m, BN=block_n, BK=block_k, GROUP_M=group_m, DT=dt, ASM=not interpreted,
+                  RB=bool(bf16_acts), num_warps=num_warps, num_stages=num_stages, **launch_options)
     _gate_up_f8_kernel[(nbm * triton.cdiv(inter, block_n),)](
         x8, xs, w1b, s1, w3b, s3, order, bexp, bbeg, bend, tw.float().contiguous(), h8, hs, float(limit), nbm,
         DIM=dim, INTER=inter, **common)

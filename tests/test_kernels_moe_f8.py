@@ -22,7 +22,7 @@ _formats, fp4_tiles, moe_f8, moe = interpreted("_formats", "fp4_tiles", "moe_f8"
 @triton.jit
 def _placed_kernel(b_ptr, lo_ptr, hi_ptr):
     b = tl.load(b_ptr + tl.arange(0, 256))
-    lo, hi = moe_f8.e2m1_bytes_as_e4m3(b, False)
+    lo, hi = _formats.e2m1_as_e4m3(b, False)
     tl.store(lo_ptr + tl.arange(0, 256), lo)
     tl.store(hi_ptr + tl.arange(0, 256), hi)
 
