@@ -110,12 +110,13 @@ def swiglu_e4m3(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: t
 
 
 @triton.jit
-def _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, NB_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
            GROUP_M: tl.constexpr):
     """This program's expert e (< 0: nothing to do), its BM pairs' sorted rows (padding: the first row
-    again) and their mask, the pair ids and the first of its BN weight rows."""
+    again) and their mask, the pair ids, and its BN rows of the expert's N-row weight: their indices, mask
+    and global rows (past N: the last row, read and never stored)."""
     pid = tl.program_id(0)
-    per_group = GROUP_M * NB_N  # GROUP_M token blocks sweep all N blocks together (kernels/moe.py)
+    per_group = GROUP_M * ((N + BN - 1) // BN)  # GROUP_M token blocks sweep all N blocks together (kernels/moe.py)
     first = (pid // per_group) * GROUP_M
     size = tl.minimum(NBM - first, GROUP_M)
     mb = first + (pid % per_group) % size
@@ -125,7 +126,9 @@ def _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, NB_N: tl.constexpr, BM:
     rows = begin + tl.arange(0, BM)
     rmask = rows < tl.load(bend_ptr + mb)
     rows = tl.where(rmask, rows, begin)  # padding columns repeat the first pair: read, computed, never stored
-    return e, rows, rmask, tl.load(order_ptr + rows), nb * BN
+    n_idx = nb * BN + tl.arange(0, BN)
+    grow = e.to(tl.int64) * N + tl.minimum(n_idx, N - 1)
+    return e, rows, rmask, tl.load(order_ptr + rows), n_idx, n_idx < N, grow
 
 
 @triton.jit
@@ -136,13 +139,10 @@ def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr
     """h8, hs [P sorted, INTER] (E4M3, E8M0 per 32) = quantized bf16(w * SwiGLU(bf16(W1 x), bf16(W3 x)))
     for a block of BM pairs of one expert and BN rows of I. Swap-AB as in kernels/moe.py: the weight
     group is the register A operand (M = rows), the tokens' group the shared B operand."""
-    e, rows, rmask, pair, n0 = _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, (INTER + BN - 1) // BN,
-                                      BM, BN, GROUP_M)
+    e, rows, rmask, pair, n_idx, n_mask, grow = _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, INTER, BM, BN,
+                                                       GROUP_M)
     if e < 0:
         return
-    n_idx = n0 + tl.arange(0, BN)
-    n_mask = n_idx < INTER
-    grow = e.to(tl.int64) * INTER + tl.minimum(n_idx, INTER - 1)  # rows past I: a real row, never stored
     tok = (pair // TOPK).to(tl.int64)
     acc1 = tl.zeros([BN, BM], tl.float32)
     acc3 = tl.zeros([BN, BM], tl.float32)
@@ -174,7 +174,7 @@ def _gate_up_f8_kernel(x8_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr
     r64 = rows.to(tl.int64)
     q = q.to(tl.uint8).to(h8_ptr.dtype.element_ty, bitcast=True)
     tl.store(h8_ptr + r64[None, :] * INTER + halves_position(n_idx)[:, None], q, mask=rmask[None, :] & n_mask[:, None])
-    grp = n0 // 32 + tl.arange(0, BN // 32)  # this tile's groups along I
+    grp = tl.min(n_idx, axis=0) // 32 + tl.arange(0, BN // 32)  # this tile's groups along I
     sbyte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
     tl.store(hs_ptr + r64[None, :] * (INTER // 32) + grp[:, None], sbyte.to(tl.uint8),
              mask=rmask[None, :] & (grp < INTER // 32)[:, None])
@@ -187,13 +187,10 @@ def _down_f8_kernel(h8_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_pt
                     ASM: tl.constexpr, RB: tl.constexpr):
     """out[token] += bf16(W2 h) over a block of BM pairs of one expert and BN rows of dim (fp32 atomics; h
     carries the routing weight already)."""
-    e, rows, rmask, pair, n0 = _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, (DIM + BN - 1) // BN,
-                                      BM, BN, GROUP_M)
+    e, rows, rmask, pair, n_idx, n_mask, grow = _block(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, DIM, BM, BN,
+                                                       GROUP_M)
     if e < 0:
         return
-    n_idx = n0 + tl.arange(0, BN)
-    n_mask = n_idx < DIM
-    grow = e.to(tl.int64) * DIM + tl.minimum(n_idx, DIM - 1)
     r64 = rows.to(tl.int64)
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, INTER, BK):
