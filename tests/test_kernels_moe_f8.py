@@ -133,3 +133,10 @@ def test_fp8_form_rejects_ragged_blocks(gen):
     args = _case(gen, 3)
     with pytest.raises(ValueError, match="row blocks of whole groups"):
         moe.moe_fp4_triton(*args, fp8_mma=True, block_m=16, block_n=48)
+
+
+def test_fp8_form_only_at_the_widths_where_it_measured_faster():
+    """The kernel ops take the FP8 form (when asked) for the decode step's grouped widths only: the release's
+    64 x 6 pairs over 384 experts, not one token's 6 (GEMV) nor a 4K-token prefill's 24,576."""
+    assert moe.fp8_form_pays(64 * 6, 384)
+    assert not moe.fp8_form_pays(6, 384) and not moe.fp8_form_pays(4096 * 6, 384)

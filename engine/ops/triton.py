@@ -121,7 +121,9 @@ class TritonOps:
     holds (kernel, case, args, kwargs) of `capture_layer`."""
 
     kernels = True
-    moe_fp8_mma = False  # the routed experts on FP8 tensor cores, the reference's numerics (kernels/moe_f8.py)
+    # the routed experts on FP8 tensor cores (kernels/moe_f8.py) at the widths where that form pays
+    # (kernels/moe.py fp8_form_pays): the same numerics, sums inside each 32-group at the FP8 MMA's precision
+    moe_fp8_mma = False
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -379,8 +381,9 @@ class TritonOps:
                     weights.float().contiguous())
             # the wrapped numerics' hidden state (w * h in E4M3 per 32; `reference`: bf16 gate, up, w * h and
             # expert outputs), in either form
-            form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32",
-                    "fp8_mma": self.moe_fp8_mma}
+            from kernels.moe import fp8_form_pays
+            fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
+            form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8}
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
