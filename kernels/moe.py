@@ -269,11 +269,7 @@ def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr,
         gp = gu_ptr + p.to(tl.int64) * INTER + rows
         tl.atomic_add(gp, g, mask=rmask)
         tl.atomic_add(gp + NP * INTER, u, mask=rmask)
-        # every thread's partials are issued before the one counter increment (release), and the last
-        # program reads the sums after its acquire, from L2
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + p * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
-        if done == KS - 1:
+        if _arrived_last(cnt_ptr, KS):
             g = tl.load(gp, mask=rmask, other=0.0, cache_modifier=".cg")
             u = tl.load(gp + NP * INTER, mask=rmask, other=0.0, cache_modifier=".cg")
             _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER, BN, FH, RB)
@@ -296,12 +292,13 @@ def _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER: tl.con
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
+def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, ys_ptr, cnt_ptr,
                       DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                       BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, PF: tl.constexpr = False,
-                      FH: tl.constexpr = False, RB: tl.constexpr = False):
-    """Program (pair, row block, K split): tw * W2 h over its K slice added into out (fp32 atomics); FH (one
-    K split: the whole sum here): act(W2 h), w being in h already."""
+                      FH: tl.constexpr = False, RB: tl.constexpr = False, KS: tl.constexpr = 1):
+    """Program (pair, row block, K split of KS): tw * W2 h over its K slice added into out (fp32 atomics);
+    FH: act(W2 h) (w is in h already), which needs the whole sum: the K splits add into ys [P, dim] (zeroed)
+    and the last to arrive (counter cnt [P, row blocks], zeroed) rounds it into out."""
     p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, DIM)
     kw_first = tl.program_id(2) * (NIT * BKW)
     if PF:
@@ -310,11 +307,25 @@ def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr,
     else:
         y, _ = _gemv_rows(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask,
                           kw_first, INTER, BKW, NIT, True, False)
-    if FH:
-        y = moe_f8.act(y, RB)
+    dst = out_ptr + (p // TOPK).to(tl.int64) * DIM + rows
+    if not FH:
+        tl.atomic_add(dst, y * tl.load(tw_ptr + p), mask=rmask)
+    elif KS > 1:
+        yp = ys_ptr + p.to(tl.int64) * DIM + rows
+        tl.atomic_add(yp, y, mask=rmask)
+        if _arrived_last(cnt_ptr, KS):
+            tl.atomic_add(dst, moe_f8.act(tl.load(yp, mask=rmask, other=0.0, cache_modifier=".cg"), RB), mask=rmask)
     else:
-        y = y * tl.load(tw_ptr + p)
-    tl.atomic_add(out_ptr + (p // TOPK).to(tl.int64) * DIM + rows, y, mask=rmask)
+        tl.atomic_add(dst, moe_f8.act(y, RB), mask=rmask)
+
+
+@triton.jit
+def _arrived_last(cnt_ptr, KS: tl.constexpr):
+    """After this program's partial sums are issued: count its arrival at its (pair, row block) counter; True
+    for the last of the KS K splits, which then reads the sums (from L2, after its acquire)."""
+    tl.debug_barrier()  # every thread's partials before the one increment (release)
+    done = tl.atomic_add(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
+    return done == KS - 1
 
 
 # -- prefill path: grouped tensor-core GEMM ----------------------------------------------------------
@@ -482,25 +493,26 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         elsewhere = topk_ids < 0
         ids = topk_ids.clamp_min(0).to(torch.int32).contiguous()
         tw = tw.masked_fill(elsewhere, 0.0).contiguous()
-        if fp8_hidden:  # whole 32-row groups per gate/up block; the down sum whole in one program (act)
+        if fp8_hidden:  # whole 32-row groups per gate/up block (the E4M3 quantization of w * h)
             gemv_block_n = -(-gemv_block_n // 32) * 32
-            gemv_down_iters = inter // 8
         (bkw1, it1, ks1), (bkw2, it2, ks2) = (_gemv_split(dim // 8, gemv_block_kw, gemv_iters),
                                               _gemv_split(inter // 8, gemv_down_block_kw, gemv_down_iters))
-        nrb = triton.cdiv(inter, gemv_block_n)
-        # one zeroed buffer (one memset): out [T, dim], gate and up sums [2, P, I], counters [P, nrb]
-        buf = torch.zeros(t * dim + 2 * p * inter + p * nrb, dtype=torch.float32, device=x.device)
-        out, gu = buf[: t * dim].view(t, dim), buf[t * dim: t * dim + 2 * p * inter]
-        cnt = buf[t * dim + 2 * p * inter:].view(torch.int32)
+        nrb, nrb2 = triton.cdiv(inter, gemv_block_n), triton.cdiv(dim, gemv_down_block_n)
+        ys_n = p * dim if fp8_hidden and ks2 > 1 else 0
+        # one zeroed buffer (one memset): out [T, dim], gate and up sums [2, P, I], counters [P, nrb], and for
+        # the hidden state's down sums [P, dim] and their counters [P, nrb2]
+        sizes = (t * dim, 2 * p * inter, p * nrb, ys_n, p * nrb2 if ys_n else 0)
+        out, gu, cnt, ys, cnt2 = torch.zeros(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
+        out, cnt, cnt2 = out.view(t, dim), cnt.view(torch.int32), cnt2.view(torch.int32)
         h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
         _gemv_gate_up_kernel[(p, nrb, ks1)](
             x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p, float(swiglu_limit), DIM=dim, INTER=inter,
             TOPK=k, BN=gemv_block_n, BKW=bkw1, NIT=it1, KS=ks1, PF=gemv_prefetch, FH=fp8_hidden,
             RB=hidden == "reference", num_warps=gemv_num_warps)
         _gemv_down_kernel[(p, triton.cdiv(dim, gemv_down_block_n), ks2)](
-            h, w2w, s2, ids, tw, out, DIM=dim, INTER=inter, TOPK=k,
+            h, w2w, s2, ids, tw, out, ys, cnt2, DIM=dim, INTER=inter, TOPK=k,
             BN=gemv_down_block_n, BKW=bkw2, NIT=it2, PF=gemv_prefetch, FH=fp8_hidden, RB=hidden == "reference",
-            num_warps=gemv_down_num_warps or gemv_num_warps)
+            KS=ks2, num_warps=gemv_down_num_warps or gemv_num_warps)
         return out
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64

@@ -75,12 +75,12 @@ def test_fp8_form_against_its_reference(gen, t, e, k, block_m, block_n, block_k)
                                                                 (2, 16, 32, 32, "reference")])
 def test_bf16_form_with_the_engines_hidden_state(gen, t, block_m, block_n, block_k, hidden):
     """hidden: the bf16 form (kernels/moe.py, NIB order, its own tiles) computing the engine's numerics, as
-    the FP8 form does; up to 16 pairs on the GEMV path (1 and 2 tokens: its gate/up blocks widened to whole
-    32-row groups, the down sum in one program per row block). The two numerics differ (bf16 roundings), so
-    each is checked against its own."""
+    the FP8 form does; up to 16 pairs on the GEMV path (its gate/up blocks widened to whole 32-row groups;
+    the down sum rounded by the last of its K splits: 2 splits for 2 tokens, 1 for 1 and 7). The two numerics
+    differ (bf16 roundings), so each is checked against its own."""
     args = _case(gen, t, e=4, k=2, every_byte=True)
     got = moe.moe_fp4_triton(*args, hidden=hidden, block_m=block_m, block_n=block_n, block_k=block_k,
-                             gemv_block_n=16, gemv_block_kw=4)
+                             gemv_block_n=16, gemv_block_kw=4, gemv_down_block_kw=4, gemv_down_iters=t % 2 + 1)
     assert _rel(moe.moe_fp4_reference(*args, hidden=hidden), got) < 1e-6, gen.initial_seed()
     other = "fp32" if hidden == "reference" else "reference"
     assert _rel(moe.moe_fp4_reference(*args, hidden=other), got) > 1e-4
