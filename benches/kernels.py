@@ -305,7 +305,7 @@ def case_moe(bw, mm):
     pk = torch.arange(256, dtype=torch.int32, device=DEV).repeat(256, 1).to(torch.uint8).view(torch.int8)
     sb = (torch.arange(256, device=DEV) % 241).to(torch.uint8)[:, None].expand(256, 16).contiguous()
     sb = sb.view(torch.float8_e8m0fnu)
-    tile = fp4_tiles.nib_order(moe._dequantize_fp4_device(pk, sb))  # not `want`: the sweeps below check against it
+    tile = fp4_tiles.nib_order(Q.dequantize_fp4(pk, sb, 32))  # not `want`: the sweeps below check against it
     exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), tile.bfloat16().float() if bd else tile)
              for bd in (False, True)}
     LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True]}

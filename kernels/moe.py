@@ -37,7 +37,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels import moe_f8
-from kernels._formats import dot_dtype, e4m3_value, register_cap
+from kernels._formats import dot_dtype, register_cap
 from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_tile, fp4_words, nib_order, nib_position,
                                nibble_pair, scale_words)
 
@@ -95,14 +95,6 @@ def fp8_form_pays(pairs: int, experts: int, gemv_max_pairs: int = 16) -> bool:
     state): the decode step's grouped widths, 16-token blocks (64 tokens: 2.45 vs 2.67 ms); not the GEMV
     widths (1 token: 210 vs 102 us) nor prefill (4K tokens: 13.8 vs 9.4 ms)."""
     return gemv_max_pairs < pairs <= 4 * experts
-
-
-def _dequantize_fp4_device(packed, scale):
-    """Device-side FP4 dequantization for the reference at release shapes (engine.quant's table is CPU)."""
-    table = Q.FP4_TABLE.to(packed.device)
-    b = packed.view(torch.uint8)
-    v = torch.stack([table[(b & 15).long()], table[(b >> 4).long()]], -1).flatten(-2)
-    return (v.unflatten(-1, (-1, 32)) * scale.float().unsqueeze(-1)).flatten(-2)
 
 
 def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int):
@@ -282,8 +274,7 @@ def _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER: tl.con
                        FH: tl.constexpr, RB: tl.constexpr):
     if FH:  # as the grouped kernels' epilogue, for one pair: [BN, 1]
         tw = tl.load(tw_ptr + p + tl.arange(0, 1))
-        q, scale = moe_f8.swiglu_e4m3(g[:, None], u[:, None], tw, limit, BN, 1, RB)
-        h = tl.reshape(tl.reshape(e4m3_value(q), (BN // 32, 32, 1)) * scale[:, None, :], (BN,))
+        h = tl.reshape(moe_f8.swiglu_e4m3_values(g[:, None], u[:, None], tw, limit, BN, 1, RB), (BN,))
     else:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -379,9 +370,8 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
             w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
             acc1 = tl.dot(fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
             acc3 = tl.dot(fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
-    if FH:  # the engine's hidden state, w included: its E4M3 values (bf16-exact) times their scales
-        q, scale = moe_f8.swiglu_e4m3(acc1, acc3, tl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM, RB)
-        h = tl.reshape(tl.reshape(e4m3_value(q), (BN // 32, 32, BM)) * scale[:, None, :], (BN, BM))
+    if FH:  # the engine's hidden state, w included
+        h = moe_f8.swiglu_e4m3_values(acc1, acc3, tl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM, RB)
     else:
         g = tl.minimum(acc1, limit)
         u = tl.minimum(tl.maximum(acc3, -limit), limit)
@@ -480,7 +470,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     fp8_hidden = hidden is not None
     if fp8_mma:  # the FP8 form has no GEMV: grouped at every width
         gemv_max_pairs = 0
-    if fp8_hidden:  # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the engine's x is already)
+    if fp8_hidden and not fp8_mma:  # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the engine's
+        # x is already; the FP8 form quantizes x itself)
         from kernels.quant import quantize_fp8_triton
         x = Q.dequantize_fp8(*quantize_fp8_triton(x, 32), 32).to(torch.bfloat16)
     if dim % 32 or inter % 32:

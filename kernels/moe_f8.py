@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import cast_rne, e2m1_as_e4m3, e4m3_code, e4m3_operand, pow2_scale_up
+from kernels._formats import cast_rne, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_value, pow2_scale_up
 
 
 @triton.jit
@@ -110,6 +110,14 @@ def swiglu_e4m3(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: t
     scale = pow2_scale_up(tl.maximum(tl.max(tl.abs(hg), axis=1), 1e-4), 1.0 / 448.0)  # [BN/32, BM]
     q = e4m3_code(tl.minimum(tl.maximum(tl.div_rn(hg, tl.broadcast_to(scale[:, None, :], hg.shape)), -448.0), 448.0))
     return tl.reshape(q, (BN, BM)), scale
+
+
+@triton.jit
+def swiglu_e4m3_values(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
+    """`swiglu_e4m3`'s hidden state as float32 values [BN, BM] (E4M3 value times its scale: exact in bf16),
+    for the bf16 form, whose down GEMM takes h so."""
+    q, scale = swiglu_e4m3(acc1, acc3, tw, limit, BN, BM, RB)
+    return tl.reshape(tl.reshape(e4m3_value(q), (BN // 32, 32, BM)) * scale[:, None, :], (BN, BM))
 
 
 @triton.jit
@@ -260,7 +268,7 @@ def moe_f8_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk
     each expert's output rounded to bf16."""
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
     bf16 = (lambda v: v.float().to(torch.bfloat16).to(cdt)) if bf16_acts else (lambda v: v)
-    fp8 = lambda v: Q.dequantize_fp8(*Q.quantize_fp8(v.float().cpu(), 32), 32).to(device=v.device, dtype=cdt)
+    fp8 = lambda v: Q.fp8_roundtrip(v.float(), 32).to(cdt)
     xq = fp8(x)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=cdt, device=x.device)
     for ex in torch.unique(topk_ids).tolist():

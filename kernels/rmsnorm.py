@@ -19,6 +19,7 @@ from kernels._formats import cast_rne
 
 MAX_WIDTH = 16384  # the longest row one program holds in registers
 
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                        round_bf16: bool = False) -> torch.Tensor:
     """engine/ops/fp32.py's rms_norm (float32), rounded to bf16 values if asked."""

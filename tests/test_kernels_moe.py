@@ -56,7 +56,7 @@ def test_tile_decode_every_byte_and_scale():
     2^-10), subnormal products included: equal to engine.quant's decode, in NIB order."""
     packed, scale = _every_byte_under_every_scale()
     assert torch.equal(fp4_tiles.fp4_tile_decoded(packed, scale, False),
-                       fp4_tiles.nib_order(moe._dequantize_fp4_device(packed, scale)))
+                       fp4_tiles.nib_order(Q.dequantize_fp4(packed, scale, 32)))
 
 
 def test_nib_order_is_the_decoders_order():

@@ -102,7 +102,7 @@ class HandedOut:
     counts those still referenced somewhere."""
 
     def __init__(self):
-        self._by_storage: dict[int, tuple] = {}  # storage pointer -> (weakref to the value's storage, name)
+        self._by_storage: dict[int, weakref.ref] = {}  # storage pointer -> weakref to the value's storage
         self._checked: set[str] = set()  # names whose value went through the reader's NaN/inf check
 
     def dequantized(self, name: str, w: torch.Tensor, scale: torch.Tensor, reader) -> torch.Tensor:
@@ -113,21 +113,21 @@ class HandedOut:
         if name not in self._checked:
             self._checked.add(name)
             nonfinite_checked(reader, name, value)
-        self.remember(value, name)
+        self.remember(value)
         return value
 
-    def remember(self, value: torch.Tensor, name: str) -> None:
+    def remember(self, value: torch.Tensor) -> None:
         # the storage, not the tensor: a view made under inference_mode does not keep its base alive
         storage = value.untyped_storage()
-        self._by_storage = {p: h for p, h in self._by_storage.items() if h[0]() is not None}
-        self._by_storage[storage.data_ptr()] = (weakref.ref(storage), name)
+        self._by_storage = {p: ref for p, ref in self._by_storage.items() if ref() is not None}
+        self._by_storage[storage.data_ptr()] = weakref.ref(storage)
 
     def clear(self) -> None:
         self._by_storage.clear()
 
     def alive(self) -> int:
         """How many handed-out values are still referenced somewhere (none is kept here)."""
-        return sum(1 for ref, _ in self._by_storage.values() if ref() is not None)
+        return sum(1 for ref in self._by_storage.values() if ref() is not None)
 
 
 class StoredWeights:
