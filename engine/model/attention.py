@@ -342,31 +342,25 @@ class Indexer:
                   torch.cat(all_scores) if keep_scores else None)
         return idx, picked
 
-    def settle(self, scores: torch.Tensor, visible: torch.Tensor, n: int, k: int, picks=None):
-        """One block of queries from its scores [B, N'] (-inf: not visible or outside the pool) to its
-        picks, whichever ops scored them: the top-k in position order (or `picks` = (idx, picked) [B, k]
-        a kernel already took, re-taken only in rows the pool top-up fills), the tie marks (tie_marks),
-        and the numerics' choice among ties (ops.break_ties).
-        -> (idx [B, k], picked [B, k], k-th score [B], tied [B, k])."""
+    def ranking(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """What the top-k ranks, from one block's scores [B, N'] (-inf: not visible or outside the pool):
+        the scores, or, in a layer whose numerics top a short candidate pool up, the scores with the
+        visible entries outside the pool at OUTSIDE_POOL (pickable, below every finite score, tied)."""
         ranking = scores.detach()
-        top_up = self.role.in_candidate_pool and self.ops.tops_up_pool
-        if top_up:  # visible entries outside the pool rank last, tied
+        if self.role.in_candidate_pool and self.ops.tops_up_pool:
             outside = (ranking == NEG_INF) & (torch.arange(ranking.shape[1], device=ranking.device)[None, :] < visible[:, None])
             ranking = ranking.masked_fill(outside, OUTSIDE_POOL)
-        if picks is None:
-            block_idx, block_picked = topk_in_position_order(ranking, k)
-        else:
-            block_idx, block_picked = picks
-            if top_up:  # a kernel's top-k takes pool entries only: rows with fewer than k visible in the pool
-                short = (block_idx >= 0).sum(-1) < visible.clamp(max=k)
-                if capturing():  # no host branch: every row re-taken, the others keep the kernel's
-                    full_idx, full_picked = topk_in_position_order(ranking, k)
-                    block_idx = torch.where(short[:, None], full_idx, block_idx)
-                    block_picked = torch.where(short[:, None], full_picked, block_picked)
-                elif bool(short.any()):
-                    rows = short.nonzero().squeeze(1)
-                    block_idx, block_picked = block_idx.clone(), block_picked.clone()
-                    block_idx[rows], block_picked[rows] = topk_in_position_order(ranking[rows], k)
+        return ranking
+
+    def settle(self, scores: torch.Tensor, visible: torch.Tensor, n: int, k: int, picks=None, ranking=None):
+        """One block of queries from its scores [B, N'] (-inf: not visible or outside the pool) to its
+        picks, whichever ops scored them: the top-k in position order of `ranking` (self.ranking), or
+        `picks` = (idx, picked) [B, k] a kernel already took from that ranking, the tie marks (tie_marks),
+        and the numerics' choice among ties (ops.break_ties).
+        -> (idx [B, k], picked [B, k], k-th score [B], tied [B, k])."""
+        ranking = self.ranking(scores, visible) if ranking is None else ranking
+        top_up = self.role.in_candidate_pool and self.ops.tops_up_pool
+        block_idx, block_picked = topk_in_position_order(ranking, k) if picks is None else picks
         block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
         # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
         chosen = self.ops.break_ties(scores.detach(), ranking, visible, n, k, block_idx, block_picked, block_tied)

@@ -309,8 +309,9 @@ class TritonOps:
         """The indexer's top-k on kernels (the base op where this wrapper only records): FP4 queries by
         the kernels' quantizer against the source's packed FP4 index keys, scores and top-k by kernels,
         one block of QUERY_BLOCK queries at a time. The candidate source picks its pool from each
-        block's kernel scores (ops.select_blocks); `indexer.settle` marks the ties, tops up a short pool
-        and lets the numerics break ties, as on the CPU route (engine/model/attention.py Indexer)."""
+        block's kernel scores (ops.select_blocks); the top-k kernel ranks `indexer.ranking` (a short
+        pool topped up from outside it), and `indexer.settle` marks the ties and lets the numerics break
+        them, as on the CPU route (engine/model/attention.py Indexer)."""
         from ..model.attention import QUERY_BLOCK
         from ..model.selection_probe import runner_ups
 
@@ -339,9 +340,11 @@ class TritonOps:
                 scores = indexer.parallel.all_reduce(scores)
             if role.candidate_source:
                 shared.candidates[b] = self.select_blocks(scores, visible[b], cfg.candidate_topk_blocks, block, n)
-            sel = topk_fn(scores, kp2, vis[b])[:, :k].long()
-            got = scores.gather(-1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
-            parts.append((*indexer.settle(scores, visible[b], n, k, picks=(sel, got)), scores))
+            # the kernel ranks what `settle` would (a short pool topped up from outside it): no re-take
+            ranking = indexer.ranking(scores, visible[b])
+            sel = topk_fn(ranking, kp2, vis[b])[:, :k].long()
+            got = ranking.gather(-1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
+            parts.append((*indexer.settle(scores, visible[b], n, k, picks=(sel, got), ranking=ranking), scores))
         idx, picked, kth, tied, scores = (torch.cat(p) for p in zip(*parts))
         indexer.took(idx, (kth, tied), runner_ups(scores, idx) if indexer.detail else None,
                      scores if torch.is_grad_enabled() else None)
