@@ -211,10 +211,10 @@ ATTN_CFGS = [dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="entries", block_h=16, block_n=64, num_warps=8),
              dict(layout="entries", block_h=64, block_n=64, num_warps=8),
              dict(layout="heads", block_h=64, block_n=32, num_warps=8)]
-# decode: entry splits (partials + merge) for both layouts
-ATTN_DECODE_CFGS = ([dict(layout="entries", block_h=bh, block_n=64, num_warps=w, split=s)
-                     for bh, w in ((32, 8), (32, 4), (16, 8), (16, 4)) for s in (1, 2)]
-                    + [dict(layout="heads", block_h=64, block_n=32, num_warps=8, split=s) for s in (1, 2)])
+# decode: entry splits + merge (run 7: 4 warps, 16-head blocks, heads layout 111-195 us); 64 heads: one decode
+ATTN_DECODE_CFGS = [dict(layout="entries", block_h=bh, block_n=bn, num_warps=8, split=s)
+                    for bh, bn, s in ((32, 64, 1), (32, 64, 2), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4),
+                                      (64, 64, 2))]
 
 
 def case_attn(bw, mm):
