@@ -56,9 +56,11 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 
 
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
-                      swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None):
+                      swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None,
+                      x_on_grid: bool = False):
     """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
-    `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute."""
+    `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute (x rounded
+    to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     hidden = _hidden(hidden, fp8_mma)
     if hidden is not None:
@@ -447,7 +449,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_iters: int = 1, gemv_down_block_n: int = 16, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
-                   bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None):
+                   bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
+                   x_on_grid: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -463,15 +466,17 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     in benches/kernels.py); scaled: the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled
     (Triton's MXFP4 path; on the GPU only, the interpreter keeps the bit-assembly decode); fp8_mma: the
     grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the
-    engine's numerics in either form (only the order of sums differs), grouped at every width."""
+    engine's numerics in either form (only the order of sums differs), grouped at every width; x_on_grid:
+    x is on the E4M3-per-32 grid already (the engine's `linear(x, None)`), so the bf16 form's round trip
+    (four launches) is skipped."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     hidden = _hidden(hidden, fp8_mma)
     fp8_hidden = hidden is not None
     if fp8_mma:  # the FP8 form has no GEMV: grouped at every width
         gemv_max_pairs = 0
-    if fp8_hidden and not fp8_mma:  # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the engine's
-        # x is already; the FP8 form quantizes x itself)
+    if fp8_hidden and not fp8_mma and not x_on_grid:  # x on the E4M3-per-32 grid, as the reference's GEMM
+        # sees it (the FP8 form quantizes x itself)
         from kernels.quant import quantize_fp8_triton
         x = Q.dequantize_fp8(*quantize_fp8_triton(x, 32), 32).to(torch.bfloat16)
     if dim % 32 or inter % 32:

@@ -386,7 +386,8 @@ class TritonOps:
             # expert outputs), in either form
             from kernels.moe import fp8_form_pays
             fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
-            form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8}
+            form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8,
+                    "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
