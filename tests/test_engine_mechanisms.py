@@ -204,19 +204,20 @@ def test_candidate_pool_blocks_and_restriction():
     scores = torch.randn(T, N, generator=g)
     visible = torch.tensor([1, 5, 9, 14, 20, 21])
     scores = scores.masked_fill(torch.arange(N)[None] >= visible[:, None], float("-inf"))
-    keep = select_candidate_blocks(scores, visible, 2, block)
-    for t in range(T):
-        n_blocks = math.ceil(N / block)
-        best = [max(scores[t, b * block:(b + 1) * block].tolist()) for b in range(n_blocks)]
-        newest = (visible[t].item() - 1) // block
-        best[newest] = math.inf
-        chosen = sorted(range(n_blocks), key=lambda b: (-best[b], b))[:2]
-        chosen = [b for b in chosen if best[b] > -math.inf]
-        expected = torch.zeros(N, dtype=torch.bool)
-        for b in chosen:
-            expected[b * block:(b + 1) * block] = True
-        expected[visible[t]:] = False  # only the visible entries of a kept block
-        assert torch.equal(keep[t], expected), t
+    n_blocks = math.ceil(N / block)
+    for n_top in (2, n_blocks, n_blocks + 3):  # the last two: every block a top block (no sort taken)
+        keep = select_candidate_blocks(scores, visible, n_top, block)
+        for t in range(T):
+            best = [max(scores[t, b * block:(b + 1) * block].tolist()) for b in range(n_blocks)]
+            newest = (visible[t].item() - 1) // block
+            best[newest] = math.inf
+            chosen = sorted(range(n_blocks), key=lambda b: (-best[b], b))[:n_top]
+            chosen = [b for b in chosen if best[b] > -math.inf]
+            expected = torch.zeros(N, dtype=torch.bool)
+            for b in chosen:
+                expected[b * block:(b + 1) * block] = True
+            expected[visible[t]:] = False  # only the visible entries of a kept block
+            assert torch.equal(keep[t], expected), (n_top, t)
     # a Reindex layer scores -inf outside the pool: its top-k lies inside the pool
     cfg = tiny_config(index_topk=8)
     from tests.engine_helpers import random_ids, tiny_model

@@ -232,3 +232,8 @@ def test_reference_pool_is_torch_topk_of_bf16_block_maxima():
     expected = torch.tensor([[b in chosen for b in (0, 0, 1, 1, 2, 2)]]) & (torch.arange(6) < 5)
     assert torch.equal(keep, expected)
     assert keep[0, 4] and not keep[0, 5]  # the newest visible block pinned; invisible entries out
+    # as many top blocks as blocks (or more): every block with a finite maximum, no top-k taken
+    scores = torch.tensor([[2.0, 1.0, -math.inf, -math.inf, 1.0, 0.0, 3.0, 3.0]])
+    for n_top in (4, 7):
+        keep = REF.select_blocks(scores, torch.tensor([7]), n_top, 2, 8)
+        assert keep[0].tolist() == [True, True, False, False, True, True, True, False]

@@ -227,8 +227,11 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_block
     nb = block_scores.shape[-1]
     newest = (visible - 1).div(block, rounding_mode="floor")
     block_scores = block_scores.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None], float("inf"))
-    top_values, top_indices = stable_topk(block_scores, min(n_blocks, nb))
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top_indices, top_values > NEG_INF)
+    if n_blocks >= nb:  # every block is a top block (a context under n_blocks x block entries): no sort
+        keep = block_scores > NEG_INF
+    else:
+        top_values, top_indices = stable_topk(block_scores, n_blocks)
+        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top_indices, top_values > NEG_INF)
     # a kept block's entries past the query's newest visible one are not in its pool
     return keep.repeat_interleave(block, dim=-1)[:, :n] & (torch.arange(n, device=scores.device) < visible[:, None])
 

@@ -211,9 +211,12 @@ class ReferenceOps(Fp32Ops):
         newest = (visible - 1).div(block, rounding_mode="floor")
         block_max = block_max.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None],
                                           float("inf"))
-        top = block_max.to(torch.bfloat16).topk(min(n_blocks, nb), dim=-1)
-        keep = torch.zeros(rows, nb, dtype=torch.bool, device=scores.device).scatter_(-1, top.indices,
-                                                                                      top.values > NEG_INF)
+        if n_blocks >= nb:  # the top-k takes every block (a context under n_blocks x block entries): no top-k
+            keep = block_max.to(torch.bfloat16) > NEG_INF
+        else:
+            top = block_max.to(torch.bfloat16).topk(n_blocks, dim=-1)
+            keep = torch.zeros(rows, nb, dtype=torch.bool, device=scores.device).scatter_(-1, top.indices,
+                                                                                          top.values > NEG_INF)
         entries = torch.arange(n, device=scores.device)
         return keep.repeat_interleave(block, dim=-1)[:, :n] & (entries[None, :] < visible[:, None])
 
