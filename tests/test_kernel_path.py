@@ -461,3 +461,22 @@ if __name__ == "__main__":
     from triton_interp import speed_up   # tests/triton_interp.py: the same kernels, less interpreter overhead
     speed_up()
     print(json.dumps(_worker(sys.argv[1], sys.argv[2])))
+
+
+def test_f32_linear_splits_k_at_decode_widths():
+    """TritonOps.f32_linear (the compressor's float32 projections): a K-split batched GEMM at decode widths,
+    equal to the float64 product to float32 rounding; the wrapped op's at prefill widths and for short K."""
+    from engine.ops.fp32 import Fp32Ops
+    from engine.ops.triton import TritonOps, _k_splits
+
+    g = torch.Generator().manual_seed(11)
+    ops = TritonOps.__new__(TritonOps)
+    ops.base, ops.compute = Fp32Ops(), True
+    x, w = torch.randn(64, 5120, generator=g).bfloat16().float(), torch.randn(96, 5120, generator=g).bfloat16()
+    assert _k_splits(5120) == 16
+    got, want = ops.f32_linear(x, w), (x.double() @ w.double().t())
+    assert got.dtype == torch.float32 and got.shape == (64, 96)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    wide = torch.randn(300, 5120, generator=g)
+    assert torch.equal(ops.f32_linear(wide, w), Fp32Ops().f32_linear(wide, w))
+    assert torch.equal(ops.f32_linear(x[:, :200], w[:, :200]), Fp32Ops().f32_linear(x[:, :200], w[:, :200]))

@@ -252,9 +252,9 @@ class Compressor:
         ops = self.ops
         # ratio 1: a bf16 GEMM in the reference; ratio > 1: fp32 weights, pooled in fp32
         kv = ops.bf16_linear(x, self.w("attn.compressor.wkv.weight")) if m == 1 else \
-            x.float() @ self.w("attn.compressor.wkv.weight").t()
+            ops.f32_linear(x, self.w("attn.compressor.wkv.weight"))
         if m > 1:
-            score = x.float() @ self.w("attn.compressor.wgate.weight").t()
+            score = ops.f32_linear(x, self.w("attn.compressor.wgate.weight"))
             if src.pending_kv is not None:
                 kv, score = torch.cat([src.pending_kv, kv]), torch.cat([src.pending_score, score])
             n_groups = kv.shape[0] // m

@@ -116,6 +116,10 @@ class Fp32Ops:
         from ..model.attention import select_candidate_blocks
         return select_candidate_blocks(scores, visible, n_blocks, block)
 
+    def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T in float32, a GEMM the reference runs so (a Full m > 1 layer's compressor projections)."""
+        return x.float() @ w.float().t()
+
     def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w^T for a weight the reference keeps in bf16 (a bf16 GEMM there), stored as an activation."""
         return self.act(x.float() @ w.float().t())
