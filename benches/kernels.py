@@ -334,9 +334,7 @@ def case_moe(bw, mm):
     want = eager(x, ids, tw)
     touched = int(torch.unique(ids).numel())
     base = dict(block_m=16, block_n=64, num_warps=4)
-    # run 9 (bit-assembly decode, a scale byte loaded per word): the default 4.56 ms best; prefetch,
-    # BK 128/256, BN 128, 1 stage, bf16_decode 4.76-8.64 ms; run 10: scaled 4.65-10.4 ms
-    # (benches/results/kernels-h200-run9.md, -run10.md)
+    # runs 9-10: prefetch, BK 128/256, BN 128, 1 stage, scaled 4.65-10.4 ms (kernels-h200-run9.md, -run10.md);
     # runs 11-12 (one load per scale byte): BK 128/256, BN 128, fp32 decode all slower (2.92-3.76 ms)
     cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
             dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128)]
@@ -362,10 +360,12 @@ def case_moe(bw, mm):
                        lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=True)
     row(f"FP4 MoE decode step on FP8 MMA, 64 tokens ({touched} experts)", t, byt / bw * 1e6, "HBM",
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
-    for name, tq, cfgs in (("1 token", 1, [dict(f8), dict(f8, num_warps=8), dict(hidden="reference")]),
+    hg = dict(hidden="reference", x_on_grid=True)  # x made on the E4M3 grid below, as the engine's is
+    for name, tq, cfgs in (("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
+                                           dict(hg, gemv_down_block_n=32), dict(f8)]),
                            ("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
                                                  dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)])):
-        x = torch.randn(tq, dim, device=DEV).bfloat16()
+        x = Q.fp8_roundtrip(torch.randn(tq, dim, device=DEV), 32).bfloat16()
         ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tq)]).int()
         tw = torch.softmax(torch.randn(tq, k, device=DEV), -1) * 1.5
         want8 = moe.moe_fp4_reference(x, *W, ids, tw, fp8_mma=True)
