@@ -18,10 +18,12 @@ accumulator's layout.
 Numerics are the engine's (engine/model/moe.py; `reference`, or `fp32` without the bf16 roundings): gate
 and up rounded to bf16 before the SwiGLU, w * h rounded to bf16 and quantized to E4M3 per 32 (bit for bit
 as engine.quant), each expert's output rounded to bf16 before the sum over a token's experts. What differs
-is the order of sums, and the FP8 MMA's accumulation inside one 32-wide group (H200 run 16c: rel 1.6e-3
-against the float32 reference at 16-token blocks, where the bf16 form with the same numerics is at
-2.6e-4). Measured faster than the bf16 form only at the decode step's widths (kernels/moe.py
-fp8_form_pays).
+is the order of sums, and the FP8 MMA's accumulation inside one 32-wide group: rel 1.6e-3 against the
+float32 reference (H200 runs 16c, 17a), where the bf16 form with the same numerics is at 2.6e-4. That is
+the QGMMA's own precision, not this kernel's: at 8-token blocks Triton (3.6, 3.7) cannot use a warpgroup
+MMA and emits `mma.sync.m16n8k16.f16` on the bytes widened to f16 (exact products, fp32 sums; sm_90 PTX,
+checked without a GPU): 1.5e-4 there, and 2.4x slower. Measured faster than the bf16 form only at the
+decode step's widths (kernels/moe.py fp8_form_pays).
 """
 
 from __future__ import annotations
