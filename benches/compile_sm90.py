@@ -104,7 +104,7 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import fp8_linear, indexer, mhc, moe, quant, rmsnorm, sinkhorn, sparse_attn, sparse_attn_train, topk
+    from kernels import fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope, sinkhorn, sparse_attn, sparse_attn_train, topk
 
     def quantizers():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
@@ -175,6 +175,8 @@ def cases():
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
             ("RMSNorm 4096 x 5120", lambda: rmsnorm.rms_norm_triton(torch.randn(4096, 5120), torch.randn(5120), 1e-6,
                                                                    round_bf16=True)),
+            ("RoPE 64 x 64 x 512 (a decode step's queries)", lambda: rope.rope_triton(
+                torch.randn(64, 64, 512), torch.zeros(64, dtype=torch.long), torch.zeros(4096, 32, 2))),
             ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),
             ("Sinkhorn backward (training)", lambda: sinkhorn.sinkhorn_backward(torch.randn(4096, 4, 4),
                                                                                torch.randn(4096, 4, 4), 20, 1e-6)),

@@ -16,6 +16,7 @@ from kernels import mhc as _mhc
 from kernels import moe as _moe
 from kernels import quant as _q
 from kernels import rmsnorm as _rms
+from kernels import rope as _rope
 from kernels import sparse_attn as _attn
 from kernels import topk as _topk
 
@@ -30,6 +31,7 @@ _PAIRS = {
     "quantize_fp4": (_q.quantize_fp4_reference, _q.quantize_fp4_triton),
     "quantize_fp8": (_q.quantize_fp8_reference, _q.quantize_fp8_triton),
     "rms_norm": (_rms.rms_norm_reference, _rms.rms_norm_triton),
+    "rope": (_rope.rope_reference, _rope.rope_triton),
 }
 
 
@@ -76,6 +78,10 @@ def mhc(*args, **kwargs):
 
 def rms_norm(*args, **kwargs):
     return _call("rms_norm", *args, **kwargs)
+
+
+def rope(*args, **kwargs):
+    return _call("rope", *args, **kwargs)
 
 
 def fp8_linear(*args, **kwargs):

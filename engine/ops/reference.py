@@ -56,6 +56,20 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rotate_by(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [T, ..., D] with its last 2 * cis.shape[-1] dims (pairs: real, imaginary) times cis [T, rd/2]
+    (complex; conjugated when inverse), every value rounded to bf16 and kept float32."""
+    rd = cis.shape[-1] * 2
+    if inverse:
+        cis = cis.conj()
+    cis = cis.view((x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,))
+    pairs = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous())
+    # rounded to bf16 as it is written (one rounding to nearest even, as to_bf16): two passes over x, not four
+    out = x.to(torch.bfloat16, copy=True)
+    out[..., -rd:] = torch.view_as_real(pairs * cis).flatten(-2)
+    return out.float()
+
+
 class ReferenceOps(Fp32Ops):
     name = "reference"
     tops_up_pool = True
@@ -83,16 +97,7 @@ class ReferenceOps(Fp32Ops):
         from torch.cos/sin in the last bit), read from one table of every position up to max_seq_len
         as the reference precomputes it (polar's vector code and its tail round differently, so
         even the table's length matters to the last bit)."""
-        rd = freqs.numel() * 2
-        cis = self._rope_table(freqs, x.device)[positions]  # [T, rd/2]
-        if inverse:
-            cis = cis.conj()
-        cis = cis.view((x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,))
-        pairs = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous())
-        # rounded to bf16 as it is written (one rounding to nearest even, as to_bf16): two passes over x, not four
-        out = x.to(torch.bfloat16, copy=True)
-        out[..., -rd:] = torch.view_as_real(pairs * cis).flatten(-2)
-        return out.float()
+        return rotate_by(x, self._rope_table(freqs, x.device)[positions], inverse)
 
     def _rope_table(self, freqs: torch.Tensor, device) -> torch.Tensor:
         key = (tuple(freqs.tolist()), str(device))

@@ -239,6 +239,14 @@ class TritonOps:
             return self.base.rms_norm(x, weight, eps)
         return self._kernel("rms_norm")(x, weight, eps, self._bf16_stream)
 
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
+        """RoPE in one kernel (kernels/rope.py) on the wrapped `reference` numerics' own table, where their
+        form takes ~8 launches (a decode step rotates 3-6 tensors); other numerics: theirs."""
+        rd = freqs.numel() * 2
+        if not (self.compute and self._bf16_stream) or rd > x.shape[-1] or (x.shape[-1] - rd) % 2:
+            return self.base.rotate(x, positions, freqs, inverse)
+        return self._kernel("rope")(x, positions, torch.view_as_real(self.base._rope_table(freqs, x.device)), inverse)
+
     @property
     def _bf16_stream(self) -> bool:
         """The wrapped numerics store activations as bf16 values (`reference`), so kernels may too."""

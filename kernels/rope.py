@@ -1,0 +1,68 @@
+"""RoPE as the reference numerics rotate and store it (engine/ops/reference.py `rotate_by`), in one launch.
+
+Shapes: x float32 [T, ..., D]; positions int [T]; table float32 [P, rd/2, 2], the (cos, sin) pairs of the
+reference's polar table (ReferenceOps._rope_table viewed as real) -> float32 [T, ..., D]: the last rd dims
+as complex products (x_re + i x_im)(cos + i sin) (sin negated when inverse), every value rounded to bf16
+(nearest even) and kept float32. The reference's form takes ~8 launches (a bf16 copy, the pairs' copy,
+the table gather, the complex product, its write-back, the float copy); this is one read and one write.
+Products and sums are float32 as torch's complex product, possibly fused into FMAs here, so a value can
+sit one bf16 step away where the float32 result straddles a rounding boundary (the test bounds it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._formats import cast_rne
+
+
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False):
+    """engine/ops/reference.py's rotation by the table's rows at `positions`."""
+    from engine.ops.reference import rotate_by
+    return rotate_by(x, torch.view_as_complex(table[positions.long()].contiguous()), inverse)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, y_ptr, pos_ptr, tab_ptr, rows, per_token, D: tl.constexpr, BD: tl.constexpr,
+                 RD: tl.constexpr, BR: tl.constexpr, CONJ: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    d = tl.arange(0, BD)
+    rmask = r < rows
+    m = rmask[:, None] & (d < D)[None, :]
+    row = r.to(tl.int64)[:, None] * D
+    j = d - (D - RD)  # position inside the rotated part (negative: kept)
+    rot = (j >= 0) & (d < D)
+    x = tl.load(x_ptr + row + d[None, :], mask=m, other=0.0)
+    xp = tl.load(x_ptr + row + tl.where(rot, d ^ 1, d)[None, :], mask=m, other=0.0)  # the pair's other half
+    pos = tl.load(pos_ptr + r // per_token, mask=rmask, other=0).to(tl.int64)
+    tm = rmask[:, None] & rot[None, :]
+    at = tab_ptr + (pos[:, None] * (RD // 2) + (tl.maximum(j, 0) // 2)[None, :]) * 2
+    c = tl.load(at, mask=tm, other=1.0)
+    s = tl.load(at + 1, mask=tm, other=0.0)
+    if CONJ:
+        s = -s
+    even = x * c - xp * s  # real part: x real, xp imaginary
+    odd = xp * s + x * c  # imaginary part: xp real, x imaginary
+    y = tl.where(rot[None, :], tl.where(((j & 1) == 1)[None, :], odd, even), x)
+    tl.store(y_ptr + row + d[None, :], cast_rne(y, tl.bfloat16).to(tl.float32), mask=m)
+
+
+def rope_triton(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False):
+    """The kernel; same inputs and output as rope_reference."""
+    d, rd = x.shape[-1], table.shape[1] * 2
+    if table.dim() != 3 or table.shape[2] != 2 or rd > d or (d - rd) % 2:
+        raise ValueError(f"table must be [P, rd/2, 2] with rd <= D and D - rd even (D {d}, table {tuple(table.shape)})")
+    if positions.shape != (x.shape[0],):
+        raise ValueError(f"positions must be [T] = [{x.shape[0]}], got {tuple(positions.shape)}")
+    x2 = x.float().reshape(-1, d).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty_like(x2)
+    if rows:
+        bd = triton.next_power_of_2(d)
+        br = max(1, min(16, 4096 // bd))
+        _rope_kernel[(triton.cdiv(rows, br),)](x2, out, positions.contiguous(), table.float().contiguous(), rows,
+                                              rows // x.shape[0], D=d, BD=bd, RD=rd, BR=br, CONJ=bool(inverse),
+                                              num_warps=4)
+    return out.view(x.shape)
