@@ -173,6 +173,8 @@ def cases():
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                     num_stages=3, bf16_decode=False)),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
+            ("mHC stream update (expand), 64 tokens", lambda: mhc.mhc_expand_triton(
+                torch.randn(64, 5120), torch.randn(64, 4, 5120), torch.rand(64, 4), torch.rand(64, 4, 4))),
             ("RMSNorm 4096 x 5120", lambda: rmsnorm.rms_norm_triton(torch.randn(4096, 5120), torch.randn(5120), 1e-6,
                                                                    round_bf16=True)),
             ("RoPE 64 x 64 x 512 (a decode step's queries)", lambda: rope.rope_triton(

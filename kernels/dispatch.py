@@ -27,6 +27,7 @@ _PAIRS = {
     "sparse_attn": (_attn.sparse_attn_reference, _attn.sparse_attn_triton),
     "moe_fp4": (_moe.moe_fp4_reference, _moe.moe_fp4_triton),
     "mhc": (_mhc.mhc_reference, _mhc.mhc_triton),
+    "mhc_expand": (_mhc.mhc_expand_reference, _mhc.mhc_expand_triton),
     "fp8_linear": (_lin.fp8_linear_reference, _lin.fp8_linear_triton),
     "quantize_fp4": (_q.quantize_fp4_reference, _q.quantize_fp4_triton),
     "quantize_fp8": (_q.quantize_fp8_reference, _q.quantize_fp8_triton),
@@ -74,6 +75,10 @@ def moe_fp4(*args, **kwargs):
 
 def mhc(*args, **kwargs):
     return _call("mhc", *args, **kwargs)
+
+
+def mhc_expand(*args, **kwargs):
+    return _call("mhc_expand", *args, **kwargs)
 
 
 def rms_norm(*args, **kwargs):

@@ -513,3 +513,47 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
             part, scale32, base32, pre, post, comb, t, ks, float(norm_eps), float(hc_eps),
             DIM=dim, BT=fbt, KSB=ksb, ITERS=iters, num_warps=4)
     return xn, xc, pre, post, comb
+
+
+# -- the stream update alone (the FFN's, which no later collapse in the same block fuses) -------------
+
+def mhc_expand_reference(y, residual, post, comb):
+    """engine/ops/reference.py ReferenceOps.expand: X'[j] = sum_i comb[i, j] X[i] + post[j] y in float32, in
+    that order, rounded to bf16 values. y [T, dim], residual [T, 4, dim], post [T, 4], comb [T, 4, 4]."""
+    from engine.ops.reference import expand_in_order
+    return expand_in_order(y.float(), residual.float(), post.float(), comb.float())
+
+
+@triton.jit
+def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, DIM: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = d < DIM
+    yv = tl.load(y_ptr + t * DIM + d, mask=m, other=0.0)
+    x0 = tl.load(r_ptr + (t * 4) * DIM + d, mask=m, other=0.0)
+    x1 = tl.load(r_ptr + (t * 4 + 1) * DIM + d, mask=m, other=0.0)
+    x2 = tl.load(r_ptr + (t * 4 + 2) * DIM + d, mask=m, other=0.0)
+    x3 = tl.load(r_ptr + (t * 4 + 3) * DIM + d, mask=m, other=0.0)
+    for j in tl.static_range(4):
+        c = comb_ptr + t * 16 + j
+        v = tl.load(c) * x0 + tl.load(c + 4) * x1  # the reference's order (launched without FMA fusion)
+        v = v + tl.load(c + 8) * x2
+        v = v + tl.load(c + 12) * x3
+        v = v + tl.load(post_ptr + t * 4 + j) * yv
+        tl.store(out_ptr + (t * 4 + j) * DIM + d, cast_rne(v, tl.bfloat16).to(tl.float32), mask=m)
+
+
+def mhc_expand_triton(y, residual, post, comb, block_d: int = 1024):
+    """mhc_expand_reference in one launch: one read of y and the 4 copies, one write of the 4 new ones,
+    bit for bit the reference's float32 operations (no FMA contraction: `enable_fp_fusion=False`)."""
+    t, hc, dim = residual.shape
+    if hc != 4 or tuple(y.shape) != (t, dim) or tuple(post.shape) != (t, 4) or tuple(comb.shape) != (t, 4, 4):
+        raise ValueError(f"expand: residual [T, 4, dim], y [T, dim], post [T, 4], comb [T, 4, 4]; got "
+                         f"{tuple(residual.shape)}, {tuple(y.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
+    out = torch.empty(t, 4, dim, dtype=torch.float32, device=residual.device)
+    if t:
+        bd = min(block_d, triton.next_power_of_2(dim))
+        _expand_kernel[(t, triton.cdiv(dim, bd))](y.float().contiguous(), residual.float().contiguous(),
+                                                  post.float().contiguous(), comb.float().contiguous(), out,
+                                                  DIM=dim, BD=bd, num_warps=4, enable_fp_fusion=False)
+    return out

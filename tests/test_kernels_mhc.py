@@ -182,3 +182,21 @@ def test_mhc_under_inference_mode(gen):
             got = mhc.mhc_triton(*args, **kw)
             assert max(_rel(a, b) for a, b in zip(want[2:], got[2:])) < 1e-6
         assert mhc._cached_pieces(args[1], 3) is mhc._cached_pieces(args[1], 3)
+
+
+@pytest.mark.parametrize("t,dim,block_d", [(5, 5120, 1024), (3, 100, 64)])
+def test_expand_is_the_reference_update_bit_for_bit(gen, t, dim, block_d):
+    """The FFN's stream update alone (mhc_expand): the reference numerics' float32 sums in their order, rounded
+    to bf16, bit for bit (the kernel is launched without FMA contraction); a width no power of two and a
+    partial last block; against float64 within the bf16 rounding."""
+    residual = (torch.randn(t, 4, dim, generator=gen) * 2).bfloat16().float()
+    y = torch.randn(t, dim, generator=gen).bfloat16().float()
+    post = torch.rand(t, 4, generator=gen) * 2
+    comb = torch.softmax(torch.randn(t, 4, 4, generator=gen), -1)
+    got = mhc.mhc_expand_triton(y, residual, post, comb, block_d=block_d)
+    want = mhc.mhc_expand_reference(y, residual, post, comb)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    exact = torch.einsum("tij,tid->tjd", comb.double(), residual.double()) + post.double()[..., None] * y.double()[:, None]
+    assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6).all()
+    with pytest.raises(ValueError, match="expand"):
+        mhc.mhc_expand_triton(y, residual[:, :3], post, comb)

@@ -56,6 +56,23 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def expand_in_order(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The stream update X'[j] = sum_i comb[i, j] X[i] + post[j] y in float32, terms added in that order,
+    rounded to bf16 values: residual [T, hc, dim], y [T, dim], post [T, hc], comb [T, hc, hc]."""
+    T = residual.shape[0]
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)  # [T, hc, dim]
+    term = residual.new_empty((min(MHC_CHUNK, T),) + residual.shape[1:])
+    for a in range(0, T, MHC_CHUNK):
+        r, c, mixed = residual[a:a + MHC_CHUNK], comb[a:a + MHC_CHUNK], out[a:a + MHC_CHUNK]
+        t = term[:mixed.shape[0]]
+        torch.mul(c[:, 0, :, None], r[:, 0, None, :], out=mixed)  # copy 0 into every copy j
+        for i in range(1, residual.shape[1]):
+            mixed.add_(torch.mul(c[:, i, :, None], r[:, i, None, :], out=t))
+        mixed.add_(torch.mul(post[a:a + MHC_CHUNK].unsqueeze(-1), y[a:a + MHC_CHUNK].unsqueeze(1), out=t))
+        to_bf16_(mixed)
+    return out
+
+
 def rotate_by(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [T, ..., D] with its last 2 * cis.shape[-1] dims (pairs: real, imaginary) times cis [T, rd/2]
     (complex; conjugated when inverse), every value rounded to bf16 and kept float32."""
@@ -163,18 +180,7 @@ class ReferenceOps(Fp32Ops):
         return out
 
     def expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-        T, hc = residual.shape[:2]
-        out = torch.empty_like(residual, memory_format=torch.contiguous_format)  # [T, hc, dim]
-        term = residual.new_empty((min(MHC_CHUNK, T),) + residual.shape[1:])
-        for a in range(0, T, MHC_CHUNK):
-            r, c, mixed = residual[a:a + MHC_CHUNK], comb[a:a + MHC_CHUNK], out[a:a + MHC_CHUNK]
-            t = term[:mixed.shape[0]]
-            torch.mul(c[:, 0, :, None], r[:, 0, None, :], out=mixed)  # copy 0 into every copy j
-            for i in range(1, hc):
-                mixed.add_(torch.mul(c[:, i, :, None], r[:, i, None, :], out=t))
-            mixed.add_(torch.mul(post[a:a + MHC_CHUNK].unsqueeze(-1), y[a:a + MHC_CHUNK].unsqueeze(1), out=t))
-            to_bf16_(mixed)
-        return out
+        return expand_in_order(y, residual, post, comb)
 
     def break_ties(self, scores, ranking, visible, n: int, k: int, idx, picked, tied):
         """Rows with ties pick as the reference's `topk(sorted=False)` does: torch's top-k of the bf16

@@ -449,6 +449,14 @@ class TritonOps:
         _, attn_in, pre, post, comb = fused  # one launch: collapse + mixes
         return self._bf16_act(attn_in), pre, post, comb
 
+    def expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        """The FFN's stream update (no collapse follows it in the block to fuse it with): one launch, bit for
+        bit the `reference` numerics' float32 sums (kernels/mhc.py mhc_expand), where they take ~11 launches
+        over the 4 copies; other numerics, or other than 4 copies: theirs."""
+        if not (self.compute and self._bf16_stream) or residual.shape[1] != 4:
+            return self.base.expand(y, residual, post, comb)
+        return self._kernel("mhc_expand")(y, residual, post, comb)
+
     def mhc_ffn(self, layer: int, x, update, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
         y, a_pre, a_post, a_comb = update
         fused = self._mhc(layer, "FFN mixes + attention update", x, fn, scale, base, a_pre, (y, a_post, a_comb),
