@@ -31,6 +31,7 @@ _PAIRS = {
     "fp8_linear": (_lin.fp8_linear_reference, _lin.fp8_linear_triton),
     "quantize_fp4": (_q.quantize_fp4_reference, _q.quantize_fp4_triton),
     "quantize_fp8": (_q.quantize_fp8_reference, _q.quantize_fp8_triton),
+    "fp8_roundtrip": (_q.fp8_roundtrip_reference, _q.fp8_roundtrip_triton),
     "rms_norm": (_rms.rms_norm_reference, _rms.rms_norm_triton),
     "rope": (_rope.rope_reference, _rope.rope_triton),
 }
@@ -99,6 +100,10 @@ def quantize_fp4(*args, **kwargs):
 
 def quantize_fp8(*args, **kwargs):
     return _call("quantize_fp8", *args, **kwargs)
+
+
+def fp8_roundtrip(*args, **kwargs):
+    return _call("fp8_roundtrip", *args, **kwargs)
 
 
 def _flat(out):

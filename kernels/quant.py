@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e2m1_code, e4m3_code, pow2_scale_up
+from kernels._formats import e2m1_code, e4m3_code, e4m3_value, pow2_scale_up
 
 
 def quantize_fp4_reference(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
@@ -58,18 +58,31 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
 
 
 @triton.jit
-def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
-    pid = tl.program_id(0)
-    g = pid * BG + tl.arange(0, BG)
+def _fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
+    """This program's BG groups of BLOCK values: (E4M3 codes int32 [BG, BLOCK], scales float32 [BG], offsets,
+    group indices, group mask), as engine.quant.quantize_fp8 computes them."""
+    g = tl.program_id(0) * BG + tl.arange(0, BG)
     gmask = g < n_groups
     j = tl.arange(0, BLOCK)
-    offs = g[:, None] * BLOCK + j[None, :]
+    offs = g.to(tl.int64)[:, None] * BLOCK + j[None, :]
     x = tl.load(x_ptr + offs, mask=gmask[:, None], other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     scale = pow2_scale_up(amax, 1.0 / 448.0)
     v = tl.minimum(tl.maximum(tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0), 448.0)
-    tl.store(q_ptr + offs, e4m3_code(v).to(tl.uint8), mask=gmask[:, None])
+    return e4m3_code(v), scale, offs, g, gmask
+
+
+@triton.jit
+def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
+    code, scale, offs, g, gmask = _fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    tl.store(q_ptr + offs, code.to(tl.uint8), mask=gmask[:, None])
     tl.store(s_ptr + g, ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
+    code, scale, offs, g, gmask = _fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    tl.store(y_ptr + offs, e4m3_value(code) * scale[:, None], mask=gmask[:, None])
 
 
 def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
@@ -102,3 +115,23 @@ def quantize_fp8_triton(x: torch.Tensor, block: int = 32):
     bg = 64
     _fp8_quant_kernel[(triton.cdiv(n_groups, bg),)](xc, q, s, n_groups, BLOCK=block, BG=bg)
     return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+
+
+def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """engine.quant.fp8_roundtrip: x as an E4M3 store (E8M0 per `block`) and load leave it, float32."""
+    return Q.fp8_roundtrip(x, block)
+
+
+def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The quantizer's codes and scales turned back into values in the same launch (the engine's form takes
+    ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too."""
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"last dimension {k} is not a multiple of the FP8 group {block}")
+    xc = x.float().contiguous()
+    y = torch.empty_like(xc)
+    n_groups = xc.numel() // block
+    if n_groups:
+        bg = 64
+        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg)
+    return y

@@ -42,6 +42,10 @@ def test_fp8_quantizer_bit_exact(poisoned, gen):
     (qa, sa), (qb, sb) = quant.quantize_fp8_reference(x, 32), quant.quantize_fp8_triton(x, 32)
     assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)), gen.initial_seed()
     assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8)), gen.initial_seed()
+    # the round trip in one launch: the dequantized bytes, bit for bit, and so the engine's fp8_roundtrip
+    rt = quant.fp8_roundtrip_triton(x.view(7, 4, 128), 32)
+    assert rt.shape == (7, 4, 128) and torch.equal(rt.view(7, 512), Q.dequantize_fp8(qa, sa, 32))
+    assert torch.equal(rt, Q.fp8_roundtrip(x.view(7, 4, 128), 32))
 
 
 # -- top-k ---------------------------------------------------------------------------------------

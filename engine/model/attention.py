@@ -412,8 +412,8 @@ class Attention:
         kv = self.ops.rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
         kv = self.ops.rotate(kv, positions, self.freqs)
         # bytes only for what the cache keeps (all of the chunk's on the kernel path)
-        q8, s8 = quant.quantize_fp8(kv if keep_bytes else kv[-cfg.window_size:], 32)
-        kv = ste(kv, quant.fp8_roundtrip(kv, 32))
+        q8, s8 = self.ops.quantize_fp8(kv if keep_bytes else kv[-cfg.window_size:], 32)
+        kv = ste(kv, self.ops.fp8_roundtrip(kv, 32))
         win = self.window
         keys = kv if win.values is None else torch.cat([win.values, kv])
         # keep only what a later query can still see

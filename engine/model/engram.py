@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import quant
 from ..capture import capturing
 
 DEAD = -1  # marks a position that takes no part in any n-gram (image span)
@@ -370,7 +369,7 @@ class Engram:
         if table is None:
             table = self.lookup(ids, dead, history, x.device)
         if self.act_quant:
-            table = quant.fp8_roundtrip(table.flatten(1), 32).view_as(table)
+            table = self.ops.fp8_roundtrip(table.flatten(1), 32).view_as(table)
         ops, wkv = self.ops, p + "wkv.weight"
         return ops.act(engram_forward(x, table, lambda: get(wkv), get(p + "q_weight"), get(p + "k_weight"),
                                       self.cfg.norm_eps, token_mask=~dead, act=ops.act,

@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from .. import quant
 from ..config import ModelConfig
 from ..ops import for_model
 from ..roles import decoder_start, role_plan
@@ -64,7 +63,7 @@ class Model:
         for seen, rounded in memo:
             if seen is x:
                 return rounded
-        rounded = quant.fp8_roundtrip(x, 32)
+        rounded = self.ops.fp8_roundtrip(x, 32)
         memo.insert(0, (x, rounded))
         del memo[2:]
         return rounded

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import quant
 from ..model import mhc
 from ..model.rope import rotate
 
@@ -115,6 +116,14 @@ class Fp32Ops:
         block scores go to the lower block."""
         from ..model.attention import select_candidate_blocks
         return select_candidate_blocks(scores, visible, n_blocks, block)
+
+    def fp8_roundtrip(self, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+        """x as an E4M3 store (E8M0 per `block`) and load leave it (engine.quant.fp8_roundtrip), float32."""
+        return quant.fp8_roundtrip(x, block)
+
+    def quantize_fp8(self, x: torch.Tensor, block: int = 32):
+        """E4M3 bytes and E8M0 scales per `block` (engine.quant.quantize_fp8): a cache's stored form."""
+        return quant.quantize_fp8(x, block)
 
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w^T in float32, a GEMM the reference runs so (a Full m > 1 layer's compressor projections)."""

@@ -257,6 +257,19 @@ class TritonOps:
         kept as is), so without act's two rounding copies (about 20 launches of a decode step)."""
         return y.float() if y.dtype == torch.bfloat16 else self.act(y.float())
 
+    def fp8_roundtrip(self, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+        """The E4M3 round trip in one launch (kernels/quant.py), bit for bit the wrapped op's (~20 launches:
+        the MoE's input and the window keys, each decode step)."""
+        if not self.compute or x.shape[-1] % block:
+            return self.base.fp8_roundtrip(x, block)
+        return self._kernel("fp8_roundtrip")(x, block)
+
+    def quantize_fp8(self, x: torch.Tensor, block: int = 32):
+        """The window cache's E4M3 bytes in one launch (kernels/quant.py), byte for byte the wrapped op's."""
+        if not self.compute or x.shape[-1] % block:
+            return self.base.quantize_fp8(x, block)
+        return self._kernel("quantize_fp8")(x, block)
+
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The float32 x @ w^T at decode widths (x [M <= 256, K]) as a K-split batched GEMM and a sum over
         the splits: cuBLAS tiles the plain GEMM into too few programs there (the compressor's [64, 5120] x
