@@ -11,11 +11,14 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e2m1_code, e4m3_code, e4m3_value, pow2_scale_up
+from kernels._formats import e2m1_code, e4m3_code, e4m3_value, fp4_value, pow2_scale_up
 
 
-def quantize_fp4_reference(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
-    """[..., K] -> (int8 [..., K/2], scales [..., K/block] float8_e8m0fnu or float8_e4m3fn)."""
+def quantize_fp4_reference(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):
+    """[..., K] -> (int8 [..., K/2], scales [..., K/block] float8_e8m0fnu or float8_e4m3fn[, values float32
+    [..., K]: what loading them gives back, engine.quant.quantize_fp4_with_values])."""
+    if values:
+        return Q.quantize_fp4_with_values(x, block, scale_kind)
     packed, scale = Q.quantize_fp4(x.cpu() if x.device.type != "cpu" else x, block, scale_kind)
     return packed.to(x.device), scale.to(x.device)
 
@@ -27,8 +30,8 @@ def quantize_fp8_reference(x: torch.Tensor, block: int = 32):
 
 
 @triton.jit
-def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr,
-                      E4M3_SCALE: tl.constexpr):
+def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, v_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr,
+                      E4M3_SCALE: tl.constexpr, VALUES: tl.constexpr = False):
     pid = tl.program_id(0)
     g = pid * BG + tl.arange(0, BG)  # [BG] group ids
     gmask = g < n_groups
@@ -55,6 +58,9 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
     hi = e2m1_code(tl.minimum(tl.maximum(tl.div_rn(x_odd, sb), -6.0), 6.0))
     tl.store(q_ptr + g[:, None] * (BLOCK // 2) + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m2)
     tl.store(s_ptr + g, s_byte.to(tl.uint8), mask=gmask)
+    if VALUES:  # what loading the bytes gives back (exact: E2M1 value times an E8M0 / E4M3 scale)
+        tl.store(v_ptr + offs, fp4_value(lo) * sb, mask=m2)
+        tl.store(v_ptr + offs + 1, fp4_value(hi) * sb, mask=m2)
 
 
 @triton.jit
@@ -85,8 +91,9 @@ def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.co
     tl.store(y_ptr + offs, e4m3_value(code) * scale[:, None], mask=gmask[:, None])
 
 
-def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
-    """Triton twin of `quantize_fp4_reference` (same outputs, byte for byte)."""
+def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):
+    """Triton twin of `quantize_fp4_reference` (same outputs, byte for byte); values: also what loading the
+    bytes gives back (float32, x's shape), as engine.quant.quantize_fp4_with_values."""
     if scale_kind not in ("e8m0", "e4m3"):
         raise ValueError(f"unknown FP4 scale kind {scale_kind!r}")
     k = x.shape[-1]
@@ -96,11 +103,13 @@ def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
     n_groups = xc.numel() // block
     q = torch.empty(*x.shape[:-1], k // 2, dtype=torch.uint8, device=x.device)
     s = torch.empty(*x.shape[:-1], k // block, dtype=torch.uint8, device=x.device)
+    v = torch.empty(x.shape, dtype=torch.float32, device=x.device) if values else q
     bg = 64
-    _fp4_quant_kernel[(triton.cdiv(n_groups, bg),)](xc, q, s, n_groups, BLOCK=block, BG=bg,
-                                                    E4M3_SCALE=scale_kind == "e4m3")
+    if n_groups:
+        _fp4_quant_kernel[(triton.cdiv(n_groups, bg),)](xc, q, s, v, n_groups, BLOCK=block, BG=bg,
+                                                        E4M3_SCALE=scale_kind == "e4m3", VALUES=values)
     sdt = torch.float8_e4m3fn if scale_kind == "e4m3" else torch.float8_e8m0fnu
-    return q.view(torch.int8), s.view(sdt)
+    return (q.view(torch.int8), s.view(sdt)) + ((v,) if values else ())
 
 
 def quantize_fp8_triton(x: torch.Tensor, block: int = 32):

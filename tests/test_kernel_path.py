@@ -204,7 +204,7 @@ def reference_on_kernels(cfg, weights, ids) -> dict:
     wrapped = TritonOps(ops_for("reference"), weights, "cpu")
     handed_back = ("linear", "gemm_of", "rms_norm", "sparse_attention", "routed_experts", "index_topk", "mhc_attention",
                    "mhc_ffn", "rotate", "f32_linear", "expand",
-                   "fp8_roundtrip", "quantize_fp8")
+                   "fp8_roundtrip", "quantize_fp8", "quantize_fp4_with_values")
     for name in handed_back:  # on the instance: every op the kernels take goes to the wrapped numerics
         setattr(wrapped, name, getattr(wrapped.base, name))
     same_logits, same = _probed(cfg, weights, ids, wrapped, kinds)

@@ -34,6 +34,12 @@ def test_fp4_quantizer_bit_exact(poisoned, gen, block, kind):
     assert sb.dtype == sa.dtype and qb.dtype == qa.dtype, gen.initial_seed()
     assert torch.equal(qa, qb), gen.initial_seed()
     assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8)), gen.initial_seed()
+    # with the values loading the bytes gives back (the compressor's entries): engine.quant's, bit for bit
+    qv, sv, vv = quant.quantize_fp4_triton(x, block, kind, values=True)
+    want = Q.quantize_fp4_with_values(x, block, kind)
+    assert torch.equal(qv, qa) and torch.equal(sv.view(torch.uint8), sa.view(torch.uint8))
+    assert vv.dtype == torch.float32 and torch.equal(vv, want[2]), gen.initial_seed()
+    assert torch.equal(vv, Q.dequantize_fp4(qa, sa, block))
 
 
 def test_fp8_quantizer_bit_exact(poisoned, gen):

@@ -91,10 +91,11 @@ class SourceCache:
         return replace(self, kv_packed=list(self.kv_packed), kv_scale=list(self.kv_scale),
                        ik_packed=list(self.ik_packed), ik_scale=list(self.ik_scale))
 
-    def append(self, kv: torch.Tensor, ik: torch.Tensor) -> None:
-        """Store new entries: kv [n, D] (rotated), ik [n, Di] (rotated index keys)."""
-        kv_p, kv_s, kv_loaded = quant.quantize_fp4_with_values(kv, 16, "e4m3")
-        ik_p, ik_s, ik_loaded = quant.quantize_fp4_with_values(ik, 32, "e8m0")
+    def append(self, kv: torch.Tensor, ik: torch.Tensor, quantize=quant.quantize_fp4_with_values) -> None:
+        """Store new entries: kv [n, D] (rotated), ik [n, Di] (rotated index keys); quantize: the FP4 store
+        (engine/ops quantize_fp4_with_values)."""
+        kv_p, kv_s, kv_loaded = quantize(kv, 16, "e4m3")
+        ik_p, ik_s, ik_loaded = quantize(ik, 32, "e8m0")
         self.kv_packed.append(kv_p); self.kv_scale.append(kv_s)
         self.ik_packed.append(ik_p); self.ik_scale.append(ik_s)
         kv_f, ik_f = ste(kv, kv_loaded), ste(ik, ik_loaded)
@@ -270,7 +271,8 @@ class Compressor:
         first = torch.arange(src.n_entries, src.n_entries + latent.shape[0], device=x.device) * m  # group's first position
         ik = ops.rms_norm(ops.bf16_linear(latent, self.w("attn.indexer.wk.weight")), self.w("attn.indexer.k_norm.weight"),
                           cfg.norm_eps)
-        src.append(ops.rotate(latent, first, self.freqs), ops.rotate(ik, first, self.freqs))
+        src.append(ops.rotate(latent, first, self.freqs), ops.rotate(ik, first, self.freqs),
+                   ops.quantize_fp4_with_values)
 
 
 class Indexer:

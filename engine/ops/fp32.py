@@ -121,6 +121,10 @@ class Fp32Ops:
         """x as an E4M3 store (E8M0 per `block`) and load leave it (engine.quant.fp8_roundtrip), float32."""
         return quant.fp8_roundtrip(x, block)
 
+    def quantize_fp4_with_values(self, x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
+        """FP4 bytes, scales and what loading them gives back (engine.quant): a source cache's entries."""
+        return quant.quantize_fp4_with_values(x, block, scale_kind)
+
     def quantize_fp8(self, x: torch.Tensor, block: int = 32):
         """E4M3 bytes and E8M0 scales per `block` (engine.quant.quantize_fp8): a cache's stored form."""
         return quant.quantize_fp8(x, block)
