@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e4m3_value, e8m0_value, sm_count
+from kernels._formats import cast_rne, e4m3_value, e8m0_value, sm_count
 from kernels.quant import quantize_fp8_triton
 
 
@@ -29,7 +29,9 @@ def _check(x, w, w_scale):
     return m, n, k
 
 
-def fp8_linear_reference(x, w, w_scale):
+def fp8_linear_reference(x, w, w_scale, float_out: bool = False):
+    """x [M, K] (quantized to E4M3 per 32 here) @ the dequantized weight^T in float64 (float32 off the CPU)
+    -> bf16 [M, N] (float_out: those values as float32)."""
     m, n, k = _check(x, w, w_scale)
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
     q, s = Q.quantize_fp8(x.cpu() if x.device.type != "cpu" else x)
@@ -39,13 +41,14 @@ def fp8_linear_reference(x, w, w_scale):
     else:
         sb = w_scale.float().repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
         b = (w.float() * sb).to(cdt)
-    return (a @ b.T).to(torch.bfloat16)
+    out = (a @ b.T).to(torch.bfloat16)
+    return out.float() if float_out else out
 
 
 @triton.jit
 def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
                        BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, GROUP: tl.constexpr,
-                       PARTIAL: tl.constexpr):
+                       PARTIAL: tl.constexpr, F32: tl.constexpr = False):
     """Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS) of 32.
     PARTIAL: stored as float32 into split's slice of c [splits, M, N]; else as bf16 into c [M, N]."""
     pid = tl.program_id(0)
@@ -78,19 +81,25 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
             p = tl.dot(e4m3_value(a.to(tl.int32)), tl.trans(e4m3_value(b.to(tl.int32))))
         acc += p * sa[:, None] * sb[None, :]
     out = c_ptr + split.to(tl.int64) * M * N if PARTIAL else c_ptr
+    if F32 and not PARTIAL:  # bf16 values stored as float32 (what the reference numerics keep)
+        acc = cast_rne(acc, tl.bfloat16).to(tl.float32)
     tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(out.dtype.element_ty),
              mask=mm[:, None] & nm[None, :])
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic)."""
+def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, F32: tl.constexpr = False):
+    """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic); F32: those
+    bf16 values stored as float32."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLITS):
         acc += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
-    tl.store(c_ptr + i, acc.to(tl.bfloat16), mask=mask)
+    if F32:
+        tl.store(c_ptr + i, cast_rne(acc, tl.bfloat16).to(tl.float32), mask=mask)
+    else:
+        tl.store(c_ptr + i, acc.to(tl.bfloat16), mask=mask)
 
 
 def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n: int | None = None,
@@ -116,13 +125,14 @@ def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n:
 
 def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = None, num_warps: int | None = None,
                       num_stages: int = 4, native: bool | None = None, split_k: int | None = None,
-                      waves: float = 2.0):
-    """x [M, K] @ dequant(w)^T -> bf16 [M, N]; the launch shape from `fp8_linear_plan` (num_warps:
-    8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step: one warpgroup)."""
+                      waves: float = 2.0, float_out: bool = False):
+    """x [M, K] @ dequant(w)^T -> bf16 [M, N] (float_out: its bf16 values as float32, rounded to nearest
+    even in the kernel: what the reference numerics store, without a widening copy); the launch shape from
+    `fp8_linear_plan` (num_warps: 8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step)."""
     m, n, k = _check(x, w, w_scale)
     if native is None:
         native = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(m, n, dtype=torch.float32 if float_out else torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
     q, s = quantize_fp8_triton(x)
@@ -132,8 +142,10 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
     _fp8_linear_kernel[grid](q.view(torch.uint8), s.view(torch.uint8), w.contiguous().view(torch.uint8),
                              w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
-                             NATIVE=native, GROUP=8, PARTIAL=splits > 1, num_warps=nw, num_stages=num_stages)
+                             NATIVE=native, GROUP=8, PARTIAL=splits > 1, F32=float_out, num_warps=nw,
+                             num_stages=num_stages)
     if splits > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block, F32=float_out,
+                                                         num_warps=4)
     return out

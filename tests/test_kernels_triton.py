@@ -187,6 +187,13 @@ def test_fp8_linear_split_k_matches_the_whole_k_sum(poisoned, gen, m, split_k):
     # one bf16 rounding apart (2^-7 relative), or float32 summation order apart where the value nearly cancels
     tiny = 1e-5 * whole.float().abs().max().item()
     assert torch.allclose(got.float(), whole.float(), rtol=2.0 ** -7, atol=tiny), gen.initial_seed()
+    # float_out: the same bf16 values as float32, rounded to nearest even in the kernel (split or not)
+    for splits in (1, split_k):
+        fo = fp8_linear.fp8_linear_triton(x, w, ws, split_k=splits, float_out=True)
+        part = fp8_linear.fp8_linear_triton(x, w, ws, split_k=splits)
+        assert fo.dtype == torch.float32 and torch.equal(fo.bfloat16().float(), fo)
+        assert ((fo - part.float()).abs() <= 2.0 ** -7 * fo.abs()).all()  # one step: the interpreter truncates
+    assert fp8_linear.fp8_linear_reference(x, w, ws, float_out=True).dtype == torch.float32
 
 
 @pytest.mark.parametrize("m,n,k", [(64, 5120, 8192), (64, 1280, 5120), (1, 512, 5120), (64, 32768, 1280),

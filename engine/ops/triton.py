@@ -228,7 +228,8 @@ class TritonOps:
             args = (x2, *raw)
             self._record(layer, "fp8_linear", ".".join(parts[2:]), args)
             if self.compute:
-                return self._bf16_act(self._kernel("fp8_linear")(*args)).view(*x.shape[:-1], -1)
+                # bf16 values stored as float32 by the kernel (as _bf16_act keeps a bf16 output), no widening copy
+                return self._kernel("fp8_linear")(*args, float_out=True).view(*x.shape[:-1], -1)
         return self.base.linear(x, base, weights, act_quant, round_input)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
