@@ -104,7 +104,7 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope, sinkhorn, sparse_attn, sparse_attn_train, topk
+    from kernels import fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope, sinkhorn, sparse_attn, sparse_attn_train, ties, topk
 
     def quantizers():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
@@ -179,6 +179,8 @@ def cases():
                                                                    round_bf16=True)),
             ("RoPE 64 x 64 x 512 (a decode step's queries)", lambda: rope.rope_triton(
                 torch.randn(64, 64, 512), torch.zeros(64, dtype=torch.long), torch.zeros(4096, 32, 2))),
+            ("tie marks, 64 rows x 4096 entries", lambda: ties.tie_marks_triton(
+                torch.randn(64, 4096), torch.randint(0, 4096, (64, 512)), torch.randn(64, 512))),
             ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),
             ("Sinkhorn backward (training)", lambda: sinkhorn.sinkhorn_backward(torch.randn(4096, 4, 4),
                                                                                torch.randn(4096, 4, 4), 20, 1e-6)),

@@ -18,6 +18,7 @@ from kernels import quant as _q
 from kernels import rmsnorm as _rms
 from kernels import rope as _rope
 from kernels import sparse_attn as _attn
+from kernels import ties as _ties
 from kernels import topk as _topk
 
 _PAIRS = {
@@ -34,6 +35,7 @@ _PAIRS = {
     "fp8_roundtrip": (_q.fp8_roundtrip_reference, _q.fp8_roundtrip_triton),
     "rms_norm": (_rms.rms_norm_reference, _rms.rms_norm_triton),
     "rope": (_rope.rope_reference, _rope.rope_triton),
+    "tie_marks": (_ties.tie_marks_reference, _ties.tie_marks_triton),
 }
 
 
@@ -88,6 +90,10 @@ def rms_norm(*args, **kwargs):
 
 def rope(*args, **kwargs):
     return _call("rope", *args, **kwargs)
+
+
+def tie_marks(*args, **kwargs):
+    return _call("tie_marks", *args, **kwargs)
 
 
 def fp8_linear(*args, **kwargs):

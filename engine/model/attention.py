@@ -366,14 +366,14 @@ class Indexer:
         ranking = self.ranking(scores, visible) if ranking is None else ranking
         top_up = self.role.in_candidate_pool and self.ops.tops_up_pool
         block_idx, block_picked = topk_in_position_order(ranking, k) if picks is None else picks
-        block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
+        block_kth, block_tied = self.ops.tie_marks(ranking, block_idx, block_picked)
         # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
         chosen = self.ops.break_ties(scores.detach(), ranking, visible, n, k, block_idx, block_picked, block_tied)
         if chosen[0] is not block_idx:  # re-picked rows: their picks at the old k-th score stay marked tied
             had = block_tied.any(-1, keepdim=True)
             block_idx, block_picked = chosen
             retied = had & (block_picked == block_kth[:, None]) & (block_idx >= 0)
-            block_kth, block_tied = tie_marks(ranking, block_idx, block_picked)
+            block_kth, block_tied = self.ops.tie_marks(ranking, block_idx, block_picked)
             block_tied = block_tied | retied
         if top_up:
             block_picked = block_picked.masked_fill(block_picked == OUTSIDE_POOL, NEG_INF)

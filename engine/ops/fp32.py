@@ -111,6 +111,11 @@ class Fp32Ops:
         go to the lower positions, so a prompt run whole and token by token picks the same)."""
         return idx, picked
 
+    def tie_marks(self, scores: torch.Tensor, idx: torch.Tensor, picked: torch.Tensor):
+        """What a top-k leaves to chance (engine/model/attention.py tie_marks): (k-th score [B], tied [B, k])."""
+        from ..model.attention import tie_marks
+        return tie_marks(scores, idx, picked)
+
     def select_blocks(self, scores, visible, n_blocks: int, block: int, n: int) -> torch.Tensor:
         """The candidate source's pool (engine/model/attention.py select_candidate_blocks): ties between
         block scores go to the lower block."""

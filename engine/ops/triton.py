@@ -265,6 +265,13 @@ class TritonOps:
             return self.base.fp8_roundtrip(x, block)
         return self._kernel("fp8_roundtrip")(x, block)
 
+    def tie_marks(self, scores: torch.Tensor, idx: torch.Tensor, picked: torch.Tensor):
+        """The tie marks in one launch per block of rows (kernels/ties.py), the same values as the wrapped op's
+        ~13 launches (a Full layer's decode step marks twice under graph capture)."""
+        if not self.compute or scores.dim() != 2:
+            return self.base.tie_marks(scores, idx, picked)
+        return self._kernel("tie_marks")(scores, idx, picked)
+
     def quantize_fp4_with_values(self, x: torch.Tensor, block: int, scale_kind: str = "e8m0"):
         """The compressor's new entries (KV, index keys) in one launch each (kernels/quant.py), byte and bit
         for bit the wrapped op's (~15 launches each)."""
