@@ -484,3 +484,29 @@ def test_f32_linear_splits_k_at_decode_widths():
     wide = torch.randn(300, 5120, generator=g)
     assert torch.equal(ops.f32_linear(wide, w), Fp32Ops().f32_linear(wide, w))
     assert torch.equal(ops.f32_linear(x[:, :200], w[:, :200]), Fp32Ops().f32_linear(x[:, :200], w[:, :200]))
+
+
+def test_bf16_linear_keeps_one_bf16_copy_per_weight():
+    """TritonOps.bf16_linear over `reference` numerics: the wrapped op's bits, with the weight's bf16 copy made
+    once per weight (not per call) and dropped with the weight."""
+    import gc
+
+    from engine.ops.reference import ReferenceOps
+    from engine.ops.triton import TritonOps
+
+    g = torch.Generator().manual_seed(12)
+    ops = TritonOps.__new__(TritonOps)
+    ops.base, ops.compute, ops._bf16_of = ReferenceOps(), True, {}
+    x, w = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g)
+    want = ReferenceOps().bf16_linear(x, w)
+    assert torch.equal(ops.bf16_linear(x, w), want) and torch.equal(ops.bf16_linear(x, w), want)
+    assert len(ops._bf16_of) == 1
+    copy = ops._bf16_of[id(w)][1]
+    ops.bf16_linear(x, w)
+    assert ops._bf16_of[id(w)][1] is copy  # kept, not remade
+    key = id(w)
+    del w
+    gc.collect()
+    assert key not in ops._bf16_of  # the copy went with the weight
+    w2 = torch.randn(32, 64, generator=g)  # may reuse the id: the dead weight's copy must not be used
+    assert torch.equal(ops.bf16_linear(x, w2), ReferenceOps().bf16_linear(x, w2))

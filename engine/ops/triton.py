@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections import Counter
 
 import torch
@@ -148,6 +149,7 @@ class TritonOps:
         self._raw: dict[str, tuple | None] = {}
         self._experts: dict[str, tuple | None] = {}
         self._bf16: dict[str, torch.Tensor | None] = {}
+        self._bf16_of: dict[int, tuple] = {}  # id(float weight) -> (a weak reference to it, its bf16 copy)
 
     def __getattr__(self, name):  # every op the kernels do not take is the wrapped numerics'
         return getattr(self.base, name)
@@ -284,6 +286,18 @@ class TritonOps:
         if not self.compute or x.shape[-1] % block:
             return self.base.quantize_fp8(x, block)
         return self._kernel("quantize_fp8")(x, block)
+
+    def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The reference's bf16 GEMM (`reference` numerics: ReferenceOps.bf16_linear, the same bits) on a bf16
+        copy of the float weight made once and kept while the weight lives, not at every call (a Full layer's
+        compressor and indexer projections: three weight conversions a decode step)."""
+        if not (self.compute and self._bf16_stream):
+            return self.base.bf16_linear(x, w)
+        held = self._bf16_of.get(id(w))
+        if held is None or held[0]() is not w:
+            held = self._bf16_of[id(w)] = (weakref.ref(w), w.bfloat16())
+            weakref.finalize(w, self._bf16_of.pop, id(w), None)  # the copy goes with the weight
+        return (x.bfloat16() @ held[1].t()).float()
 
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The float32 x @ w^T at decode widths (x [M <= 256, K]) as a K-split batched GEMM and a sum over
