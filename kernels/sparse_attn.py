@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import dot_dtype, sm_count
+from kernels._formats import cast_rne, dot_dtype, sm_count
 
 
 def _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink):
@@ -54,8 +54,10 @@ def _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink):
     return t, h, d
 
 
-def sparse_attn_reference(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None):
-    """float64 reference on dequantized caches; returns bf16 [T, H, D] on q's device."""
+def sparse_attn_reference(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
+                          float_out: bool = False):
+    """float64 reference on dequantized caches; returns bf16 [T, H, D] on q's device (float_out: those
+    values as float32)."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
     scale = d ** -0.5 if scale is None else scale
     kv = Q.dequantize_fp4(kv_packed.cpu(), kv_scale.cpu(), 16).double()  # [N, D]
@@ -72,7 +74,8 @@ def sparse_attn_reference(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, 
     p = torch.exp(s - m[..., None])
     den = p.sum(-1) + torch.exp(sink.cpu().double()[None, :] - m)
     out = torch.einsum("thj,tjd->thd", p, e) / den[..., None]
-    return out.to(torch.bfloat16).to(q.device)
+    out = out.to(torch.bfloat16).to(q.device)
+    return out.float() if float_out else out
 
 
 
@@ -180,6 +183,15 @@ def _win_decode_g(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _stored(v, out_ptr):
+    """v as the output stores it: bf16, or (a float32 output) its bf16 value, rounded to nearest even."""
+    if out_ptr.dtype.element_ty == tl.float32:
+        return cast_rne(v, tl.bfloat16).to(tl.float32)
+    else:
+        return v.to(tl.bfloat16)
+
+
+@triton.jit
 def _sink_scale(sink_ptr, heads, m_i, l_i):
     """Per head, the factor that turns the accumulator (kv' units, 1/256) into the output: the sink's
     exp2-unit logit joins the running max and the denominator."""
@@ -273,7 +285,7 @@ def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, wi
         tl.store(pl_ptr + row, l_i)
     else:
         out = acc * _sink_scale(sink_ptr, heads, m_i, l_i)[:, None]
-        tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + vcol[None, :], out.to(tl.bfloat16))
+        tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + vcol[None, :], _stored(out, out_ptr))
 
 
 @triton.jit
@@ -344,7 +356,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
         tl.store(pl_ptr + row, l_i)
     else:
         out = acc * _sink_scale(sink_ptr, heads, m_i, l_i)[None, :]
-        tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + vcol[:, None], out.to(tl.bfloat16))
+        tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + vcol[:, None], _stored(out, out_ptr))
 
 
 @triton.jit
@@ -366,13 +378,13 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr,
         den += wgt * tl.load(pl_ptr + row)
         num += wgt[:, None] * tl.load(po_ptr + row[:, None] * D + dcol[None, :])
     out = num * (256.0 / den)[:, None]
-    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], out.to(tl.bfloat16))
+    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], _stored(out, out_ptr))
 
 
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
-                       layout: str | None = None):
+                       layout: str | None = None, float_out: bool = False):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     layout (module docstring): None picks "entries" wherever its int32 offsets reach every cache entry,
@@ -385,6 +397,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     enough to fill the SMs once, 1 for prefill), merged by a second kernel that also adds the sink.
     d_split = 2: two programs per (token, head block, split), each computing all of S but only half of
     the output columns: half the accumulator registers, no partials to merge, for 2x the QK^T work.
+    float_out: the bf16 output's values stored as float32 (rounded to nearest even in the kernel), what the
+    reference numerics keep, without a widening copy.
     Host side: no tensor is made on or copied from the host, nothing is read back (CUDA-graph safe)."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
     if d % 64 or d & (d - 1):
@@ -418,7 +432,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     split = max(1, min(int(split), tiles))
     sel_per = triton.cdiv(triton.cdiv(n_sel, block_n), split) * block_n
     win_per = triton.cdiv(triton.cdiv(n_win, block_n), split) * block_n
-    out = torch.empty_like(q, dtype=torch.bfloat16)
+    out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
     if split > 1:
         po = torch.empty(split, t, h, d, dtype=torch.float32, device=q.device)
         pm = torch.empty(split, t, h, dtype=torch.float32, device=q.device)

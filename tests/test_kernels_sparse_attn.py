@@ -108,6 +108,12 @@ def test_split_kv_matches_reference(poisoned, split, block_h, d_split, layout):
                                layout=layout)
     assert _rel(want, got) < 1e-2  # bf16 output; the interpreter truncates to bf16
     assert (got[-1] == 0).all()
+    # float_out: the same bf16 values as float32, rounded to nearest even in the kernel (one step from the
+    # interpreter's truncated bf16 at most), on the split path's merge and the single program's store
+    fo = A.sparse_attn_triton(*args, block_h=block_h, block_n=16, num_warps=4, split=split, d_split=d_split,
+                              layout=layout, float_out=True)
+    assert fo.dtype == torch.float32 and torch.equal(fo.bfloat16().float(), fo)
+    assert ((fo - got.float()).abs() <= 2.0 ** -7 * fo.abs() + 1e-30).all() and _rel(want, fo) < 1e-2
 
 
 @pytest.mark.parametrize("layout", ["heads", "entries"])

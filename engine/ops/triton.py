@@ -374,7 +374,8 @@ class TritonOps:
         self._record(layer, "sparse_attn", "window + selected" if source is not None else "window only", args)
         if not self.compute:
             return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
-        return self._kernel("sparse_attn")(*args)[:, :h].float()
+        out = self._kernel("sparse_attn")(*args, float_out=True)  # bf16 values as float32: no widening copy
+        return out if heads == h else out[:, :h].contiguous()
 
     def index_topk(self, indexer, q, head_w, positions, src, shared):
         """The indexer's top-k on kernels (the base op where this wrapper only records): FP4 queries by
