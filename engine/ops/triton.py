@@ -16,12 +16,14 @@ rounding off), is the wrapped numerics' own. Chosen once, when the model is buil
 
 What the kernels compute: the FP8 block-scaled linears (`fp8_linear`, E4M3 weights + E8M0 32x32
 scales), the indexer (`quantize_fp4` of the queries, `indexer_scores` against the packed FP4 index
-keys, `topk_positions`), sparse attention (`sparse_attn` over the FP8 window bytes and the selected
-packed FP4 global entries), the FP4 routed experts (`moe_fp4`, raw packed weights), and the fused mHC
-(`mhc`: the attention mixes; the FFN mixes fused with the attention's post/comb update). Numerics
-differ from the wrapped ops where the kernels' design does: q and the MoE activations in bf16 (the
-reference keeps fp32 and rounds the experts' hidden activation to FP8), bf16 outputs of attention and
-the linears; the wrapped numerics' `act` stores what the kernels return.
+keys, `topk_positions`) and its tie marks (`tie_marks`), sparse attention (`sparse_attn` over the FP8
+window bytes and the selected packed FP4 global entries), the FP4 routed experts (`moe_fp4`, raw packed
+weights, the engine's hidden state), the fused mHC (`mhc`: the attention mixes; the FFN mixes fused with
+the attention's post/comb update) and the FFN's stream update alone (`mhc_expand`), RMSNorm, RoPE
+(`rope`), and the caches' and activations' FP8/FP4 stores (`quantize_fp8`, `fp8_roundtrip`,
+`quantize_fp4` with the loaded values). Under `reference` they return float32 holding bf16 values, as
+its `act` stores them. Numerics differ from the wrapped ops only where the kernels' order of sums or
+their MMAs do (each kernel against its reference: the interpreter tests; the whole forward: notes/parity.md).
 
 Weights: the raw bytes come from the weight source's own device copy where it keeps one
 (engine/ops/stored.py StoredWeights: `stored`, `stacked_experts`, no fp32 copies), else from its
