@@ -94,10 +94,13 @@ def run_prompt(model: Model, ids: torch.Tensor, chunks: list[int]):
     return out
 
 
-def test_tiny_model_branch_free_bit_for_bit(tmp_path):
+def test_tiny_model_branch_free_bit_for_bit(tmp_path, monkeypatch):
     """A 40-token prompt as a prefill of 33 and 7 one-token steps, on the kernel ops (their references on
     the CPU) with the reference numerics: every logit, pick and tie mark the same with the branch-free
     forms, on a prompt whose top-ks do tie (so the forms were both exercised)."""
+    import engine.ops.triton as kernel_ops
+    monkeypatch.setattr(kernel_ops, "interpreter_active", lambda: False)  # the kernels' references, whichever
+    # test module switched the interpreter on before (the kernels' own tests run them interpreted)
     cfg = tiny_config()
     weights = CheckpointWeights(CheckpointReader(write_tiny_checkpoint(tmp_path, seed=5, n_shards=1), cfg))
     model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), numerics="reference", kernels=True)

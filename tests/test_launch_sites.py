@@ -16,7 +16,9 @@ from engine.model.transformer import Model  # noqa: E402
 from engine_helpers import IdentityTokenizer, random_ids, tiny_config, write_tiny_checkpoint  # noqa: E402
 
 
-def test_sites_show_what_the_kernel_ops_take_in_one_launch(tmp_path):
+def test_sites_show_what_the_kernel_ops_take_in_one_launch(tmp_path, monkeypatch):
+    import engine.ops.triton as kernel_ops
+    monkeypatch.setattr(kernel_ops, "interpreter_active", lambda: False)  # the kernels' references (fast)
     cfg = tiny_config()
     weights = CheckpointWeights(CheckpointReader(write_tiny_checkpoint(tmp_path, seed=5, n_shards=1), cfg))
     ids = random_ids(cfg, 48, seed=4)
