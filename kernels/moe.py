@@ -468,7 +468,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the
     engine's numerics in either form (only the order of sums differs), grouped at every width; x_on_grid:
     x is on the E4M3-per-32 grid already (the engine's `linear(x, None)`), so the bf16 form's round trip
-    (four launches) is skipped."""
+    (kernels/quant.py fp8_roundtrip_triton) is skipped."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     hidden = _hidden(hidden, fp8_mma)
@@ -477,8 +477,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         gemv_max_pairs = 0
     if fp8_hidden and not fp8_mma and not x_on_grid:  # x on the E4M3-per-32 grid, as the reference's GEMM
         # sees it (the FP8 form quantizes x itself)
-        from kernels.quant import quantize_fp8_triton
-        x = Q.dequantize_fp8(*quantize_fp8_triton(x, 32), 32).to(torch.bfloat16)
+        from kernels.quant import fp8_roundtrip_triton
+        x = fp8_roundtrip_triton(x, 32).to(torch.bfloat16)
     if dim % 32 or inter % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
     u8 = torch.uint8
