@@ -135,6 +135,16 @@ def cast_rne(v, ty: tl.constexpr):
         return v.to(ty)
 
 
+@triton.jit
+def bf16_output(v, out_ptr):
+    """float32 v as a bf16 output stores it: bf16 (the cast), or (a float32 output: what the reference
+    numerics keep) its bf16 value, rounded to nearest even by cast_rne."""
+    if out_ptr.dtype.element_ty == tl.float32:
+        return cast_rne(v, tl.bfloat16).to(tl.float32)
+    else:
+        return v.to(tl.bfloat16)
+
+
 def register_cap(maxnreg: int | None) -> dict:
     """Launch options for a register cap per thread (none for 0 or None): more programs per SM for a
     kernel held to few by its registers, at the price of spills."""

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import cast_rne, e4m3_value, e8m0_value, sm_count
+from kernels._formats import bf16_output, e4m3_value, e8m0_value, sm_count
 from kernels.quant import quantize_fp8_triton
 
 
@@ -48,7 +48,7 @@ def fp8_linear_reference(x, w, w_scale, float_out: bool = False):
 @triton.jit
 def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
                        BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, GROUP: tl.constexpr,
-                       PARTIAL: tl.constexpr, F32: tl.constexpr = False):
+                       PARTIAL: tl.constexpr):
     """Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS) of 32.
     PARTIAL: stored as float32 into split's slice of c [splits, M, N]; else as bf16 into c [M, N]."""
     pid = tl.program_id(0)
@@ -80,26 +80,23 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
         else:
             p = tl.dot(e4m3_value(a.to(tl.int32)), tl.trans(e4m3_value(b.to(tl.int32))))
         acc += p * sa[:, None] * sb[None, :]
-    out = c_ptr + split.to(tl.int64) * M * N if PARTIAL else c_ptr
-    if F32 and not PARTIAL:  # bf16 values stored as float32 (what the reference numerics keep)
-        acc = cast_rne(acc, tl.bfloat16).to(tl.float32)
-    tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(out.dtype.element_ty),
-             mask=mm[:, None] & nm[None, :])
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mm[:, None] & nm[None, :])
+    else:
+        tl.store(c_ptr + offs, bf16_output(acc, c_ptr), mask=mm[:, None] & nm[None, :])
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, F32: tl.constexpr = False):
-    """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic); F32: those
-    bf16 values stored as float32."""
+def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic); a float32 c
+    holds those bf16 values."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLITS):
         acc += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
-    if F32:
-        tl.store(c_ptr + i, cast_rne(acc, tl.bfloat16).to(tl.float32), mask=mask)
-    else:
-        tl.store(c_ptr + i, acc.to(tl.bfloat16), mask=mask)
+    tl.store(c_ptr + i, bf16_output(acc, c_ptr), mask=mask)
 
 
 def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n: int | None = None,
@@ -142,10 +139,8 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
     _fp8_linear_kernel[grid](q.view(torch.uint8), s.view(torch.uint8), w.contiguous().view(torch.uint8),
                              w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
-                             NATIVE=native, GROUP=8, PARTIAL=splits > 1, F32=float_out, num_warps=nw,
-                             num_stages=num_stages)
+                             NATIVE=native, GROUP=8, PARTIAL=splits > 1, num_warps=nw, num_stages=num_stages)
     if splits > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block, F32=float_out,
-                                                         num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
     return out

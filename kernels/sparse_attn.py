@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import cast_rne, dot_dtype, sm_count
+from kernels._formats import bf16_output, dot_dtype, sm_count
 
 
 def _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink):
@@ -183,15 +183,6 @@ def _win_decode_g(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _stored(v, out_ptr):
-    """v as the output stores it: bf16, or (a float32 output) its bf16 value, rounded to nearest even."""
-    if out_ptr.dtype.element_ty == tl.float32:
-        return cast_rne(v, tl.bfloat16).to(tl.float32)
-    else:
-        return v.to(tl.bfloat16)
-
-
-@triton.jit
 def _sink_scale(sink_ptr, heads, m_i, l_i):
     """Per head, the factor that turns the accumulator (kv' units, 1/256) into the output: the sink's
     exp2-unit logit joins the running max and the denominator."""
@@ -285,7 +276,7 @@ def _sparse_attn_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, wi
         tl.store(pl_ptr + row, l_i)
     else:
         out = acc * _sink_scale(sink_ptr, heads, m_i, l_i)[:, None]
-        tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + vcol[None, :], _stored(out, out_ptr))
+        tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + vcol[None, :], bf16_output(out, out_ptr))
 
 
 @triton.jit
@@ -356,7 +347,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
         tl.store(pl_ptr + row, l_i)
     else:
         out = acc * _sink_scale(sink_ptr, heads, m_i, l_i)[None, :]
-        tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + vcol[:, None], _stored(out, out_ptr))
+        tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + vcol[:, None], bf16_output(out, out_ptr))
 
 
 @triton.jit
@@ -378,7 +369,7 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr,
         den += wgt * tl.load(pl_ptr + row)
         num += wgt[:, None] * tl.load(po_ptr + row[:, None] * D + dcol[None, :])
     out = num * (256.0 / den)[:, None]
-    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], _stored(out, out_ptr))
+    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], bf16_output(out, out_ptr))
 
 
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
