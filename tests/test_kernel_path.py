@@ -461,12 +461,6 @@ def test_parity_view_rows_and_modes(worker):
     assert lv.parity_mode(False, True, 1e6, 2e9, 16)[0] == "interpreter"
 
 
-if __name__ == "__main__":
-    from triton_interp import speed_up   # tests/triton_interp.py: the same kernels, less interpreter overhead
-    speed_up()
-    print(json.dumps(_worker(sys.argv[1], sys.argv[2])))
-
-
 def test_f32_linear_splits_k_at_decode_widths():
     """TritonOps.f32_linear (the compressor's float32 projections): a K-split batched GEMM at decode widths,
     equal to the float64 product to float32 rounding; the wrapped op's at prefill widths and for short K."""
@@ -510,3 +504,9 @@ def test_bf16_linear_keeps_one_bf16_copy_per_weight():
     assert key not in ops._bf16_of  # the copy went with the weight
     w2 = torch.randn(32, 64, generator=g)  # may reuse the id: the dead weight's copy must not be used
     assert torch.equal(ops.bf16_linear(x, w2), ReferenceOps().bf16_linear(x, w2))
+
+
+if __name__ == "__main__":
+    from triton_interp import speed_up   # tests/triton_interp.py: the same kernels, less interpreter overhead
+    speed_up()
+    print(json.dumps(_worker(sys.argv[1], sys.argv[2])))
