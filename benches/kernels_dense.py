@@ -1,0 +1,91 @@
+"""The dense cases of benches/kernels.py: the FP8 block-scaled linear (prefill and decode-step shapes),
+the quantizers and RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import quant as Q
+from kernels import fp8_linear, quant, rmsnorm
+
+from benches.kernel_bench import DEV, LOG, bench, rel, row, sweep
+
+
+def case_linear(bw, mm):
+    """The prefill product, then the release layer's decode-step shapes (64 rows), each swept against
+    the old launch (one split, 64 x 128 tiles of 8 warps: 131.8 us at 64 x 5120 x 8192, run 1)."""
+    old = dict(split_k=1, block_n=128, num_warps=8)
+    decode_cfgs = [dict(), old, dict(split_k=1), dict(waves=1), dict(waves=4), dict(num_stages=3),
+                   dict(num_stages=6), dict(block_n=64)]  # 64 x 64 tiles: the first split-K default
+    for m_, n_, k_, what in ((4096, 5120, 8192, "wo_b"), (64, 5120, 8192, "wo_b"), (64, 32768, 1280, "wq_b"),
+                             (64, 1280, 5120, "wq_a"), (64, 2304, 5120, "shared expert w1")):
+        x = torch.randn(m_, k_, device=DEV).bfloat16()
+        w = (torch.randn(n_, k_, device=DEV) * 30).to(torch.float8_e4m3fn)
+        ws = torch.randint(118, 124, (n_ // 32, k_ // 32), dtype=torch.uint8, device=DEV).view(torch.float8_e8m0fnu)
+
+        def eager():
+            q, s = quant.quantize_fp8_triton(x)  # same activations for both
+            a = (q.float().unflatten(-1, (-1, 32)) * s.float().unsqueeze(-1)).flatten(-2)
+            b = w.float() * ws.float().repeat_interleave(32, 0).repeat_interleave(32, 1)
+            return (a @ b.T).bfloat16()
+        want = eager()
+        cfg = {}
+        if m_ <= 64:
+            cfg, t, r = sweep(f"linear_cfgs_{m_}x{n_}x{k_}", f"linear {m_}x{n_}x{k_}", decode_cfgs,
+                              lambda **c: fp8_linear.fp8_linear_triton(x, w, ws, **c), lambda out: rel(want, out),
+                              valid=lambda r: r < 1e-2, graph=True, rep=100)
+            LOG[f"linear_plan_{m_}x{n_}x{k_}"] = fp8_linear.fp8_linear_plan(m_, n_, k_, x.device)
+        else:
+            r = rel(want, fp8_linear.fp8_linear_triton(x, w, ws))
+            t = bench(lambda: fp8_linear.fp8_linear_triton(x, w, ws), rep=100)
+        te = bench(eager, rep=100, graph=m_ <= 64)
+        flops = 2.0 * m_ * n_ * k_
+        byt = n_ * k_ + m_ * k_ * 2 + m_ * n_ * 2
+        floor = max(flops / mm, byt / bw) * 1e6
+        row(f"FP8 block-scaled linear {m_}x{n_}x{k_} ({what})", t, floor, "bf16 MMA" if m_ > 64 else "HBM",
+            f"{flops / t / 1e6:.0f} TFLOP/s, {byt / t / 1e6:.2f} TB/s" + (f"; cfg {cfg}" if m_ <= 64 else ""),
+            te, f"rel {r:.1e}", "-")
+
+
+def case_quant(bw, mm):
+    ok = []
+    for shape, block, kind in (((4096, 512), 16, "e4m3"), ((4096, 128), 32, "e8m0")):
+        x = (torch.randn(shape, device=DEV) * torch.logspace(-4, 2, shape[0], device=DEV)[:, None]).bfloat16()
+        a = Q.quantize_fp4(x.cpu(), block, kind)
+        b = quant.quantize_fp4_triton(x, block, kind)
+        ok.append(torch.equal(a[0], b[0].cpu()) and torch.equal(a[1].view(torch.uint8), b[1].cpu().view(torch.uint8)))
+    x = (torch.randn(4096, 512, device=DEV) * 3).bfloat16()
+    a = Q.quantize_fp8(x.cpu())
+    b = quant.quantize_fp8_triton(x)
+    ok.append(torch.equal(a[0].view(torch.uint8), b[0].cpu().view(torch.uint8))
+              and torch.equal(a[1].view(torch.uint8), b[1].cpu().view(torch.uint8)))
+    # time the KV-entry quantizer at 64K entries
+    x = torch.randn(65536, 512, device=DEV).bfloat16()
+    t = bench(lambda: quant.quantize_fp4_triton(x, 16, "e4m3"), rep=100)
+
+    def eager():
+        g = x.float().unflatten(-1, (-1, 16))
+        s = (g.abs().amax(-1).clamp_min(6 * 2**-9) / 6).clamp(max=448).to(torch.float8_e4m3fn)
+        v = (g / s.float().unsqueeze(-1)).clamp(-6, 6)
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=DEV)
+        code = (v.abs().unsqueeze(-1) > mids).sum(-1).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+        code = code.flatten(-2)
+        return code[..., 0::2] | (code[..., 1::2] << 4), s
+    te = bench(eager, rep=100)
+    byt = x.numel() * 2 + x.numel() // 2 + x.numel() // 16
+    row("FP4 KV-entry quantizer, 64K x 512 (E4M3/16)", t, byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s", te,
+        f"bit-exact vs engine.quant (kv/index/window): {ok}", "-")
+
+
+def case_norm(bw, mm):
+    """RMSNorm 4096 x 5120 (PERFORMANCE.md's row): float32 in, bf16-rounded float32 out, as the kernel path
+    runs it; eager = engine.ops' rms_norm and the reference's rounding (its seven launches)."""
+    x, w = torch.randn(4096, 5120, device=DEV), torch.randn(5120, device=DEV)
+    want = rmsnorm.rms_norm_reference(x, w, 1e-6, round_bf16=True)
+    got = rmsnorm.rms_norm_triton(x, w, 1e-6, round_bf16=True)
+    same = (got == want).float().mean().item()
+    t = bench(lambda: rmsnorm.rms_norm_triton(x, w, 1e-6, round_bf16=True), rep=100)
+    te = bench(lambda: rmsnorm.rms_norm_reference(x, w, 1e-6, round_bf16=True), rep=100)
+    byt = x.numel() * 8  # one float32 read, one float32 write
+    row("RMSNorm 4096 x 5120 (float32, bf16-rounded out)", t, byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s",
+        te, f"equal to the reference's rounding: {same:.6f} of values", 23)

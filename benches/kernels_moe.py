@@ -1,0 +1,146 @@
+"""The FP4 MoE cases of benches/kernels.py (decode 1 token, the 64-token decode step, prefill 4K; both
+forms), at the release's expert shapes."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine import quant as Q
+from kernels import fp4_tiles, moe
+
+from benches.kernel_bench import DEV, LOG, bench, fp4_dev, kernel_breakdown, rand_fp4, rel, row, sweep
+
+
+def case_moe(bw, mm):
+    e, inter, dim, k = 384, 2304, 5120, 6
+    w1, s1 = rand_fp4((e, inter, dim), 32)
+    w3, s3 = rand_fp4((e, inter, dim), 32)
+    w2, s2 = rand_fp4((e, dim, inter), 32)
+    # keep expert outputs O(1): small weight scales
+    s1 = (s1.view(torch.uint8) - 6).view(torch.float8_e8m0fnu)
+    s3 = (s3.view(torch.uint8) - 6).view(torch.float8_e8m0fnu)
+    s2 = (s2.view(torch.uint8) - 6).view(torch.float8_e8m0fnu)
+    W = (w1, s1, w3, s3, w2, s2)
+
+    def eager(x, ids, tw):
+        out = torch.zeros(x.shape[0], dim, device=DEV)
+        for ex in torch.unique(ids).tolist():
+            tok, slot = (ids == ex).nonzero(as_tuple=True)
+            a, b, c = fp4_dev(w1[ex], s1[ex], 32), fp4_dev(w3[ex], s3[ex], 32), fp4_dev(w2[ex], s2[ex], 32)
+            xe = x[tok].float()
+            hh = torch.nn.functional.silu((xe @ a.T).clamp(max=10)) * (xe @ b.T).clamp(-10, 10)
+            out.index_add_(0, tok, (hh @ c.T) * tw[tok, slot][:, None])
+        return out
+
+    per_expert = 3 * inter * dim // 2 + 3 * inter * dim // 32
+    # decode: 1 token
+    x = torch.randn(1, dim, device=DEV).bfloat16()
+    ids = torch.randperm(e, device=DEV)[:k][None].int()
+    tw = torch.softmax(torch.randn(1, k, device=DEV), -1) * 1.5
+    want = eager(x, ids, tw)
+    # GEMV split-K knobs (defaults first): runs 2-8 swept rows x words per step x unrolled steps and
+    # gemv_prefetch (every prefetch shape 20-60% slower, runs 5, 7, 8; logs in benches/results); kept:
+    # the default, the old 8-row gate/up and 32-row down blocks, and one larger shape
+    dcfgs = [dict(), dict(gemv_block_n=8), dict(gemv_down_block_n=32),
+             dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3)]
+    dbest, t, r = sweep("moe_decode_cfgs", "moe decode", dcfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                        lambda out: rel(want, out), valid=lambda v: v < 1e-3, graph=True)
+    # which launch holds the time (memset, gate/up, down), default and best configuration
+    for name, c in (("default", {}), ("best", dbest)):
+        try:
+            LOG[f"moe_decode_kernels_{name}"] = kb = kernel_breakdown(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **c))
+            print(f"[kernels] moe decode {name} {c}: {kb}", flush=True)
+        except Exception as ex:  # noqa: BLE001
+            LOG["errors"].append(f"moe decode breakdown: {ex!r}"[:300])
+    te = bench(lambda: eager(x, ids, tw), rep=40)
+    byt = k * per_expert
+    row("FP4 MoE decode, 1 token, 6 of 384 experts", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s; cfg {dbest}", te, f"rel {r:.1e}", 39)
+    # prefill: 4K tokens, uniform routing
+    tq = 4096
+    x = torch.randn(tq, dim, device=DEV).bfloat16()
+    ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tq)]).int()
+    tw = torch.softmax(torch.randn(tq, k, device=DEV), -1) * 1.5
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    want = eager(x, ids, tw)
+    torch.cuda.synchronize()
+    te = (time.perf_counter() - t0) * 1e6
+    # swap-AB tiles: block_n weight rows = wgmma M, block_m tokens = N (~64 tokens per expert here);
+    # all compile for sm_90 on triton 3.6 and 3.7 without spills
+    # the bf16 tile decode, checked bit for bit first (tests/test_kernels_moe.py's case; the interpreter
+    # cannot run it): every FP4 byte under scale bytes 0..240, against engine.quant's decode
+    pk = torch.arange(256, dtype=torch.int32, device=DEV).repeat(256, 1).to(torch.uint8).view(torch.int8)
+    sb = (torch.arange(256, device=DEV) % 241).to(torch.uint8)[:, None].expand(256, 16).contiguous()
+    sb = sb.view(torch.float8_e8m0fnu)
+    tile = fp4_tiles.nib_order(Q.dequantize_fp4(pk, sb, 32))  # not `want`: the sweeps below check against it
+    exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), tile.bfloat16().float() if bd else tile)
+             for bd in (False, True)}
+    LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True]}
+    print(f"[moe] tile decode exact: {LOG['moe_tile_decode_exact']}", flush=True)
+    # the default first (Nsight profiles a case's first launch); every 8-warp tile lost to the 4-warp
+    # ones in runs 2-6; loading the next K step's weight words before this step's decode lost in runs
+    # 7-11 (14.98 vs 12.99 ms) and is gone; bf16_decode (FP4 straight into bf16 bits) is the default since
+    # run 11 (10.3 vs 10.6 ms)
+    cfgs = [dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode=False),
+            dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
+            dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
+            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)]
+    best, t, r = sweep("moe_cfgs", "moe", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                       lambda out: rel(want, out), valid=lambda r: r < 1e-2, rep=100)
+    flops = 2.0 * tq * k * 3 * inter * dim
+    row("FP4 MoE prefill, 4K tokens", t, flops / mm * 1e6, "bf16 MMA",
+        f"{flops / t / 1e6:.0f} TFLOP/s; cfg {best}", te, f"rel {r:.1e} (eager timed once)", 3200)
+
+    # the release layer's decode step: 64 sequences x top-6 (~230 of 384 experts, 1-2 tokens each), the
+    # grouped GEMM at 16-token blocks; weight streaming, so the floor is the touched experts' bytes.
+    # The profile of benches/release_layer.py put 4.2 of a decode step's 5.8 ms of kernels here.
+    x = torch.randn(64, dim, device=DEV).bfloat16()
+    ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(64)]).int()
+    tw = torch.softmax(torch.randn(64, k, device=DEV), -1) * 1.5
+    want = eager(x, ids, tw)
+    touched = int(torch.unique(ids).numel())
+    base = dict(block_m=16, block_n=64, num_warps=4)
+    # runs 9-10: prefetch, BK 128/256, BN 128, 1 stage, scaled 4.65-10.4 ms (kernels-h200-run9.md, -run10.md);
+    # runs 11-12 (one load per scale byte): BK 128/256, BN 128, fp32 decode all slower (2.92-3.76 ms)
+    cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
+            dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128)]
+    best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                       lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
+    # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)
+    LOG["moe_decode64_scaled_vs_default_rel"] = rel(moe.moe_fp4_triton(x, *W, ids, tw),
+                                                    moe.moe_fp4_triton(x, *W, ids, tw, scaled=True))
+    te = bench(lambda: eager(x, ids, tw), rep=20)
+    byt = touched * per_expert
+    row(f"FP4 MoE decode step, 64 tokens ({touched} experts)", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e}", "-")
+    # the FP8 tensor-core form (kernels/moe_f8.py): the reference's numerics (h quantized to E4M3 per 32,
+    # bf16 roundings), so checked against its own float32 reference, not the bf16 form's eager
+    want8 = moe.moe_fp4_reference(x, *W, ids, tw, fp8_mma=True)
+    LOG["moe_decode64_f8_ref_vs_bf16_form_ref"] = rel(want8, want)
+    f8 = dict(fp8_mma=True)
+    # run 16b (scale bytes through tl.load, a shared-memory hop each): BN 64 3.20 ms, 128 2.55, BM 8 5.9
+    cfgs = [dict(f8), dict(f8, num_warps=8), dict(f8, block_n=256, num_warps=8), dict(f8, block_n=64),
+            dict(f8, block_m=8), dict(f8, num_stages=4), dict(hidden="reference")]  # the last: the bf16 form
+    best, t, r = sweep("moe_decode64_f8_cfgs", "moe decode 64 fp8", cfgs,
+                       lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                       lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=True)
+    row(f"FP4 MoE decode step on FP8 MMA, 64 tokens ({touched} experts)", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
+    hg = dict(hidden="reference", x_on_grid=True)  # x made on the E4M3 grid below, as the engine's is
+    for name, tq, cfgs in (("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
+                                           dict(hg, gemv_down_block_n=32), dict(f8)]),
+                           ("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
+                                                 dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)])):
+        x = Q.fp8_roundtrip(torch.randn(tq, dim, device=DEV), 32).bfloat16()
+        ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tq)]).int()
+        tw = torch.softmax(torch.randn(tq, k, device=DEV), -1) * 1.5
+        want8 = moe.moe_fp4_reference(x, *W, ids, tw, fp8_mma=True)
+        run = lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c)  # noqa: E731 (this iteration's x, ids, tw)
+        best, t, r = sweep(f"moe_f8_{name}_cfgs", f"moe fp8 {name}", cfgs, run, lambda out: rel(want8, out),
+                           valid=lambda r: r < 1e-2, graph=tq == 1)
+        floor, limit, goal = (k * per_expert / bw * 1e6, "HBM", 39) if tq == 1 else (flops / mm * 1e6, "bf16 MMA", 3200)
+        row(f"FP4 MoE (hidden), {name}", t, floor, limit, f"cfg {best}", float("nan"), f"rel {r:.1e}", goal)
