@@ -81,7 +81,7 @@ def compile_only(self, *args, grid, warmup, **kwargs):
     compiled = _ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
     consts = {k: v for k, v in kwargs.items() if k.isupper()}
     key = (self.fn.__name__, tuple(sorted((k, str(v)) for k, v in consts.items())),
-           kwargs.get("num_warps"), kwargs.get("num_stages"))
+           kwargs.get("num_warps"), kwargs.get("num_stages"), tuple(str(getattr(a, "dtype", "")) for a in args))
     if key not in _SEEN:
         _SEEN.add(key)
         md = compiled.metadata
@@ -177,6 +177,8 @@ def cases():
                 torch.randn(64, 5120), torch.randn(64, 4, 5120), torch.rand(64, 4), torch.rand(64, 4, 4))),
             ("RMSNorm 4096 x 5120", lambda: rmsnorm.rms_norm_triton(torch.randn(4096, 5120), torch.randn(5120), 1e-6,
                                                                    round_bf16=True)),
+            ("RMSNorm 4096 x 5120, bf16 rows", lambda: rmsnorm.rms_norm_triton(
+                torch.randn(4096, 5120).bfloat16(), torch.randn(5120), 1e-6, out_dtype=torch.bfloat16)),
             ("RoPE 64 x 64 x 512 (a decode step's queries)", lambda: rope.rope_triton(
                 torch.randn(64, 64, 512), torch.zeros(64, dtype=torch.long), torch.zeros(4096, 32, 2))),
             ("tie marks, 64 rows x 4096 entries", lambda: ties.tie_marks_triton(

@@ -39,6 +39,14 @@ def test_matches_float64_and_rounds_as_the_reference(gen, lead, d, with_weight, 
     differ = got_r != want_r
     assert differ.float().mean() < 1e-3, gen.initial_seed()
     assert ((got_r - want_r).abs()[differ] <= want_r.abs()[differ] * 2.0**-7).all()
+    # bf16 rows in and out (PERFORMANCE.md's row): the same rounded values, stored as bf16
+    xb = x.bfloat16()
+    got_b = rmsnorm.rms_norm_triton(xb, weight, 1e-6, rows_per_program=rows_per_program, out_dtype=torch.bfloat16)
+    assert got_b.dtype == torch.bfloat16 and got_b.shape == x.shape
+    assert torch.equal(got_b.float(), rmsnorm.rms_norm_triton(xb, weight, 1e-6, round_bf16=True,
+                                                              rows_per_program=rows_per_program))
+    want_b = _float64(xb.float(), weight, 1e-6).view(*lead, d)
+    assert ((got_b.double() - want_b).abs() <= want_b.abs() * 2.0**-8 + 1e-30).all()  # half a bf16 step
 
 
 def test_empty_rows_and_bad_shapes(gen):
@@ -47,3 +55,5 @@ def test_empty_rows_and_bad_shapes(gen):
         rmsnorm.rms_norm_triton(torch.randn(2, 64, generator=gen), torch.ones(32), 1e-6)
     with pytest.raises(ValueError, match="do not fit"):
         rmsnorm.rms_norm_triton(torch.randn(1, 32768, generator=gen), None, 1e-6)
+    with pytest.raises(ValueError, match="out_dtype"):
+        rmsnorm.rms_norm_triton(torch.randn(2, 64, generator=gen), None, 1e-6, out_dtype=torch.float16)
