@@ -220,8 +220,6 @@ ATTN_DECODE_CFGS = [dict(layout="entries", block_h=bh, block_n=bn, num_warps=8, 
 
 def case_attn(bw, mm):
     h, d = 64, 512
-    best = None
-    # prefill first: pick the configuration there, report it for decode too
     a = _attn_inputs(4096, 1 << 18, 4096 + 128)
     ref = attn_eager(*[x[:64] if x.dim() and x.shape[0] == 4096 else x for x in a])
     cfg, t, r = sweep("attn_cfgs", "attn", ATTN_CFGS, lambda **c: sparse_attn.sparse_attn_triton(*a, **c),
@@ -231,10 +229,18 @@ def case_attn(bw, mm):
     flops = 4.0 * 4096 * h * 628 * d
     row("sparse attention prefill 4K (500 sel + 128 win)", t, flops / mm * 1e6, "bf16 MMA",
         f"{flops / t / 1e6:.0f} TFLOP/s; cfg {cfg}", te, f"rows 0-63 rel {r:.1e}", 700)
-    # decode, batch 64
+    case_attn_decode(bw, mm)
+
+
+def case_attn_decode(bw, mm):
+    """Decode, batch 64 (its own case too: `--only attn_decode`, what Nsight profiles with
+    NCU_EXTRA="--nvtx --nvtx-include attn_decode_default/")."""
+    h, d = 64, 512
     a = _attn_inputs(64, 1 << 18, 64 * 128)
-    out = sparse_attn.sparse_attn_triton(*a, **cfg)
-    chk = f"rel {rel(attn_eager(*a), out):.1e}"
+    with torch.cuda.nvtx.range("attn_decode_default"):
+        out = sparse_attn.sparse_attn_triton(*a)
+        torch.cuda.synchronize()
+    chk = f"default rel {rel(attn_eager(*a), out):.1e}"
     bestd, td, _ = sweep("attn_decode_cfgs", "attn decode", ATTN_DECODE_CFGS,
                          lambda **c: sparse_attn.sparse_attn_triton(*a, **c), graph=True)
     chk += f"; best cfg rel {rel(attn_eager(*a), sparse_attn.sparse_attn_triton(*a, **bestd)):.1e}"
@@ -324,7 +330,7 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn, indexer, topk, moe, "
+    ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode half), indexer, topk, moe, "
                     "linear, norm, run in the order given (default: all; topk is the top-512 sweep alone, on its own "
                     "logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
@@ -332,6 +338,7 @@ def main():
     args = ap.parse_args()
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
+                 attn_decode=case_attn_decode,
                  indexer=case_indexer, topk=case_topk, moe=case_moe, linear=case_linear, norm=case_norm)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:

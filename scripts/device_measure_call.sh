@@ -8,7 +8,9 @@
 # Steps: parity (kernel path vs CPU reference numerics, 1,000 tokens), ced (prefill timing),
 # kernels (benches/kernels.py), release (benches/release_layer.py; RELEASE_ARGS="--graph --profile" adds
 # the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels; NCU_PAIRS="case:kernel ..."
-# picks them). KERNELS_ARGS="--only attn,moe" narrows the kernels step.
+# picks them; NCU_EXTRA adds ncu options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
+# NCU_EXTRA="--nvtx --nvtx-include attn_decode_default/" for the decode default's launch).
+# KERNELS_ARGS="--only attn,moe" narrows the kernels step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder that comes back}"
@@ -30,7 +32,7 @@ for step in "$@"; do
       # across every kernel the filter matches, so one run with -c 8 saw only the first case's kernel)
       for pair in ${NCU_PAIRS:-mhc:_mhc_main_kernel attn:_sparse_attn_t_kernel indexer:_indexer_kernel \
                   topk:_row_select_kernel moe:_gemv_gate_up_kernel moe:_moe_gate_up_kernel}; do
-        timeout 45 ncu --clock-control none --kernel-name-base function -k "regex:${pair#*:}" -c 1 \
+        timeout 45 ncu --clock-control none --kernel-name-base function -k "regex:${pair#*:}" -c 1 ${NCU_EXTRA:-} \
               --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
               --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
               python3 benches/kernels.py --only "${pair%%:*}" --out "$R/ncu-run" >> "$R/ncu.txt" 2>&1
