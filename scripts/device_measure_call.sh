@@ -32,7 +32,7 @@ for step in "$@"; do
       # across every kernel the filter matches, so one run with -c 8 saw only the first case's kernel)
       for pair in ${NCU_PAIRS:-mhc:_mhc_main_kernel attn:_sparse_attn_t_kernel indexer:_indexer_kernel \
                   topk:_row_select_kernel moe:_gemv_gate_up_kernel moe:_moe_gate_up_kernel}; do
-        timeout 45 ncu --clock-control none --kernel-name-base function -k "regex:${pair#*:}" -c 1 ${NCU_EXTRA:-} \
+        timeout "${NCU_LIMIT:-45}" ncu --clock-control none --kernel-name-base function -k "regex:${pair#*:}" -c 1 ${NCU_EXTRA:-} \
               --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
               --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
               python3 benches/kernels.py --only "${pair%%:*}" --out "$R/ncu-run" >> "$R/ncu.txt" 2>&1
