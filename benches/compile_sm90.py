@@ -179,6 +179,9 @@ def cases():
                                                                    round_bf16=True)),
             ("RMSNorm 4096 x 5120, bf16 rows", lambda: rmsnorm.rms_norm_triton(
                 torch.randn(4096, 5120).bfloat16(), torch.randn(5120), 1e-6, out_dtype=torch.bfloat16)),
+            ("RMSNorm 4096 x 5120, bf16 rows, row-walking programs", lambda: rmsnorm.rms_norm_triton(
+                torch.randn(4096, 5120).bfloat16(), torch.randn(5120), 1e-6, out_dtype=torch.bfloat16,
+                programs_per_sm=4)),
             ("RoPE 64 x 64 x 512 (a decode step's queries)", lambda: rope.rope_triton(
                 torch.randn(64, 64, 512), torch.zeros(64, dtype=torch.long), torch.zeros(4096, 32, 2))),
             ("tie marks, 64 rows x 4096 entries", lambda: ties.tie_marks_triton(

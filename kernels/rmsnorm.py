@@ -7,6 +7,8 @@ out_dtype=torch.bfloat16: those rounded values stored as bf16 (half the bytes wr
 the 4-byte-per-value row PERFORMANCE.md's goal assumes).
 
 One program per block of rows, the whole row in registers (D up to 16K): one read of x, one write.
+Or (`programs_per_sm`) a few programs per SM, each walking rows with the next row's load issued before
+this row's reduction, and the weight loaded once per program instead of once per row.
 The sum of squares is a tree reduction, not torch's order, so results differ from the reference in the
 last fp32 bits (and rarely by one bf16 step after rounding); the test bounds both.
 """
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import cast_rne
+from kernels._formats import cast_rne, sm_count
 
 MAX_WIDTH = 16384  # the longest row one program holds in registers
 
@@ -43,19 +45,53 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, rows, eps, D: tl.constexpr, BD: tl.con
     y = x * inv[:, None]
     if HAS_W:
         y = y * tl.load(w_ptr + d, mask=d < D, other=0.0)[None, :]
+    tl.store(y_ptr + offs, _rounded(y, y_ptr, ROUND), mask=m)
+
+
+@triton.jit
+def _rounded(y, y_ptr, ROUND: tl.constexpr):
+    """y as stored: rounded to bf16 values (to nearest even) when asked or when y_ptr is bf16."""
     if ROUND:
         y = cast_rne(y, tl.bfloat16)
         if y_ptr.dtype.element_ty != tl.bfloat16:
             y = y.to(tl.float32)
-    tl.store(y_ptr + offs, y, mask=m)
+    return y
+
+
+@triton.jit
+def _rms_norm_rows_kernel(x_ptr, w_ptr, y_ptr, rows, eps, D: tl.constexpr, BD: tl.constexpr,
+                          HAS_W: tl.constexpr, ROUND: tl.constexpr):
+    """Rows pid, pid + G, ... (G programs): row r + G is loaded before row r is reduced and stored."""
+    step = tl.num_programs(0)
+    d = tl.arange(0, BD)
+    dm = d < D
+    if HAS_W:
+        w = tl.load(w_ptr + d, mask=dm, other=0.0)
+    # row pointers carried and advanced by G rows: 64-bit addresses without 64-bit row indices
+    xr = x_ptr + tl.program_id(0) * D
+    yr = y_ptr + tl.program_id(0) * D
+    x = tl.load(xr + d, mask=dm & (tl.program_id(0) < rows), other=0.0).to(tl.float32)
+    for r in range(tl.program_id(0), rows, step):
+        xr += step * D
+        x_next = tl.load(xr + d, mask=dm & (r + step < rows), other=0.0).to(tl.float32)
+        ms = tl.sum(x * x, axis=0) / D + eps
+        inv = tl.div_rn(1.0, tl.sqrt_rn(ms))
+        y = x * inv
+        if HAS_W:
+            y = y * w
+        tl.store(yr + d, _rounded(y, y_ptr, ROUND), mask=dm)
+        yr += step * D
+        x = x_next
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                     round_bf16: bool = False, rows_per_program: int | None = None,
-                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.float32, programs_per_sm: int = 0,
+                    num_warps: int | None = None) -> torch.Tensor:
     """The kernel; rows_per_program: rows a program normalizes (default: 1 for rows of 4K+ values, more
-    for short rows, so that a program loads at least ~4K values); out_dtype float32, or bfloat16 (the
-    values rounded to nearest even: round_bf16 implied)."""
+    for short rows, so that a program loads at least ~4K values); programs_per_sm > 0: the row-walking
+    kernel with that many programs an SM instead; out_dtype float32, or bfloat16 (the values rounded to
+    nearest even: round_bf16 implied)."""
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     d = x.shape[-1]
@@ -72,7 +108,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     br = rows_per_program or max(1, min(16, 4096 // bd))
     w = weight.float().contiguous() if weight is not None else out
     rnd = bool(round_bf16) or out_dtype == torch.bfloat16
+    if programs_per_sm:
+        grid = min(rows, programs_per_sm * sm_count(x.device))
+        _rms_norm_rows_kernel[(grid,)](x2, w, out, rows, float(eps), D=d, BD=bd, HAS_W=weight is not None,
+                                       ROUND=rnd, num_warps=num_warps or (8 if bd >= 4096 else 4))
+        return out.view(*x.shape[:-1], d)
     _rms_norm_kernel[(triton.cdiv(rows, br),)](x2, w, out, rows, float(eps), D=d, BD=bd, BR=br,
                                               HAS_W=weight is not None, ROUND=rnd,
-                                              num_warps=8 if bd * br >= 4096 else 4)
+                                              num_warps=num_warps or (8 if bd * br >= 4096 else 4))
     return out.view(*x.shape[:-1], d)

@@ -49,6 +49,23 @@ def test_matches_float64_and_rounds_as_the_reference(gen, lead, d, with_weight, 
     assert ((got_b.double() - want_b).abs() <= want_b.abs() * 2.0**-8 + 1e-30).all()  # half a bf16 step
 
 
+@pytest.mark.parametrize("rows,d,programs_per_sm,with_weight", [
+    (300, 1000, 1, True),  # 132 programs walking 2-3 rows each, the last prefetch masked off
+    (7, 512, 2, False),    # fewer rows than programs: one row each
+])
+def test_row_walking_kernel_gives_the_same_values(gen, rows, d, programs_per_sm, with_weight):
+    x = torch.randn(rows, d, generator=gen) * 3
+    weight = torch.randn(d, generator=gen) if with_weight else None
+    for xin, out_dtype in ((x, torch.float32), (x.bfloat16(), torch.bfloat16)):
+        want = rmsnorm.rms_norm_triton(xin, weight, 1e-6, round_bf16=True, out_dtype=out_dtype)
+        got = rmsnorm.rms_norm_triton(xin, weight, 1e-6, round_bf16=True, out_dtype=out_dtype,
+                                      programs_per_sm=programs_per_sm)
+        assert got.dtype == out_dtype and torch.equal(got, want)  # the same arithmetic, row for row
+    want = _float64(x, weight, 1e-6)
+    got = rmsnorm.rms_norm_triton(x, weight, 1e-6, programs_per_sm=programs_per_sm)
+    assert ((got.double() - want).abs() <= 4e-7 * want.abs() + 1e-30).all()
+
+
 def test_empty_rows_and_bad_shapes(gen):
     assert rmsnorm.rms_norm_triton(torch.zeros(0, 64), None, 1e-6).shape == (0, 64)
     with pytest.raises(ValueError, match="weight must be"):
