@@ -316,6 +316,13 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
                 LOG["errors"].append(f"mhc {tq} cfg {cfg}: {e!r}"[:400])
                 print(f"[sweep] mhc {tq} {cfg}: failed {e!r}"[:300], flush=True)
         LOG[f"mhc_cfgs_{tq}"] = times
+        if tq == 64:  # in a decode step its inputs come cold from HBM (the MoE has swept L2): 41-44 us there
+            flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+            t_flush = bench(lambda: flush.fill_(1), graph=True)
+            for cfg in ({}, {"waves": 2}, {"waves": 4}, {"token_block": 16}):
+                t_cold = bench(lambda: (flush.fill_(1), mhc.mhc_triton(*args, **cfg)), graph=True) - t_flush
+                LOG.setdefault("mhc_64_cold_L2_us", {})[str(cfg)] = t_cold
+                print(f"[cold L2] mhc 64 {cfg}: {t_cold:.1f} us", flush=True)
         ok = [str(c) for c in sweep[tq] if str(c) in times and str(c) not in bad]
         if not ok:
             raise RuntimeError(f"no mHC configuration ran at {tq} tokens (see the errors above)")
