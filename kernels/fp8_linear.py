@@ -2,9 +2,16 @@
 on the fly to E4M3 with one E8M0 scale per 32 (kernels.quant, bit-exact with engine.quant).
 
 x bf16 [M, K], w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N/32), K/32] -> bf16 [M, N].
-Each 32-wide K step is one FP8 tensor-core product, promoted to float32 and scaled there (so the
-tensor core's short accumulator never spans more than 32 products). Decode-sized products (<= 64 rows)
-split K over more programs (`fp8_linear_plan`) and add the float32 partials in a fixed order.
+Two forms (`mma`):
+- "fp8": each 32-wide K step is one FP8 tensor-core product, promoted to float32 and scaled there (so the
+  tensor core's short accumulator never spans more than 32 products). With a scale every 32 of K that
+  rescale costs as much CUDA-core time as the FP8 MMA of the step (H200: 215 TFLOP/s at 4096x5120x8192).
+- "bf16": bf16 tensor-core products of exact values, no rescale in the K loop: x as the bf16 values of its
+  E4M3 round trip (E4M3 value * 2^e is a bf16), the weight tile decoded in registers from its bytes to bf16
+  with its block scale folded in, one bf16 dot per BK (64 or 128) of K into the float32 accumulator. Every
+  product is exact and sums are float32, as in the FP8 form; the weight stays in its FP8 bytes.
+Decode-sized products (<= 64 rows) split K over more programs (`fp8_linear_plan`) and add the float32
+partials in a fixed order.
 """
 
 from __future__ import annotations
@@ -16,8 +23,13 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import bf16_output, e4m3_value, e8m0_value, sm_count
-from kernels.quant import quantize_fp8_triton
+from kernels._formats import bf16_output, dot_dtype, e4m3_value, e8m0_value, sm_count
+from kernels.quant import _fp8_groups, quantize_fp8_triton
+
+# the bf16 form folds 2^(s - 127) into the weight's bf16 value as one factor 2^(s - 7), a bf16 while s <= 134
+# (weights up to 448 * 2^7); products stay exact down to s = 3
+BF16_MAX_SCALE_BYTE = 134
+_BF16_MAX_SCALE_BYTE = tl.constexpr(BF16_MAX_SCALE_BYTE)  # a jit function reads module globals only as constexpr
 
 
 def _check(x, w, w_scale):
@@ -88,6 +100,138 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
 
 
 @triton.jit
+def mma_k_position(m):
+    """Where memory column m (= 16 c + 4 s + 2 h + t) of a 64-wide K block goes in the bf16 form's MMA K order:
+    16 s + 8 h + 2 c + t. A Hopper MMA's register operand gives lane c of a quad K columns 2 c + {0, 1, 8, 9}
+    of each 16; in this order they are the weight's bytes 16 c .. 16 c + 15 (one 16-byte shared load per
+    row, not eight of 2 bytes). The dot's K order is free as long as both operands share it."""
+    return (((m >> 2) & 3) << 4) | (((m >> 1) & 1) << 3) | ((m >> 4) << 1) | (m & 1)
+
+
+@triton.jit
+def _x_values_bf16_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
+    """x's E4M3 round trip (kernels.quant's codes and scales) as bf16 values, each 64-wide K block in the
+    `mma_k_position` order. Exact: an E4M3 value (4 significant bits) times 2^e, e >= -22 (the quantizer's
+    amax floor 1e-4), is a bf16 wherever it is a finite float32 (the same exponent range)."""
+    code, scale, offs, g, gmask = _fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    # K rows are whole 64 blocks, so groups pair up; reordered in registers, stored whole (a scattered
+    # store of the same values took 256 us at 4096 x 8192 on the H200)
+    v = in_mma_k_order(tl.reshape(e4m3_value(code) * scale[:, None], (BG // 2, 2 * BLOCK)), 2 * BLOCK)
+    blk = tl.program_id(0) * (BG // 2) + tl.arange(0, BG // 2)
+    tl.store(y_ptr + blk.to(tl.int64)[:, None] * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)[None, :], v.to(tl.bfloat16),
+             mask=(blk < n_groups // 2)[:, None])
+
+
+def x_values_bf16(x: torch.Tensor) -> torch.Tensor:
+    """dequantize_fp8(*quantize_fp8(x)) as bf16 [M, K] (the same values: the cast is exact), one launch; K a
+    multiple of 64, each 64 block in the `mma_k_position` order."""
+    if x.shape[-1] % 64:
+        raise ValueError(f"x's last dimension {x.shape[-1]} is not a multiple of 64")
+    xc = x.contiguous()
+    y = torch.empty(xc.shape, dtype=torch.bfloat16, device=x.device)
+    n_groups = xc.numel() // 32
+    if n_groups:
+        _x_values_bf16_kernel[(triton.cdiv(n_groups, 64),)](xc, y, n_groups, BLOCK=32, BG=64)
+    return y
+
+
+@triton.jit
+def in_mma_k_order(w, BK: tl.constexpr):
+    """A [R, BK] tile in memory order -> the `mma_k_position` order of each 64 block (a register relabelling
+    where the tile feeds a dot's register operand)."""
+    R: tl.constexpr = w.shape[0]
+    w = tl.reshape(w, (R, BK // 64, 4, 4, 2, 2))  # [., c, s, h, t]
+    return tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (R, BK))  # [., s, h, c, t]
+
+
+# E4M3 bytes -> bf16 worth value * 2^-120, times a bf16 factor: per byte pair, the two bytes into the high bytes
+# of the bf16 halves (prmt), the 7 magnitude bits down 4 (exponent and mantissa line up; E4M3 subnormals land
+# on bf16 subnormals), the sign kept, then one bf16x2 multiply. Four bytes in $2, factors in $3 $4.
+E4M3_BF16_SCALED_PTX = """
+{
+.reg .b32 t<2>, u<2>;
+prmt.b32 t0, $2, 0, 0x1404;
+prmt.b32 t1, $2, 0, 0x3424;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+and.b32 u0, u0, 0x07F007F0;
+and.b32 u1, u1, 0x07F007F0;
+and.b32 t0, t0, 0x80008000;
+and.b32 t1, t1, 0x80008000;
+or.b32 t0, t0, u0;
+or.b32 t1, t1, u1;
+mul.rn.bf16x2 $0, t0, $3;
+mul.rn.bf16x2 $1, t1, $4;
+}
+"""
+_E4M3_BF16_SCALED_ASM = tl.constexpr(E4M3_BF16_SCALED_PTX)
+
+
+@triton.jit
+def e4m3_scaled_operand(byte, sbyte, BK: tl.constexpr, DT: tl.constexpr):
+    """E4M3 bytes [R, BK] (uint8) times 2^(s - 127), s the E8M0 bytes [R, BK/32] (int32) of their 32-wide
+    K blocks, as a DT dot operand, exact. bf16: E4M3_BF16_SCALED_PTX with the factor 2^(s - 7); a byte
+    s > BF16_MAX_SCALE_BYTE makes the factor NaN, so a weight out of the form's range shows in the output
+    instead of being wrong. float32 (the interpreter, which runs no PTX and whose bf16 dots are not
+    usable): the value decoders."""
+    R: tl.constexpr = byte.shape[0]
+    if DT == tl.bfloat16:
+        f = tl.where(sbyte <= _BF16_MAX_SCALE_BYTE, (sbyte + 120) << 7, 0x7FC0).to(tl.int16).to(tl.bfloat16,
+                                                                                                 bitcast=True)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], (R, BK // 32, 32)), (R, BK))
+        return tl.inline_asm_elementwise(_E4M3_BF16_SCALED_ASM, "=r,=r,r,r,r", [byte, f], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
+    else:
+        f = tl.reshape(tl.broadcast_to(e8m0_value(sbyte)[:, :, None], (R, BK // 32, 32)), (R, BK))
+        return e4m3_value(byte.to(tl.int32)) * f
+
+
+@triton.jit
+def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                            GROUP: tl.constexpr, PARTIAL: tl.constexpr):
+    """The bf16 form. Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS)
+    of BK (K a multiple of BK); a: x's bf16 values [M, K] from `x_values_bf16`, in the MMA's K order, which
+    the weight tile takes in registers (`in_mma_k_order`). The decoded weight tile is the dot's left operand, so it can feed
+    the tensor core from registers (a Hopper wgmma takes its A operand there, B only from shared memory):
+    acc is the output tile transposed, [BN, BM]. PARTIAL as in _fp8_linear_kernel."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    width = GROUP * n_n
+    g = pid // width
+    first_m = g * GROUP
+    gsize = tl.minimum(n_m - first_m, GROUP)
+    pm = first_m + (pid % width) % gsize
+    pn = (pid % width) // gsize
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    mm = rm < M
+    nm = rn < N
+    kk = tl.arange(0, BK)
+    kblk = tl.arange(0, BK // 32)
+    ks = K // 32
+    split = tl.program_id(1)
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * K
+    b_rows = b_ptr + rn[:, None].to(tl.int64) * K
+    s_rows = bs_ptr + (rn // 32)[:, None] * ks
+    acc = tl.zeros([BN, BM], tl.float32)
+    for kb in range(split * STEPS, tl.minimum(K // BK, (split + 1) * STEPS)):
+        k0 = kb * BK
+        a = tl.load(a_rows + (k0 + kk)[None, :], mask=mm[:, None], other=0.0)
+        b = tl.load(b_rows + (k0 + kk)[None, :], mask=nm[:, None], other=0)
+        sb = tl.load(s_rows + (k0 // 32 + kblk)[None, :], mask=nm[:, None], other=127)
+        w = in_mma_k_order(e4m3_scaled_operand(b, sb.to(tl.int32), BK, DT), BK)
+        acc = tl.dot(w, tl.trans(a.to(DT)), acc)
+    out = tl.trans(acc)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + offs, out, mask=mm[:, None] & nm[None, :])
+    else:
+        tl.store(c_ptr + offs, bf16_output(out, c_ptr), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic); a float32 c
     holds those bf16 values."""
@@ -100,17 +244,20 @@ def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.cons
 
 
 def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n: int | None = None,
-                    split_k: int | None = None, waves: float = 2.0) -> tuple[int, int, int, int]:
-    """(BM, BN, K steps per split, splits). Up to 64 rows (a decode step) the tiles are 64 x 128 and K
-    is split until at least `waves` programs per SM run: without it a 64 x 5120 x 8192 product is 40
-    programs walking 256 K steps each. H200, run 13, against that launch: 129.5 -> 35.7 us (wo_b),
-    72.4 -> 13.1-14.1 (wq_a), 72.6 -> 16.0 (shared expert), 31.1 -> 28.9 (wq_b); 64 x 64 tiles were
-    slower on three of the four. Each split's partial sums are added in a fixed order, so the result does
-    not depend on the split's timing."""
+                    split_k: int | None = None, waves: float = 2.0, block_k: int = 32) -> tuple[int, int, int, int]:
+    """(BM, BN, K steps of block_k per split, splits). The bf16 form (block_k > 32) takes 128 x 256 tiles
+    (sm_90 compile: 239 registers, no spill, wgmmas not serialized, unlike 128 x 128's). Up to 64 rows (a
+    decode step) the tiles are 64 x 128 (the bf16 form: 16 to 64 rows, the rows' power of two: its x rows
+    are the MMA's N, which may be small) and K is split until at least `waves` programs per SM run:
+    without it a 64 x 5120 x 8192 product is 40 programs walking 256 K steps each. H200, run 13, against
+    that launch: 129.5 -> 35.7 us (wo_b), 72.4 -> 13.1-14.1 (wq_a), 72.6 -> 16.0 (shared expert), 31.1 ->
+    28.9 (wq_b); 64 x 64 tiles were slower on three of the four. Each split's partial sums are added in a
+    fixed order, so the result does not depend on the split's timing."""
     small = m <= 64
-    bm = 64 if small else block_m
-    bn = block_n if block_n is not None else 128
-    ks = k // 32
+    bf16 = block_k > 32
+    bm = (min(64, max(16, triton.next_power_of_2(m))) if bf16 else 64) if small else block_m
+    bn = block_n if block_n is not None else (256 if bf16 and not small else 128)
+    ks = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split_k is None:
         # rounded up: 200 tiles (the Engram's wkv, N = 25600) get 2 splits, not 1 -- 1.5 programs an SM
@@ -122,25 +269,47 @@ def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n:
 
 def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = None, num_warps: int | None = None,
                       num_stages: int = 4, native: bool | None = None, split_k: int | None = None,
-                      waves: float = 2.0, float_out: bool = False):
+                      waves: float = 2.0, float_out: bool = False, mma: str = "fp8", block_k: int = 64):
     """x [M, K] @ dequant(w)^T -> bf16 [M, N] (float_out: its bf16 values as float32, rounded to nearest
     even in the kernel: what the reference numerics store, without a widening copy); the launch shape from
-    `fp8_linear_plan` (num_warps: 8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step)."""
+    `fp8_linear_plan` (num_warps: 8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step).
+    mma: "fp8" (the FP8 tensor-core form, 32 of K per step) or "bf16" (bf16 products of the exact values,
+    block_k of K per step (64 where it does not divide K, a multiple of 64); weight scale bytes above BF16_MAX_SCALE_BYTE give NaN, see
+    `bf16_form_fits`)."""
     m, n, k = _check(x, w, w_scale)
+    if mma not in ("fp8", "bf16"):
+        raise ValueError(f"FP8 linear: unknown mma form {mma!r} (fp8 or bf16)")
+    bf16 = mma == "bf16"
+    if bf16 and (block_k not in (64, 128, 256) or k % 64):
+        raise ValueError(f"FP8 linear, bf16 form: block_k {block_k} is not 64, 128 or 256, or K = {k} is not a "
+                         "multiple of 64")
     if native is None:
         native = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
     out = torch.empty(m, n, dtype=torch.float32 if float_out else torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
-    q, s = quantize_fp8_triton(x)
-    bm, bn, steps, splits = fp8_linear_plan(m, n, k, x.device, block_m, block_n, split_k, waves)
+    bk = (block_k if k % block_k == 0 else 64) if bf16 else 32
+    bm, bn, steps, splits = fp8_linear_plan(m, n, k, x.device, block_m, block_n, split_k, waves, bk)
     nw = num_warps if num_warps is not None else (8 if bm * bn >= 128 * 128 else 4)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
-    _fp8_linear_kernel[grid](q.view(torch.uint8), s.view(torch.uint8), w.contiguous().view(torch.uint8),
-                             w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
-                             NATIVE=native, GROUP=8, PARTIAL=splits > 1, num_warps=nw, num_stages=num_stages)
+    if bf16:
+        _fp8_linear_bf16_kernel[grid](x_values_bf16(x), w.contiguous().view(torch.uint8),
+                                      w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
+                                      BK=bk, DT=dot_dtype(), GROUP=8, PARTIAL=splits > 1,
+                                      num_warps=nw, num_stages=num_stages)
+    else:
+        q, s = quantize_fp8_triton(x)
+        _fp8_linear_kernel[grid](q.view(torch.uint8), s.view(torch.uint8), w.contiguous().view(torch.uint8),
+                                 w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
+                                 NATIVE=native, GROUP=8, PARTIAL=splits > 1, num_warps=nw, num_stages=num_stages)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
     return out
+
+
+def bf16_form_fits(w_scale: torch.Tensor) -> bool:
+    """Whether every weight scale byte is in the bf16 form's range (<= BF16_MAX_SCALE_BYTE, a weight up to
+    448 * 2^7): a check for load time (it syncs), the kernel itself writes NaN for a block out of range."""
+    return w_scale.numel() == 0 or int(w_scale.view(torch.uint8).max()) <= BF16_MAX_SCALE_BYTE
