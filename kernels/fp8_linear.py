@@ -41,9 +41,10 @@ def _check(x, w, w_scale):
     return m, n, k
 
 
-def fp8_linear_reference(x, w, w_scale, float_out: bool = False):
+def fp8_linear_reference(x, w, w_scale, float_out: bool = False, mma: str = "fp8"):
     """x [M, K] (quantized to E4M3 per 32 here) @ the dequantized weight^T in float64 (float32 off the CPU)
-    -> bf16 [M, N] (float_out: those values as float32)."""
+    -> bf16 [M, N] (float_out: those values as float32). mma: the kernel's form, the same products for both."""
+    del mma
     m, n, k = _check(x, w, w_scale)
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
     q, s = Q.quantize_fp8(x.cpu() if x.device.type != "cpu" else x)

@@ -506,6 +506,25 @@ def test_bf16_linear_keeps_one_bf16_copy_per_weight():
     assert torch.equal(ops.bf16_linear(x, w2), ReferenceOps().bf16_linear(x, w2))
 
 
+def test_fp8_linears_above_a_decode_step_take_the_bf16_form():
+    """TritonOps._bf16_form: the FP8 linear's bf16 tensor-core form above 64 rows, where K is whole 64 blocks
+    and every scale byte is in its range (decided once a weight); a decode step's rows keep the FP8 form."""
+    from engine.ops.triton import TritonOps
+    from kernels.fp8_linear import BF16_MAX_SCALE_BYTE
+
+    ops = TritonOps.__new__(TritonOps)
+    ops._bf16_fits = {}
+    scales = torch.full((2, 4), 120, dtype=torch.uint8)
+    high = scales.clone()
+    high[1, 2] = BF16_MAX_SCALE_BYTE + 1
+    w = torch.zeros(64, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ops._raw = {"fits": (w, scales.view(torch.float8_e8m0fnu)), "high": (w, high.view(torch.float8_e8m0fnu)),
+                "odd": (w[:, :96], scales[:, :3].view(torch.float8_e8m0fnu))}
+    assert not ops._bf16_form("fits", 64) and ops._bf16_form("fits", 65) and ops._bf16_form("fits", 4096)
+    assert not ops._bf16_form("high", 4096) and not ops._bf16_form("odd", 4096)
+    assert ops._bf16_fits == {"fits": True, "high": False, "odd": False}
+
+
 if __name__ == "__main__":
     from triton_interp import speed_up   # tests/triton_interp.py: the same kernels, less interpreter overhead
     speed_up()
