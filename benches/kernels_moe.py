@@ -107,8 +107,7 @@ def case_moe(bw, mm):
     # runs 9-10: prefetch, BK 128/256, BN 128, 1 stage, scaled 4.65-10.4 ms (kernels-h200-run9.md, -run10.md);
     # runs 11-12 (one load per scale byte): BK 128/256, BN 128, fp32 decode all slower (2.92-3.76 ms)
     cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
-            dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128),
-            dict(step="gemv")]  # the per-expert GEMV in the bf16 form's own numerics (kernels/moe_step.py): `want` fits
+            dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128)]
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)
@@ -126,13 +125,6 @@ def case_moe(bw, mm):
     # run 16b (scale bytes through tl.load, a shared-memory hop each): BN 64 3.20 ms, 128 2.55, BM 8 5.9
     cfgs = [dict(f8), dict(f8, num_warps=8), dict(f8, block_n=256, num_warps=8), dict(f8, block_n=64),
             dict(f8, block_m=8), dict(f8, num_stages=4), dict(hidden="reference")]  # the last: the bf16 form
-    # the per-expert GEMV (kernels/moe_step.py, step="gemv") with the engine's hidden state: the bf16 form's
-    # numerics (fp32 sums of exact products), so the same FP8-numerics reference `want8` fits it
-    sg = dict(hidden="reference", step="gemv")
-    cfgs += [dict(sg), dict(sg, step_cfg=dict(tokens=1)), dict(sg, step_cfg=dict(tokens=4)),
-             dict(sg, step_cfg=dict(block_kw=32, iters=2)), dict(sg, step_cfg=dict(block_kw=64, iters=2)),
-             dict(sg, step_cfg=dict(block_n=64, num_warps=8)), dict(sg, step_cfg=dict(down_block_n=64, down_iters=1)),
-             dict(sg, step_cfg=dict(block_kw=32, iters=4, down_iters=9))]
     best, t, r = sweep("moe_decode64_f8_cfgs", "moe decode 64 fp8", cfgs,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=True)
@@ -140,8 +132,7 @@ def case_moe(bw, mm):
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
     hg = dict(hidden="reference", x_on_grid=True)  # x made on the E4M3 grid below, as the engine's is
     for name, tq, cfgs in (("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
-                                           dict(hg, gemv_down_block_n=32), dict(f8),
-                                           dict(hg, step="gemv", gemv_max_pairs=0, step_cfg=dict(tokens=1))]),
+                                           dict(hg, gemv_down_block_n=32), dict(f8)]),
                            ("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
                                                  dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)])):
         x = Q.fp8_roundtrip(torch.randn(tq, dim, device=DEV), 32).bfloat16()

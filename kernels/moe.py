@@ -450,7 +450,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
-                   x_on_grid: bool = False, step: str | None = None, step_cfg: dict | None = None):
+                   x_on_grid: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -468,10 +468,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the
     engine's numerics in either form (only the order of sums differs), grouped at every width; x_on_grid:
     x is on the E4M3-per-32 grid already (the engine's `linear(x, None)`), so the bf16 form's round trip
-    (kernels/quant.py fp8_roundtrip_triton) is skipped. step="gemv": past the GEMV widths, the per-expert
-    GEMV of kernels/moe_step.py instead of the grouped GEMM (each weight value decoded once per expert and
-    applied to its tokens only: the decode step's ~1.6 tokens per expert); step_cfg: its knobs
-    (moe_step.moe_step_gemv's keywords). Not with fp8_mma."""
+    (kernels/quant.py fp8_roundtrip_triton) is skipped."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     p = t * k
     hidden = _hidden(hidden, fp8_mma)
@@ -513,12 +510,6 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
             BN=gemv_down_block_n, BKW=bkw2, NIT=it2, PF=gemv_prefetch, FH=fp8_hidden, RB=hidden == "reference",
             KS=ks2, num_warps=gemv_down_num_warps or gemv_num_warps)
         return out
-    if step not in (None, "gemv"):
-        raise ValueError(f"unknown step form {step!r}: None or 'gemv'")
-    if step == "gemv" and not fp8_mma:
-        from kernels import moe_step
-        return moe_step.moe_step_gemv(x.contiguous(), w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit,
-                                      fp8_hidden=fp8_hidden, rb=hidden == "reference", **(step_cfg or {}))
     if block_m is None:
         block_m = 16 if p <= 4 * e else 64
     if block_n is None:  # weight rows are the wgmma M: at least 64 (the FP8 form: 128 halves its waits per row)
