@@ -136,16 +136,6 @@ def cases():
         widx = torch.randint(0, 256, (tq, 128), dtype=torch.int32)
         return lambda: sparse_attn.sparse_attn_triton(q, kvp, kvs, idx, w8, ws, widx, torch.randn(64))
 
-    def chunked_attention(**cfg):  # layout="heads_chunked" (a decode candidate; benches/kernels.py ATTN_DECODE_CFGS)
-        q = torch.randn(64, 64, 512).bfloat16()
-        kvp, kvs = rand_fp4((4096, 512), 16, "e4m3")
-        w8 = (torch.randn(256, 512) * 50).to(torch.float8_e4m3fn)
-        ws = torch.randint(118, 122, (256, 16), dtype=torch.uint8).view(torch.float8_e8m0fnu)
-        idx = torch.randint(0, 4096, (64, 512), dtype=torch.int32)
-        widx = torch.randint(0, 256, (64, 128), dtype=torch.int32)
-        return lambda: [sparse_attn.sparse_attn_triton(q, kvp, kvs, idx, w8, ws, widx, torch.randn(64),
-                                                       layout="heads_chunked", **c) for c in cfg["cfgs"]]
-
     def experts(tokens, **cfg):
         e, inter, dim, k = 8, 2304, 5120, 6
         w1, s1 = rand_fp4((e, inter, dim), 32)
@@ -178,8 +168,6 @@ def cases():
             ("fp8 linear 64x5120x8192", linear(64)), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
             ("sparse attention decode b64", attention(64)), ("sparse attention prefill 4K", attention(4096)),
-            ("sparse attention decode b64, heads_chunked", chunked_attention(cfgs=[
-                {}, {"block_n": 16, "prefetch": False}, {"block_n": 32, "prefetch": False}])),
             ("MoE decode 1 token", experts(1)),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,

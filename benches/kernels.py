@@ -215,11 +215,7 @@ ATTN_CFGS = [dict(layout="entries", block_h=32, block_n=64, num_warps=8),
 # decode: entry splits + merge (run 7: 4 warps, 16-head blocks, heads layout 111-195 us); 64 heads: one decode
 ATTN_DECODE_CFGS = [dict(layout="entries", block_h=bh, block_n=bn, num_warps=8, split=s)
                     for bh, bn, s in ((32, 64, 1), (32, 64, 2), (32, 32, 1), (32, 32, 2), (64, 32, 2), (64, 32, 4),
-                                      (64, 64, 2))] + [
-    # layout "heads_chunked" (heads as M, D in four chunks; sm_90 ptxas, triton 3.7: 255 / 238 / 255 / 255
-    # registers, 0 / 0 / 0 / 72 spill bytes)
-    dict(layout="heads_chunked", block_h=64, block_n=bn, num_warps=8, split=2, prefetch=pf)
-    for bn, pf in ((16, True), (16, False), (32, False), (32, True))]
+                                      (64, 64, 2))]
 
 
 def case_attn(bw, mm):

@@ -28,14 +28,6 @@ O^T += V^T P^T), so the warpgroups split the tile's entries instead of sharing t
 (3.6/3.7) moves a dot's A operand into registers when it is computed in the loop (the decoded tile:
 the whole tile per warpgroup); carried as a loop value it stays in shared memory for both dots, so the
 tile is decoded one iteration ahead.
-
-layout="heads_chunked" (_sparse_attn_c_kernel, a decode candidate): heads as M, D in four chunks of D/4, so
-neither a [BN, D] tile nor a [BH, D] accumulator is ever one value: raw tile bytes as four chunk lane sets,
-S = sum_c Q_c K_c^T (Q_c in shared memory), O_c += P V_c with V_c the same decoded chunk (the first dot's
-shared operand). ptxas sm_90 (triton 3.7, decode b64, 8 warps, BH 64, split 2): BN 16 with the next tile's
-bytes prefetched 255 regs / 0 spill, BN 16 without 238 / 0, BN 32 without 255 / 0, BN 32 with 255 / 72.
-The non-accumulator working set still takes ~100+ registers (ptxas overlaps the next chunks' decodes with
-the running wgmma), so d_split 2 (64 accumulator registers) does not reach the 128 of two programs an SM.
 """
 
 from __future__ import annotations
@@ -47,7 +39,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import bf16_output, dot_dtype, register_cap, sm_count
+from kernels._formats import bf16_output, dot_dtype, sm_count
 
 
 def _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink):
@@ -154,17 +146,10 @@ def _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constex
     16g + 4l .. +3) and one scale byte per group of 16 dims [BN, D/16] (the window's E8M0 byte, one per
     32, read for both of its groups): a quarter of _raw_tile's per-lane scale registers. One format's
     loads are issued (a branch), so only one set of destination registers is live."""
-    return _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D, 0, D)
-
-
-@triton.jit
-def _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr, C0, DC: tl.constexpr):
-    """_raw_tile_g for the dims [C0, C0 + DC) of each entry only (C0, DC multiples of 16; C0 may be a
-    runtime value): lanes [BN, DC/16, 4], scale bytes [BN, DC/16]."""
     ok = ent >= 0
     row = tl.where(ok, ent, 0)  # int32 offsets (the wrapper checks N * D / 4 < 2^31): fewer registers
-    g = C0 // 16 + tl.arange(0, DC // 16)  # groups of 16 dims
-    jw = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [DC/16, 4] lane index
+    g = tl.arange(0, D // 16)
+    jw = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [D/16, 4] lane index
     r3 = row[:, None, None] * (D // 4) + jw[None, :, :]
     if is_win:
         x = tl.load(winw_ptr + r3, mask=ok[:, None, None], other=0)
@@ -366,130 +351,6 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
 
 
 @triton.jit
-def _decode_cols_g(x, s, fp4, BN: tl.constexpr, DC: tl.constexpr, DT: tl.constexpr):
-    """Grouped raw lanes of DC dims (_raw_cols_g) -> kv' [BN, DC], DT: FP4 (fp4 true) or window."""
-    if fp4:
-        kv = _fp4_decode_g(x, s, BN, DC, DT)
-    else:
-        kv = _win_decode_g(x, s, BN, DC, DT)
-    return kv
-
-
-@triton.jit
-def _store_cols(acc, po_ptr, out_ptr, rows, c0, D: tl.constexpr, DC: tl.constexpr, f, SPLIT: tl.constexpr):
-    """Columns [c0, c0 + DC) of a [BH, D] result: the raw accumulator as partials (SPLIT), else times the
-    per-head factor f as the output."""
-    cols = c0 + tl.arange(0, DC)
-    if SPLIT:
-        tl.store(po_ptr + rows[:, None] * D + cols[None, :], acc)
-    else:
-        tl.store(out_ptr + rows[:, None] * D + cols[None, :], bf16_output(acc * f[:, None], out_ptr))
-
-
-@triton.jit
-def _sparse_attn_c_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
-                          po_ptr, pm_ptr, pl_ptr, T, n_sel, n_win, sel_per_split, win_per_split, qk2,
-                          H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                          DT: tl.constexpr, SPLIT: tl.constexpr, DSPLIT: tl.constexpr, PREFETCH: tl.constexpr):
-    """layout="heads_chunked": heads as the MMA's M (as _sparse_attn_kernel) with D in four chunks of
-    DC = D/4, so no [BN, D] tile and no [BH, D] accumulator is ever one value: the tile's raw bytes are
-    four [BN, DC/16, 4] lane sets (PREFETCH: the next tile's loaded before this one is decoded; else this
-    tile's at the top of its iteration), S = sum_c Q_c K_c^T
-    (Q_c: four loop-invariant [BH, DC] operands, kept in shared memory), and O_c += P V_c into four
-    [BH, DC] fp32 accumulators, V_c being K_c's decoded chunk (the first dot's shared-memory operand).
-    DSPLIT = 2: two programs per (token, head block, split), each computing all of S but accumulating two
-    of the chunks (program dh visits the chunks from 2 dh on, so its own come first): half the
-    accumulator. Grid and partials as _sparse_attn_kernel's."""
-    DC: tl.constexpr = D // 4
-    t = tl.program_id(0)
-    sp = tl.program_id(1)
-    heads = (tl.program_id(2) // DSPLIT) * BH + tl.arange(0, BH)
-    rot = (tl.program_id(2) % DSPLIT) * (4 // DSPLIT)  # first chunk this program visits
-    c0 = (rot % 4) * DC  # the four chunks' column offsets in visiting order
-    c1 = ((rot + 1) % 4) * DC
-    c2 = ((rot + 2) % 4) * DC
-    c3 = ((rot + 3) % 4) * DC
-    ar = tl.arange(0, BN)
-    qp = q_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + tl.arange(0, DC)[None, :]
-    q0 = tl.load(qp + c0).to(DT)
-    q1 = tl.load(qp + c1).to(DT)
-    q2 = tl.load(qp + c2).to(DT)
-    q3 = tl.load(qp + c3).to(DT)
-    m_i = tl.full([BH], -1.0e30, tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    a0 = tl.zeros([BH, DC], tl.float32)  # kv' units (1/256)
-    a1 = tl.zeros([BH, DC], tl.float32)
-    if DSPLIT == 1:
-        a2 = tl.zeros([BH, DC], tl.float32)
-        a3 = tl.zeros([BH, DC], tl.float32)
-
-    lo_s, hi_s, lo_w, hi_w, n_st, n_t = _split_tiles(sp, sel_per_split, n_sel, win_per_split, n_win, BN)
-    idx_row = idx_ptr + t.to(tl.int64) * n_sel
-    widx_row = widx_ptr + t.to(tl.int64) * n_win
-    e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-    e2 = _tile_ent(idx_row, widx_row, 1, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-    if PREFETCH:
-        w1 = n_st <= 0
-        x0, s0 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c0, DC)
-        x1, s1 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c1, DC)
-        x2, s2 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c2, DC)
-        x3, s3 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c3, DC)
-    for i in range(0, n_t):
-        ec = e1
-        e1 = e2
-        e2 = _tile_ent(idx_row, widx_row, i + 2, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-        if PREFETCH:
-            y0, r0, y1, r1, y2, r2, y3, r3 = x0, s0, x1, s1, x2, s2, x3, s3
-            w1 = i + 1 >= n_st
-            x0, s0 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c0, DC)
-            x1, s1 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c1, DC)
-            x2, s2 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c2, DC)
-            x3, s3 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, w1, D, c3, DC)
-        else:
-            w0 = i >= n_st
-            y0, r0 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ec, w0, D, c0, DC)
-            y1, r1 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ec, w0, D, c1, DC)
-            y2, r2 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ec, w0, D, c2, DC)
-            y3, r3 = _raw_cols_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ec, w0, D, c3, DC)
-        fp4 = i < n_st
-        k0 = _decode_cols_g(y0, r0, fp4, BN, DC, DT)
-        s = tl.dot(q0, tl.trans(k0))  # [BH, BN]
-        k1 = _decode_cols_g(y1, r1, fp4, BN, DC, DT)
-        s = tl.dot(q1, tl.trans(k1), s)
-        k2 = _decode_cols_g(y2, r2, fp4, BN, DC, DT)
-        s = tl.dot(q2, tl.trans(k2), s)
-        k3 = _decode_cols_g(y3, r3, fp4, BN, DC, DT)
-        s = tl.dot(q3, tl.trans(k3), s)
-        s = tl.where((ec >= 0)[None, :], s * qk2, float("-inf"))  # log2 units
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        p = p.to(DT)
-        a0 = tl.dot(p, k0, a0 * alpha[:, None])
-        a1 = tl.dot(p, k1, a1 * alpha[:, None])
-        if DSPLIT == 1:
-            a2 = tl.dot(p, k2, a2 * alpha[:, None])
-            a3 = tl.dot(p, k3, a3 * alpha[:, None])
-
-    if SPLIT:
-        rows = (sp * T + t).to(tl.int64) * H + heads  # [BH] rows of the [S, T, H] partials
-        if rot == 0:  # one of the DSPLIT programs writes the softmax statistics
-            tl.store(pm_ptr + rows, m_i)
-            tl.store(pl_ptr + rows, l_i)
-        f = l_i
-    else:
-        rows = t.to(tl.int64) * H + heads
-        f = _sink_scale(sink_ptr, heads, m_i, l_i)
-    _store_cols(a0, po_ptr, out_ptr, rows, c0, D, DC, f, SPLIT)
-    _store_cols(a1, po_ptr, out_ptr, rows, c1, D, DC, f, SPLIT)
-    if DSPLIT == 1:
-        _store_cols(a2, po_ptr, out_ptr, rows, c2, D, DC, f, SPLIT)
-        _store_cols(a3, po_ptr, out_ptr, rows, c3, D, DC, f, SPLIT)
-
-
-@triton.jit
 def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr, H: tl.constexpr,
                   D: tl.constexpr, BH: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink)."""
@@ -514,8 +375,7 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr,
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
-                       layout: str | None = None, float_out: bool = False, maxnreg: int | None = None,
-                       prefetch: bool = True):
+                       layout: str | None = None, float_out: bool = False):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     layout (module docstring): None picks "entries" wherever its int32 offsets reach every cache entry,
@@ -530,13 +390,6 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     the output columns: half the accumulator registers, no partials to merge, for 2x the QK^T work.
     float_out: the bf16 output's values stored as float32 (rounded to nearest even in the kernel), what the
     reference numerics keep, without a widening copy.
-    layout="heads_chunked" (_sparse_attn_c_kernel, a decode candidate): heads as M with D in four chunks
-    (four [BH, D/4] accumulators, raw tiles as four chunk lane sets; d_split 2: two of them a program);
-    block_h None: 64, block_n None: 16 (with prefetch: no spills on sm_90), split None: enough to fill the
-    SMs once; maxnreg: a register cap
-    per thread (kernels._formats.register_cap), e.g. 128 for two 8-warp programs an SM with d_split 2;
-    prefetch: the next tile's raw bytes loaded before this one's decode (False: at the top of its own
-    iteration, fewer registers).
     Host side: no tensor is made on or copied from the host, nothing is read back (CUDA-graph safe)."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
     if d % 64 or d & (d - 1):
@@ -545,8 +398,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     wide = max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31  # past the entries layout's int32 offsets
     if layout is None:
         layout = "heads" if wide else "entries"
-    if layout not in ("heads", "entries", "heads_chunked"):
-        raise ValueError(f"sparse attention: layout must be 'heads', 'entries' or 'heads_chunked', got {layout!r}")
+    if layout not in ("heads", "entries"):
+        raise ValueError(f"sparse attention: layout must be 'heads' or 'entries', got {layout!r}")
     if d_split not in (1, 2):
         raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
     # decode (the tokens' 64-head blocks fill at most half the SMs): all 64 heads a program decode each
@@ -555,16 +408,15 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
               and h % 64 == 0 and 2 * t * (h // 64) <= sm_count(q.device))
     if decode:
         block_h, block_n, split = 64, 32, 2
-    chunked = layout == "heads_chunked"
     bh = min(block_h or (32 if layout == "entries" else 64), h)
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
-    if layout != "heads" and wide:
-        raise ValueError(f"sparse attention: layout={layout!r} addresses the caches with int32 offsets; "
+    if layout == "entries" and wide:
+        raise ValueError("sparse attention: layout='entries' addresses the caches with int32 offsets; "
                          f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
     if block_n is None:
-        block_n = 64 if layout == "entries" else 32 if not chunked and t * (h // bh) >= sm_count(q.device) else 16
+        block_n = 64 if layout == "entries" else 32 if t * (h // bh) >= sm_count(q.device) else 16
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
     if split is None:
         split = max(1, sm_count(q.device) // max(1, t * (h // bh) * d_split))
@@ -579,18 +431,14 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     else:
         po = pm = pl = out  # unused
     kvh = kv_packed.contiguous().view(torch.int16)
-    if chunked:
-        kernel, extra = _sparse_attn_c_kernel, {"DSPLIT": d_split, "PREFETCH": bool(prefetch), **register_cap(maxnreg)}
-    else:
-        kernel = _sparse_attn_kernel if layout == "heads" else _sparse_attn_t_kernel
-        extra = {"DV": d // d_split}
+    kernel = _sparse_attn_kernel if layout == "heads" else _sparse_attn_t_kernel
     kernel[(t, split, (h // bh) * d_split)](
         q.contiguous(), kvh, kv_scale.contiguous().view(torch.uint8), idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
         win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous(),
         sink.float().contiguous(), out, po, pm, pl, t, n_sel, n_win, sel_per, win_per,
         scale * math.log2(math.e) * _FOLD,
-        H=h, D=d, BH=bh, BN=block_n, DT=dot_dtype(), SPLIT=split > 1, num_warps=num_warps,
-        num_stages=num_stages, **extra)
+        H=h, D=d, BH=bh, BN=block_n, DT=dot_dtype(), SPLIT=split > 1, DV=d // d_split, num_warps=num_warps,
+        num_stages=num_stages)
     if split > 1:
         mh = min(merge_heads, h)
         _merge_kernel[(t, h // mh)](po, pm, pl, sink.float().contiguous(), out, t, S=split, H=h, D=d, BH=mh,

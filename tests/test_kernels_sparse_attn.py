@@ -92,7 +92,7 @@ def _rel(a, b):
     return ((a - b).norm() / a.norm()).item()
 
 
-@pytest.mark.parametrize("layout", ["heads", "entries", "heads_chunked"])
+@pytest.mark.parametrize("layout", ["heads", "entries"])
 @pytest.mark.parametrize("split,block_h,d_split", [(1, 16, 1), (2, 16, 1), (3, 8, 1), (None, 16, 1),
                                                    (1, 16, 2), (3, 8, 2)])
 def test_split_kv_matches_reference(poisoned, split, block_h, d_split, layout):
@@ -116,7 +116,7 @@ def test_split_kv_matches_reference(poisoned, split, block_h, d_split, layout):
     assert ((fo - got.float()).abs() <= 2.0 ** -7 * fo.abs() + 1e-30).all() and _rel(want, fo) < 1e-2
 
 
-@pytest.mark.parametrize("layout", ["heads", "entries", "heads_chunked"])
+@pytest.mark.parametrize("layout", ["heads", "entries"])
 def test_split_with_only_window_work_and_dominant_sink(poisoned, layout):
     """One selected tile over 3 splits: splits 1-2 hold window tiles only. Head 0's sink is huge, so its
     output must vanish (the merge adds the sink once, not once per split)."""
@@ -175,7 +175,6 @@ def _host_use_of(fn, args):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(A, "_sparse_attn_kernel", kern)
         mp.setattr(A, "_sparse_attn_t_kernel", kern)
-        mp.setattr(A, "_sparse_attn_c_kernel", kern)
         mp.setattr(A, "_merge_kernel", merge)
         with spy:
             fn(*meta)
@@ -185,8 +184,7 @@ def _host_use_of(fn, args):
     return spy.seen + host_args, kern.launches, merge.launches
 
 
-@pytest.mark.parametrize("split,layout", [(1, "heads"), (4, "heads"), (4, "entries"), (1, "heads_chunked"),
-                                          (4, "heads_chunked")])
+@pytest.mark.parametrize("split,layout", [(1, "heads"), (4, "heads"), (4, "entries")])
 def test_wrapper_keeps_everything_on_the_device(split, layout):
     """The decode path under CUDA-graph rules: with the inputs on a device, no host tensor is made,
     copied or handed to a kernel and nothing is read back, for one split and for partials + merge."""
