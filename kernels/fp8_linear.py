@@ -10,8 +10,8 @@ Two forms (`mma`):
   E4M3 round trip (E4M3 value * 2^e is a bf16), the weight tile decoded in registers from its bytes to bf16
   with its block scale folded in, one bf16 dot per BK (64 or 128) of K into the float32 accumulator. Every
   product is exact and sums are float32, as in the FP8 form; the weight stays in its FP8 bytes.
-Decode-sized products (<= 64 rows) split K over more programs (`fp8_linear_plan`); the last program of
-each tile to finish adds the float32 partials in split order (one launch, deterministic).
+Decode-sized products (<= 64 rows) split K over more programs (`fp8_linear_plan`) and add the float32
+partials in a fixed order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import arrival_counters, bf16_output, dot_dtype, e4m3_value, e8m0_value, sm_count
+from kernels._formats import bf16_output, dot_dtype, e4m3_value, e8m0_value, sm_count
 from kernels.quant import _fp8_groups, quantize_fp8_triton
 
 # the bf16 form folds 2^(s - 127) into the weight's bf16 value as one factor 2^(s - 7), a bf16 while s <= 134
@@ -59,35 +59,11 @@ def fp8_linear_reference(x, w, w_scale, float_out: bool = False, mma: str = "fp8
 
 
 @triton.jit
-def _store_tile(acc, c_ptr, part_ptr, cnt_ptr, rm, rn, M, N, SPLITS: tl.constexpr):
-    """The tile's float32 sums [BM, BN] stored: as c's bf16 values with one split; with several, this split's
-    partial into part [SPLITS, M, N], and the last of the tile's programs to arrive adds the SPLITS partials
-    in split order (deterministic whoever arrives last) and stores c, in the same launch."""
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    if SPLITS == 1:
-        tl.store(c_ptr + offs, bf16_output(acc, c_ptr), mask=mask)
-    else:
-        mn = M.to(tl.int64) * N
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * mn + offs, acc, mask=mask)
-        # this program's partial stores happen before the counter's release (the barrier), and the last
-        # arriver's acquire before its reads of every partial (L2 reads: `.cg`, no stale L1 line)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            tot = tl.zeros(acc.shape, tl.float32)
-            for s in range(SPLITS):
-                tot += tl.load(part_ptr + s * mn + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(c_ptr + offs, bf16_output(tot, c_ptr), mask=mask)
-            tl.store(cnt_ptr + tl.program_id(0), 0)  # ready for the next launch (stream order)
-
-
-@triton.jit
-def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, STEPS,
+def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
                        BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, GROUP: tl.constexpr,
-                       SPLITS: tl.constexpr):
-    """Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS) of 32, stored
-    by `_store_tile`."""
+                       PARTIAL: tl.constexpr):
+    """Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS) of 32.
+    PARTIAL: stored as float32 into split's slice of c [splits, M, N]; else as bf16 into c [M, N]."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -117,7 +93,11 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M
         else:
             p = tl.dot(e4m3_value(a.to(tl.int32)), tl.trans(e4m3_value(b.to(tl.int32))))
         acc += p * sa[:, None] * sb[None, :]
-    _store_tile(acc, c_ptr, part_ptr, cnt_ptr, rm, rn, M, N, SPLITS)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mm[:, None] & nm[None, :])
+    else:
+        tl.store(c_ptr + offs, bf16_output(acc, c_ptr), mask=mm[:, None] & nm[None, :])
 
 
 @triton.jit
@@ -208,14 +188,14 @@ def e4m3_scaled_operand(byte, sbyte, BK: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, STEPS,
+def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                            GROUP: tl.constexpr, SPLITS: tl.constexpr):
+                            GROUP: tl.constexpr, PARTIAL: tl.constexpr):
     """The bf16 form. Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS)
     of BK (K a multiple of BK); a: x's bf16 values [M, K] from `x_values_bf16`, in the MMA's K order, which
     the weight tile takes in registers (`in_mma_k_order`). The decoded weight tile is the dot's left operand, so it can feed
     the tensor core from registers (a Hopper wgmma takes its A operand there, B only from shared memory):
-    acc is the output tile transposed, [BN, BM]. Stored by `_store_tile`."""
+    acc is the output tile transposed, [BN, BM]. PARTIAL as in _fp8_linear_kernel."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -244,7 +224,24 @@ def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N
         sb = tl.load(s_rows + (k0 // 32 + kblk)[None, :], mask=nm[:, None], other=127)
         w = in_mma_k_order(e4m3_scaled_operand(b, sb.to(tl.int32), BK, DT), BK)
         acc = tl.dot(w, tl.trans(a.to(DT)), acc)
-    _store_tile(tl.trans(acc), c_ptr, part_ptr, cnt_ptr, rm, rn, M, N, SPLITS)
+    out = tl.trans(acc)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + offs, out, mask=mm[:, None] & nm[None, :])
+    else:
+        tl.store(c_ptr + offs, bf16_output(out, c_ptr), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic); a float32 c
+    holds those bf16 values."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
+    tl.store(c_ptr + i, bf16_output(acc, c_ptr), mask=mask)
 
 
 def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n: int | None = None,
@@ -295,20 +292,21 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
     bk = (block_k if k % block_k == 0 else 64) if bf16 else 32
     bm, bn, steps, splits = fp8_linear_plan(m, n, k, x.device, block_m, block_n, split_k, waves, bk)
     nw = num_warps if num_warps is not None else (8 if bm * bn >= 128 * 128 else 4)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    cnt = arrival_counters(x.device, tiles) if splits > 1 else out
-    grid = (tiles, splits)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
     if bf16:
         _fp8_linear_bf16_kernel[grid](x_values_bf16(x), w.contiguous().view(torch.uint8),
-                                      w_scale.contiguous().view(torch.uint8), out, part, cnt, m, n, k, steps,
-                                      BM=bm, BN=bn, BK=bk, DT=dot_dtype(), GROUP=8, SPLITS=splits,
+                                      w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
+                                      BK=bk, DT=dot_dtype(), GROUP=8, PARTIAL=splits > 1,
                                       num_warps=nw, num_stages=num_stages)
     else:
         q, s = quantize_fp8_triton(x)
         _fp8_linear_kernel[grid](q.view(torch.uint8), s.view(torch.uint8), w.contiguous().view(torch.uint8),
-                                 w_scale.contiguous().view(torch.uint8), out, part, cnt, m, n, k, steps, BM=bm,
-                                 BN=bn, NATIVE=native, GROUP=8, SPLITS=splits, num_warps=nw, num_stages=num_stages)
+                                 w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
+                                 NATIVE=native, GROUP=8, PARTIAL=splits > 1, num_warps=nw, num_stages=num_stages)
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
     return out
 
 
