@@ -523,6 +523,12 @@ def test_fp8_linears_above_a_decode_step_take_the_bf16_form():
     assert not ops._bf16_form("fits", 64) and ops._bf16_form("fits", 65) and ops._bf16_form("fits", 4096)
     assert not ops._bf16_form("high", 4096) and not ops._bf16_form("odd", 4096)
     assert ops._bf16_fits == {"fits": True, "high": False, "odd": False}
+    # the opt-in for a decode step's wide products (K >= 4096, N >= 2048)
+    wide = torch.zeros(2048, 4096, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ops._raw["wide"] = (wide, torch.full((64, 128), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu))
+    assert not ops._bf16_form("wide", 64)
+    ops.linear_bf16_decode = True
+    assert ops._bf16_form("wide", 64) and ops._bf16_form("wide", 1) and not ops._bf16_form("fits", 64)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,10 @@ class TritonOps:
     # the routed experts on FP8 tensor cores (kernels/moe_f8.py) at the widths where that form pays
     # (kernels/moe.py fp8_form_pays): the same numerics, sums inside each 32-group at the FP8 MMA's precision
     moe_fp8_mma = False
+    # the decode step's FP8 linears with K >= 4096 and N >= 2048 on the kernel's bf16 form too (H200 run 18d:
+    # 64 x 5120 x 8192 31.7 us against 43.2 for the FP8 form's best, 64 x 2304 x 5120 15.3 against 16.6;
+    # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); not the default until a release layer has timed it
+    linear_bf16_decode = False
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -190,8 +194,10 @@ class TritonOps:
     def _bf16_form(self, base: str, rows: int) -> bool:
         """Whether the FP8 linear of `base` takes the kernel's bf16 tensor-core form (exact products, no
         rescale every 32 of K: 2.1x at 4096 x 5120 x 8192 on the H200): above a decode step's 64 rows, where K
-        is whole 64 blocks and every scale byte is in the form's range (checked once a weight: a host sync)."""
-        if rows <= 64:
+        is whole 64 blocks and every scale byte is in the form's range (checked once a weight: a host sync);
+        with `linear_bf16_decode`, also a decode step's wide products."""
+        if rows <= 64 and not (self.linear_bf16_decode and self._raw[base][0].shape[1] >= 4096
+                               and self._raw[base][0].shape[0] >= 2048):
             return False
         if base not in self._bf16_fits:
             from kernels.fp8_linear import bf16_form_fits
