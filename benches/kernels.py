@@ -337,9 +337,9 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode half), indexer, topk, moe, "
-                    "linear, norm, run in the order given (default: all; topk is the top-512 sweep alone, on its own "
-                    "logits)")
+    ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
+                    "half), indexer, topk, moe, linear, norm, run in the order given (default: all; topk is the "
+                    "top-512 sweep alone, on its own logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
