@@ -111,10 +111,10 @@ def cases():
         quant.quantize_fp4_triton(torch.randn(256, 128).bfloat16(), 32, "e8m0")
         quant.quantize_fp8_triton(torch.randn(256, 512).bfloat16())
 
-    def linear(m):
+    def linear(m, **form):
         w = (torch.randn(5120, 8192) * 30).to(torch.float8_e4m3fn)
         ws = torch.randint(118, 124, (160, 256), dtype=torch.uint8).view(torch.float8_e8m0fnu)
-        return lambda: fp8_linear.fp8_linear_triton(torch.randn(m, 8192).bfloat16(), w, ws)
+        return lambda: fp8_linear.fp8_linear_triton(torch.randn(m, 8192).bfloat16(), w, ws, **form)
 
     def index(tq, n, fused):
         qp, qs = rand_fp4((tq, 32, 128), 32)
@@ -165,7 +165,8 @@ def cases():
         return lambda: mhc.mhc_triton(*args)
 
     return [("quantizers", quantizers), ("fp8 linear 128x5120x8192", linear(128)),
-            ("fp8 linear 64x5120x8192", linear(64)), ("indexer + top-512 decode", index(1, 1 << 16, True)),
+            ("fp8 linear 64x5120x8192", linear(64)), ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
+            ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
             ("sparse attention decode b64", attention(64)), ("sparse attention prefill 4K", attention(4096)),
             ("MoE decode 1 token", experts(1)),

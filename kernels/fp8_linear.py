@@ -59,23 +59,36 @@ def fp8_linear_reference(x, w, w_scale, float_out: bool = False, mma: str = "fp8
 
 
 @triton.jit
+def _tile_rows(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """This program's output rows and columns; grouped order: neighbouring programs share B tiles in L2."""
+    pid = tl.program_id(0)
+    width = GROUP * tl.cdiv(N, BN)
+    first_m = (pid // width) * GROUP
+    gsize = tl.minimum(tl.cdiv(M, BM) - first_m, GROUP)
+    pm = first_m + (pid % width) % gsize
+    pn = (pid % width) // gsize
+    return pm * BM + tl.arange(0, BM), pn * BN + tl.arange(0, BN)
+
+
+@triton.jit
+def _store_tile(acc, c_ptr, rm, rn, M, N, PARTIAL: tl.constexpr):
+    """The tile's float32 sums [BM, BN]: as float32 into this split's slice of c [splits, M, N] (PARTIAL), else
+    as c's bf16 values into c [M, N]."""
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + tl.program_id(1).to(tl.int64) * M * N + offs, acc, mask=mask)
+    else:
+        tl.store(c_ptr + offs, bf16_output(acc, c_ptr), mask=mask)
+
+
+@triton.jit
 def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
                        BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr, GROUP: tl.constexpr,
                        PARTIAL: tl.constexpr):
     """Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS) of 32.
     PARTIAL: stored as float32 into split's slice of c [splits, M, N]; else as bf16 into c [M, N]."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    # grouped order: neighbouring programs share B tiles in L2
-    width = GROUP * n_n
-    g = pid // width
-    first_m = g * GROUP
-    gsize = tl.minimum(n_m - first_m, GROUP)
-    pm = first_m + (pid % width) % gsize
-    pn = (pid % width) // gsize
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
+    rm, rn = _tile_rows(M, N, BM, BN, GROUP)
     mm = rm < M
     nm = rn < N
     kk = tl.arange(0, 32)
@@ -93,11 +106,7 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
         else:
             p = tl.dot(e4m3_value(a.to(tl.int32)), tl.trans(e4m3_value(b.to(tl.int32))))
         acc += p * sa[:, None] * sb[None, :]
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    if PARTIAL:
-        tl.store(c_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mm[:, None] & nm[None, :])
-    else:
-        tl.store(c_ptr + offs, bf16_output(acc, c_ptr), mask=mm[:, None] & nm[None, :])
+    _store_tile(acc, c_ptr, rm, rn, M, N, PARTIAL)
 
 
 @triton.jit
@@ -196,17 +205,7 @@ def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
     the weight tile takes in registers (`in_mma_k_order`). The decoded weight tile is the dot's left operand, so it can feed
     the tensor core from registers (a Hopper wgmma takes its A operand there, B only from shared memory):
     acc is the output tile transposed, [BN, BM]. PARTIAL as in _fp8_linear_kernel."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    width = GROUP * n_n
-    g = pid // width
-    first_m = g * GROUP
-    gsize = tl.minimum(n_m - first_m, GROUP)
-    pm = first_m + (pid % width) % gsize
-    pn = (pid % width) // gsize
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
+    rm, rn = _tile_rows(M, N, BM, BN, GROUP)
     mm = rm < M
     nm = rn < N
     kk = tl.arange(0, BK)
@@ -224,12 +223,7 @@ def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
         sb = tl.load(s_rows + (k0 // 32 + kblk)[None, :], mask=nm[:, None], other=127)
         w = in_mma_k_order(e4m3_scaled_operand(b, sb.to(tl.int32), BK, DT), BK)
         acc = tl.dot(w, tl.trans(a.to(DT)), acc)
-    out = tl.trans(acc)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    if PARTIAL:
-        tl.store(c_ptr + split.to(tl.int64) * M * N + offs, out, mask=mm[:, None] & nm[None, :])
-    else:
-        tl.store(c_ptr + offs, bf16_output(out, c_ptr), mask=mm[:, None] & nm[None, :])
+    _store_tile(tl.trans(acc), c_ptr, rm, rn, M, N, PARTIAL)
 
 
 @triton.jit
