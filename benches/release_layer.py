@@ -515,7 +515,7 @@ def parse(argv):
     p.add_argument("--profile", action="store_true",
                    help="one more pass per role under torch.profiler: release-layer-profile.txt")
     p.add_argument("--moe-fp8", action="store_true", help="routed experts on FP8 tensor cores (kernels/moe_f8.py)")
-    p.add_argument("--linear-bf16-decode", action="store_true", help="TritonOps.linear_bf16_decode (decode linears)")
+    p.add_argument("--ops", default="", help="kernel-ops knobs, name=value,... (TritonOps.KNOBS: linear_bf16_decode=1)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     args.tokens = args.tokens or (24 if args.tiny else 4096)
@@ -552,9 +552,9 @@ def main(argv=None) -> int:
     weights = weight_source(gen, args.weights)
     with torch.inference_mode():
         model = Model(cfg, weights, ModuloTokenizer(cfg), numerics=args.numerics, kernels=kernels, device=device)
-    model.ops.moe_fp8_mma, model.ops.linear_bf16_decode = args.moe_fp8, args.linear_bf16_decode  # TritonOps' knobs
+    model.ops.moe_fp8_mma, knobs = args.moe_fp8, (model.ops.set_knobs(args.ops) if args.ops else {})  # TritonOps'
     report["ops"] = type(model.ops).__name__ + f" over {args.numerics}" + (", MoE on FP8 MMA" if args.moe_fp8 else "") \
-        + (", decode linears on the bf16 form" if args.linear_bf16_decode else "")
+        + "".join(f", {k}={v}" for k, v in knobs.items())
     picks = pick_layers(cfg)
     todo = [k for k in args.roles if k in picks]
     for key in args.roles:

@@ -140,6 +140,10 @@ class TritonOps:
     # 64 x 5120 x 8192 31.7 us against 43.2 for the FP8 form's best, 64 x 2304 x 5120 15.3 against 16.6;
     # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); not the default until a release layer has timed it
     linear_bf16_decode = False
+    # the grouped MoE GEMM's K order (kernels/moe.py a_layout): "mma" loads each lane's wgmma A fragment
+    # directly (no shared-memory round trip in the SASS); not the default until timed on a GPU
+    moe_a_layout = "nib"
+    KNOBS = {"moe_fp8_mma": (False, True), "linear_bf16_decode": (False, True), "moe_a_layout": ("nib", "mma")}
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -157,6 +161,22 @@ class TritonOps:
         self._experts: dict[str, tuple | None] = {}
         self._bf16: dict[str, torch.Tensor | None] = {}
         self._bf16_of: dict[int, tuple] = {}  # id(float weight) -> (a weak reference to it, its bf16 copy)
+
+    def set_knobs(self, spec: str) -> dict:
+        """Set the tuning knobs above from "name=value,..." (benches; booleans as 0 or 1); returns them set."""
+        knobs = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, _, text = item.partition("=")
+            allowed = self.KNOBS.get(name)
+            if allowed is None:
+                raise ValueError(f"unknown kernel-ops knob {name!r}; the knobs: {', '.join(self.KNOBS)}")
+            value = {"0": False, "1": True}.get(text) if isinstance(allowed[0], bool) else text
+            if value not in allowed or (isinstance(allowed[0], bool) and text not in ("0", "1")):
+                raise ValueError(f"knob {name}: {text!r} is not one of {', '.join(map(str, allowed))} (booleans: 0, 1)")
+            knobs[name] = value
+        for name, value in knobs.items():  # all or nothing: a refused spec sets none
+            setattr(self, name, value)
+        return knobs
 
     def __getattr__(self, name):  # every op the kernels do not take is the wrapped numerics'
         return getattr(self.base, name)
@@ -482,6 +502,8 @@ class TritonOps:
             fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
             form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8,
                     "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
+            if self.moe_a_layout != "nib":
+                form["a_layout"] = self.moe_a_layout
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
