@@ -15,13 +15,13 @@ A + 4 half, so the two halves of a pattern are neighbours (a bf16 pair is the pa
 order (0, 2, 1, 3, 4, 6, 5, 7) before cost 32 byte permutes per 64-wide K step of the MoE's gate/up
 kernel: 389 -> 355 SASS instructions in its loop, sm_90). `nib_order` permutes an activation the same
 way. MMA order (`a_layout="mma"` in kernels/moe.py): on top of NIB, each 64 block of K is relabelled
-as kernels/fp8_linear.py's `mma_k_position` does (NIB column 16 c + 4 s + 2 h + t goes to 16 s + 8 h +
+as kernels/_formats.py's `mma_k_position` says (NIB column 16 c + 4 s + 2 h + t goes to 16 s + 8 h +
 2 c + t), so that lane c of a quad, whose Hopper wgmma register A fragment holds K columns
 2 c + {0, 1, 8, 9} of each 16, holds exactly NIB columns 16 c .. 16 c + 15: its own two int32 words, each
 bf16 pair of the fragment one `nibble_pair_bf16` result. With the words loaded where the fragment wants
 them (`fp4_words_mma`), the decoded tile feeds the wgmma from the registers it was decoded in, without
 the shared-memory round trip (sm_90 SASS, gate/up loop at the decode step's tiles: 8 STS + 8 LDSM per
-step -> none, 355 -> 333 instructions). The stored weights are untouched (`in_mma_order` relabels
+step -> none, 355 -> 333 instructions). The stored weights are untouched (`in_mma_k_order` relabels
 registers); x and h take the combined order (`mma_order`, `mma_position`). `fp4_dot_scaled` is the
 other route: the raw bytes into Triton's own MXFP4 upcast (tl.dot_scaled; GPU only).
 """
@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels._formats import in_mma_k_order, mma_k_position
 
 
 @triton.jit
@@ -107,7 +109,7 @@ def fp4_words_mma(w_ptr, s_ptr, row0, nrows, k0, KDIM: tl.constexpr, BR: tl.cons
     8 kb + 2 c + j. With the last dimension the contiguous one, Triton's coalescing gives j to registers (an
     8-byte load), c and g to the 32 lanes, w to the 4 warps (m too at 8 warps) and the rest to registers:
     the wgmma's own distribution (lane 4 g + c, warp w, rows g and g + 8 of its 16), which the permute and
-    reshape below only relabel (the decode's joins and `in_mma_order` then stay in registers). The plain
+    reshape below only relabel (the decode's joins and `in_mma_k_order` then stay in registers). The plain
     [BR, BK/8] load (16-byte vectors, 2 lanes a row) left a warp-shuffle exchange of the decoded tile."""
     KW: tl.constexpr = KDIM // 8
     KB: tl.constexpr = BK // 64
@@ -138,16 +140,6 @@ def fp4_words_mma(w_ptr, s_ptr, row0, nrows, k0, KDIM: tl.constexpr, BR: tl.cons
 
 
 @triton.jit
-def in_mma_order(t, BK: tl.constexpr):
-    """A [R, BK] tile in NIB order -> MMA order (each 64 block: NIB column 16 c + 4 s + 2 h + t at 16 s + 8 h +
-    2 c + t), a register relabelling where the tile feeds a dot's register A operand (kernels/fp8_linear.py's
-    `in_mma_k_order`)."""
-    R: tl.constexpr = t.shape[0]
-    t = tl.reshape(t, (R, BK // 64, 4, 4, 2, 2))  # [., c, s, h, t]
-    return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2, 5)), (R, BK))  # [., s, h, c, t]
-
-
-@triton.jit
 def fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr, MMA: tl.constexpr = False):
     """Words and scales from `fp4_words` (or `fp4_words_mma`) -> the [BR, BK] tile in DT, K in NIB order
     within each 8-group (see the module docstring); MMA: in MMA order (BK a multiple of 64). The nibble
@@ -174,7 +166,7 @@ def fp4_decoded(wd, sc, BK: tl.constexpr, DT: tl.constexpr, BD: tl.constexpr, MM
     else:
         t = (t * s).to(DT)
     if MMA:
-        t = in_mma_order(t, BK)
+        t = in_mma_k_order(t, BK)
     return t
 
 
@@ -222,9 +214,9 @@ def nib_position(n):
 
 @triton.jit
 def mma_position(n):
-    """Column of original K index n in MMA order: NIB, then the `in_mma_order` relabelling of its 64 block."""
+    """Column of original K index n in MMA order: NIB, then the `in_mma_k_order` relabelling of its 64 block."""
     m = nib_position(n)
-    return (m & -64) | (((m >> 2) & 3) << 4) | (((m >> 1) & 1) << 3) | (((m >> 4) & 3) << 1) | (m & 1)
+    return (m & -64) | mma_k_position(m & 63)
 
 
 @triton.jit
@@ -248,7 +240,7 @@ def nib_order(a: torch.Tensor) -> torch.Tensor:
 
 def mma_order(a: torch.Tensor) -> torch.Tensor:
     """[R, K] -> [R, K] in MMA order (K a multiple of 64): `nib_order`, then each 64 block's NIB column
-    16 c + 4 s + 2 h + t at 16 s + 8 h + 2 c + t (`in_mma_order`, `mma_position`)."""
+    16 c + 4 s + 2 h + t at 16 s + 8 h + 2 c + t (`in_mma_k_order`, `mma_position`)."""
     r, kdim = a.shape
     t = nib_order(a).reshape(r, kdim // 64, 4, 4, 2, 2)
     return t.permute(0, 1, 3, 4, 2, 5).reshape(r, kdim)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import bf16_output, dot_dtype, e4m3_value, e8m0_value, sm_count
+from kernels._formats import bf16_output, dot_dtype, e4m3_value, e8m0_value, in_mma_k_order, sm_count
 from kernels.quant import _fp8_groups, quantize_fp8_triton
 
 # the bf16 form folds 2^(s - 127) into the weight's bf16 value as one factor 2^(s - 7), a bf16 while s <= 134
@@ -110,19 +110,11 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
 
 
 @triton.jit
-def mma_k_position(m):
-    """Where memory column m (= 16 c + 4 s + 2 h + t) of a 64-wide K block goes in the bf16 form's MMA K order:
-    16 s + 8 h + 2 c + t. A Hopper MMA's register operand gives lane c of a quad K columns 2 c + {0, 1, 8, 9}
-    of each 16; in this order they are the weight's bytes 16 c .. 16 c + 15 (one 16-byte shared load per
-    row, not eight of 2 bytes). The dot's K order is free as long as both operands share it."""
-    return (((m >> 2) & 3) << 4) | (((m >> 1) & 1) << 3) | ((m >> 4) << 1) | (m & 1)
-
-
-@triton.jit
 def _x_values_bf16_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
     """x's E4M3 round trip (kernels.quant's codes and scales) as bf16 values, each 64-wide K block in the
-    `mma_k_position` order. Exact: an E4M3 value (4 significant bits) times 2^e, e >= -22 (the quantizer's
-    amax floor 1e-4), is a bf16 wherever it is a finite float32 (the same exponent range)."""
+    `mma_k_position` order (kernels/_formats.py). Exact: an E4M3 value (4 significant bits) times 2^e,
+    e >= -22 (the quantizer's amax floor 1e-4), is a bf16 wherever it is a finite float32 (the same exponent
+    range)."""
     code, scale, offs, g, gmask = _fp8_groups(x_ptr, BLOCK, BG, n_groups)
     # K rows are whole 64 blocks, so groups pair up; reordered in registers, stored whole (a scattered
     # store of the same values took 256 us at 4096 x 8192 on the H200)
@@ -143,15 +135,6 @@ def x_values_bf16(x: torch.Tensor) -> torch.Tensor:
     if n_groups:
         _x_values_bf16_kernel[(triton.cdiv(n_groups, 64),)](xc, y, n_groups, BLOCK=32, BG=64)
     return y
-
-
-@triton.jit
-def in_mma_k_order(w, BK: tl.constexpr):
-    """A [R, BK] tile in memory order -> the `mma_k_position` order of each 64 block (a register relabelling
-    where the tile feeds a dot's register operand)."""
-    R: tl.constexpr = w.shape[0]
-    w = tl.reshape(w, (R, BK // 64, 4, 4, 2, 2))  # [., c, s, h, t]
-    return tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (R, BK))  # [., s, h, c, t]
 
 
 # E4M3 bytes -> bf16 worth value * 2^-120, times a bf16 factor: per byte pair, the two bytes into the high bytes
@@ -202,9 +185,10 @@ def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
                             GROUP: tl.constexpr, PARTIAL: tl.constexpr):
     """The bf16 form. Program (tile, split): the tile's sum over K steps [split * STEPS, (split + 1) * STEPS)
     of BK (K a multiple of BK); a: x's bf16 values [M, K] from `x_values_bf16`, in the MMA's K order, which
-    the weight tile takes in registers (`in_mma_k_order`). The decoded weight tile is the dot's left operand, so it can feed
-    the tensor core from registers (a Hopper wgmma takes its A operand there, B only from shared memory):
-    acc is the output tile transposed, [BN, BM]. PARTIAL as in _fp8_linear_kernel."""
+    the weight tile takes in registers (`in_mma_k_order`). The decoded weight tile is the dot's left
+    operand, so it can feed the tensor core from registers (a Hopper wgmma takes its A operand there, B
+    only from shared memory): acc is the output tile transposed, [BN, BM]. PARTIAL as in
+    _fp8_linear_kernel."""
     rm, rn = _tile_rows(M, N, BM, BN, GROUP)
     mm = rm < M
     nm = rn < N
@@ -269,8 +253,8 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
     even in the kernel: what the reference numerics store, without a widening copy); the launch shape from
     `fp8_linear_plan` (num_warps: 8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step).
     mma: "fp8" (the FP8 tensor-core form, 32 of K per step) or "bf16" (bf16 products of the exact values,
-    block_k of K per step (64 where it does not divide K, a multiple of 64); weight scale bytes above BF16_MAX_SCALE_BYTE give NaN, see
-    `bf16_form_fits`)."""
+    block_k of K per step (64 where it does not divide K, a multiple of 64); weight scale bytes above
+    BF16_MAX_SCALE_BYTE give NaN, see `bf16_form_fits`)."""
     m, n, k = _check(x, w, w_scale)
     if mma not in ("fp8", "bf16"):
         raise ValueError(f"FP8 linear: unknown mma form {mma!r} (fp8 or bf16)")

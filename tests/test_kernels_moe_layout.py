@@ -1,4 +1,4 @@
-"""The FP4 MoE's MMA K order (kernels/fp4_tiles.py `fp4_words_mma`, `in_mma_order`, `mma_order`,
+"""The FP4 MoE's MMA K order (kernels/fp4_tiles.py `fp4_words_mma`, `in_mma_k_order`, `mma_order`,
 `mma_position`; kernels/moe.py a_layout="mma") on the CPU under TRITON_INTERPRET=1: the order is a
 permutation that the weight decode, x's host permutation and h's store all agree on, and the grouped GEMM
 in it gives the reference's values."""
