@@ -60,10 +60,20 @@ def scale_bytes(s_ptr, row_off, kw0, W: tl.constexpr, mask):
 
 
 @triton.jit
+def scale_of(byte, BD: tl.constexpr):
+    """E8M0 bytes (int32) as the decode's multiplier: BD, bf16 2^(byte - 127) (byte 0 is 2^-127: the bf16
+    subnormal 0x0040); else float32 2^(byte - 127) * 2^14 straight from the exponent bits (normal for every
+    byte up to 240)."""
+    if BD:
+        return tl.where(byte == 0, 0x40, byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return ((byte + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def scale_words(s_ptr, row_off, kw0, W: tl.constexpr, mask):
     """E8M0 scale of words kw0 .. kw0 + W - 1 times 2^14, float32 [R, W]."""
-    # 2^(byte - 127) * 2^14 straight from the exponent bits: normal for every byte up to 240
-    return ((scale_bytes(s_ptr, row_off, kw0, W, mask) + 14) << 23).to(tl.float32, bitcast=True)
+    return scale_of(scale_bytes(s_ptr, row_off, kw0, W, mask), False)
 
 
 @triton.jit
@@ -91,12 +101,7 @@ def fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexp
     kw = k0 // 8 + tl.arange(0, BK // 8)
     r64 = rows.to(tl.int64)
     wd = tl.load(w_ptr + r64[:, None] * KW + kw[None, :], mask=rmask[:, None], other=0)
-    if BD:  # bf16 2^(byte - 127); byte 0 is 2^-127: the bf16 subnormal 0x0040
-        byte = scale_bytes(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
-        sc = tl.where(byte == 0, 0x40, byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        sc = scale_words(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])
-    return wd, sc
+    return wd, scale_of(scale_bytes(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None]), BD)
 
 
 @triton.jit
@@ -128,10 +133,7 @@ def fp4_words_mma(w_ptr, s_ptr, row0, nrows, k0, KDIM: tl.constexpr, BR: tl.cons
     wd = tl.load(w_ptr + (r64 * KW + kw)[:, :, :, :, :, :, None] + j, mask=rmask[:, :, :, :, :, :, None],
                  other=0)
     byte = tl.load(s_ptr + r64 * (KDIM // 32) + kw // 4, mask=rmask, other=127).to(tl.int32)
-    if BD:  # as fp4_words
-        sc = tl.where(byte == 0, 0x40, byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        sc = ((byte + 14) << 23).to(tl.float32, bitcast=True)
+    sc = scale_of(byte, BD)
     sc = tl.broadcast_to(sc[:, :, :, :, :, :, None], (KB, 2, M, 4, 8, 4, 2))
     # [kb, h, m, w, g, c, j] -> [m, w, h, g, kb, c, j] -> [BR, BK/8]
     wd = tl.reshape(tl.permute(wd, (2, 3, 1, 4, 0, 5, 6)), (BR, BK // 8))

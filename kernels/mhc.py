@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import arrival_counters, cast_rne, dot_dtype, sm_count
+from kernels._formats import cast_rne, dot_dtype, sm_count
 
 
 def _check(x, fn, scale, base, pre_prev, y, post_old, comb_old):
@@ -357,6 +357,7 @@ def _mhc_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_pt
 # -- launch ---------------------------------------------------------------------------------------
 
 _PIECES: dict = {}    # id(fn) -> (weakref to fn, fn._version, pieces, prepared tensor)
+_COUNTERS: dict = {}  # device -> int32 zeros, one arrival counter per token block
 
 
 def _pow2_at_least(n: int) -> int:
@@ -402,6 +403,16 @@ def _cached_pieces(fn, pieces: int):
         return prepared
     _PIECES[key] = (ref, version, pieces, prepared)
     return prepared
+
+
+def _counters(dev, n: int):
+    """n zeroed arrival counters on dev (each finishing program resets its own, so they stay zero
+    between launches). One set per device: launches sharing it must be stream-ordered."""
+    buf = _COUNTERS.get(dev)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+        _COUNTERS[dev] = buf
+    return buf
 
 
 def _parts_per_load(ks: int, bt: int) -> int:
@@ -481,7 +492,7 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
     tblocks = triton.cdiv(t, bt)
     mode = 1 if (ks == 1 and not use_dot) else (2 if finish == "last" else 0)
     part = pre if mode == 1 else torch.empty(ks, t, 32, dtype=torch.float32, device=dev)
-    cnt = arrival_counters(dev, tblocks) if mode == 2 else pre
+    cnt = _counters(dev, tblocks) if mode == 2 else pre
     f32 = lambda v: v.float().contiguous()
     scale32, base32 = f32(scale), f32(base)
     fa = _cached_pieces(fn, split) if use_dot else f32(fn)
