@@ -24,7 +24,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import bf16_output, dot_dtype, e4m3_value, e8m0_value, in_mma_k_order, sm_count
-from kernels.quant import _fp8_groups, quantize_fp8_triton
+from kernels.quant import fp8_groups, quantize_fp8_triton
 
 # the bf16 form folds 2^(s - 127) into the weight's bf16 value as one factor 2^(s - 7), a bf16 while s <= 134
 # (weights up to 448 * 2^7); products stay exact down to s = 3
@@ -115,7 +115,7 @@ def _x_values_bf16_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.co
     `mma_k_position` order (kernels/_formats.py). Exact: an E4M3 value (4 significant bits) times 2^e,
     e >= -22 (the quantizer's amax floor 1e-4), is a bf16 wherever it is a finite float32 (the same exponent
     range)."""
-    code, scale, offs, g, gmask = _fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     # K rows are whole 64 blocks, so groups pair up; reordered in registers, stored whole (a scattered
     # store of the same values took 256 us at 4096 x 8192 on the H200)
     v = in_mma_k_order(tl.reshape(e4m3_value(code) * scale[:, None], (BG // 2, 2 * BLOCK)), 2 * BLOCK)

@@ -64,7 +64,7 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, v_ptr, n_groups, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
+def fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
     """This program's BG groups of BLOCK values: (E4M3 codes int32 [BG, BLOCK], scales float32 [BG], offsets,
     group indices, group mask), as engine.quant.quantize_fp8 computes them."""
     g = tl.program_id(0) * BG + tl.arange(0, BG)
@@ -80,14 +80,14 @@ def _fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
 
 @triton.jit
 def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
-    code, scale, offs, g, gmask = _fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     tl.store(q_ptr + offs, code.to(tl.uint8), mask=gmask[:, None])
     tl.store(s_ptr + g, ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8), mask=gmask)
 
 
 @triton.jit
 def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
-    code, scale, offs, g, gmask = _fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     tl.store(y_ptr + offs, e4m3_value(code) * scale[:, None], mask=gmask[:, None])
 
 
