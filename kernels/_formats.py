@@ -172,20 +172,6 @@ def dot_dtype():
     return tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else tl.bfloat16
 
 
-_COUNTERS: dict = {}  # device -> int32 zeros
-
-
-def arrival_counters(dev, n: int) -> torch.Tensor:
-    """n zeroed arrival counters on dev for a last-arriver epilogue (each finishing program resets its own,
-    so they stay zero between launches). One set per device, shared by every kernel that takes it: their
-    launches must be stream-ordered."""
-    buf = _COUNTERS.get(dev)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
-        _COUNTERS[dev] = buf
-    return buf
-
-
 # -- the Hopper MMA K order (a dot's K order is free as long as both operands share it) ---------------
 
 @triton.jit
