@@ -41,7 +41,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, rows, eps, D: tl.constexpr, BD: tl.con
     offs = r.to(tl.int64)[:, None] * D + d[None, :]
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     y = _normalized(x, eps, D)
-    if HAS_W:  # loaded after the reduction: not live across it (sm_90: 44 registers at the release width, 58 loaded before it)
+    if HAS_W:  # loaded after the reduction, not live across it (sm_90: 44 registers, 58 loaded before it)
         y = y * tl.load(w_ptr + d, mask=d < D, other=0.0)[None, :]
     tl.store(y_ptr + offs, _rounded(y, y_ptr, ROUND), mask=m)
 
