@@ -515,7 +515,7 @@ def parse(argv):
     p.add_argument("--profile", action="store_true",
                    help="one more pass per role under torch.profiler: release-layer-profile.txt")
     p.add_argument("--moe-fp8", action="store_true", help="routed experts on FP8 tensor cores (kernels/moe_f8.py)")
-    p.add_argument("--ops", default="", help="kernel-ops knobs, name=value,... (TritonOps.KNOBS: linear_bf16_decode=1)")
+    p.add_argument("--ops", default="", help="kernel-ops knobs, name=value,... (TritonOps.KNOBS, e.g. linear_bf16_decode=0)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     args.tokens = args.tokens or (24 if args.tiny else 4096)

@@ -523,17 +523,16 @@ def test_fp8_linears_above_a_decode_step_take_the_bf16_form():
     assert not ops._bf16_form("fits", 64) and ops._bf16_form("fits", 65) and ops._bf16_form("fits", 4096)
     assert not ops._bf16_form("high", 4096) and not ops._bf16_form("odd", 4096)
     assert ops._bf16_fits == {"fits": True, "high": False, "odd": False}
-    # the opt-in for a decode step's wide products (K >= 4096, N >= 2048)
+    # a decode step's wide products (K >= 4096, N >= 2048) take it too, unless the knob is off
     wide = torch.zeros(2048, 4096, dtype=torch.uint8).view(torch.float8_e4m3fn)
     ops._raw["wide"] = (wide, torch.full((64, 128), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu))
-    assert not ops._bf16_form("wide", 64)
-    assert ops.set_knobs("linear_bf16_decode=1, moe_a_layout=mma") == {"linear_bf16_decode": True,
-                                                                         "moe_a_layout": "mma"}
     assert ops._bf16_form("wide", 64) and ops._bf16_form("wide", 1) and not ops._bf16_form("fits", 64)
-    for bad in ("linear_bf16_decode=yes", "moe_a_layout=natural", "linear_bf16_decode=0,no_such_knob=1"):
+    assert ops.set_knobs("linear_bf16_decode=0, moe_fp8_mma=1") == {"linear_bf16_decode": False, "moe_fp8_mma": True}
+    assert not ops._bf16_form("wide", 64) and ops._bf16_form("wide", 65)
+    for bad in ("linear_bf16_decode=yes", "moe_fp8_mma=2", "linear_bf16_decode=1,no_such_knob=1"):
         with pytest.raises(ValueError, match="knob"):
             ops.set_knobs(bad)
-    assert ops.linear_bf16_decode and ops.moe_a_layout == "mma"  # a refused spec sets none of its knobs
+    assert not ops.linear_bf16_decode and ops.moe_fp8_mma  # a refused spec sets none of its knobs
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def reports(tmp_path_factory):
     """Both benches at once (the test process only waits): every role through the kernel ops on the CPU,
     and the Triton versions of the two roles without a top-k under the interpreter."""
     plain, interpreted = tmp_path_factory.mktemp("release_layer"), tmp_path_factory.mktemp("release_layer_interp")
-    procs = [start_bench(plain, False, "--ops", "linear_bf16_decode=1"),  # a knob reaches the kernel ops
+    procs = [start_bench(plain, False, "--ops", "linear_bf16_decode=0"),  # a knob reaches the kernel ops
              start_bench(interpreted, True, "--roles", "swa,swa_engram")]
     try:
         return {"plain": finish_bench(plain, procs[0]), "interpreted": finish_bench(interpreted, procs[1])}
@@ -89,7 +89,7 @@ def test_every_role_has_a_prefill_and_a_decode_row(report):
     got = [(r["role"], r["phase"]) for r in report["rows"]]
     assert got == [(role, phase) for role in ROLES for phase in ("prefill", "decode")]
     assert report["ops"].startswith("TritonOps")  # the kernel ops ran (under the interpreter)
-    assert report["ops"].endswith(", linear_bf16_decode=True")
+    assert report["ops"].endswith(", linear_bf16_decode=False")
     layers = {r["role"]: r["layer"] for r in report["rows"]}
     assert layers == {"swa": 0, "swa_engram": 1, "full_m2": 2, "reuse": 3, "full_m1": 5, "reindex": 7}
     chains = {r["role"]: r["chain"] for r in report["rows"]}
