@@ -78,23 +78,14 @@ def case_moe(bw, mm):
     tile = fp4_tiles.nib_order(Q.dequantize_fp4(pk, sb, 32))  # not `want`: the sweeps below check against it
     exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), tile.bfloat16().float() if bd else tile)
              for bd in (False, True)}
-    # a_layout="mma": the loads shaped as the wgmma A fragment (fp4_words_mma) and the MMA K order
-    tile_mma = fp4_tiles.mma_order(Q.dequantize_fp4(pk, sb, 32))
-    exact_mma = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd, mma=True, block_k=64),
-                                 tile_mma.bfloat16().float() if bd else tile_mma) for bd in (False, True)}
-    LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True],
-                                    "float32 form, mma layout": exact_mma[False],
-                                    "bf16 form, mma layout": exact_mma[True]}
+    LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True]}
     print(f"[moe] tile decode exact: {LOG['moe_tile_decode_exact']}", flush=True)
     # the default first (Nsight profiles a case's first launch); every 8-warp tile lost to the 4-warp
     # ones in runs 2-6; loading the next K step's weight words before this step's decode lost in runs
     # 7-11 (14.98 vs 12.99 ms) and is gone; bf16_decode (FP4 straight into bf16 bits) is the default since
-    # run 11 (10.3 vs 10.6 ms)
-    # a_layout="mma" (the decoded tile straight into the wgmma, no STS/LDSM; sm_90 SASS: gate/up loop 677 -> 629
-    # instructions, 255 registers, no spill) at the default tiles, BK 128 and 4 stages
-    pf = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-    cfgs = [dict(pf), dict(pf, a_layout="mma"), dict(pf, a_layout="mma", block_k=128),
-            dict(pf, a_layout="mma", num_stages=4),
+    # run 11 (10.3 vs 10.6 ms); the wgmma A fragment's words loaded directly in the MMA's K order lost in
+    # run 19a (18.5 ms, 24.0 at BK 128, 21.0 at 4 stages, vs 9.6) and is gone
+    cfgs = [dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode=False),
             dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
             dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
@@ -116,19 +107,11 @@ def case_moe(bw, mm):
     base = dict(block_m=16, block_n=64, num_warps=4)
     # runs 9-10: prefetch, BK 128/256, BN 128, 1 stage, scaled 4.65-10.4 ms (kernels-h200-run9.md, -run10.md);
     # runs 11-12 (one load per scale byte): BK 128/256, BN 128, fp32 decode all slower (2.92-3.76 ms)
-    # a_layout="mma": each thread loads its wgmma A fragment's words, the decoded tile feeds the wgmma from
-    # registers (sm_90 SASS, gate/up loop: 355 -> 333 instructions, 8 STS + 8 LDSM -> 0, 89 -> 80 registers;
-    # under the 64 cap 61 registers, no spill)
-    mma = dict(base, a_layout="mma")
-    cfgs = [dict(), dict(mma), dict(mma, maxnreg=64), dict(mma, num_stages=2), dict(mma, num_stages=4),
-            dict(mma, block_n=128, num_warps=8), dict(base, maxnreg=64), dict(base, maxnreg=72),
-            dict(base, num_stages=2), dict(base, num_stages=4), dict(base, block_n=128, num_warps=8),
-            dict(base, block_k=128)]
+    # run 19a: the wgmma A fragment's words loaded directly in the MMA's K order 6.8-8.2 ms vs 2.6 (gone)
+    cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
+            dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128)]
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
-    # the MMA K order against the default (exact bf16 products, fp32 sums in another order: ~1e-7 expected)
-    LOG["moe_decode64_mma_vs_default_rel"] = rel(moe.moe_fp4_triton(x, *W, ids, tw),
-                                                 moe.moe_fp4_triton(x, *W, ids, tw, a_layout="mma"))
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)
     LOG["moe_decode64_scaled_vs_default_rel"] = rel(moe.moe_fp4_triton(x, *W, ids, tw),
                                                     moe.moe_fp4_triton(x, *W, ids, tw, scaled=True))

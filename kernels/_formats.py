@@ -175,18 +175,11 @@ def dot_dtype():
 # -- the Hopper MMA K order (a dot's K order is free as long as both operands share it) ---------------
 
 @triton.jit
-def mma_k_position(m):
-    """Where memory column m (= 16 c + 4 s + 2 h + t) of a 64-wide K block goes in the bf16 form's MMA K order:
-    16 s + 8 h + 2 c + t. A Hopper MMA's register operand gives lane c of a quad K columns 2 c + {0, 1, 8, 9}
-    of each 16; in this order they are the weight's bytes 16 c .. 16 c + 15 (one 16-byte shared load per
-    row, not eight of 2 bytes). The dot's K order is free as long as both operands share it."""
-    return (((m >> 2) & 3) << 4) | (((m >> 1) & 1) << 3) | ((m >> 4) << 1) | (m & 1)
-
-
-@triton.jit
 def in_mma_k_order(w, BK: tl.constexpr):
-    """A [R, BK] tile in memory order -> the `mma_k_position` order of each 64 block (a register relabelling
-    where the tile feeds a dot's register operand)."""
+    """A [R, BK] tile in memory order -> the MMA K order of each 64 block (a register relabelling where the tile
+    feeds a dot's register operand): memory column m = 16 c + 4 s + 2 h + t goes to 16 s + 8 h + 2 c + t. A
+    Hopper MMA's register operand gives lane c of a quad K columns 2 c + {0, 1, 8, 9} of each 16; in this order
+    they are the weight's bytes 16 c .. 16 c + 15 (one 16-byte shared load per row, not eight of 2 bytes)."""
     R: tl.constexpr = w.shape[0]
     w = tl.reshape(w, (R, BK // 64, 4, 4, 2, 2))  # [., c, s, h, t]
     return tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (R, BK))  # [., s, h, c, t]

@@ -112,7 +112,7 @@ def _fp8_linear_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
 @triton.jit
 def _x_values_bf16_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
     """x's E4M3 round trip (kernels.quant's codes and scales) as bf16 values, each 64-wide K block in the
-    `mma_k_position` order (kernels/_formats.py). Exact: an E4M3 value (4 significant bits) times 2^e,
+    MMA K order (kernels/_formats.py in_mma_k_order). Exact: an E4M3 value (4 significant bits) times 2^e,
     e >= -22 (the quantizer's amax floor 1e-4), is a bf16 wherever it is a finite float32 (the same exponent
     range)."""
     code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
@@ -126,7 +126,7 @@ def _x_values_bf16_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.co
 
 def x_values_bf16(x: torch.Tensor) -> torch.Tensor:
     """dequantize_fp8(*quantize_fp8(x)) as bf16 [M, K] (the same values: the cast is exact), one launch; K a
-    multiple of 64, each 64 block in the `mma_k_position` order."""
+    multiple of 64, each 64 block in the MMA K order (in_mma_k_order)."""
     if x.shape[-1] % 64:
         raise ValueError(f"x's last dimension {x.shape[-1]} is not a multiple of 64")
     xc = x.contiguous()

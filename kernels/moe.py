@@ -25,10 +25,10 @@ Two paths (moe_fp4_triton picks by the number of (token, expert) pairs P = T * k
   shared layout).
 FP4 weights are decoded in registers by kernels/fp4_tiles.py (bit assembly; the tensor-core path's K
 order inside each 8-group is NIB: position 2 A + half holds index A + 4 half, so x is permuted the same
-way once on the host and h is stored permuted by the gate/up kernel). a_layout="mma": on top of NIB each
-64 block of K in the MMA order of kernels/fp4_tiles.py (each lane's two words are exactly its wgmma A
-fragment, so the decoded tile feeds the wgmma from registers, without a shared-memory round trip); the
-weights stay as stored, x and h take that order.
+way once on the host and h is stored permuted by the gate/up kernel). Loading each lane's wgmma A
+fragment's words directly, with K relabelled into the MMA's order (no shared-memory round trip in the
+SASS), was exact but lost on the H200 (run 19a: prefill 4K tokens 18.5 vs 9.6 ms, the 64-token decode
+step 6.8-8.2 vs 2.6 ms) and is gone.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import triton.language as tl
 from engine import quant as Q
 from kernels import moe_f8
 from kernels._formats import dot_dtype, register_cap
-from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_tile, fp4_words, fp4_words_mma, mma_order,
-                               mma_position, nib_order, nib_position, nibble_pair, scale_words)
+from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_tile, fp4_words, nib_order, nib_position,
+                               nibble_pair, scale_words)
 
 
 def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
@@ -60,12 +60,10 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                       swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None,
-                      x_on_grid: bool = False, a_layout: str = "nib"):
+                      x_on_grid: bool = False):
     """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
     `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute (x rounded
-    to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds). a_layout: the kernel's K
-    order, the same values."""
-    del a_layout
+    to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     hidden = _hidden(hidden, fp8_mma)
     if hidden is not None:
@@ -346,7 +344,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
                         tw_ptr, limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
                         GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr, FH: tl.constexpr,
-                        RB: tl.constexpr, MMA: tl.constexpr = False):
+                        RB: tl.constexpr):
     mb, nb = _block_ids(NBM, (INTER + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -366,31 +364,25 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
     acc3 = tl.zeros([BN, BM], tl.float32)
     kk = tl.arange(0, BK)
     for k0 in range(0, DIM, BK):
-        # x is in NIB order (MMA: MMA order; permuted on the host), like the decoded tiles (natural order for SC)
+        # x is in NIB order (permuted on the host), like the decoded tiles (natural order for SC)
         xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * DIM + (k0 + kk)[None, :], mask=rmask[:, None],
                      other=0.0).to(DT)
         if SC:
             acc1 = fp4_dot_scaled(w1_ptr, s1_ptr, grow, n_mask, k0, tl.trans(xt), acc1, DIM, BK)
             acc3 = fp4_dot_scaled(w3_ptr, s3_ptr, grow, n_mask, k0, tl.trans(xt), acc3, DIM, BK)
         else:
-            if MMA:  # each thread loads exactly its wgmma A fragment's words
-                w1c, s1c = fp4_words_mma(w1_ptr, s1_ptr, e.to(tl.int64) * INTER + nb * BN, INTER - nb * BN, k0, DIM,
-                                         BN, BK, BD)
-                w3c, s3c = fp4_words_mma(w3_ptr, s3_ptr, e.to(tl.int64) * INTER + nb * BN, INTER - nb * BN, k0, DIM,
-                                         BN, BK, BD)
-            else:
-                w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)  # both loads before a decode
-                w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
-            acc1 = tl.dot(fp4_decoded(w1c, s1c, BK, DT, BD, MMA), tl.trans(xt), acc1)
-            acc3 = tl.dot(fp4_decoded(w3c, s3c, BK, DT, BD, MMA), tl.trans(xt), acc3)
+            w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)  # both loads before a decode
+            w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
+            acc1 = tl.dot(fp4_decoded(w1c, s1c, BK, DT, BD), tl.trans(xt), acc1)
+            acc3 = tl.dot(fp4_decoded(w3c, s3c, BK, DT, BD), tl.trans(xt), acc3)
     if FH:  # the engine's hidden state, w included
         h = moe_f8.swiglu_e4m3_values(acc1, acc3, tl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM, RB)
     else:
         g = tl.minimum(acc1, limit)
         u = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = g / (1.0 + tl.exp(-g)) * u
-    # stored in NIB order along I (MMA: MMA order): the down kernel's decoded w2 tiles expect it (SC: natural)
-    col = n_idx if SC else (mma_position(n_idx) if MMA else nib_position(n_idx))
+    # stored in NIB order along I: the down kernel's decoded w2 tiles expect it (SC: natural order)
+    col = n_idx if SC else nib_position(n_idx)
     tl.store(h_ptr + rows[None, :].to(tl.int64) * INTER + col[:, None],
              h.to(h_ptr.dtype.element_ty), mask=rmask[None, :] & n_mask[:, None])
 
@@ -400,7 +392,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
                      GROUP_M: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr, FH: tl.constexpr,
-                     RB: tl.constexpr, MMA: tl.constexpr = False):
+                     RB: tl.constexpr):
     mb, nb = _block_ids(NBM, (DIM + BN - 1) // BN, GROUP_M)
     e = tl.load(bexp_ptr + mb)
     if e < 0:
@@ -421,10 +413,6 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
                      other=0.0).to(DT)
         if SC:
             acc = fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
-        elif MMA:
-            w2c, s2c = fp4_words_mma(w2_ptr, s2_ptr, e.to(tl.int64) * DIM + nb * BN, DIM - nb * BN, k0, INTER, BN,
-                                     BK, BD)
-            acc = tl.dot(fp4_decoded(w2c, s2c, BK, DT, BD, True), tl.trans(ht), acc)
         else:
             acc = tl.dot(fp4_tile(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, DT, BD), tl.trans(ht), acc)
     if FH:  # w is in h already; each expert's output as the numerics' act stores it
@@ -465,7 +453,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
-                   x_on_grid: bool = False, a_layout: str = "nib"):
+                   x_on_grid: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -483,13 +471,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the
     engine's numerics in either form (only the order of sums differs), grouped at every width; x_on_grid:
     x is on the E4M3-per-32 grid already (the engine's `linear(x, None)`), so the bf16 form's round trip
-    (kernels/quant.py fp8_roundtrip_triton) is skipped. a_layout (the grouped GEMM's K order, bf16 form):
-    "nib" (default) or "mma" (kernels/fp4_tiles.py's MMA order: the decoded tile is the wgmma's register A
-    fragment as decoded, no shared-memory layout change; block_k a multiple of 64; the same products and
-    fp32 sums, summed in another order inside each dot)."""
+    (kernels/quant.py fp8_roundtrip_triton) is skipped."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
-    if a_layout not in ("nib", "mma"):
-        raise ValueError(f"unknown a_layout {a_layout!r}: 'nib' or 'mma'")
     p = t * k
     hidden = _hidden(hidden, fp8_mma)
     fp8_hidden = hidden is not None
@@ -551,22 +534,18 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     nbm = bexp.numel()
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
-    mma = a_layout == "mma" and not sc
-    if mma and (bk % 64 or block_n % 64):
-        raise ValueError(f"a_layout 'mma' permutes whole 64 blocks of K and loads whole 64-row blocks (the wgmma's "
-                         f"M): block_k {bk}, block_n {block_n} must be multiples of 64")
-    xp = x.contiguous() if sc else (mma_order if mma else nib_order)(x.contiguous())
+    xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
     bd = bool(bf16_decode) and dt == tl.bfloat16 and not sc  # the interpreter's dots run in float32
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, tw, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", MMA=mma, num_warps=num_warps,
-        num_stages=num_stages, **register_cap(maxnreg))
+        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages,
+        **register_cap(maxnreg))
     _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
         h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", MMA=mma, num_warps=num_warps,
-        num_stages=num_stages, **register_cap(maxnreg))
+        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages,
+        **register_cap(maxnreg))
     return out

@@ -54,7 +54,7 @@ def test_x_values_are_the_round_trip_in_mma_k_order(poisoned, gen):
     got = fp8_linear.x_values_bf16(x)
     want = Q.dequantize_fp8(*Q.quantize_fp8(x)).float()
     m = torch.arange(64)
-    pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)  # mma_k_position
+    pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)  # the MMA K order (in_mma_k_order)
     assert sorted(pos.tolist()) == list(range(64))
     idx = (torch.arange(4)[:, None] * 64 + pos[None, :]).flatten()  # memory column c lands at idx[c]
     assert got.dtype == torch.bfloat16 and torch.equal(got.float()[:, idx], want)

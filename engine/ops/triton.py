@@ -138,13 +138,10 @@ class TritonOps:
     moe_fp8_mma = False
     # the decode step's FP8 linears with K >= 4096 and N >= 2048 on the kernel's bf16 form too (H200 run 18d:
     # 64 x 5120 x 8192 31.7 us against 43.2 for the FP8 form's best, 64 x 2304 x 5120 15.3 against 16.6;
-    # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a) 27-83 us
+    # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a, against 18c) 30-42 us
     # faster a layer with it (Full m=1 3.518 -> 3.476 ms, 2.9x its HBM floor at 4.04 TB/s)
     linear_bf16_decode = True
-    # the grouped MoE GEMM's K order (kernels/moe.py a_layout): "mma" loads each lane's wgmma A fragment
-    # directly (no shared-memory round trip in the SASS); not the default until timed on a GPU
-    moe_a_layout = "nib"
-    KNOBS = {"moe_fp8_mma": (False, True), "linear_bf16_decode": (False, True), "moe_a_layout": ("nib", "mma")}
+    KNOBS = {"moe_fp8_mma": (False, True), "linear_bf16_decode": (False, True)}
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -503,8 +500,6 @@ class TritonOps:
             fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
             form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8,
                     "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
-            if self.moe_a_layout != "nib":
-                form["a_layout"] = self.moe_a_layout
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
