@@ -29,26 +29,45 @@ class Block:
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.ops.rms_norm(x, self.get(f"layers.{self.layer}.{name}.weight"), self.cfg.norm_eps)
 
+    def mix_in(self, x: torch.Tensor, pre: torch.Tensor):
+        """The attention's side of the mHC: the stream collapsed and normalized -> (the attention's input
+        [T, dim], its pre, post, comb)."""
+        attn_in, a_pre, a_post, a_comb = self.hc.before_attention(x, pre)
+        return self._norm(attn_in, "attn_norm"), a_pre, a_post, a_comb
+
+    def ffn_half(self, x: torch.Tensor, y: torch.Tensor, a_pre: torch.Tensor, a_post: torch.Tensor,
+                 a_comb: torch.Tensor, image_mask: torch.Tensor | None, route_probe: dict | None):
+        """Everything after the attention's output y: the mHC update and collapse, RMSNorm, MoE, the mHC update
+        -> (the stream after the block, the FFN's pre, post, comb)."""
+        x1, ffn_in, f_pre, f_post, f_comb = self.hc.before_ffn(x, y, (a_pre, a_post, a_comb))
+        y = self.ffn.forward(self._norm(ffn_in, "ffn_norm"), image_mask, route_probe)
+        return self.hc.after_ffn(x1, y, f_post, f_comb), f_pre, f_post, f_comb
+
     def forward(self, x: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, shared: Shared, tokens,
-                image_mask: torch.Tensor | None, probe: dict | None, after_attention=None):
+                image_mask: torch.Tensor | None, probe: dict | None, after_attention=None, pieces=None):
         """-> (the stream after the block, the FFN's pre for the next collapse). tokens: (ids, dead,
         history[, the Engram's rows looked up already: Engram.lookup]) for the Engram; after_attention():
         called once the attention (the only part that reads or writes caches) is done
-        (engine/run/pipeline.py)."""
+        (engine/run/pipeline.py); pieces(block, name, method, *args): runs `mix_in` and `ffn_half`, the
+        parts without caches (engine/model/graphs.py replays them as CUDA graphs); default: a plain call."""
+        run = pieces or _called
         if self.engram is not None:
             x = self.engram.forward(x, *tokens)
-        attn_in, a_pre, a_post, a_comb = self.hc.before_attention(x, pre)
+        attn_in, a_pre, a_post, a_comb = run(self, "mix_in", self.mix_in, x, pre)
         attn_probe = {} if probe is not None else None
-        y = self.attn.forward(self._norm(attn_in, "attn_norm"), positions, shared, attn_probe)
+        y = self.attn.forward(attn_in, positions, shared, attn_probe)
         if after_attention is not None:
             after_attention()
-        x1, ffn_in, f_pre, f_post, f_comb = self.hc.before_ffn(x, y, (a_pre, a_post, a_comb))
         route_probe = {} if probe is not None else None
-        y = self.ffn.forward(self._norm(ffn_in, "ffn_norm"), image_mask, route_probe)
-        x2 = self.hc.after_ffn(x1, y, f_post, f_comb)
+        x2, f_pre, f_post, f_comb = run(self, "ffn_half", self.ffn_half, x, y, a_pre, a_post, a_comb,
+                                        image_mask, route_probe)
         if probe is not None:
             probe.update(attn_probe)
             probe["routing"] = route_probe
             probe["mhc"] = {"attn": {"pre": a_pre, "post": a_post, "comb": a_comb},
                             "ffn": {"pre": f_pre, "post": f_post, "comb": f_comb}}
         return x2, f_pre
+
+
+def _called(block, name, method, *args):
+    return method(*args)

@@ -19,13 +19,14 @@ from ..roles import decoder_start, role_plan
 from .attention import Shared
 from .block import Block
 from .engram import Engram, EngramLayout
+from .graphs import DECODE_ROWS
 
 
 class Model:
     """A live model over a weight source, with its caches. Not thread-safe: one run at a time."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, act_quant: bool = True, parallel=None,
-                 kernels: bool | None = None, numerics: str = "fp32", device="cpu"):
+                 kernels: bool | None = None, numerics: str = "fp32", device="cpu", decode_graphs: bool = True):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.parallel = parallel  # engine/serve/parallel.py (several processes); None in one process
         self.act_quant = act_quant
@@ -41,6 +42,10 @@ class Model:
         self.engram_layout = EngramLayout.from_config(cfg) if cfg.engram_layer_ids else None
         self.compressed_vocab = None
         self._compressed_on: dict = {}  # its copies on other devices (Engram hashing there)
+        # a decode step's cache-free block parts as CUDA graphs (engine/model/graphs.py): one process on a GPU
+        self.device = torch.device(device)
+        self.decode_graphs = decode_graphs and self.device.type == "cuda" and parallel is None
+        self.graphs = None
         self.reset()
 
     # -- weights --------------------------------------------------------------------------------
@@ -68,15 +73,22 @@ class Model:
         del memo[2:]
         return rounded
 
+    def _forget_rounding(self) -> None:
+        self._rounding_memo.__dict__["items"] = []
+
     # -- state ----------------------------------------------------------------------------------
     def use_ops(self, ops) -> None:
         """Run on other ops from now on (engine/run/parity.py: a capture, or the other path); forgets the caches."""
         self.ops = ops
+        self.graphs = None  # recorded on the old ops' kernels
         self.reset()
 
     def reset(self) -> None:
-        """Forget every cache: the next forward starts at position 0."""
+        """Forget every cache: the next forward starts at position 0 (recorded graphs stay: they hold no cache)."""
         self.pos = 0
+        if self.decode_graphs and self.graphs is None:
+            from .graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.device, forget=self._forget_rounding)
         self.blocks = [Block(self.cfg, role, self.get, self.linear, self.ops, self.parallel,
                              Engram(self.cfg, role.layer, self.engram_layout, self.weights, self.ops, self.act_quant,
                                     self._compressed) if role.engram else None)
@@ -182,7 +194,8 @@ class Model:
             block = self.blocks[L]
             block.attn.detail = want and L in probes.detail
             x, pre = block.forward(x, pre, positions, shared, (ids, dead, history), image_mask, probe,
-                                   after_attention=None if gate is None else lambda L=L: gate.done(L))
+                                   after_attention=None if gate is None else lambda L=L: gate.done(L),
+                                   pieces=self.graphs if T <= DECODE_ROWS and gate is None else None)
             if want:
                 probe["time_s"] = time.perf_counter() - started
                 probe["residual_norms"] = x.detach().norm(dim=-1)

@@ -60,7 +60,8 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer=None, source: str = "", identity: str = "",
                  act_quant: bool = True, parallel=None, device: str | torch.device = "cpu",
-                 kernels: bool | None = None, threads: int | None = None, numerics: str | None = None):
+                 kernels: bool | None = None, threads: int | None = None, numerics: str | None = None,
+                 decode_graphs: bool = True):
         self.cfg, self.tokenizer, self.source, self.identity = cfg, tokenizer, source, identity
         if (numerics or DEFAULT_NUMERICS) not in NUMERICS:
             raise EngineError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
@@ -72,9 +73,10 @@ class Engine:
             raise EngineError(f"threads must be 1 or 2, got {self.threads}")
         self.parallel = parallel  # engine/serve/parallel.py when this is one rank of several processes
         self.device = torch.device(device) if parallel is None else parallel.device
-        # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/ops/triton.py)
+        # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/ops/triton.py);
+        # decode_graphs: a decode step's cache-free block parts replayed as CUDA graphs (one process on a GPU)
         self.model = Model(cfg, weights, tokenizer, act_quant=act_quant, parallel=parallel, kernels=kernels,
-                           numerics=self.numerics, device=self.device)
+                           numerics=self.numerics, device=self.device, decode_graphs=decode_graphs)
         self.plan = role_plan(cfg)
         self.lock = threading.Lock()
 
@@ -232,7 +234,7 @@ def checkpoint_identity(path: Path) -> str:
 
 def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: bool = True,
          parallel=None, device: str = "cpu", kernels: bool | None = None, threads: int | None = None,
-         numerics: str | None = None) -> Engine:
+         numerics: str | None = None, decode_graphs: bool = True) -> Engine:
     """Open a release-layout checkpoint lazily (default: the shipped small model in assets/model).
     parallel (engine/serve/parallel.py): this process is one rank; it reads only its shard of the weights.
     device: where one process computes. The weight source follows the ops the engine will run:
@@ -246,7 +248,9 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
       same rule, on the rank's device), else dequantized and cached;
     kernels: the Triton kernel ops (None: on CUDA; see engine/ops/triton.py);
     threads: CPU threads for a prefill, 1 or 2 (default: 2 where the machine has them);
-    numerics (engine/ops): "reference" (default: the official bf16 dtype flow) or "fp32"."""
+    numerics (engine/ops): "reference" (default: the official bf16 dtype flow) or "fp32";
+    decode_graphs: on a GPU in one process, a decode step's block parts without caches replayed as CUDA graphs
+    (engine/model/graphs.py; the same outputs, fewer launches)."""
     from ..checkpoint.inventory import CheckpointError
     from ..checkpoint.reader import CheckpointReader
     from ..checkpoint.weights import CheckpointWeights, DeviceWeights
@@ -286,7 +290,7 @@ def load(path: str | Path | None = None, cache_bytes: int = 2 << 30, act_quant: 
         weights = DeviceWeights(weights, device)
     return Engine(cfg, weights, tokenizer, source=str(path), identity=checkpoint_identity(path),
                   act_quant=act_quant, parallel=parallel, device=device, kernels=kernels, threads=threads,
-                  numerics=numerics)
+                  numerics=numerics, decode_graphs=decode_graphs)
 
 
 def save_result(result: RunResult, path: str | Path) -> None:

@@ -1,0 +1,110 @@
+"""The decode step's CUDA graphs (engine/model/graphs.py): the seam they use (Block.forward's `pieces`) on the
+CPU; recording, replay, refusal and the engine's decode against its eager loop on a GPU (skipped without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.graphs import DecodeGraphs
+from tests.engine_helpers import random_ids, tiny_config, tiny_model
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+class Recorder:
+    """A `pieces` that calls each piece as it is and lists (layer, name, the rows of its tensors)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, block, name, method, *args):
+        self.calls.append((block.layer, name, [a.shape[0] for a in args if isinstance(a, torch.Tensor)]))
+        return method(*args)
+
+
+def test_blocks_hand_their_cache_free_parts_to_pieces_on_decode_steps_only():
+    """Model.run_chunk passes its graphs as Block.forward's `pieces` for one-token chunks without a pipeline
+    gate; each block hands it mix_in (before the attention) and ffn_half (after it); the outputs are the plain
+    call's, bit for bit, and a prompt chunk never reaches the pieces."""
+    cfg = tiny_config()
+    ids = random_ids(cfg, 12, seed=3)
+    plain, seamed = tiny_model(cfg, seed=1), tiny_model(cfg, seed=1)
+    seamed.graphs = rec = Recorder()
+    want = torch.cat([plain.forward(ids[:9])] + [plain.forward(ids[i:i + 1]) for i in range(9, 12)])
+    got = torch.cat([seamed.forward(ids[:9])] + [seamed.forward(ids[i:i + 1]) for i in range(9, 12)])
+    assert torch.equal(got, want)
+    per_step = [(L, name) for L in range(cfg.n_layers) for name in ("mix_in", "ffn_half")]
+    assert [(L, name) for L, name, _ in rec.calls] == per_step * 3  # the three decode steps, not the prompt
+    assert all(set(rows) == {1} for _, _, rows in rec.calls)
+
+
+def test_graphs_only_where_one_process_computes_on_a_gpu():
+    assert tiny_model().graphs is None  # a CPU model: no graphs, Block.forward calls its parts
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs("cpu")
+
+
+class Part:
+    """A stand-in block for DecodeGraphs: a layer number and the parts a recording holds."""
+    layer, hc, ffn = 0, None, None
+
+
+@GPU
+def test_a_piece_is_called_then_checked_and_recorded_then_replayed():
+    graphs = DecodeGraphs("cuda")
+    calls = []
+
+    def piece(x, y, nothing):
+        calls.append(x.shape)
+        return x * 2 + y.sum(), (x - 1).abs()
+
+    for step in range(5):
+        x, y = torch.randn(3, 4, device="cuda"), torch.randn(2, device="cuda")
+        got = graphs(Part(), "p", piece, x, y, None)
+        assert all(torch.equal(g, w) for g, w in zip(got, (x * 2 + y.sum(), (x - 1).abs())))
+    assert len(calls) == 3  # step 0 called as it is; step 1 checked and recorded (two calls); then replays
+    assert graphs.recorded == 1 and graphs.replays == 3 and not graphs.refused
+    other = torch.randn(5, 4, device="cuda")  # another shape: a piece of its own, called as it is first
+    graphs(Part(), "p", piece, other, y, None)
+    assert len(calls) == 4 and graphs.recorded == 1
+
+
+@GPU
+def test_a_piece_that_reads_the_host_stays_eager_with_its_reason():
+    graphs = DecodeGraphs("cuda")
+
+    def piece(x):
+        return (x * float(x.max()),)  # a host read of a device value
+
+    for _ in range(4):
+        x = torch.rand(8, device="cuda")
+        assert torch.equal(graphs(Part(), "host", piece, x)[0], x * float(x.max()))
+    assert graphs.recorded == 0 and graphs.replays == 0
+    assert "reads the host" in graphs.refused[(0, "host", (((8,), torch.float32),))]
+
+
+@GPU
+def test_engine_decode_with_graphs_equals_its_eager_loop():
+    """The shipped small model on the GPU (its kernel path): a teacher-forced decode of 10 tokens after a
+    prompt, with and without graphs: the same logits at every step (the same kernels, replayed), and every
+    block's two parts recorded and replayed (none refused)."""
+    from engine.run.api import load
+    eager, graphed = load(device="cuda", decode_graphs=False), load(device="cuda")
+    cfg = eager.cfg
+    ids = random_ids(cfg, 40, seed=5).to("cuda")
+    steps = []
+    for engine in (eager, graphed):
+        model, logits = engine.model, []
+        with torch.inference_mode():
+            model.reset()
+            logits.append(model.forward(ids[:30])[-1])
+            for i in range(30, 40):
+                logits.append(model.forward(ids[i:i + 1])[-1])
+        steps.append(torch.stack(logits))
+    assert eager.model.graphs is None
+    g = graphed.model.graphs
+    assert not g.refused, g.refused
+    assert g.recorded == 2 * cfg.n_layers and g.replays == 2 * cfg.n_layers * (10 - 2)
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-5)
+    assert torch.equal(steps[1].argmax(-1), steps[0].argmax(-1))
