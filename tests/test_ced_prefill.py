@@ -121,9 +121,9 @@ def test_ced_never_runs_decoder_layers_on_the_first_T_minus_R_positions(monkeypa
     published: list[int] = []
     forward, publish = attention.Attention.forward, attention.Attention.publish
 
-    def counting_forward(self, x, positions, shared, probe):
+    def counting_forward(self, x, positions, shared, probe, *pieces):
         attended.setdefault(self.role.layer, []).extend(positions.tolist())
-        return forward(self, x, positions, shared, probe)
+        return forward(self, x, positions, shared, probe, *pieces)
 
     def counting_publish(self, x, positions):
         published.extend(positions.tolist())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.model.graphs import DecodeGraphs
+from engine.roles import FULL, REINDEX, role_plan
 from tests.engine_helpers import random_ids, tiny_config, tiny_model
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -18,15 +19,16 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, block, name, method, *args):
-        self.calls.append((block.layer, name, [a.shape[0] for a in args if isinstance(a, torch.Tensor)]))
+    def __call__(self, layer, name, method, *args):
+        self.calls.append((layer, name, [a.shape[0] for a in args if isinstance(a, torch.Tensor)]))
         return method(*args)
 
 
 def test_blocks_hand_their_cache_free_parts_to_pieces_on_decode_steps_only():
     """Model.run_chunk passes its graphs as Block.forward's `pieces` for one-token chunks without a pipeline
-    gate; each block hands it mix_in (before the attention) and ffn_half (after it); the outputs are the plain
-    call's, bit for bit, and a prompt chunk never reaches the pieces."""
+    gate; each layer hands it its parts without caches (mHC and norm before the attention, the query side, the
+    window entries, the index queries where the layer picks, the output projection, everything after the
+    attention); the outputs are the plain call's, bit for bit, and a prompt chunk never reaches the pieces."""
     cfg = tiny_config()
     ids = random_ids(cfg, 12, seed=3)
     plain, seamed = tiny_model(cfg, seed=1), tiny_model(cfg, seed=1)
@@ -34,7 +36,11 @@ def test_blocks_hand_their_cache_free_parts_to_pieces_on_decode_steps_only():
     want = torch.cat([plain.forward(ids[:9])] + [plain.forward(ids[i:i + 1]) for i in range(9, 12)])
     got = torch.cat([seamed.forward(ids[:9])] + [seamed.forward(ids[i:i + 1]) for i in range(9, 12)])
     assert torch.equal(got, want)
-    per_step = [(L, name) for L in range(cfg.n_layers) for name in ("mix_in", "ffn_half")]
+    per_step = []
+    for role in role_plan(cfg)[: cfg.n_layers]:  # every layer's parts in order; the indexer's where it picks
+        picks = ["index_queries"] if role.role in (FULL, REINDEX) else []
+        per_step += [(role.layer, name) for name in ["mix_in", "queries", "window_entries_0", *picks, "output",
+                                                     "ffn_half"]]
     assert [(L, name) for L, name, _ in rec.calls] == per_step * 3  # the three decode steps, not the prompt
     assert all(set(rows) == {1} for _, _, rows in rec.calls)
 
@@ -43,11 +49,6 @@ def test_graphs_only_where_one_process_computes_on_a_gpu():
     assert tiny_model().graphs is None  # a CPU model: no graphs, Block.forward calls its parts
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs("cpu")
-
-
-class Part:
-    """A stand-in block for DecodeGraphs: a layer number and the parts a recording holds."""
-    layer, hc, ffn = 0, None, None
 
 
 @GPU
@@ -61,12 +62,12 @@ def test_a_piece_is_called_then_checked_and_recorded_then_replayed():
 
     for step in range(5):
         x, y = torch.randn(3, 4, device="cuda"), torch.randn(2, device="cuda")
-        got = graphs(Part(), "p", piece, x, y, None)
+        got = graphs(0, "p", piece, x, y, None)
         assert all(torch.equal(g, w) for g, w in zip(got, (x * 2 + y.sum(), (x - 1).abs())))
     assert len(calls) == 3  # step 0 called as it is; step 1 checked and recorded (two calls); then replays
     assert graphs.recorded == 1 and graphs.replays == 3 and not graphs.refused
     other = torch.randn(5, 4, device="cuda")  # another shape: a piece of its own, called as it is first
-    graphs(Part(), "p", piece, other, y, None)
+    graphs(0, "p", piece, other, y, None)
     assert len(calls) == 4 and graphs.recorded == 1
 
 
@@ -79,7 +80,7 @@ def test_a_piece_that_reads_the_host_stays_eager_with_its_reason():
 
     for _ in range(4):
         x = torch.rand(8, device="cuda")
-        assert torch.equal(graphs(Part(), "host", piece, x)[0], x * float(x.max()))
+        assert torch.equal(graphs(0, "host", piece, x)[0], x * float(x.max()))
     assert graphs.recorded == 0 and graphs.replays == 0
     assert "reads the host" in graphs.refused[(0, "host", (((8,), torch.float32),))]
 
@@ -88,7 +89,7 @@ def test_a_piece_that_reads_the_host_stays_eager_with_its_reason():
 def test_engine_decode_with_graphs_equals_its_eager_loop():
     """The shipped small model on the GPU (its kernel path): a teacher-forced decode of 10 tokens after a
     prompt, with and without graphs: the same logits at every step (the same kernels, replayed), and every
-    block's two parts recorded and replayed (none refused)."""
+    layer's parts recorded and replayed (none refused)."""
     from engine.run.api import load
     eager, graphed = load(device="cuda", decode_graphs=False), load(device="cuda")
     cfg = eager.cfg
@@ -105,6 +106,7 @@ def test_engine_decode_with_graphs_equals_its_eager_loop():
     assert eager.model.graphs is None
     g = graphed.model.graphs
     assert not g.refused, g.refused
-    assert g.recorded == 2 * cfg.n_layers and g.replays == 2 * cfg.n_layers * (10 - 2)
+    parts = sum(5 + (role.role in (FULL, REINDEX)) for role in role_plan(cfg)[: cfg.n_layers])
+    assert g.recorded == parts and g.replays == parts * (10 - 2)
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-5)
     assert torch.equal(steps[1].argmax(-1), steps[0].argmax(-1))

@@ -11,6 +11,7 @@ kept beside it for compute; `nbytes` counts only the stored formats.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from .. import quant
 from ..capture import capturing
 from ..config import ModelConfig
 from ..roles import FULL, REINDEX, LayerRole
+from .graphs import called
 from .rope import layer_freqs, rotate
 from .selection_probe import runner_ups, selection_recall
 
@@ -290,17 +292,22 @@ class Indexer:
         self.runners = None
         self.ties = (None, None)  # (k-th score [T], tied picks [T, k]) of the last top-k (tie_marks)
 
-    def forward(self, x, qr, positions, src: SourceCache, shared: Shared):
+    def forward(self, x, qr, positions, src: SourceCache, shared: Shared, pieces=None):
         """Indexer scores over the source's entries and the top-k per query (position order),
-        one block of queries at a time."""
-        cfg, m = self.cfg, self.ratio
+        one block of queries at a time. pieces: as Block.forward's (the queries have no cache)."""
+        q, head_w = (pieces or called)(self.role.layer, "index_queries", self.queries, x, qr, positions)
+        return self.ops.index_topk(self, q, head_w, positions, src, shared)
+
+    def queries(self, x, qr, positions):
+        """The index queries, rotated, [T, Hi, Di] and their head weights [T, Hi]."""
+        cfg = self.cfg
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         local_hi = hi if self.parallel is None else self.parallel.local(hi, "index heads")  # this rank's heads
         q = self.linear(qr, "attn.indexer.wq_b").view(-1, local_hi, di)
         q = self.ops.rotate(q, positions, self.freqs)
         # weights_proj is a bf16 GEMM in the reference, and its scaled output is bf16 too
         head_w = self.ops.act(self.ops.bf16_linear(x, self.w("attn.indexer.weights_proj.weight")) * (di ** -0.5 * hi ** -0.5))
-        return self.ops.index_topk(self, q, head_w, positions, src, shared)
+        return q, head_w
 
     def index_picks(self, q, head_w, positions, src: SourceCache, shared: Shared):
         """The indexer's picks from rotated queries q [T, Hi, Di] (FP4-rounded here, as the index keys)
@@ -409,13 +416,33 @@ class Attention:
         return self.compressor.source if self.compressor is not None else None
 
     # -- the pieces -------------------------------------------------------------------------
-    def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
+    def _local_heads(self) -> tuple[int, int]:
+        """(heads, output groups) this process computes: all of them, or this rank's."""
+        if self.parallel is None:
+            return self.cfg.n_heads, self.cfg.o_groups
+        return self.parallel.local(self.cfg.n_heads, "heads"), self.parallel.local(self.cfg.o_groups, "groups")
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor):
+        """The query side: the normalized q_a (qr, which the indexer reads too) and the rotated heads [T, H, hd]."""
+        cfg = self.cfg
+        qr = self.ops.rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
+        q = self.linear(qr, "attn.wq_b").view(-1, self._local_heads()[0], cfg.head_dim)
+        return qr, self.ops.rotate(q, positions, self.freqs)
+
+    def window_entries(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
+        """The chunk's window entries: the KV latents (normalized, rotated, FP8-rounded) [T, D] and the FP8 bytes
+        and scales the cache stores (every row's with keep_bytes, the kernel path; else the last window's)."""
         cfg = self.cfg
         kv = self.ops.rms_norm(self.linear(x, "attn.wkv"), self.w("attn.kv_norm.weight"), cfg.norm_eps)
         kv = self.ops.rotate(kv, positions, self.freqs)
-        # bytes only for what the cache keeps (all of the chunk's on the kernel path)
         q8, s8 = self.ops.quantize_fp8(kv if keep_bytes else kv[-cfg.window_size:], 32)
-        kv = ste(kv, self.ops.fp8_roundtrip(kv, 32))
+        return ste(kv, self.ops.fp8_roundtrip(kv, 32)), q8, s8
+
+    def _window_kv(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False, entries=None):
+        """The window cache extended by the chunk's entries (`window_entries`, or `entries` made already)
+        -> the keys the chunk's queries see [cached + T, D]."""
+        cfg = self.cfg
+        kv, q8, s8 = self.window_entries(x, positions, keep_bytes) if entries is None else entries
         win = self.window
         keys = kv if win.values is None else torch.cat([win.values, kv])
         # keep only what a later query can still see
@@ -428,6 +455,19 @@ class Attention:
         win.values = keys[keep].detach()
         return keys
 
+    def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs o [T, H, hd] back to the stream: the inverse rotation, the grouped wo_a, wo_b
+        -> [T, dim] (this rank's partial sum when parallel)."""
+        cfg = self.cfg
+        n_heads, groups = self._local_heads()
+        o = self.ops.rotate(o, positions, self.freqs, inverse=True)
+        # the float wo_a only when the ops ask for it: the kernel ops keep its bf16 value (a fresh float32
+        # dequantization of 33.5M values per step cost ~0.15 ms of a 64-token decode step, H200)
+        o = self.ops.grouped_out(o.reshape(-1, groups, n_heads // groups * cfg.head_dim),
+                                 lambda: self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1),
+                                 self.w.prefix + "attn.wo_a")
+        return self.linear(o.flatten(1), "attn.wo_b")
+
     def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,
         without attending: a CED prefill's prompt rows before the decoder's replay (engine/run/ced.py)."""
@@ -438,17 +478,15 @@ class Attention:
         return self.ops.attend(q, positions, windows, sink, idx, global_kv, self.cfg.window_size, 1.0)
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None):
-        cfg = self.cfg
-        n_heads, head_dim = cfg.n_heads, cfg.head_dim
-        groups = cfg.o_groups
-        if self.parallel is not None:  # this rank's heads and output groups
-            n_heads, groups = self.parallel.local(n_heads, "heads"), self.parallel.local(groups, "groups")
-        qr = self.ops.rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
-        q = self.linear(qr, "attn.wq_b").view(-1, n_heads, head_dim)
-        q = self.ops.rotate(q, positions, self.freqs)
-
-        keys = self._window_kv(x, positions, keep_bytes=self.ops.keeps_window_bytes(self.role.layer))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: Shared, probe: dict | None, pieces=None):
+        """pieces: as Block.forward's, for the parts without caches (queries, window entries, output)."""
+        cfg, L = self.cfg, self.role.layer
+        run = pieces or called
+        qr, q = run(L, "queries", self.queries, x, positions)
+        keep_bytes = self.ops.keeps_window_bytes(L)
+        entries = run(L, f"window_entries_{int(keep_bytes)}", partial(self.window_entries, keep_bytes=keep_bytes),
+                      x, positions)
+        keys = self._window_kv(x, positions, keep_bytes, entries)
         idx = None
         if self.ratio > 0:
             if self.role.role == FULL:
@@ -462,7 +500,7 @@ class Attention:
                     ties = (picked.new_full((x.shape[0],), NEG_INF), idx >= 0)
                 else:
                     self.indexer.detail = self.detail
-                    idx, picked = self.indexer.forward(x, qr, positions, src, shared)
+                    idx, picked = self.indexer.forward(x, qr, positions, src, shared, pieces)
                     ties = self.indexer.ties
                 shared.topk, shared.topk_scores = idx, picked
                 shared.topk_kth, shared.topk_tied = ties
@@ -473,14 +511,7 @@ class Attention:
         o = self.ops.sparse_attention(self.role.layer, q, keys, n_cached, self.window_bytes, idx, source,
                                       self.w("attn.attn_sink").float(), cfg.window_size, cfg.head_dim ** -0.5)
         self.window_bytes = None
-        o = self.ops.rotate(o, positions, self.freqs, inverse=True)
-
-        # the float wo_a only when the ops ask for it: the kernel ops keep its bf16 value (a fresh float32
-        # dequantization of 33.5M values per step cost ~0.15 ms of a 64-token decode step, H200)
-        o = self.ops.grouped_out(o.reshape(-1, groups, n_heads // groups * head_dim),
-                                 lambda: self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1),
-                                 self.w.prefix + "attn.wo_a")
-        out = self.linear(o.flatten(1), "attn.wo_b")
+        out = run(L, "output", self.output, o, positions)
         if self.parallel is not None:  # wo_b holds this rank's input columns: a partial sum
             out = self.parallel.all_reduce(out)
 

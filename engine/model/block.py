@@ -8,6 +8,7 @@ import torch
 from ..config import ModelConfig
 from ..roles import LayerRole
 from .attention import Attention, LayerWeights, Shared
+from .graphs import called
 from .mhc import MHC
 from .moe import MoE
 
@@ -48,18 +49,19 @@ class Block:
         """-> (the stream after the block, the FFN's pre for the next collapse). tokens: (ids, dead,
         history[, the Engram's rows looked up already: Engram.lookup]) for the Engram; after_attention():
         called once the attention (the only part that reads or writes caches) is done
-        (engine/run/pipeline.py); pieces(block, name, method, *args): runs `mix_in` and `ffn_half`, the
-        parts without caches (engine/model/graphs.py replays them as CUDA graphs); default: a plain call."""
-        run = pieces or _called
+        (engine/run/pipeline.py); pieces(layer, name, method, *args): runs the parts without caches (`mix_in`,
+        `ffn_half`, the attention's `queries`, `window_entries` and `output`, the indexer's `queries`;
+        engine/model/graphs.py replays them as CUDA graphs); default: a plain call."""
+        run = pieces or called
         if self.engram is not None:
             x = self.engram.forward(x, *tokens)
-        attn_in, a_pre, a_post, a_comb = run(self, "mix_in", self.mix_in, x, pre)
+        attn_in, a_pre, a_post, a_comb = run(self.layer, "mix_in", self.mix_in, x, pre)
         attn_probe = {} if probe is not None else None
-        y = self.attn.forward(attn_in, positions, shared, attn_probe)
+        y = self.attn.forward(attn_in, positions, shared, attn_probe, pieces)
         if after_attention is not None:
             after_attention()
         route_probe = {} if probe is not None else None
-        x2, f_pre, f_post, f_comb = run(self, "ffn_half", self.ffn_half, x, y, a_pre, a_post, a_comb,
+        x2, f_pre, f_post, f_comb = run(self.layer, "ffn_half", self.ffn_half, x, y, a_pre, a_post, a_comb,
                                         image_mask, route_probe)
         if probe is not None:
             probe.update(attn_probe)
@@ -68,6 +70,3 @@ class Block:
                             "ffn": {"pre": f_pre, "post": f_post, "comb": f_comb}}
         return x2, f_pre
 
-
-def _called(block, name, method, *args):
-    return method(*args)
