@@ -1,11 +1,15 @@
-"""benches/release_layer.py's decode step as a CUDA graph: capture, replay, the host syncs found on the way."""
+"""benches/release_layer.py's decode step on CUDA graphs: the whole layer's step captured and replayed, the host
+syncs found on the way, the engine's own one-token decode loop eager and on its piecewise graphs
+(engine/model/graphs.py); and the report's table."""
 
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -144,3 +148,96 @@ def graph_table(rows: list[dict]) -> list[str]:
                      f"{r['graph_single_s'] * 1e3:.3f} | {r['graph_ratio']:.1f} | "
                      f"{'met' if r['graph_goal_met'] else 'missed'} | {diff} | {syncs} |")
     return lines
+
+
+def decode_loop(model, cfg, layers: list[int], tokens: int, steps: int, device, graphs=None) -> dict:
+    """The engine's own decode at release size: a `tokens` prefill of the chain `layers`, then `steps`
+    one-token steps through it as Model.run_chunk runs them (the Engram's history on the host), eager and then
+    on the engine's piecewise CUDA graphs (each after a prefill of its own). The last layer's step is timed
+    with its host work (a sync before and after): the median over the steps after the graphs' recording (the
+    first two). graphs: the `pieces` to run (default: a new DecodeGraphs; tests pass a stand-in on the CPU).
+    -> {"loop_eager_s", "loop_graphs_s", "loop_recorded", "loop_refused", "loop_rel_diff", "loop_steps"}."""
+    from engine.model.attention import Shared
+    from engine.model.graphs import DecodeGraphs
+    if graphs is None and device.type != "cuda":
+        return {"loop_error": "CUDA graphs need a GPU"}
+    target, n = layers[-1], tokens + steps
+    g = torch.Generator(device=device).manual_seed(11)
+    ids = torch.randint(5, cfg.vocab_size, (n,), device=device, generator=g)
+    x0 = model.ops.act(torch.randn(n, cfg.hc_mult, cfg.dim, device=device, generator=g))
+    pre0 = torch.full((n, cfg.hc_mult), 1.0 / cfg.hc_mult, device=device)
+    graphs = graphs if graphs is not None else DecodeGraphs(device, forget=model._forget_rounding)
+    out, outputs = {}, {}
+    for mode, pieces in (("eager", None), ("graphs", graphs)):
+        model.reset()
+        history = (model.compressed_history, model.dead_history)
+        times, ys = [], []
+        for rows in [slice(0, tokens)] + [slice(t, t + 1) for t in range(tokens, n)]:
+            shared, chunk_ids = Shared(), ids[rows]
+            positions, dead = torch.arange(rows.start, rows.stop, device=device), torch.zeros_like(chunk_ids, dtype=torch.bool)
+            for L in layers:
+                x, pre = x0[rows].clone(), pre0[rows].clone()
+                _sync(device)
+                started = time.perf_counter()
+                y, _ = model.blocks[L].forward(x, pre, positions, shared, (chunk_ids, dead, history), None, None,
+                                               pieces=pieces if rows.start >= tokens else None)
+                _sync(device)
+                if L == target and rows.start >= tokens:
+                    times.append(time.perf_counter() - started)
+                    ys.append(y)
+            history = model.history_after(chunk_ids, dead)
+        out[f"loop_{mode}_s"] = median(times[2:])
+        outputs[mode] = torch.cat(ys).float()
+    diff = (outputs["graphs"] - outputs["eager"]).abs().max() / outputs["eager"].abs().max()
+    out.update(loop_recorded=graphs.recorded, loop_refused={f"{k[0]}:{k[1]}": why for k, why in graphs.refused.items()},
+               loop_rel_diff=float(diff), loop_steps=steps)
+    return out
+
+
+def loop_table(rows: list[dict]) -> list[str]:
+    """The report's lines for the engine's decode loop (none when no row has it)."""
+    looped = [r for r in rows if r.get("status") == "ok" and r["phase"] == "decode"
+              and ("loop_eager_s" in r or "loop_error" in r)]
+    if not looped:
+        return []
+    lines = ["", "The engine's own decode loop, one token a step (the last layer of the chain; its step with the host's "
+             "work, a sync before and after; the median of the steps after the graphs' recording; graphs: the engine's "
+             "piecewise CUDA graphs, engine/model/graphs.py, the caches' reads and growth eager between them):", "",
+             "| role | layer | steps | eager (ms) | piecewise graphs (ms) | x | pieces recorded | refused | vs eager |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in looped:
+        if "loop_eager_s" not in r:
+            lines.append(f"| {r['title']} | {r['layer']} | - | {r['loop_error']} | - | - | - | - | - |")
+            continue
+        refused = "; ".join(f"{k} {v}" for k, v in r["loop_refused"].items())[:200] or "none"
+        lines.append(f"| {r['title']} | {r['layer']} | {r['loop_steps']} | {r['loop_eager_s'] * 1e3:.3f} | "
+                     f"{r['loop_graphs_s'] * 1e3:.3f} | {r['loop_eager_s'] / r['loop_graphs_s']:.2f} | "
+                     f"{r['loop_recorded']} | {refused} | {r['loop_rel_diff']:.1e} |")
+    return lines
+
+
+def table(report: dict) -> str:
+    r = report["rates"]
+    lines = [f"# Release-size layers, {report['device']}",
+             "",
+             f"{report['config']}; prefill {report['tokens']} tokens with every probe, decode step "
+             f"{report['decode']} tokens; weights: {report['weights']}; ops: {report['ops']}. "
+             f"Rates measured in this run: FP8 GEMM (torch._scaled_mm {r['fp8_gemm_n']}^3) "
+             f"{r['fp8_flops'] / 1e12:.4g} TFLOP/s, copy {r['hbm_Bps'] / 1e12:.4g} TB/s. "
+             f"Floor = max(FLOPs / FP8 rate, bytes / copy rate); goal: time within {GOAL_RATIO:g}x of it.",
+             "",
+             "| role | layer | phase | time (ms) | GFLOP | MB | floor (ms) | limit | x floor | goal | peak (GB) | experts | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['title']} | {row.get('layer', '-')} | - | - | - | - | - | - | - | - | - | - | "
+                         f"{row['status']}: {row.get('error', '')[:160]} |")
+            continue
+        peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 1e9:.1f}"
+        note = ("" if row["warm"] else "first pass (compiles included); ") + f"chain {row['chain']}"
+        lines.append(f"| {row['title']} | {row['layer']} | {row['phase']} {row['queries']} | {row['time_s'] * 1e3:.2f} | "
+                     f"{row['flops'] / 1e9:.4g} | {row['bytes'] / 1e6:.4g} | {row['floor_s'] * 1e3:.4g} | {row['limit']} | "
+                     f"{row['ratio']:.1f} | {'met' if row['goal_met'] else 'missed'} | {peak} | {row['touched_experts']} | {note} |")
+    lines += graph_table(report["rows"]) + loop_table(report["rows"])
+    lines += ["", f"Total wall time {report['wall_s']:.1f} s (budget {report['budget_s']:g} s)."]
+    return "\n".join(lines) + "\n"

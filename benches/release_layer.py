@@ -43,8 +43,8 @@ RELEASE_CONFIG = ROOT / "assets" / "configs" / "v41-flash.json"  # the release i
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
-from benches.release_graph import (GOAL_RATIO, graph_decode, graph_row, graph_table, listed_host_syncs,  # noqa: E402
-                                   profiled)
+from benches.release_graph import (GOAL_RATIO, decode_loop, graph_decode, graph_row, listed_host_syncs,  # noqa: E402
+                                   profiled, table)
 
 
 # -- which layers ---------------------------------------------------------------------------------
@@ -412,6 +412,9 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
     if args.graph and warm and time.perf_counter() + times[-1] * 2 < deadline:
         run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
                  profiles if args.profile else None, graph=graph)
+    loop: dict = {}
+    if args.decode_loop and warm and time.perf_counter() + times[-1] * 4 < deadline:
+        loop = decode_loop(model, cfg, layers, args.tokens, args.decode_loop, device)
     rows = []
     for phase in ("prefill", "decode"):
         if phase == "prefill":
@@ -435,38 +438,11 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
             rows[-1]["graph_profile"] = profiles["decode graph"]
         if phase == "decode":
             rows[-1]["host_syncs"] = syncs
-            rows[-1].update(graph_row(graph, got.get("decode_out"), floor_s))
+            rows[-1].update(graph_row(graph, got.get("decode_out"), floor_s), **loop)
     return rows
 
 
 # -- the report -----------------------------------------------------------------------------------
-
-def table(report: dict) -> str:
-    r = report["rates"]
-    lines = [f"# Release-size layers, {report['device']}",
-             "",
-             f"{report['config']}; prefill {report['tokens']} tokens with every probe, decode step "
-             f"{report['decode']} tokens; weights: {report['weights']}; ops: {report['ops']}. "
-             f"Rates measured in this run: FP8 GEMM (torch._scaled_mm {r['fp8_gemm_n']}^3) "
-             f"{r['fp8_flops'] / 1e12:.4g} TFLOP/s, copy {r['hbm_Bps'] / 1e12:.4g} TB/s. "
-             f"Floor = max(FLOPs / FP8 rate, bytes / copy rate); goal: time within {GOAL_RATIO:g}x of it.",
-             "",
-             "| role | layer | phase | time (ms) | GFLOP | MB | floor (ms) | limit | x floor | goal | peak (GB) | experts | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in report["rows"]:
-        if row["status"] != "ok":
-            lines.append(f"| {row['title']} | {row.get('layer', '-')} | - | - | - | - | - | - | - | - | - | - | "
-                         f"{row['status']}: {row.get('error', '')[:160]} |")
-            continue
-        peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 1e9:.1f}"
-        note = ("" if row["warm"] else "first pass (compiles included); ") + f"chain {row['chain']}"
-        lines.append(f"| {row['title']} | {row['layer']} | {row['phase']} {row['queries']} | {row['time_s'] * 1e3:.2f} | "
-                     f"{row['flops'] / 1e9:.4g} | {row['bytes'] / 1e6:.4g} | {row['floor_s'] * 1e3:.4g} | {row['limit']} | "
-                     f"{row['ratio']:.1f} | {'met' if row['goal_met'] else 'missed'} | {peak} | {row['touched_experts']} | {note} |")
-    lines += graph_table(report["rows"])
-    lines += ["", f"Total wall time {report['wall_s']:.1f} s (budget {report['budget_s']:g} s)."]
-    return "\n".join(lines) + "\n"
-
 
 def profile_text(report: dict) -> str:
     """The profiled rows' tables, one section per role and phase (--profile)."""
@@ -512,6 +488,8 @@ def parse(argv):
     p.add_argument("--device", default=None)
     p.add_argument("--graph", action="store_true",
                    help="one more pass per role with the decode step captured as a CUDA graph and replayed")
+    p.add_argument("--decode-loop", type=int, default=0, metavar="N",
+                   help="also N one-token decode steps per role, eager and on the engine's piecewise CUDA graphs")
     p.add_argument("--profile", action="store_true",
                    help="one more pass per role under torch.profiler: release-layer-profile.txt")
     p.add_argument("--moe-fp8", action="store_true", help="routed experts on FP8 tensor cores (kernels/moe_f8.py)")

@@ -16,6 +16,8 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need
 class Recorder:
     """A `pieces` that calls each piece as it is and lists (layer, name, the rows of its tensors)."""
 
+    recorded, refused = 0, {}
+
     def __init__(self):
         self.calls = []
 
@@ -43,6 +45,19 @@ def test_blocks_hand_their_cache_free_parts_to_pieces_on_decode_steps_only():
                                                      "ffn_half"]]
     assert [(L, name) for L, name, _ in rec.calls] == per_step * 3  # the three decode steps, not the prompt
     assert all(set(rows) == {1} for _, _, rows in rec.calls)
+
+
+def test_the_release_bench_decode_loop_steps_the_layers_as_the_engine_does():
+    """benches/release_graph.py decode_loop (release_layer.py --decode-loop): after a prefill, one-token steps
+    through the chain, each with its pieces; the piecewise run's outputs are the eager run's."""
+    from benches.release_graph import decode_loop
+    model = tiny_model()
+    rec = Recorder()
+    got = decode_loop(model, model.cfg, [5], tokens=9, steps=4, device=torch.device("cpu"), graphs=rec)
+    assert got["loop_rel_diff"] == 0 and got["loop_steps"] == 4 and got["loop_graphs_s"] > 0
+    names = ["mix_in", "queries", "window_entries_0", "index_queries", "output", "ffn_half"]  # layer 5 picks
+    assert [(L, name) for L, name, _ in rec.calls] == [(5, name) for name in names] * 4
+    assert decode_loop(model, model.cfg, [5], 9, 4, torch.device("cpu")) == {"loop_error": "CUDA graphs need a GPU"}
 
 
 def test_graphs_only_where_one_process_computes_on_a_gpu():
