@@ -69,4 +69,3 @@ class Block:
             probe["mhc"] = {"attn": {"pre": a_pre, "post": a_post, "comb": a_comb},
                             "ffn": {"pre": f_pre, "post": f_post, "comb": f_comb}}
         return x2, f_pre
-

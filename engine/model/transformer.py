@@ -19,7 +19,7 @@ from ..roles import decoder_start, role_plan
 from .attention import Shared
 from .block import Block
 from .engram import Engram, EngramLayout
-from .graphs import DECODE_ROWS
+from .graphs import DECODE_ROWS, DecodeGraphs
 
 
 class Model:
@@ -87,7 +87,6 @@ class Model:
         """Forget every cache: the next forward starts at position 0 (recorded graphs stay: they hold no cache)."""
         self.pos = 0
         if self.decode_graphs and self.graphs is None:
-            from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.device, forget=self._forget_rounding)
         self.blocks = [Block(self.cfg, role, self.get, self.linear, self.ops, self.parallel,
                              Engram(self.cfg, role.layer, self.engram_layout, self.weights, self.ops, self.act_quant,
