@@ -14,7 +14,7 @@ _, ties = interpreted("_formats", "ties")
 
 def _rows(gen, n):
     rows = [torch.randn(n, generator=gen),                                  # all distinct: nothing tied
-            torch.randint(0, 4, (n,), generator=gen).float(),               # ties at the k-th value
+            (torch.randperm(n, generator=gen) % 4).float(),                 # ties at the k-th value (n/4 of each)
             torch.where(torch.arange(n) < 3, torch.randn(n, generator=gen), torch.tensor(NEG_INF)),  # short row
             torch.zeros(n),                                                 # one value everywhere
             torch.where(torch.arange(n) % 3 == 0, torch.tensor(NEG_INF),
