@@ -345,3 +345,36 @@ def test_sparse_attention_with_window_sinks_and_padding_matches_float64_loop():
             denom = sum(weights) + math.exp(sink[h].item() - mx)
             expected = sum(wt * e for wt, e in zip(weights, entries)) / denom
             assert torch.allclose(out[t, h].double(), expected, atol=1e-5), (t, h)
+
+
+def test_source_cache_appends_in_place_and_snapshots_keep_their_entries(monkeypatch):
+    """SourceCache: entries appended one at a time equal the same entries appended at once (bytes and mirrors);
+    the buffers grow by a factor (a few copies for many one-entry appends, not one a step); a snapshot keeps
+    its entries while later ones are written after them; under autograd the mirrors stay differentiable."""
+    from engine.model.attention import SourceCache
+    g = torch.Generator().manual_seed(0)
+    kv, ik = torch.randn(300, 64, generator=g), torch.randn(300, 32, generator=g)
+    whole, one_by_one = SourceCache(1), SourceCache(1)
+    with torch.no_grad():
+        whole.append(kv, ik)
+        grown, real_empty = [], torch.Tensor.new_empty
+        monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: grown.append(1) or real_empty(self, *a, **k))
+        snap = None
+        for i in range(300):
+            one_by_one.append(kv[i:i + 1], ik[i:i + 1])
+            if i == 99:
+                snap = one_by_one.snapshot()
+        monkeypatch.undo()
+    assert one_by_one.n_entries == whole.n_entries == 300 and snap.n_entries == 100
+    for got, want in zip(one_by_one.packed(), whole.packed()):
+        assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(one_by_one.kv_values, whole.kv_values) and torch.equal(one_by_one.ik_values, whole.ik_values)
+    assert torch.equal(snap.kv_values, whole.kv_values[:100]) and snap.packed()[0].shape[0] == 100
+    assert 6 * 6 <= len(grown) <= 6 * 12  # six buffers, each grown ~log_1.5(300 / 16) times
+    assert one_by_one.global_nbytes() == whole.global_nbytes() == 300 * (32 + 4 + 16 + 1)
+    x = kv[:8].clone().requires_grad_()
+    trained = SourceCache(1)
+    trained.append(x[:4], ik[:4])
+    trained.append(x[4:], ik[4:])
+    trained.kv_values.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.ones_like(x))

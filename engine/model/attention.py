@@ -52,26 +52,58 @@ class WindowCache:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+GROWTH = 1.5  # a source buffer's room when it fills: amortized O(1) copies per entry appended
+
+
+def appended(buf: torch.Tensor | None, n: int, new: torch.Tensor) -> torch.Tensor:
+    """Rows buf[:n] followed by `new`, in a buffer with room to spare: written in place while there is room,
+    else copied once into a buffer GROWTH times larger (a decode step appends one entry: no copy of the whole
+    cache a step). Under autograd (training) a plain concatenation: an in-place write would change tensors
+    the backward pass saved."""
+    k = new.shape[0]
+    if torch.is_grad_enabled() and new.requires_grad:
+        return new if buf is None or n == 0 else torch.cat([buf[:n], new])
+    if buf is None or n + k > buf.shape[0] or buf.requires_grad \
+            or (buf.is_inference() and not torch.is_inference_mode_enabled()):  # not writable here
+        room = max(n + k, int(GROWTH * n), 16)
+        grown = new.new_empty((room, *new.shape[1:]))
+        if n:
+            grown[:n] = buf[:n]
+        buf = grown
+    buf[n:n + k] = new.detach()
+    return buf
+
+
 @dataclass
 class SourceCache:
-    """What a Full layer publishes: compressed KV entries and index keys (FP4), plus the pending
-    tokens of an incomplete group (m > 1)."""
+    """What a Full layer publishes: compressed KV entries and index keys (FP4), their float mirrors, plus the
+    pending tokens of an incomplete group (m > 1). The first `n_entries` rows of each buffer hold the
+    entries; the rest is room for the next ones (`appended`), so a view of the first n rows (a snapshot)
+    stays what it was while later entries are written after it."""
     ratio: int
-    kv_packed: list = field(default_factory=list)   # int8 [n, D/2] chunks
-    kv_scale: list = field(default_factory=list)    # float8_e4m3fn [n, D/16]
-    ik_packed: list = field(default_factory=list)   # int8 [n, Di/2]
-    ik_scale: list = field(default_factory=list)    # float8_e8m0fnu [n, Di/32]
-    kv_values: torch.Tensor | None = None           # float32 mirror [N, D]
-    ik_values: torch.Tensor | None = None           # float32 mirror [N, Di]
+    n_entries: int = 0
+    buffers: dict = field(default_factory=dict)      # kv_packed int8 [., D/2], kv_scale e4m3 [., D/16],
+    # ik_packed int8 [., Di/2], ik_scale e8m0 [., Di/32], kv_values float32 [., D], ik_values float32 [., Di]
     pending_kv: torch.Tensor | None = None          # [r, D] fp32, r < ratio
     pending_score: torch.Tensor | None = None
 
+    def _rows(self, name: str) -> torch.Tensor | None:
+        buf = self.buffers.get(name)
+        return None if buf is None else buf[: self.n_entries]
+
     @property
-    def n_entries(self) -> int:
-        return 0 if self.kv_values is None else self.kv_values.shape[0]
+    def kv_values(self) -> torch.Tensor | None:
+        """float32 mirror [N, D] of the stored KV entries (rotated)."""
+        return self._rows("kv_values")
+
+    @property
+    def ik_values(self) -> torch.Tensor | None:
+        """float32 mirror [N, Di] of the stored index keys (rotated)."""
+        return self._rows("ik_values")
 
     def global_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_packed + self.kv_scale + self.ik_packed + self.ik_scale)
+        """Bytes of the stored formats of the entries (not of the room after them)."""
+        return sum(t.numel() * t.element_size() for t in self.packed()) if self.n_entries else 0
 
     def pending_nbytes(self) -> int:
         if self.pending_kv is None:
@@ -79,30 +111,24 @@ class SourceCache:
         return 2 * self.pending_kv.numel() * 4
 
     def packed(self) -> tuple[torch.Tensor, ...]:
-        """The stored bytes as single tensors: (kv int8 [N, D/2], kv e4m3 [N, D/16], index keys int8
-        [N, Di/2], e8m0 [N, Di/32]); the chunk lists are joined once and kept joined."""
-        for name in ("kv_packed", "kv_scale", "ik_packed", "ik_scale"):
-            chunks = getattr(self, name)
-            if len(chunks) > 1:
-                setattr(self, name, [torch.cat(chunks)])
-        return self.kv_packed[0], self.kv_scale[0], self.ik_packed[0], self.ik_scale[0]
+        """The stored bytes: (kv int8 [N, D/2], kv e4m3 [N, D/16], index keys int8 [N, Di/2], e8m0 [N, Di/32])."""
+        return tuple(self._rows(name) for name in ("kv_packed", "kv_scale", "ik_packed", "ik_scale"))
 
     def snapshot(self) -> "SourceCache":
         """The entries as they are now, unaffected by later appends (a later chunk may append
         while this chunk's upper layers still read them: engine/run/pipeline.py)."""
-        return replace(self, kv_packed=list(self.kv_packed), kv_scale=list(self.kv_scale),
-                       ik_packed=list(self.ik_packed), ik_scale=list(self.ik_scale))
+        return replace(self, buffers=dict(self.buffers))
 
     def append(self, kv: torch.Tensor, ik: torch.Tensor, quantize=quant.quantize_fp4_with_values) -> None:
         """Store new entries: kv [n, D] (rotated), ik [n, Di] (rotated index keys); quantize: the FP4 store
         (engine/ops quantize_fp4_with_values)."""
         kv_p, kv_s, kv_loaded = quantize(kv, 16, "e4m3")
         ik_p, ik_s, ik_loaded = quantize(ik, 32, "e8m0")
-        self.kv_packed.append(kv_p); self.kv_scale.append(kv_s)
-        self.ik_packed.append(ik_p); self.ik_scale.append(ik_s)
-        kv_f, ik_f = ste(kv, kv_loaded), ste(ik, ik_loaded)
-        self.kv_values = kv_f if self.kv_values is None else torch.cat([self.kv_values, kv_f])
-        self.ik_values = ik_f if self.ik_values is None else torch.cat([self.ik_values, ik_f])
+        new = {"kv_packed": kv_p, "kv_scale": kv_s, "ik_packed": ik_p, "ik_scale": ik_s,
+               "kv_values": ste(kv, kv_loaded), "ik_values": ste(ik, ik_loaded)}
+        n = self.n_entries
+        self.buffers = {name: appended(self.buffers.get(name), n, rows) for name, rows in new.items()}
+        self.n_entries = n + kv.shape[0]
 
 
 @dataclass
