@@ -125,3 +125,15 @@ def test_engine_decode_with_graphs_equals_its_eager_loop():
     assert g.recorded == parts and g.replays == parts * (10 - 2)
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-5)
     assert torch.equal(steps[1].argmax(-1), steps[0].argmax(-1))
+
+
+def test_the_decode_graphs_bench_runs_its_eager_row_on_the_cpu(capsys, tmp_path):
+    """benches/decode_graphs.py on the CPU: the eager row only (graphs need a GPU), the same picks, a table."""
+    import json
+    from benches import decode_graphs
+    assert decode_graphs.main(["--device", "cpu", "--tokens", "6", "--generate", "2", "--repeat", "1",
+                               "--out", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| eager |" in out and "| graphs |" not in out and "graphs need a CUDA device" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["mode"] for r in rows] == ["eager"] and len(rows[0]["picks"]) == 2 and rows[0]["tokens_per_s"] > 0
