@@ -60,10 +60,31 @@ def test_the_release_bench_decode_loop_steps_the_layers_as_the_engine_does():
     assert decode_loop(model, model.cfg, [5], 9, 4, torch.device("cpu")) == {"loop_error": "CUDA graphs need a GPU"}
 
 
-def test_graphs_only_where_one_process_computes_on_a_gpu():
+def test_graphs_only_where_one_process_computes_on_a_gpu_and_no_layer_is_recorded_for_parity():
+    """A CPU model has none; a CUDA one (built here without touching CUDA) has them unless turned off, and
+    drops them while its ops record a layer's kernel calls (engine/run/parity.py: a replay calls no Python)."""
+    from engine.run.api import load
     assert tiny_model().graphs is None  # a CPU model: no graphs, Block.forward calls its parts
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs("cpu")
+    assert load(device="cuda", kernels=False, decode_graphs=False).model.graphs is None
+    model = load(device="cuda", kernels=False).model
+    first = model.graphs
+    assert isinstance(first, DecodeGraphs)
+    model.reset()
+    assert model.graphs is first  # a reset keeps what was recorded (the pieces hold no cache)
+    before = model.ops
+
+    class Recording:  # the parity capture's ops: the same numerics, one layer's calls recorded
+        capture_layer = 3
+
+        def __getattr__(self, name):
+            return getattr(before, name)
+
+    model.use_ops(Recording())
+    assert model.graphs is None
+    model.use_ops(before)
+    assert isinstance(model.graphs, DecodeGraphs) and model.graphs is not first  # the old ops' recordings dropped
 
 
 @GPU

@@ -80,13 +80,14 @@ class Model:
     def use_ops(self, ops) -> None:
         """Run on other ops from now on (engine/run/parity.py: a capture, or the other path); forgets the caches."""
         self.ops = ops
-        self.graphs = None  # recorded on the old ops' kernels
+        self.graphs = None  # recorded on the old ops' kernels (reset starts new ones where they apply)
         self.reset()
 
     def reset(self) -> None:
         """Forget every cache: the next forward starts at position 0 (recorded graphs stay: they hold no cache)."""
         self.pos = 0
-        if self.decode_graphs and self.graphs is None:
+        # (not while ops record a layer's kernel calls for parity: a replay calls no Python)
+        if self.decode_graphs and self.graphs is None and getattr(self.ops, "capture_layer", None) is None:
             self.graphs = DecodeGraphs(self.device, forget=self._forget_rounding)
         self.blocks = [Block(self.cfg, role, self.get, self.linear, self.ops, self.parallel,
                              Engram(self.cfg, role.layer, self.engram_layout, self.weights, self.ops, self.act_quant,
