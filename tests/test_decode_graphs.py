@@ -63,11 +63,13 @@ def test_the_release_bench_decode_loop_steps_the_layers_as_the_engine_does():
 def test_graphs_only_where_one_process_computes_on_a_gpu_and_no_layer_is_recorded_for_parity():
     """A CPU model has none; a CUDA one (built here without touching CUDA) has them unless turned off, and
     drops them while its ops record a layer's kernel calls (engine/run/parity.py: a replay calls no Python)."""
-    from engine.run.api import load
+    from engine.run.api import EngineError, load
     assert tiny_model().graphs is None  # a CPU model: no graphs, Block.forward calls its parts
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs("cpu")
     assert load(device="cuda", kernels=False, decode_graphs=False).model.graphs is None
+    with pytest.raises(EngineError, match="decode_graphs must be True or False"):
+        load(decode_graphs="yes")
     model = load(device="cuda", kernels=False).model
     first = model.graphs
     assert isinstance(first, DecodeGraphs)

@@ -71,6 +71,8 @@ class Engine:
         self.threads = threads if threads is not None else min(2, os.cpu_count() or 1)
         if self.threads not in (1, 2):
             raise EngineError(f"threads must be 1 or 2, got {self.threads}")
+        if not isinstance(decode_graphs, bool):
+            raise EngineError(f"decode_graphs must be True or False, got {decode_graphs!r}")
         self.parallel = parallel  # engine/serve/parallel.py when this is one rank of several processes
         self.device = torch.device(device) if parallel is None else parallel.device
         # kernels: None = the Triton kernels on CUDA with checkpoint weights (engine/ops/triton.py);
