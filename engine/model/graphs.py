@@ -16,8 +16,9 @@ with the capture-safe forms (engine/capture.py) while CUDA refuses every host re
 the host stays eager from then on, the reason kept in `refused`; otherwise it is recorded. Every later call
 copies its inputs into the graph's own, replays it and hands out copies of the outputs (a replay rewrites
 them). A graph reads everything by address: its inputs and outputs are held here; the pieces read nothing
-else but weights, which the GPU weight sources and the ops keep for the model's life (nothing is cached on
-the layer objects, which a reset replaces).
+else but weights, which the GPU weight sources and the ops keep for the model's life (a weight dequantized
+per call is dequantized inside the recorded piece, so each replay makes it again; nothing is cached on the
+layer objects, which a reset replaces).
 """
 
 from __future__ import annotations
