@@ -141,7 +141,7 @@ class TritonOps:
     # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a, against 18c) 30-42 us
     # faster a layer with it (Full m=1 3.518 -> 3.476 ms, 2.9x its HBM floor at 4.04 TB/s)
     linear_bf16_decode = True
-    KNOBS = {"moe_fp8_mma": (False, True), "linear_bf16_decode": (False, True)}
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode")  # booleans a bench may set by name (set_knobs)
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -161,17 +161,15 @@ class TritonOps:
         self._bf16_of: dict[int, tuple] = {}  # id(float weight) -> (a weak reference to it, its bf16 copy)
 
     def set_knobs(self, spec: str) -> dict:
-        """Set the tuning knobs above from "name=value,..." (benches; booleans as 0 or 1); returns them set."""
+        """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""
         knobs = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, _, text = item.partition("=")
-            allowed = self.KNOBS.get(name)
-            if allowed is None:
+            if name not in self.KNOBS:
                 raise ValueError(f"unknown kernel-ops knob {name!r}; the knobs: {', '.join(self.KNOBS)}")
-            value = {"0": False, "1": True}.get(text) if isinstance(allowed[0], bool) else text
-            if value not in allowed or (isinstance(allowed[0], bool) and text not in ("0", "1")):
-                raise ValueError(f"knob {name}: {text!r} is not one of {', '.join(map(str, allowed))} (booleans: 0, 1)")
-            knobs[name] = value
+            if text not in ("0", "1"):
+                raise ValueError(f"knob {name}: {text!r} is not 0 or 1")
+            knobs[name] = text == "1"
         for name, value in knobs.items():  # all or nothing: a refused spec sets none
             setattr(self, name, value)
         return knobs
@@ -214,12 +212,11 @@ class TritonOps:
         rescale every 32 of K: 2.1x at 4096 x 5120 x 8192 on the H200): above a decode step's 64 rows, where K
         is whole 64 blocks and every scale byte is in the form's range (checked once a weight: a host sync);
         with `linear_bf16_decode`, also a decode step's wide products."""
-        if rows <= 64 and not (self.linear_bf16_decode and self._raw[base][0].shape[1] >= 4096
-                               and self._raw[base][0].shape[0] >= 2048):
+        w, s = self._raw[base]
+        if rows <= 64 and not (self.linear_bf16_decode and w.shape[1] >= 4096 and w.shape[0] >= 2048):
             return False
         if base not in self._bf16_fits:
             from kernels.fp8_linear import bf16_form_fits
-            w, s = self._raw[base]
             self._bf16_fits[base] = w.shape[1] % 64 == 0 and bf16_form_fits(s)
         return self._bf16_fits[base]
 
