@@ -150,6 +150,15 @@ def graph_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def stream_inputs(model, cfg, n: int, device, seed: int):
+    """What every layer of a chain is fed at n positions: token ids [n] (the Engram's), a random stream
+    [n, hc, dim] (the numerics' activation) and uniform collapse weights [n, hc]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(5, cfg.vocab_size, (n,), device=device, generator=g)
+    x0 = model.ops.act(torch.randn(n, cfg.hc_mult, cfg.dim, device=device, generator=g))
+    return ids, x0, torch.full((n, cfg.hc_mult), 1.0 / cfg.hc_mult, device=device)
+
+
 def decode_loop(model, cfg, layers: list[int], tokens: int, steps: int, device, graphs=None) -> dict:
     """The engine's own decode at release size: a `tokens` prefill of the chain `layers`, then `steps`
     one-token steps through it as Model.run_chunk runs them (the Engram's history on the host), eager and then
@@ -162,11 +171,8 @@ def decode_loop(model, cfg, layers: list[int], tokens: int, steps: int, device, 
     if graphs is None and device.type != "cuda":
         return {"loop_error": "CUDA graphs need a GPU"}
     target, n = layers[-1], tokens + steps
-    g = torch.Generator(device=device).manual_seed(11)
-    ids = torch.randint(5, cfg.vocab_size, (n,), device=device, generator=g)
-    x0 = model.ops.act(torch.randn(n, cfg.hc_mult, cfg.dim, device=device, generator=g))
-    pre0 = torch.full((n, cfg.hc_mult), 1.0 / cfg.hc_mult, device=device)
-    graphs = graphs if graphs is not None else DecodeGraphs(device, forget=model._forget_rounding)
+    ids, x0, pre0 = stream_inputs(model, cfg, n, device, seed=11)
+    graphs = graphs if graphs is not None else DecodeGraphs(device, forget=model.forget_rounding)
     out, outputs = {}, {}
     for mode, pieces in (("eager", None), ("graphs", graphs)):
         model.reset()

@@ -44,7 +44,7 @@ ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
 from benches.release_graph import (GOAL_RATIO, decode_loop, graph_decode, graph_row, listed_host_syncs,  # noqa: E402
-                                   profiled, table)
+                                   profiled, stream_inputs, table)
 
 
 # -- which layers ---------------------------------------------------------------------------------
@@ -345,10 +345,7 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
     from engine.model.attention import Shared
     target = layers[-1]
     model.reset()
-    g = torch.Generator(device=device).manual_seed(7)
-    ids = torch.randint(5, cfg.vocab_size, (tokens + decode,), device=device, generator=g)
-    x0 = model.ops.act(torch.randn(tokens + decode, cfg.hc_mult, cfg.dim, device=device, generator=g))
-    pre0 = torch.full((tokens + decode, cfg.hc_mult), 1.0 / cfg.hc_mult, device=device)
+    ids, x0, pre0 = stream_inputs(model, cfg, tokens + decode, device, seed=7)
     out = {}
     history = (model.compressed_history, model.dead_history)
     for phase, rows in (("prefill", slice(0, tokens)), ("decode", slice(tokens, tokens + decode))):

@@ -73,7 +73,8 @@ class Model:
         del memo[2:]
         return rounded
 
-    def _forget_rounding(self) -> None:
+    def forget_rounding(self) -> None:
+        """Drop the remembered FP8 roundings (`_rounded`): a CUDA graph's recording leaves tensors of its own there."""
         self._rounding_memo.__dict__["items"] = []
 
     # -- state ----------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Model:
         self.pos = 0
         # (not while ops record a layer's kernel calls for parity: a replay calls no Python)
         if self.decode_graphs and self.graphs is None and getattr(self.ops, "capture_layer", None) is None:
-            self.graphs = DecodeGraphs(self.device, forget=self._forget_rounding)
+            self.graphs = DecodeGraphs(self.device, forget=self.forget_rounding)
         self.blocks = [Block(self.cfg, role, self.get, self.linear, self.ops, self.parallel,
                              Engram(self.cfg, role.layer, self.engram_layout, self.weights, self.ops, self.act_quant,
                                     self._compressed) if role.engram else None)
