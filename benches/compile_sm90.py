@@ -127,14 +127,14 @@ def cases():
     def top512():
         topk.topk_positions_triton(torch.randn(64, 65536), 512)
 
-    def attention(tq):
+    def attention(tq, **cfg):
         q = torch.randn(tq, 64, 512).bfloat16()
         kvp, kvs = rand_fp4((4096, 512), 16, "e4m3")
         w8 = (torch.randn(256, 512) * 50).to(torch.float8_e4m3fn)
         ws = torch.randint(118, 122, (256, 16), dtype=torch.uint8).view(torch.float8_e8m0fnu)
         idx = torch.randint(0, 4096, (tq, 512), dtype=torch.int32)
         widx = torch.randint(0, 256, (tq, 128), dtype=torch.int32)
-        return lambda: sparse_attn.sparse_attn_triton(q, kvp, kvs, idx, w8, ws, widx, torch.randn(64))
+        return lambda: sparse_attn.sparse_attn_triton(q, kvp, kvs, idx, w8, ws, widx, torch.randn(64), **cfg)
 
     def experts(tokens, **cfg):
         e, inter, dim, k = 8, 2304, 5120, 6
@@ -168,7 +168,8 @@ def cases():
             ("fp8 linear 64x5120x8192", linear(64)), ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
-            ("sparse attention decode b64", attention(64)), ("sparse attention prefill 4K", attention(4096)),
+            ("sparse attention decode b64", attention(64)),
+            ("sparse attention decode b64, two passes", attention(64, layout="two_pass")), ("sparse attention prefill 4K", attention(4096)),
             ("MoE decode 1 token", experts(1)),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,

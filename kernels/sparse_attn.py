@@ -141,14 +141,15 @@ def _win_decode(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr):
-    """_raw_tile with the lanes grouped by scale: int32 lanes [BN, D/16, 4] (lane 4g + l holds dims
-    16g + 4l .. +3) and one scale byte per group of 16 dims [BN, D/16] (the window's E8M0 byte, one per
-    32, read for both of its groups): a quarter of _raw_tile's per-lane scale registers. One format's
-    loads are issued (a branch), so only one set of destination registers is live."""
+def _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr, C0, DC: tl.constexpr):
+    """_raw_tile of the columns [C0, C0 + DC) (C0 a multiple of 16) with the lanes grouped by scale:
+    int32 lanes [BN, DC/16, 4] (lane 4g + l holds dims C0 + 16g + 4l .. +3) and one scale byte per group
+    of 16 dims [BN, DC/16] (the window's E8M0 byte, one per 32, read for both of its groups): a quarter
+    of _raw_tile's per-lane scale registers. One format's loads are issued (a branch), so only one set of
+    destination registers is live."""
     ok = ent >= 0
     row = tl.where(ok, ent, 0)  # int32 offsets (the wrapper checks N * D / 4 < 2^31): fewer registers
-    g = tl.arange(0, D // 16)
+    g = C0 // 16 + tl.arange(0, DC // 16)
     jw = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [D/16, 4] lane index
     r3 = row[:, None, None] * (D // 4) + jw[None, :, :]
     if is_win:
@@ -305,7 +306,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
     e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-    x1, s1 = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D)
+    x1, s1 = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D, 0, D)
     if n_st > 0:
         kv1 = _fp4_decode_g(x1, s1, BN, D, DT)
     else:
@@ -318,7 +319,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
         ec, kv = e1, kv1
         e1 = e2
         e2 = _tile_ent(idx_row, widx_row, i + 2, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-        xn, sn = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D)
+        xn, sn = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D, 0, D)
         s = tl.dot(kv, q_t) * qk2  # S^T [BN, BH], log2 units
         s = tl.where((ec >= 0)[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -375,7 +376,7 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr,
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
-                       layout: str | None = None, float_out: bool = False):
+                       layout: str | None = None, float_out: bool = False, two_pass: dict | None = None):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     layout (module docstring): None picks "entries" wherever its int32 offsets reach every cache entry,
@@ -388,6 +389,10 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     enough to fill the SMs once, 1 for prefill), merged by a second kernel that also adds the sink.
     d_split = 2: two programs per (token, head block, split), each computing all of S but only half of
     the output columns: half the accumulator registers, no partials to merge, for 2x the QK^T work.
+    layout="two_pass" (decode-sized calls, kernels/sparse_attn_decode.py): scores for all heads in one launch,
+    the weighted sum over column blocks in a second; block_h and block_n as above (None: 64 and 64), its other
+    launch options in the dict two_pass (sparse_attn_two_pass's keywords; num_warps, num_stages, split and
+    d_split here do not apply).
     float_out: the bf16 output's values stored as float32 (rounded to nearest even in the kernel), what the
     reference numerics keep, without a widening copy.
     Host side: no tensor is made on or copied from the host, nothing is read back (CUDA-graph safe)."""
@@ -398,8 +403,19 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     wide = max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31  # past the entries layout's int32 offsets
     if layout is None:
         layout = "heads" if wide else "entries"
-    if layout not in ("heads", "entries"):
-        raise ValueError(f"sparse attention: layout must be 'heads' or 'entries', got {layout!r}")
+    if layout not in ("heads", "entries", "two_pass"):
+        raise ValueError(f"sparse attention: layout must be 'heads', 'entries' or 'two_pass', got {layout!r}")
+    if layout == "two_pass":
+        if wide:
+            raise ValueError("sparse attention: layout='two_pass' addresses the caches with int32 offsets; "
+                             f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
+        from kernels.sparse_attn_decode import sparse_attn_two_pass
+        bh = min(block_h or 64, h)
+        return sparse_attn_two_pass(
+            q.contiguous(), kv_packed.contiguous().view(torch.int16), kv_scale.contiguous().view(torch.uint8),
+            idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
+            win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous(), sink.float().contiguous(),
+            scale, block_h=bh, block_n=block_n or 64, float_out=float_out, **(two_pass or {}))
     if d_split not in (1, 2):
         raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
     # decode (the tokens' 64-head blocks fill at most half the SMs): all 64 heads a program decode each

@@ -1,6 +1,6 @@
 """Sparse attention kernel (kernels/sparse_attn.py) under TRITON_INTERPRET=1: the in-register decoders
-bit for bit against engine.quant, and the split-KV path (partials + merge with the sink) against the
-float64 reference."""
+bit for bit against engine.quant, and the split-KV path (partials + merge with the sink) and the two-pass
+decode form (kernels/sparse_attn_decode.py) against the float64 reference."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ import triton.language as tl  # noqa: E402
 
 import kernels._formats  # noqa: E402
 import kernels.sparse_attn  # noqa: E402
+import kernels.sparse_attn_decode  # noqa: E402
 
-for _m in (kernels._formats, kernels.sparse_attn):  # jit functions made without the interpreter
-    importlib.reload(_m)
+for _m in (kernels._formats, kernels.sparse_attn, kernels.sparse_attn_decode):  # jit functions made without
+    importlib.reload(_m)                                                        # the interpreter
 
 from engine import quant as Q  # noqa: E402
 from kernels import sparse_attn as A  # noqa: E402
+from kernels import sparse_attn_decode as AD  # noqa: E402
 
 @triton.jit
 def _fp4_probe(kvh_ptr, kvs_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr):
@@ -230,3 +232,68 @@ def test_default_layout_is_entries_unless_offsets_overflow(t, cache_entries, lay
     assert len(ran[layout].launches) == 1 and not ran["entries" if layout == "heads" else "heads"].launches
     grid, _, kw = ran[layout].launches[0]
     assert (kw["BH"], kw["BN"]) == (bh, bn) and grid[1] == split and kw["SPLIT"] == (split > 1)
+
+
+@pytest.mark.parametrize("block_h,block_n,tiles,block_v", [(16, 16, 1, 32), (32, 16, 2, 64), (16, 32, 3, 16),
+                                                           (16, 16, 5, 64)])
+def test_two_pass_matches_reference(poisoned, block_h, block_n, tiles, block_v):
+    """Scores then weighted sum over column blocks: selected tiles 0..2 (or 0..1 at 32 entries) and window
+    tiles 0..1 over 1-5 tiles a scoring program and one or two head blocks; token 0's first selected tile
+    holds no entry (its max stays finite, its weight 0); the last token selects nothing -> zeros. Same
+    products as the entries layout, so their outputs agree closely too."""
+    g = torch.Generator().manual_seed(11 + tiles)
+    args = _inputs(g, t=3, h=32, d=64, n=50, w=30, k=40, wn=20)
+    args[3][-1], args[6][-1] = -1, -1
+    args[3][0, :block_n] = -1
+    want = A.sparse_attn_reference(*args)
+    opts = dict(tiles_per_program=tiles, block_v=block_v)
+    got = A.sparse_attn_triton(*args, block_h=block_h, block_n=block_n, layout="two_pass", two_pass=opts)
+    assert _rel(want, got) < 1e-2
+    assert (got[-1] == 0).all()
+    one_pass = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=1, layout="entries")
+    assert _rel(one_pass, got) < 2e-3
+    fo = A.sparse_attn_triton(*args, block_h=block_h, block_n=block_n, layout="two_pass", two_pass=opts,
+                              float_out=True)
+    assert fo.dtype == torch.float32 and torch.equal(fo.bfloat16().float(), fo) and _rel(want, fo) < 1e-2
+
+
+def test_two_pass_window_only_programs_and_dominant_sink(poisoned):
+    """One selected tile, three window tiles, one tile a scoring program: three programs score window tiles
+    only. Head 0's sink is huge, so its output must vanish (the sink enters the denominator once)."""
+    g = torch.Generator().manual_seed(3)
+    args = _inputs(g, t=2, h=16, d=64, n=20, w=60, k=16, wn=48, q_scale=0.5)
+    args[7][0] = 30.0
+    want = A.sparse_attn_reference(*args)
+    got = A.sparse_attn_triton(*args, block_n=16, layout="two_pass", two_pass=dict(tiles_per_program=1,
+                                                                                     block_v=32))
+    assert _rel(want, got) < 1e-2
+    assert got[:, 0].abs().max() < 1e-6 < got[:, 1].abs().max()
+
+
+def test_two_pass_keeps_everything_on_the_device_and_launches_two_kernels():
+    """Under CUDA-graph rules (inputs on 'meta'): no host tensor made, copied or handed to a kernel, nothing
+    read back; one scoring launch over (tokens, tile groups, head blocks), one weighted-sum launch over
+    (tokens, column blocks, head blocks), at the release's decode shapes."""
+    g = torch.Generator().manual_seed(5)
+    args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
+    spy, scores, wsum = _HostTraffic(), _Recorder(), _Recorder()
+    meta = [x.to("meta") for x in args]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AD, "_scores_kernel", scores)
+        mp.setattr(AD, "_weighted_sum_kernel", wsum)
+        with spy:
+            A.sparse_attn_triton(*meta, layout="two_pass", two_pass=dict(tiles_per_program=3, block_v=128))
+    handed = [a for _, a_, _ in scores.launches + wsum.launches for a in a_
+              if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+    assert spy.seen == [] and handed == []
+    assert [grid for grid, _, _ in scores.launches] == [(2, 4, 1)]  # 8 + 2 tiles of 64, 3 a program
+    assert [grid for grid, _, _ in wsum.launches] == [(2, 4, 1)]  # 512 / 128 column blocks
+
+
+def test_two_pass_rejects_what_it_cannot_tile():
+    g = torch.Generator().manual_seed(5)
+    args = _inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
+    with pytest.raises(ValueError, match="block_v 48"):
+        A.sparse_attn_triton(*args, layout="two_pass", two_pass=dict(block_v=48))
+    with pytest.raises(ValueError, match="head block 32"):
+        AD.sparse_attn_two_pass(*args, scale=0.125, block_h=32)

@@ -1,0 +1,175 @@
+"""Sparse attention for decode-sized calls in two passes: scores, then the weighted sum over column blocks.
+
+Same inputs, output and numerics contract as kernels/sparse_attn.py's `sparse_attn_triton` (read its
+docstring for the shapes); `sparse_attn_triton(..., layout="two_pass")` lands here.
+
+Why two passes: with 64 heads sharing each 512-wide entry, one program that computes S = q.K^T and
+accumulates P.V needs the whole [64, 512] float32 output tile in registers (128 a thread at 8 warps),
+which is what spills and leaves one block an SM (H200 Nsight, run 18a). Splitting the output columns
+over programs instead (d_split) recomputes S in every one. Here S is computed once, its softmax weights
+written (small: a decode step's [T, 640, H] fit L2), and the weighted sum runs over column blocks:
+
+  pass 1 (`_scores_kernel`), a program per (token, group of entry tiles, head block): S^T [BN, BH] of
+      each tile, D in four chunks against the query's four [D/4, BH] chunks (loaded once a program); per
+      tile and head its max m (log2 units) and l = sum 2^(s - m); P~ = 2^(s - m) stored as float16
+      (in [0, 1]: 11 significant bits, 0 where no entry is).
+  pass 2 (`_weighted_sum_kernel`), a program per (token, column block of DV, head block): the tiles'
+      (m, l) give the row's max M (the sink included) and denominator; each tile's weights are
+      P~ 2^(m - M), rounded to bf16 once for the MMA as the one-pass kernels round theirs, and
+      O [BH, DV] += P [BH, BN] . V [BN, DV] over the tile's DV columns, decoded; then O / denominator.
+
+Registers (sm_90 at the release's decode shapes, triton 3.7): pass 1 ~210 with 80 KB of shared memory,
+pass 2 ~170 at DV 128, both without spills: two blocks an SM. Every entry is decoded twice in all (whole
+for S, a column block at a time for P.V); the weights are read once per column block, from L2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._formats import bf16_output, dot_dtype
+from kernels.sparse_attn import _FOLD, _fp4_decode_g, _raw_tile_g, _win_decode_g
+
+@triton.jit
+def _tile_entries(idx_row, widx_row, i, n_st, n_sel, n_win, ar, BN: tl.constexpr, IS_WIN: tl.constexpr):
+    """Entry indices [BN] of tile i: selected tiles are 0 .. n_st - 1, window tiles follow; -1 past the end."""
+    if IS_WIN:
+        start = (i - n_st) * BN
+        return tl.load(widx_row + start + ar, mask=start + ar < n_win, other=-1)
+    start = i * BN
+    return tl.load(idx_row + start + ar, mask=start + ar < n_sel, other=-1)
+
+
+@triton.jit
+def _decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, C0, D: tl.constexpr, DC: tl.constexpr,
+             BN: tl.constexpr, DT: tl.constexpr, IS_WIN: tl.constexpr):
+    """Columns [C0, C0 + DC) of the entries `ent` as kv' = kv / 256 [BN, DC], DT."""
+    x, s = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, IS_WIN, D, C0, DC)
+    if IS_WIN:
+        return _win_decode_g(x, s, BN, DC, DT)
+    return _fp4_decode_g(x, s, BN, DC, DT)
+
+
+@triton.jit
+def _tile_scores(q0, q1, q2, q3, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row,
+                 i, n_st, n_sel, n_win, qk2, heads, ar, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 DT: tl.constexpr, IS_WIN: tl.constexpr):
+    """Tile i's S^T [BN, BH] (log2 units, -inf where no entry), stored with its per-head max and sum."""
+    DC: tl.constexpr = D // 4
+    ent = _tile_entries(idx_row, widx_row, i, n_st, n_sel, n_win, ar, BN, IS_WIN)
+    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, 0, D, DC, BN, DT, IS_WIN), q0)
+    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, DC, D, DC, BN, DT, IS_WIN), q1, acc)
+    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, 2 * DC, D, DC, BN, DT, IS_WIN), q2, acc)
+    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, 3 * DC, D, DC, BN, DT, IS_WIN), q3, acc)
+    s = tl.where((ent >= 0)[:, None], acc * qk2, float("-inf"))
+    m = tl.maximum(tl.max(s, axis=0), -1.0e30)  # finite: a tile with no entry gives sum 0, not NaN
+    p = tl.exp2(s - m[None, :])  # [BN, BH] in [0, 1]
+    tl.store(p_row + (i * BN + ar)[:, None] * H + heads[None, :], p.to(tl.float16))
+    tl.store(stat_row + i * 2 * H + heads, m)
+    tl.store(stat_row + (i * 2 + 1) * H + heads, tl.sum(p, axis=0))
+
+
+@triton.jit
+def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, p_ptr, stat_ptr,
+                   n_sel, n_win, n_st, n_t, qk2, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                   BN: tl.constexpr, TPP: tl.constexpr, DT: tl.constexpr):
+    """Pass 1: token t, tiles [g * TPP, +TPP) of its selected-then-window tile list, heads [hb * BH, +BH)."""
+    t = tl.program_id(0)
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
+    DC: tl.constexpr = D // 4
+    qc = q_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + tl.arange(0, DC)[:, None]  # Q^T chunk [DC, BH]
+    q0 = tl.load(qc).to(DT)
+    q1 = tl.load(qc + DC).to(DT)
+    q2 = tl.load(qc + 2 * DC).to(DT)
+    q3 = tl.load(qc + 3 * DC).to(DT)
+    ar = tl.arange(0, BN)
+    idx_row = idx_ptr + t.to(tl.int64) * n_sel
+    widx_row = widx_ptr + t.to(tl.int64) * n_win
+    p_row = p_ptr + t.to(tl.int64) * n_t * BN * H
+    stat_row = stat_ptr + t.to(tl.int64) * n_t * 2 * H
+    lo = tl.program_id(1) * TPP
+    hi = tl.minimum(lo + TPP, n_t)
+    for i in range(lo, tl.minimum(hi, n_st)):  # the formats in separate loops: no branch in a loop body
+        _tile_scores(q0, q1, q2, q3, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row,
+                     i, n_st, n_sel, n_win, qk2, heads, ar, H, D, BN, DT, False)
+    for i in range(tl.maximum(lo, n_st), hi):
+        _tile_scores(q0, q1, q2, q3, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row,
+                     i, n_st, n_sel, n_win, qk2, heads, ar, H, D, BN, DT, True)
+
+
+@triton.jit
+def _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st, n_sel,
+                   n_win, c0, heads, ar, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr,
+                   DT: tl.constexpr, IS_WIN: tl.constexpr):
+    """acc [BH, DV] += 2^(S - mx) [BH, BN] . V tile i's columns [c0, c0 + DV): the tile's stored
+    2^(S - m_i) times 2^(m_i - mx)."""
+    ent = _tile_entries(idx_row, widx_row, i, n_st, n_sel, n_win, ar, BN, IS_WIN)
+    f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)
+    p = tl.load(p_row + (i * BN + ar)[None, :] * H + heads[:, None]).to(tl.float32) * f[:, None]
+    v = _decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, c0, D, DV, BN, DT, IS_WIN)
+    return tl.dot(p.to(DT), v, acc)
+
+
+@triton.jit
+def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, sink_ptr, p_ptr, stat_ptr,
+                         out_ptr, n_sel, n_win, n_st, n_t, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                         BN: tl.constexpr, DV: tl.constexpr, NTP: tl.constexpr, DT: tl.constexpr):
+    """Pass 2: token t, output columns [cb * DV, +DV), heads [hb * BH, +BH)."""
+    t = tl.program_id(0)
+    c0 = tl.program_id(1) * DV
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
+    stat_row = stat_ptr + t.to(tl.int64) * n_t * 2 * H
+    tiles = tl.arange(0, NTP)[:, None]
+    m = tl.load(stat_row + tiles * 2 * H + heads[None, :], mask=tiles < n_t, other=-1.0e30)  # [NTP, BH]
+    lsum = tl.load(stat_row + (tiles * 2 + 1) * H + heads[None, :], mask=tiles < n_t, other=0.0)
+    sink = tl.load(sink_ptr + heads) * 1.4426950408889634
+    mx = tl.maximum(tl.max(m, axis=0), sink)
+    den = tl.sum(lsum * tl.exp2(m - mx[None, :]), axis=0) + tl.exp2(sink - mx)
+    ar = tl.arange(0, BN)
+    idx_row = idx_ptr + t.to(tl.int64) * n_sel
+    widx_row = widx_ptr + t.to(tl.int64) * n_win
+    p_row = p_ptr + t.to(tl.int64) * n_t * BN * H
+    acc = tl.zeros([BH, DV], tl.float32)  # kv' units (1/256)
+    for i in range(0, n_st):
+        acc = _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st,
+                             n_sel, n_win, c0, heads, ar, H, D, BN, DV, DT, False)
+    for i in range(n_st, n_t):
+        acc = _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st,
+                             n_sel, n_win, c0, heads, ar, H, D, BN, DV, DT, True)
+    out = acc * (256.0 / den)[:, None]
+    col = c0 + tl.arange(0, DV)
+    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + col[None, :], bf16_output(out, out_ptr))
+
+
+def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, scale: float,
+                         block_h: int = 64, block_n: int = 64, tiles_per_program: int = 2, block_v: int = 128,
+                         num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
+                         float_out: bool = False) -> torch.Tensor:
+    """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as
+    int16, win as int32 words, scales as bytes, indices int32, all contiguous; the caller checks shapes);
+    block_h heads and block_n entries a tile in both passes, tiles_per_program tiles a pass-1 program,
+    block_v output columns a pass-2 program. Host side: nothing made on or read from the host."""
+    t, h, d = q.shape
+    if d % 64 or block_v > d or d % block_v or h % block_h:
+        raise ValueError(f"sparse attention (two passes): head dim {d} needs block_v {block_v} to divide it "
+                         f"and head block {block_h} to divide {h} heads")
+    n_sel, n_win = idx.shape[1], win_idx.shape[1]
+    n_st, n_wt = triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n)
+    n_t = max(n_st + n_wt, 1)
+    p = torch.empty(t, n_t * block_n, h, dtype=torch.float16, device=q.device)
+    stats = torch.empty(t, n_t, 2, h, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
+    dt = dot_dtype()
+    qk2 = scale * math.log2(math.e) * _FOLD
+    _scores_kernel[(t, triton.cdiv(n_t, tiles_per_program), h // block_h)](
+        q, kvh, kv_scale, idx, win, win_scale, win_idx, p, stats, n_sel, n_win, n_st, n_t, qk2,
+        H=h, D=d, BH=block_h, BN=block_n, TPP=tiles_per_program, DT=dt, num_warps=num_warps, num_stages=num_stages)
+    _weighted_sum_kernel[(t, d // block_v, h // block_h)](
+        kvh, kv_scale, idx, win, win_scale, win_idx, sink, p, stats, out, n_sel, n_win, n_st, n_t,
+        H=h, D=d, BH=block_h, BN=block_n, DV=block_v, NTP=triton.next_power_of_2(n_t), DT=dt,
+        num_warps=num_warps_sum or num_warps, num_stages=num_stages)
+    return out
