@@ -222,6 +222,7 @@ ATTN_DECODE_CFGS = [dict(layout="entries", block_h=64, block_n=32, num_warps=8, 
                     dict(layout="two_pass", two_pass=dict(tiles_per_program=1)),
                     dict(layout="two_pass", two_pass=dict(tiles_per_program=5)),
                     dict(layout="two_pass", two_pass=dict(num_warps=8)),
+                    dict(layout="two_pass", two_pass=dict(num_warps_sum=8)),
                     dict(layout="two_pass", block_n=32)]
 
 

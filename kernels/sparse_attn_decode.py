@@ -109,9 +109,9 @@ def _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_
     2^(S - m_i) times 2^(m_i - mx)."""
     ent = _tile_entries(idx_row, widx_row, i, n_st, n_sel, n_win, ar, BN, IS_WIN)
     f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)
-    p = tl.load(p_row + (i * BN + ar)[None, :] * H + heads[:, None]).to(tl.float32) * f[:, None]
+    p_t = tl.load(p_row + (i * BN + ar)[:, None] * H + heads[None, :]).to(tl.float32) * f[None, :]  # [BN, BH]
     v = _decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, c0, D, DV, BN, DT, IS_WIN)
-    return tl.dot(p.to(DT), v, acc)
+    return tl.dot(tl.trans(v), p_t.to(DT), acc)  # O^T [DV, BH]: the decoded tile as the MMA's A
 
 
 @triton.jit
@@ -133,16 +133,16 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
     p_row = p_ptr + t.to(tl.int64) * n_t * BN * H
-    acc = tl.zeros([BH, DV], tl.float32)  # kv' units (1/256)
+    acc = tl.zeros([DV, BH], tl.float32)  # O^T, kv' units (1/256)
     for i in range(0, n_st):
         acc = _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st,
                              n_sel, n_win, c0, heads, ar, H, D, BN, DV, DT, False)
     for i in range(n_st, n_t):
         acc = _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st,
                              n_sel, n_win, c0, heads, ar, H, D, BN, DV, DT, True)
-    out = acc * (256.0 / den)[:, None]
+    out = acc * (256.0 / den)[None, :]
     col = c0 + tl.arange(0, DV)
-    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + col[None, :], bf16_output(out, out_ptr))
+    tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + col[:, None], bf16_output(out, out_ptr))
 
 
 def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, scale: float,
