@@ -141,15 +141,14 @@ def _win_decode(x, s, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr, C0, DC: tl.constexpr):
-    """_raw_tile of the columns [C0, C0 + DC) (C0 a multiple of 16) with the lanes grouped by scale:
-    int32 lanes [BN, DC/16, 4] (lane 4g + l holds dims C0 + 16g + 4l .. +3) and one scale byte per group
-    of 16 dims [BN, DC/16] (the window's E8M0 byte, one per 32, read for both of its groups): a quarter
-    of _raw_tile's per-lane scale registers. One format's loads are issued (a branch), so only one set of
-    destination registers is live."""
+def _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr):
+    """_raw_tile with the lanes grouped by scale: int32 lanes [BN, D/16, 4] (lane 4g + l holds dims
+    16g + 4l .. +3) and one scale byte per group of 16 dims [BN, D/16] (the window's E8M0 byte, one per
+    32, read for both of its groups): a quarter of _raw_tile's per-lane scale registers. One format's
+    loads are issued (a branch), so only one set of destination registers is live."""
     ok = ent >= 0
     row = tl.where(ok, ent, 0)  # int32 offsets (the wrapper checks N * D / 4 < 2^31): fewer registers
-    g = C0 // 16 + tl.arange(0, DC // 16)
+    g = tl.arange(0, D // 16)
     jw = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [D/16, 4] lane index
     r3 = row[:, None, None] * (D // 4) + jw[None, :, :]
     if is_win:
@@ -306,7 +305,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
     e1 = _tile_ent(idx_row, widx_row, 0, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-    x1, s1 = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D, 0, D)
+    x1, s1 = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, n_st <= 0, D)
     if n_st > 0:
         kv1 = _fp4_decode_g(x1, s1, BN, D, DT)
     else:
@@ -319,7 +318,7 @@ def _sparse_attn_t_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, 
         ec, kv = e1, kv1
         e1 = e2
         e2 = _tile_ent(idx_row, widx_row, i + 2, n_st, lo_s, hi_s, lo_w, hi_w, ar, BN)
-        xn, sn = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D, 0, D)
+        xn, sn = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, e1, i + 1 >= n_st, D)
         s = tl.dot(kv, q_t) * qk2  # S^T [BN, BH], log2 units
         s = tl.where((ec >= 0)[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))

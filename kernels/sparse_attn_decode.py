@@ -32,52 +32,53 @@ import triton
 import triton.language as tl
 
 from kernels._formats import bf16_output, dot_dtype
-from kernels.sparse_attn import _FOLD, _fp4_decode_g, _raw_tile_g, _win_decode_g
+from kernels.sparse_attn import _FOLD, _fp4_decode_g, _win_decode_g
 
 @triton.jit
-def _tile_entries(idx_row, widx_row, i, n_st, n_sel, n_win, ar, BN: tl.constexpr, IS_WIN: tl.constexpr):
-    """Entry indices [BN] of tile i: selected tiles are 0 .. n_st - 1, window tiles follow; -1 past the end."""
-    if IS_WIN:
-        start = (i - n_st) * BN
-        return tl.load(widx_row + start + ar, mask=start + ar < n_win, other=-1)
-    start = i * BN
-    return tl.load(idx_row + start + ar, mask=start + ar < n_sel, other=-1)
-
-
-@triton.jit
-def _decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, C0, D: tl.constexpr, DC: tl.constexpr,
-             BN: tl.constexpr, DT: tl.constexpr, IS_WIN: tl.constexpr):
-    """Columns [C0, C0 + DC) of the entries `ent` as kv' = kv / 256 [BN, DC], DT."""
-    x, s = _raw_tile_g(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, IS_WIN, D, C0, DC)
-    if IS_WIN:
-        return _win_decode_g(x, s, BN, DC, DT)
-    return _fp4_decode_g(x, s, BN, DC, DT)
+def _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr, C0, DC: tl.constexpr):
+    """_raw_tile_g without its branch: both formats' loads issued, one fully masked, so a tile's bytes can
+    be requested before the loop body knows which decode runs (prefetching across the format change)."""
+    ok = ent >= 0
+    row = tl.where(ok, ent, 0)
+    g = C0 // 16 + tl.arange(0, DC // 16)
+    r3 = row[:, None, None] * (D // 4) + (g[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]
+    okw = ok & (is_win != 0)
+    okf = ok & (is_win == 0)
+    x = tl.load(winw_ptr + r3, mask=okw[:, None, None], other=0) \
+        | tl.load(kvh_ptr + r3, mask=okf[:, None, None], other=0).to(tl.int32)
+    sc = tl.load(wins_ptr + row[:, None] * (D // 32) + g[None, :] // 2, mask=okw[:, None], other=0) \
+        | tl.load(kvs_ptr + row[:, None] * (D // 16) + g[None, :], mask=okf[:, None], other=0)
+    return x, sc
 
 
 @triton.jit
-def _tile_scores(q0, q1, q2, q3, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row,
-                 i, n_st, n_sel, n_win, qk2, heads, ar, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 DT: tl.constexpr, IS_WIN: tl.constexpr):
-    """Tile i's S^T [BN, BH] (log2 units, -inf where no entry), stored with its per-head max and sum."""
-    DC: tl.constexpr = D // 4
-    ent = _tile_entries(idx_row, widx_row, i, n_st, n_sel, n_win, ar, BN, IS_WIN)
-    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, 0, D, DC, BN, DT, IS_WIN), q0)
-    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, DC, D, DC, BN, DT, IS_WIN), q1, acc)
-    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, 2 * DC, D, DC, BN, DT, IS_WIN), q2, acc)
-    acc = tl.dot(_decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, 3 * DC, D, DC, BN, DT, IS_WIN), q3, acc)
-    s = tl.where((ent >= 0)[:, None], acc * qk2, float("-inf"))
-    m = tl.maximum(tl.max(s, axis=0), -1.0e30)  # finite: a tile with no entry gives sum 0, not NaN
-    p = tl.exp2(s - m[None, :])  # [BN, BH] in [0, 1]
-    tl.store(p_row + (i * BN + ar)[:, None] * H + heads[None, :], p.to(tl.float16))
-    tl.store(stat_row + i * 2 * H + heads, m)
-    tl.store(stat_row + (i * 2 + 1) * H + heads, tl.sum(p, axis=0))
+def _decoded(x, sc, is_win, BN: tl.constexpr, DC: tl.constexpr, DT: tl.constexpr):
+    """A chunk's raw lanes -> kv' = kv / 256 [BN, DC], DT (the format's decode: a uniform branch)."""
+    if is_win:
+        kv = _win_decode_g(x, sc, BN, DC, DT)
+    else:
+        kv = _fp4_decode_g(x, sc, BN, DC, DT)
+    return kv
+
+
+@triton.jit
+def _entries(idx_row, widx_row, i, hi, n_st, n_sel, n_win, ar, BN: tl.constexpr):
+    """Entry indices [BN] of tile i (selected tiles 0 .. n_st - 1, window tiles after); -1 past the end
+    and for i >= hi (a tile this program does not own: no bytes are fetched for it)."""
+    win = i >= n_st
+    start = tl.where(win, (i - n_st) * BN, i * BN)
+    end = tl.where(win, n_win, n_sel)
+    ent = tl.load(tl.where(win, widx_row, idx_row) + start + ar, mask=(start + ar < end) & (i < hi), other=-1)
+    return ent
 
 
 @triton.jit
 def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, p_ptr, stat_ptr,
                    n_sel, n_win, n_st, n_t, qk2, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, TPP: tl.constexpr, DT: tl.constexpr):
-    """Pass 1: token t, tiles [g * TPP, +TPP) of its selected-then-window tile list, heads [hb * BH, +BH)."""
+    """Pass 1: token t, tiles [g * TPP, +TPP) of its selected-then-window tile list, heads [hb * BH, +BH).
+    Loads run two D-chunks ahead of the decode: chunks 2 and 3 of a tile are requested while chunks 0 and
+    1 are decoded and multiplied, chunks 0 and 1 of the next tile while 2 and 3 are."""
     t = tl.program_id(0)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     DC: tl.constexpr = D // 4
@@ -93,32 +94,38 @@ def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_pt
     stat_row = stat_ptr + t.to(tl.int64) * n_t * 2 * H
     lo = tl.program_id(1) * TPP
     hi = tl.minimum(lo + TPP, n_t)
-    for i in range(lo, tl.minimum(hi, n_st)):  # the formats in separate loops: no branch in a loop body
-        _tile_scores(q0, q1, q2, q3, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row,
-                     i, n_st, n_sel, n_win, qk2, heads, ar, H, D, BN, DT, False)
-    for i in range(tl.maximum(lo, n_st), hi):
-        _tile_scores(q0, q1, q2, q3, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row,
-                     i, n_st, n_sel, n_win, qk2, heads, ar, H, D, BN, DT, True)
-
-
-@triton.jit
-def _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st, n_sel,
-                   n_win, c0, heads, ar, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr,
-                   DT: tl.constexpr, IS_WIN: tl.constexpr):
-    """acc [BH, DV] += 2^(S - mx) [BH, BN] . V tile i's columns [c0, c0 + DV): the tile's stored
-    2^(S - m_i) times 2^(m_i - mx)."""
-    ent = _tile_entries(idx_row, widx_row, i, n_st, n_sel, n_win, ar, BN, IS_WIN)
-    f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)
-    p_t = tl.load(p_row + (i * BN + ar)[:, None] * H + heads[None, :]).to(tl.float32) * f[None, :]  # [BN, BH]
-    v = _decoded(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, c0, D, DV, BN, DT, IS_WIN)
-    return tl.dot(tl.trans(v), p_t.to(DT), acc)  # O^T [DV, BH]: the decoded tile as the MMA's A
+    ent = _entries(idx_row, widx_row, lo, hi, n_st, n_sel, n_win, ar, BN)
+    ent_next = _entries(idx_row, widx_row, lo + 1, hi, n_st, n_sel, n_win, ar, BN)
+    x0, s0 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, lo >= n_st, D, 0, DC)
+    x1, s1 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, lo >= n_st, D, DC, DC)
+    for i in range(lo, hi):
+        win = i >= n_st
+        x2, s2 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, win, D, 2 * DC, DC)
+        acc = tl.dot(_decoded(x0, s0, win, BN, DC, DT), q0)
+        x3, s3 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, win, D, 3 * DC, DC)
+        acc = tl.dot(_decoded(x1, s1, win, BN, DC, DT), q1, acc)
+        ent_after = _entries(idx_row, widx_row, i + 2, hi, n_st, n_sel, n_win, ar, BN)
+        x0, s0 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, 0, DC)
+        acc = tl.dot(_decoded(x2, s2, win, BN, DC, DT), q2, acc)
+        x1, s1 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, DC, DC)
+        acc = tl.dot(_decoded(x3, s3, win, BN, DC, DT), q3, acc)
+        s = tl.where((ent >= 0)[:, None], acc * qk2, float("-inf"))
+        m = tl.maximum(tl.max(s, axis=0), -1.0e30)  # finite: a tile with no entry gives sum 0, not NaN
+        p = tl.exp2(s - m[None, :])  # [BN, BH] in [0, 1]
+        tl.store(p_row + (i * BN + ar)[:, None] * H + heads[None, :], p.to(tl.float16))
+        tl.store(stat_row + i * 2 * H + heads, m)
+        tl.store(stat_row + (i * 2 + 1) * H + heads, tl.sum(p, axis=0))
+        ent = ent_next
+        ent_next = ent_after
 
 
 @triton.jit
 def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, sink_ptr, p_ptr, stat_ptr,
                          out_ptr, n_sel, n_win, n_st, n_t, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
                          BN: tl.constexpr, DV: tl.constexpr, NTP: tl.constexpr, DT: tl.constexpr):
-    """Pass 2: token t, output columns [cb * DV, +DV), heads [hb * BH, +BH)."""
+    """Pass 2: token t, output columns [cb * DV, +DV), heads [hb * BH, +BH); O^T [DV, BH] += V^T [DV, BN] .
+    P^T [BN, BH] (the decoded tile as the MMA's A operand: triton 3.6 fails OptimizeDotOperands with a
+    decoded B). Tile i + 1's weights and V bytes (and tile i + 2's indices) load while tile i is used."""
     t = tl.program_id(0)
     c0 = tl.program_id(1) * DV
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -132,14 +139,22 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
     ar = tl.arange(0, BN)
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
-    p_row = p_ptr + t.to(tl.int64) * n_t * BN * H
+    p_tile = p_ptr + t.to(tl.int64) * n_t * BN * H + ar[:, None] * H + heads[None, :]  # tile 0's [BN, BH]
+    ent = _entries(idx_row, widx_row, 0, n_t, n_st, n_sel, n_win, ar, BN)
+    ent_next = _entries(idx_row, widx_row, 1, n_t, n_st, n_sel, n_win, ar, BN)
+    x, sc = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, n_st <= 0, D, c0, DV)
+    pw = tl.load(p_tile)
     acc = tl.zeros([DV, BH], tl.float32)  # O^T, kv' units (1/256)
-    for i in range(0, n_st):
-        acc = _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st,
-                             n_sel, n_win, c0, heads, ar, H, D, BN, DV, DT, False)
-    for i in range(n_st, n_t):
-        acc = _tile_weighted(acc, mx, kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, idx_row, widx_row, p_row, stat_row, i, n_st,
-                             n_sel, n_win, c0, heads, ar, H, D, BN, DV, DT, True)
+    for i in range(0, n_t):
+        ent_after = _entries(idx_row, widx_row, i + 2, n_t, n_st, n_sel, n_win, ar, BN)
+        xn, sn = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, c0, DV)
+        pn = tl.load(p_tile + (i + 1) * BN * H, mask=i + 1 < n_t, other=0.0)
+        f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)  # the tile's weights 2^(s - m_i) -> 2^(s - mx)
+        v = _decoded(x, sc, i >= n_st, BN, DV, DT)
+        acc = tl.dot(tl.trans(v), (pw.to(tl.float32) * f[None, :]).to(DT), acc)
+        x, sc, pw = xn, sn, pn
+        ent = ent_next
+        ent_next = ent_after
     out = acc * (256.0 / den)[None, :]
     col = c0 + tl.arange(0, DV)
     tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + col[:, None], bf16_output(out, out_ptr))
