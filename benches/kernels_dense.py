@@ -83,20 +83,29 @@ def case_quant(bw, mm):
 def case_norm(bw, mm):
     """RMSNorm 4096 x 5120 (PERFORMANCE.md's row): bf16 in, bf16 out (the row's goal and floor assume 2 bytes
     a value each way), then float32 in, bf16-rounded float32 out, as the kernel path runs it today; eager =
-    engine.ops' rms_norm and the reference's rounding (its seven launches)."""
+    engine.ops' rms_norm and the reference's rounding (its seven launches). Each row's check also gives a
+    plain device copy of the same bytes (input into an output-sized tensor), timed alike: what this
+    machine's copy reaches at this size, against the goal."""
     x, w = torch.randn(4096, 5120, device=DEV), torch.randn(5120, device=DEV)
     want = rmsnorm.rms_norm_reference(x, w, 1e-6, round_bf16=True)
-    for name, xin, out_dtype, goal in (("bf16 in, bf16 out", x.bfloat16(), torch.bfloat16, 23),
-                                       ("float32, bf16-rounded out", x, torch.float32, "-")):
+    # run 18a: one row a program 30.2 us (bf16) / 46.8 (float32), 2 rows 29.6 / 46.8, 4 rows 42.6 / 53.0
+    cfgs = [{}, dict(rows_per_program=2), dict(programs_per_sm=4), dict(programs_per_sm=8),
+            dict(programs_per_sm=4, num_warps=16), dict(programs_per_sm=2, num_warps=16)]
+    # the row in chunks (5120 = 5 x 1024; 2048 leaves a masked half chunk), eviction hints
+    chunked = [dict(chunk=512, num_warps=4), dict(chunk=1024, num_warps=4), dict(chunk=1024, num_warps=8),
+               dict(chunk=2048, num_warps=4), dict(chunk=2048, num_warps=8), dict(chunk=1024, num_warps=4, hints=True),
+               dict(chunk=1024, num_warps=4, programs_per_sm=8), dict(chunk=2048, num_warps=8, programs_per_sm=4),
+               dict(programs_per_sm=2, num_warps=16, hints=True)]
+    for name, xin, out_dtype, goal, tried in (("bf16 in, bf16 out", x.bfloat16(), torch.bfloat16, 23, cfgs + chunked),
+                                              ("float32, bf16-rounded out", x, torch.float32, "-", cfgs)):
         ref = rmsnorm.rms_norm_reference(xin, w, 1e-6, round_bf16=True) if xin is not x else want
         run = lambda **c: rmsnorm.rms_norm_triton(xin, w, 1e-6, round_bf16=True, out_dtype=out_dtype, **c)  # noqa: E731
-        # run 18a: one row a program 30.2 us (bf16) / 46.8 (float32), 2 rows 29.6 / 46.8, 4 rows 42.6 / 53.0
-        cfgs = [{}, dict(rows_per_program=2), dict(programs_per_sm=4), dict(programs_per_sm=8),
-                dict(programs_per_sm=4, num_warps=16), dict(programs_per_sm=2, num_warps=16)]
-        cfg, t, same = sweep(f"norm_cfgs_{name}", f"rmsnorm {name}", cfgs, run,
+        cfg, t, same = sweep(f"norm_cfgs_{name}", f"rmsnorm {name}", tried, run,
                              lambda out: (out.float() == ref).float().mean().item(), valid=lambda f: f > 0.999, rep=100)
         got = run()
+        copy = torch.empty_like(got)
+        tc = bench(lambda: copy.copy_(xin), rep=100)  # the same bytes read and written, no arithmetic
         te = bench(lambda: rmsnorm.rms_norm_reference(xin, w, 1e-6, round_bf16=True), rep=100)
         byt = x.numel() * (xin.element_size() + got.element_size())  # one read, one write
         row(f"RMSNorm 4096 x 5120 ({name})", t, byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s; cfg {cfg}", te,
-            f"equal to the reference's rounding: {same:.6f} of values", goal)
+            f"equal to the reference's rounding: {same:.6f} of values; same-bytes copy {tc:.1f} us", goal)
