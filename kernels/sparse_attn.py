@@ -378,9 +378,9 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
                        layout: str | None = None, float_out: bool = False, two_pass: dict | None = None):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
-    layout (module docstring): None picks "entries" wherever its int32 offsets reach every cache entry,
-    else "heads" -- the H200's best on both paths (benches/results/kernels-h200-run3.md: prefill 4.40
-    vs 4.64 ms, decode batch 64 67.7 vs 81.2 us). block_h heads share each program (None: 32 for
+    layout (module docstring): None picks "two_pass" for a decode batch of 16+ tokens (below), else "entries"
+    wherever its int32 offsets reach every cache entry, else "heads" -- the H200's best on both paths
+    (benches/results/kernels-h200-run3.md: prefill 4.40 vs 4.64 ms, decode batch 64 67.7 vs 81.2 us). block_h heads share each program (None: 32 for
     "entries", 64 for "heads", which fills a Hopper warpgroup MMA; with block_n and split None too, a
     decode-sized "entries" call takes 64 heads x 32 entries in 2 splits), block_n entries per tile (None: 64
     for "entries"; for "heads" 32 when the tokens fill the SMs, else 16, which compiles without spills
@@ -402,6 +402,11 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     wide = max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31  # past the entries layout's int32 offsets
     if layout is None:
         layout = "heads" if wide else "entries"
+        # a decode batch (at least 16 tokens whose 64-head blocks fill at most half the SMs) in two passes:
+        # H200 runs 20b/20c, 64 tokens: 58.6 / 59.1 us against 64.4 / 64.6 for the one-pass default below
+        if (not wide and block_h is None and block_n is None and split is None and d_split == 1 and h % 64 == 0
+                and t >= 16 and 2 * t * (h // 64) <= sm_count(q.device)):
+            layout = "two_pass"
     if layout not in ("heads", "entries", "two_pass"):
         raise ValueError(f"sparse attention: layout must be 'heads', 'entries' or 'two_pass', got {layout!r}")
     if layout == "two_pass":

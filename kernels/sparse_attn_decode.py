@@ -18,9 +18,14 @@ written (small: a decode step's [T, 640, H] fit L2), and the weighted sum runs o
       P~ 2^(m - M), rounded to bf16 once for the MMA as the one-pass kernels round theirs, and
       O [BH, DV] += P [BH, BN] . V [BN, DV] over the tile's DV columns, decoded; then O / denominator.
 
-Registers (sm_90 at the release's decode shapes, triton 3.7): pass 1 ~210 with 80 KB of shared memory,
-pass 2 ~170 at DV 128, both without spills: two blocks an SM. Every entry is decoded twice in all (whole
-for S, a column block at a time for P.V); the weights are read once per column block, from L2.
+Registers (sm_90 at the release's decode shapes, triton 3.6 / 3.7): pass 1 232 / 252 with 80 KB of shared
+memory, pass 2 255 / 252 at DV 128, no spills: two blocks of 4 warps an SM. Every entry is decoded twice in
+all (whole for S, a column block at a time for P.V); the weights are read once per column block, from L2.
+H200 (runs 20b-20c, 64 tokens x 64 heads, 500 selected + 128 window entries): 58.6-59.1 us at one tile a
+scoring program (scores 33.6-35.0 us, weighted sum 25.0 us) against 64.4-64.6 for the one-pass kernel.
+Nsight (20c): both passes latency-bound at 2 warps a scheduler (issue 18% / 33%, 0.37 / 0.47 eligible
+warps, DRAM 7% / 13%); running the loads ahead (20c) did not move them, so the wait is in the in-register
+decode and its shared-memory round trip to the MMA operand, not in the gathers.
 """
 
 from __future__ import annotations
@@ -161,7 +166,7 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
 
 
 def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, scale: float,
-                         block_h: int = 64, block_n: int = 64, tiles_per_program: int = 2, block_v: int = 128,
+                         block_h: int = 64, block_n: int = 64, tiles_per_program: int = 1, block_v: int = 128,
                          num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
                          float_out: bool = False) -> torch.Tensor:
     """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as

@@ -212,26 +212,33 @@ def test_host_traffic_check_catches_a_host_constant():
 
 @pytest.mark.parametrize("t,cache_entries,layout,bh,bn,split", [(256, 4096, "entries", 32, 64, 1),
                                                                   (256, (1 << 33) // 512 + 1, "heads", 64, 32, 1),
-                                                                  (64, 4096, "entries", 64, 32, 2)])
+                                                                  (8, 4096, "entries", 64, 32, 2),
+                                                                  (64, 4096, "two_pass", 64, 64, 0)])
 def test_default_layout_is_entries_unless_offsets_overflow(t, cache_entries, layout, bh, bn, split):
     """Without a layout the wrapper takes the H200's measured best (entries, 32 heads x 64 entries)
-    unless the cache is past the entries kernel's int32 offsets; then the heads kernel, 64 x 32. A decode
-    step (64 tokens: 64 programs of 64 heads) takes 64 heads x 32 entries in 2 splits, merged."""
+    unless the cache is past the entries kernel's int32 offsets; then the heads kernel, 64 x 32. A small
+    decode call (8 tokens) takes 64 heads x 32 entries in 2 splits, merged; a decode batch (64 tokens: 64
+    programs of 64 heads) the two passes, one 64-entry tile a scoring program."""
     g = torch.Generator().manual_seed(6)
     args = [x.to("meta") for x in _inputs(g, t=t, h=64, d=512, n=8, w=8, k=128, wn=64)]
     args[1] = torch.empty(cache_entries, 256, dtype=torch.uint8, device="meta")  # FP4: d/2 bytes a row
     args[2] = torch.empty(cache_entries, 32, dtype=torch.uint8, device="meta")
-    heads, entries = _Recorder(), _Recorder()
+    ran = {"heads": _Recorder(), "entries": _Recorder(), "two_pass": _Recorder()}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(A, "_sparse_attn_kernel", heads)
-        mp.setattr(A, "_sparse_attn_t_kernel", entries)
+        mp.setattr(A, "_sparse_attn_kernel", ran["heads"])
+        mp.setattr(A, "_sparse_attn_t_kernel", ran["entries"])
         mp.setattr(A, "_merge_kernel", merge := _Recorder())
+        mp.setattr(AD, "_scores_kernel", ran["two_pass"])
+        mp.setattr(AD, "_weighted_sum_kernel", _Recorder())
         A.sparse_attn_triton(*args)
     assert len(merge.launches) == (split > 1)
-    ran = {"heads": heads, "entries": entries}
-    assert len(ran[layout].launches) == 1 and not ran["entries" if layout == "heads" else "heads"].launches
+    assert [len(r.launches) for r in ran.values()] == [int(name == layout) for name in ran]
     grid, _, kw = ran[layout].launches[0]
-    assert (kw["BH"], kw["BN"]) == (bh, bn) and grid[1] == split and kw["SPLIT"] == (split > 1)
+    assert (kw["BH"], kw["BN"]) == (bh, bn)
+    if layout == "two_pass":
+        assert grid == (t, 3, 1) and kw["TPP"] == 1  # 128 selected + 64 window entries: 3 tiles, 1 a program
+    else:
+        assert grid[1] == split and kw["SPLIT"] == (split > 1)
 
 
 @pytest.mark.parametrize("block_h,block_n,tiles,block_v", [(16, 16, 1, 32), (32, 16, 2, 64), (16, 32, 3, 16),
