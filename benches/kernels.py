@@ -215,16 +215,14 @@ ATTN_CFGS = [dict(layout="entries", block_h=32, block_n=64, num_warps=8),
 # decode: entry splits + merge (run 7: 4 warps, 16-head blocks, heads layout 111-195 us); 64 heads: one decode
 # (runs 17b-18b, entries layout: 32 heads x 64 / 32 entries in 1-2 splits 65.5-101 us, 64 x 32 in 2 splits
 # 65.2 us = the default, 4 splits and 64 x 64 slower); then the two-pass form (kernels/sparse_attn_decode.py;
-# run 20b, before its loads ran ahead: 58.6-78.1 us, best 1 tile a scoring program: scores 33.6 + sum 25.0 us)
+# runs 20b/20c, before / after its loads ran ahead: 58.6 / 59.1 us at 1 tile a scoring program (scores 33.6 + sum
+# 25.0 us), 2 tiles 65.7, 5 tiles 62.1-62.6, DV 64 73-78, DV 256 on 8 warps 68.6-69.3, 8 warps 73.8-82.1)
 ATTN_DECODE_CFGS = [dict(layout="entries", block_h=64, block_n=32, num_warps=8, split=2),
                     dict(layout="two_pass"),
+                    dict(layout="two_pass", two_pass=dict(tiles_per_program=2)),
                     dict(layout="two_pass", two_pass=dict(block_v=64)),
-                    dict(layout="two_pass", two_pass=dict(block_v=256, num_warps_sum=8)),
-                    dict(layout="two_pass", two_pass=dict(tiles_per_program=1)),
-                    dict(layout="two_pass", two_pass=dict(tiles_per_program=5)),
-                    dict(layout="two_pass", two_pass=dict(num_warps=8)),
-                    dict(layout="two_pass", two_pass=dict(num_warps_sum=8)),
-                    dict(layout="two_pass", two_pass=dict(tiles_per_program=1, num_warps_sum=8))]
+                    dict(layout="two_pass", two_pass=dict(maxnreg_sum=168)),
+                    dict(layout="two_pass", two_pass=dict(block_v=64, maxnreg_sum=128))]
 
 
 def case_attn(bw, mm):

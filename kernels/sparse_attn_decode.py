@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import bf16_output, dot_dtype
+from kernels._formats import bf16_output, dot_dtype, register_cap
 from kernels.sparse_attn import _FOLD, _fp4_decode_g, _win_decode_g
 
 @triton.jit
@@ -168,11 +168,13 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
 def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, scale: float,
                          block_h: int = 64, block_n: int = 64, tiles_per_program: int = 1, block_v: int = 128,
                          num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
+                         maxnreg: int | None = None, maxnreg_sum: int | None = None,
                          float_out: bool = False) -> torch.Tensor:
     """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as
     int16, win as int32 words, scales as bytes, indices int32, all contiguous; the caller checks shapes);
     block_h heads and block_n entries a tile in both passes, tiles_per_program tiles a pass-1 program,
-    block_v output columns a pass-2 program. Host side: nothing made on or read from the host."""
+    block_v output columns a pass-2 program; maxnreg / maxnreg_sum: register caps for the two passes (more
+    blocks an SM, at the cost of spills). Host side: nothing made on or read from the host."""
     t, h, d = q.shape
     if d % 64 or block_v > d or d % block_v or h % block_h:
         raise ValueError(f"sparse attention (two passes): head dim {d} needs block_v {block_v} to divide it "
@@ -187,9 +189,10 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     qk2 = scale * math.log2(math.e) * _FOLD
     _scores_kernel[(t, triton.cdiv(n_t, tiles_per_program), h // block_h)](
         q, kvh, kv_scale, idx, win, win_scale, win_idx, p, stats, n_sel, n_win, n_st, n_t, qk2,
-        H=h, D=d, BH=block_h, BN=block_n, TPP=tiles_per_program, DT=dt, num_warps=num_warps, num_stages=num_stages)
+        H=h, D=d, BH=block_h, BN=block_n, TPP=tiles_per_program, DT=dt, num_warps=num_warps, num_stages=num_stages,
+        **register_cap(maxnreg))
     _weighted_sum_kernel[(t, d // block_v, h // block_h)](
         kvh, kv_scale, idx, win, win_scale, win_idx, sink, p, stats, out, n_sel, n_win, n_st, n_t,
         H=h, D=d, BH=block_h, BN=block_n, DV=block_v, NTP=triton.next_power_of_2(n_t), DT=dt,
-        num_warps=num_warps_sum or num_warps, num_stages=num_stages)
+        num_warps=num_warps_sum or num_warps, num_stages=num_stages, **register_cap(maxnreg_sum))
     return out
