@@ -39,6 +39,7 @@ import triton.language as tl
 from kernels._formats import bf16_output, dot_dtype, register_cap
 from kernels.sparse_attn import _FOLD, _fp4_decode_g, _win_decode_g
 
+
 @triton.jit
 def _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, is_win, D: tl.constexpr, C0, DC: tl.constexpr):
     """_raw_tile_g without its branch: both formats' loads issued, one fully masked, so a tile's bytes can
@@ -176,9 +177,9 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     block_v output columns a pass-2 program; maxnreg / maxnreg_sum: register caps for the two passes (more
     blocks an SM, at the cost of spills). Host side: nothing made on or read from the host."""
     t, h, d = q.shape
-    if d % 64 or block_v > d or d % block_v or h % block_h:
+    if d % 64 or block_v > d or d % block_v or h % block_h or block_h < 16:
         raise ValueError(f"sparse attention (two passes): head dim {d} needs block_v {block_v} to divide it "
-                         f"and head block {block_h} to divide {h} heads")
+                         f"and head block {block_h} to divide {h} heads and be at least 16 (the MMA's N)")
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
     n_st, n_wt = triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n)
     n_t = max(n_st + n_wt, 1)

@@ -304,3 +304,5 @@ def test_two_pass_rejects_what_it_cannot_tile():
         A.sparse_attn_triton(*args, layout="two_pass", two_pass=dict(block_v=48))
     with pytest.raises(ValueError, match="head block 32"):
         AD.sparse_attn_two_pass(*args, scale=0.125, block_h=32)
+    with pytest.raises(ValueError, match="head block 8 .* at least 16"):
+        A.sparse_attn_triton(*args, block_h=8, layout="two_pass")
