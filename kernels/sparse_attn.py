@@ -84,6 +84,11 @@ def sparse_attn_reference(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, 
 _FOLD = 256.0
 
 
+def qk_log2(scale: float) -> float:
+    """The factor that turns q . kv' into the softmax logit in log2 units (the kernels' exp2)."""
+    return scale * math.log2(math.e) * _FOLD
+
+
 @triton.jit
 def _fp4_lane(x, k: tl.constexpr):
     """Nibble k (dim 4j + k) of each int16 group (sign-extended in int32 lanes) -> float32 whose value
@@ -400,41 +405,36 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
         raise ValueError(f"sparse attention: head dim {d} must be a power of two >= 64")
     scale = d ** -0.5 if scale is None else scale
     wide = max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31  # past the entries layout's int32 offsets
+    # decode-sized: the tokens' 64-head blocks fill at most half the SMs, no launch shape given
+    decode_sized = (layout in (None, "entries") and block_h is None and block_n is None and split is None
+                    and d_split == 1 and h % 64 == 0 and 2 * t * (h // 64) <= sm_count(q.device))
     if layout is None:
-        layout = "heads" if wide else "entries"
-        # a decode batch (at least 16 tokens whose 64-head blocks fill at most half the SMs) in two passes:
-        # H200 runs 20b/20c, 64 tokens: 58.6 / 59.1 us against 64.4 / 64.6 for the one-pass default below
-        if (not wide and block_h is None and block_n is None and split is None and d_split == 1 and h % 64 == 0
-                and t >= 16 and 2 * t * (h // 64) <= sm_count(q.device)):
-            layout = "two_pass"
+        # a decode batch of 16+ tokens in two passes (H200 runs 20b/20c, 64 tokens: 58.6 / 59.1 us against
+        # 64.4 / 64.6 for the one-pass decode shape below)
+        layout = "heads" if wide else "two_pass" if decode_sized and t >= 16 else "entries"
     if layout not in ("heads", "entries", "two_pass"):
         raise ValueError(f"sparse attention: layout must be 'heads', 'entries' or 'two_pass', got {layout!r}")
+    if wide and layout != "heads":
+        raise ValueError(f"sparse attention: layout={layout!r} addresses the caches with int32 offsets; "
+                         f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
+    caches = (kv_packed.contiguous().view(torch.int16), kv_scale.contiguous().view(torch.uint8),
+              idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
+              win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous())
+    sink32 = sink.float().contiguous()
     if layout == "two_pass":
-        if wide:
-            raise ValueError("sparse attention: layout='two_pass' addresses the caches with int32 offsets; "
-                             f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
         from kernels.sparse_attn_decode import sparse_attn_two_pass
-        bh = min(block_h or 64, h)
-        return sparse_attn_two_pass(
-            q.contiguous(), kv_packed.contiguous().view(torch.int16), kv_scale.contiguous().view(torch.uint8),
-            idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
-            win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous(), sink.float().contiguous(),
-            scale, block_h=bh, block_n=block_n or 64, float_out=float_out, **(two_pass or {}))
+        return sparse_attn_two_pass(q.contiguous(), *caches, sink32, scale, block_h=min(block_h or 64, h),
+                                    block_n=block_n or 64, float_out=float_out, **(two_pass or {}))
     if d_split not in (1, 2):
         raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
-    # decode (the tokens' 64-head blocks fill at most half the SMs): all 64 heads a program decode each
-    # entry once, 32-entry tiles, two splits (H200 run 17b: 65.5 vs 68.7 us for 32 heads x 64, split 1)
-    decode = (layout == "entries" and block_h is None and block_n is None and split is None and d_split == 1
-              and h % 64 == 0 and 2 * t * (h // 64) <= sm_count(q.device))
-    if decode:
+    # decode: all 64 heads a program decode each entry once, 32-entry tiles, two splits (H200 run 17b: 65.5
+    # vs 68.7 us for 32 heads x 64, split 1)
+    if layout == "entries" and decode_sized:
         block_h, block_n, split = 64, 32, 2
     bh = min(block_h or (32 if layout == "entries" else 64), h)
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
-    if layout == "entries" and wide:
-        raise ValueError("sparse attention: layout='entries' addresses the caches with int32 offsets; "
-                         f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
     if block_n is None:
         block_n = 64 if layout == "entries" else 32 if t * (h // bh) >= sm_count(q.device) else 16
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
@@ -450,17 +450,12 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out  # unused
-    kvh = kv_packed.contiguous().view(torch.int16)
     kernel = _sparse_attn_kernel if layout == "heads" else _sparse_attn_t_kernel
     kernel[(t, split, (h // bh) * d_split)](
-        q.contiguous(), kvh, kv_scale.contiguous().view(torch.uint8), idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
-        win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous(),
-        sink.float().contiguous(), out, po, pm, pl, t, n_sel, n_win, sel_per, win_per,
-        scale * math.log2(math.e) * _FOLD,
+        q.contiguous(), *caches, sink32, out, po, pm, pl, t, n_sel, n_win, sel_per, win_per, qk_log2(scale),
         H=h, D=d, BH=bh, BN=block_n, DT=dot_dtype(), SPLIT=split > 1, DV=d // d_split, num_warps=num_warps,
         num_stages=num_stages)
     if split > 1:
         mh = min(merge_heads, h)
-        _merge_kernel[(t, h // mh)](po, pm, pl, sink.float().contiguous(), out, t, S=split, H=h, D=d, BH=mh,
-                                    num_warps=4)
+        _merge_kernel[(t, h // mh)](po, pm, pl, sink32, out, t, S=split, H=h, D=d, BH=mh, num_warps=4)
     return out
