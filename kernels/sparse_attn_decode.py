@@ -18,7 +18,7 @@ written (small: a decode step's [T, 640, H] fit L2), and the weighted sum runs o
       P~ 2^(m - M), rounded to bf16 once for the MMA as the one-pass kernels round theirs, and
       O [BH, DV] += P [BH, BN] . V [BN, DV] over the tile's DV columns, decoded; then O / denominator.
 
-Registers (sm_90 at the release's decode shapes, triton 3.6 / 3.7): pass 1 193 / 204 with 80 KB of shared
+Registers (sm_90 at the release's decode shapes, triton 3.6 / 3.7): pass 1 232 / 252 with 80 KB of shared
 memory, pass 2 255 / 252 at DV 128, no spills: two blocks of 4 warps an SM. Every entry is decoded twice in
 all (whole for S, a column block at a time for P.V); the weights are read once per column block, from L2.
 H200 (runs 20b-20c, 64 tokens x 64 heads, 500 selected + 128 window entries): 58.6-59.1 us at one tile a
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels._formats import bf16_output, dot_dtype, register_cap
-from kernels.sparse_attn import _fp4_decode_g, _tile_ent, _win_decode_g, qk_log2
+from kernels.sparse_attn import _fp4_decode_g, _win_decode_g, qk_log2
 
 
 @triton.jit
@@ -66,6 +66,19 @@ def _decoded(x, sc, is_win, BN: tl.constexpr, DC: tl.constexpr, DT: tl.constexpr
 
 
 @triton.jit
+def _entries(idx_row, widx_row, i, hi, n_st, n_sel, n_win, ar, BN: tl.constexpr):
+    """Entry indices [BN] of tile i (selected tiles 0 .. n_st - 1, window tiles after); -1 past the end
+    and for i >= hi (a tile this program does not own: no bytes are fetched for it). kernels/sparse_attn.py's
+    _tile_ent with its ranges cut at the program's last tile computes the same, but timed slower in the
+    weighted sum (H200, 64 tokens: 27.0 vs 24.6-24.9 us, three and two runs)."""
+    win = i >= n_st
+    start = tl.where(win, (i - n_st) * BN, i * BN)
+    end = tl.where(win, n_win, n_sel)
+    ent = tl.load(tl.where(win, widx_row, idx_row) + start + ar, mask=(start + ar < end) & (i < hi), other=-1)
+    return ent
+
+
+@triton.jit
 def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, p_ptr, stat_ptr,
                    n_sel, n_win, n_st, n_t, qk2, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, TPP: tl.constexpr, DT: tl.constexpr):
@@ -87,11 +100,8 @@ def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_pt
     stat_row = stat_ptr + t.to(tl.int64) * n_t * 2 * H
     lo = tl.program_id(1) * TPP
     hi = tl.minimum(lo + TPP, n_t)
-    # the entry ranges end where this program's tiles do: a tile it does not own reads as -1, no bytes fetched
-    hi_s = tl.minimum(n_sel, hi * BN)
-    hi_w = tl.minimum(n_win, tl.maximum(hi - n_st, 0) * BN)
-    ent = _tile_ent(idx_row, widx_row, lo, n_st, 0, hi_s, 0, hi_w, ar, BN)
-    ent_next = _tile_ent(idx_row, widx_row, lo + 1, n_st, 0, hi_s, 0, hi_w, ar, BN)
+    ent = _entries(idx_row, widx_row, lo, hi, n_st, n_sel, n_win, ar, BN)
+    ent_next = _entries(idx_row, widx_row, lo + 1, hi, n_st, n_sel, n_win, ar, BN)
     x0, s0 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, lo >= n_st, D, 0, DC)
     x1, s1 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, lo >= n_st, D, DC, DC)
     for i in range(lo, hi):
@@ -100,7 +110,7 @@ def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_pt
         acc = tl.dot(_decoded(x0, s0, win, BN, DC, DT), q0)
         x3, s3 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, win, D, 3 * DC, DC)
         acc = tl.dot(_decoded(x1, s1, win, BN, DC, DT), q1, acc)
-        ent_after = _tile_ent(idx_row, widx_row, i + 2, n_st, 0, hi_s, 0, hi_w, ar, BN)
+        ent_after = _entries(idx_row, widx_row, i + 2, hi, n_st, n_sel, n_win, ar, BN)
         x0, s0 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, 0, DC)
         acc = tl.dot(_decoded(x2, s2, win, BN, DC, DT), q2, acc)
         x1, s1 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, DC, DC)
@@ -136,13 +146,13 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
     p_tile = p_ptr + t.to(tl.int64) * n_t * BN * H + ar[:, None] * H + heads[None, :]  # tile 0's [BN, BH]
-    ent = _tile_ent(idx_row, widx_row, 0, n_st, 0, n_sel, 0, n_win, ar, BN)
-    ent_next = _tile_ent(idx_row, widx_row, 1, n_st, 0, n_sel, 0, n_win, ar, BN)
+    ent = _entries(idx_row, widx_row, 0, n_t, n_st, n_sel, n_win, ar, BN)
+    ent_next = _entries(idx_row, widx_row, 1, n_t, n_st, n_sel, n_win, ar, BN)
     x, sc = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent, n_st <= 0, D, c0, DV)
     pw = tl.load(p_tile)
     acc = tl.zeros([DV, BH], tl.float32)  # O^T, kv' units (1/256)
     for i in range(0, n_t):
-        ent_after = _tile_ent(idx_row, widx_row, i + 2, n_st, 0, n_sel, 0, n_win, ar, BN)
+        ent_after = _entries(idx_row, widx_row, i + 2, n_t, n_st, n_sel, n_win, ar, BN)
         xn, sn = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, c0, DV)
         pn = tl.load(p_tile + (i + 1) * BN * H, mask=i + 1 < n_t, other=0.0)
         f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)  # the tile's weights 2^(s - m_i) -> 2^(s - mx)
