@@ -172,18 +172,23 @@ class _Recorder:
 
 
 def _host_use_of(fn, args):
-    spy, kern, merge = _HostTraffic(), _Recorder(), _Recorder()
+    """fn(*args) on 'meta' with every kernel recorded, not run -> (host uses found, the launches of the
+    one-pass kernel, of its merge, of the two-pass scoring and of the weighted sum)."""
+    spy, kern, merge, scores, wsum = _HostTraffic(), _Recorder(), _Recorder(), _Recorder(), _Recorder()
     meta = [x.to("meta") for x in args]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(A, "_sparse_attn_kernel", kern)
         mp.setattr(A, "_sparse_attn_t_kernel", kern)
         mp.setattr(A, "_merge_kernel", merge)
+        mp.setattr(AD, "_scores_kernel", scores)
+        mp.setattr(AD, "_weighted_sum_kernel", wsum)
         with spy:
             fn(*meta)
+    launches = (kern.launches, merge.launches, scores.launches, wsum.launches)
     host_args = [f"host tensor handed to a kernel: {tuple(a.shape)}"
-                 for _, a_, _ in kern.launches + merge.launches for a in a_
+                 for ran in launches for _, a_, _ in ran for a in a_
                  if isinstance(a, torch.Tensor) and a.device.type != "meta"]
-    return spy.seen + host_args, kern.launches, merge.launches
+    return spy.seen + host_args, *launches
 
 
 @pytest.mark.parametrize("split,layout", [(1, "heads"), (4, "heads"), (4, "entries")])
@@ -192,7 +197,7 @@ def test_wrapper_keeps_everything_on_the_device(split, layout):
     copied or handed to a kernel and nothing is read back, for one split and for partials + merge."""
     g = torch.Generator().manual_seed(5)
     args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
-    bad, kern, merge = _host_use_of(
+    bad, kern, merge, _, _ = _host_use_of(
         lambda *a: A.sparse_attn_triton(*a, block_n=32, split=split, d_split=2, layout=layout), args)
     assert bad == []
     assert len(kern) == 1 and len(merge) == (split > 1)
@@ -206,7 +211,7 @@ def test_host_traffic_check_catches_a_host_constant():
 
     def leaky(q, *rest):
         return A.sparse_attn_triton(q, *rest[:-1], rest[-1] * torch.tensor(1.0).to(q.device))
-    bad, _, _ = _host_use_of(leaky, args)
+    bad, *_ = _host_use_of(leaky, args)
     assert bad
 
 
@@ -283,18 +288,12 @@ def test_two_pass_keeps_everything_on_the_device_and_launches_two_kernels():
     (tokens, column blocks, head blocks), at the release's decode shapes."""
     g = torch.Generator().manual_seed(5)
     args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
-    spy, scores, wsum = _HostTraffic(), _Recorder(), _Recorder()
-    meta = [x.to("meta") for x in args]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(AD, "_scores_kernel", scores)
-        mp.setattr(AD, "_weighted_sum_kernel", wsum)
-        with spy:
-            A.sparse_attn_triton(*meta, layout="two_pass", two_pass=dict(tiles_per_program=3, block_v=128))
-    handed = [a for _, a_, _ in scores.launches + wsum.launches for a in a_
-              if isinstance(a, torch.Tensor) and a.device.type != "meta"]
-    assert spy.seen == [] and handed == []
-    assert [grid for grid, _, _ in scores.launches] == [(2, 4, 1)]  # 8 + 2 tiles of 64, 3 a program
-    assert [grid for grid, _, _ in wsum.launches] == [(2, 4, 1)]  # 512 / 128 column blocks
+    bad, kern, merge, scores, wsum = _host_use_of(
+        lambda *a: A.sparse_attn_triton(*a, layout="two_pass", two_pass=dict(tiles_per_program=3, block_v=128)),
+        args)
+    assert bad == [] and kern == [] and merge == []
+    assert [grid for grid, _, _ in scores] == [(2, 4, 1)]  # 8 + 2 tiles of 64, 3 a program
+    assert [grid for grid, _, _ in wsum] == [(2, 4, 1)]  # 512 / 128 column blocks
 
 
 def test_two_pass_rejects_what_it_cannot_tile():
