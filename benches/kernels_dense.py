@@ -85,7 +85,9 @@ def case_norm(bw, mm):
     a value each way), then float32 in, bf16-rounded float32 out, as the kernel path runs it today; eager =
     engine.ops' rms_norm and the reference's rounding (its seven launches). Each row's check also gives a
     plain device copy of the same bytes (input into an output-sized tensor), timed alike: what this
-    machine's copy reaches at this size, against the goal."""
+    machine's copy reaches at this size, against the goal. Then the picked and the listed configurations
+    again writing a preallocated output (`out=`, one buffer each, as the copy writes a fixed one), printed
+    beside their allocating times and the copy's (run 20b-20d: the kernel's times bimodal, the copy's not)."""
     x, w = torch.randn(4096, 5120, device=DEV), torch.randn(5120, device=DEV)
     want = rmsnorm.rms_norm_reference(x, w, 1e-6, round_bf16=True)
     # run 18a: one row a program 30.2 us (bf16) / 46.8 (float32), 2 rows 29.6 / 46.8, 4 rows 42.6 / 53.0
@@ -96,6 +98,9 @@ def case_norm(bw, mm):
                dict(chunk=2048, num_warps=4), dict(chunk=2048, num_warps=8), dict(chunk=1024, num_warps=4, hints=True),
                dict(chunk=1024, num_warps=4, programs_per_sm=8), dict(chunk=2048, num_warps=8, programs_per_sm=4),
                dict(programs_per_sm=2, num_warps=16, hints=True)]
+    # preallocated output (the sweep's pick added): run 20b-20d's best, and the default
+    prealloc = {"bf16 in, bf16 out": [{}, dict(chunk=1024, num_warps=4), dict(chunk=2048, num_warps=4)],
+                "float32, bf16-rounded out": [{}]}
     for name, xin, out_dtype, goal, tried in (("bf16 in, bf16 out", x.bfloat16(), torch.bfloat16, 23, cfgs + chunked),
                                               ("float32, bf16-rounded out", x, torch.float32, "-", cfgs)):
         ref = rmsnorm.rms_norm_reference(xin, w, 1e-6, round_bf16=True) if xin is not x else want
@@ -109,3 +114,35 @@ def case_norm(bw, mm):
         byt = x.numel() * (xin.element_size() + got.element_size())  # one read, one write
         row(f"RMSNorm 4096 x 5120 ({name})", t, byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s; cfg {cfg}", te,
             f"equal to the reference's rounding: {same:.6f} of values; same-bytes copy {tc:.1f} us", goal)
+        LOG[f"norm_copy_us_{name}"] = tc
+        try:  # after the row: a failure here costs only these timings
+            _norm_preallocated(name, run, ref, got, tc, [cfg] + [c for c in prealloc[name] if c != cfg])
+        except Exception as ex:  # noqa: BLE001
+            LOG["errors"].append(f"rmsnorm {name} preallocated: {ex!r}"[:400])
+            print(f"[norm] {name} preallocated: failed {ex!r}"[:300], flush=True)
+
+
+def _norm_preallocated(name, run, ref, like, tc, cfgs):
+    """run(**cfg, out=buffer) for each cfg, a NaN-filled buffer each made once here (outside the timing, so
+    an element left unwritten fails the check; the check also wants the buffer returned), checked against
+    ref as the allocating sweep checks. Logs norm_prealloc_cfgs_<name> (as sweep) and
+    norm_alloc_vs_prealloc_<name>: cfg -> the allocating sweep's time, the allocating call timed again
+    right after, the preallocated time, the copy's, and both outputs' addresses; prints them side by side."""
+    bufs = {str(c): torch.full_like(like, float("nan")) for c in cfgs}
+    pre = lambda **c: run(out=bufs[str(c)], **c)  # noqa: E731
+    sweep(f"norm_prealloc_cfgs_{name}", f"rmsnorm {name} preallocated", cfgs, pre,
+          lambda out: (out.float() == ref).float().mean().item() * any(out is b for b in bufs.values()),
+          valid=lambda f: f > 0.999, rep=100)
+    alloc, prealloc = LOG[f"norm_cfgs_{name}"], LOG[f"norm_prealloc_cfgs_{name}"]
+    us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    side = {}
+    for cfg in cfgs:
+        c = str(cfg)
+        again = bench(lambda: run(**cfg), rep=100)  # beside the preallocated timing, not minutes before it
+        side[c] = dict(alloc_us=alloc.get(c, (None,))[0], alloc_again_us=again,
+                       prealloc_us=prealloc.get(c, (None,))[0], copy_us=tc,
+                       prealloc_equal=prealloc.get(c, (None, None))[1],
+                       alloc_ptr=hex(run(**cfg).data_ptr()), prealloc_ptr=hex(bufs[c].data_ptr()))
+        print(f"[norm] {name} {c}: allocating {us(side[c]['alloc_us'])} us (again {again:.1f}), preallocated "
+              f"{us(side[c]['prealloc_us'])} us, same-bytes copy {tc:.1f} us", flush=True)
+    LOG[f"norm_alloc_vs_prealloc_{name}"] = side

@@ -144,12 +144,15 @@ def _rms_norm_chunked_kernel(x_ptr, w_ptr, y_ptr, rows, eps, D: tl.constexpr, CH
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                     round_bf16: bool = False, rows_per_program: int | None = None,
                     out_dtype: torch.dtype = torch.float32, programs_per_sm: int = 0,
-                    num_warps: int | None = None, chunk: int = 0, hints: bool = False) -> torch.Tensor:
+                    num_warps: int | None = None, chunk: int = 0, hints: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel; rows_per_program: rows a program normalizes (default: 1 for rows of 4K+ values, more
     for short rows, so that a program loads at least ~4K values); programs_per_sm > 0: the row-walking
     kernel with that many programs an SM instead; chunk > 0 (a power of two): the chunked form, a row a
     program or (programs_per_sm) walking rows, rows_per_program unused; hints: eviction policies; out_dtype
-    float32, or bfloat16 (the values rounded to nearest even: round_bf16 implied)."""
+    float32, or bfloat16 (the values rounded to nearest even: round_bf16 implied). out: a buffer to write
+    instead of a new one (x's shape, out_dtype, contiguous, x's device; checked on its metadata only, no
+    sync), returned itself."""
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     d = x.shape[-1]
@@ -159,26 +162,40 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         raise ValueError(f"rows of {d} values do not fit one program (at most {MAX_WIDTH})")
     if chunk < 0 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be 0 or a power of two, got {chunk}")
+    if out is not None:
+        _check_out(out, x, out_dtype)
     x2 = x.reshape(-1, d).contiguous()
     rows = x2.shape[0]
-    out = torch.empty(rows, d, dtype=out_dtype, device=x.device)
+    y = out.view(rows, d) if out is not None else torch.empty(rows, d, dtype=out_dtype, device=x.device)
     if rows == 0:
-        return out.view(*x.shape[:-1], d)
+        return out if out is not None else y.view(*x.shape[:-1], d)
     bd = triton.next_power_of_2(d)
     br = rows_per_program or max(1, min(16, 4096 // bd))
-    w = weight.float().contiguous() if weight is not None else out
+    w = weight.float().contiguous() if weight is not None else y
     common = dict(HAS_W=weight is not None, ROUND=bool(round_bf16) or out_dtype == torch.bfloat16,
                   DROP="evict_first" if hints else "")
     walkers = min(rows, programs_per_sm * sm_count(x.device)) if programs_per_sm else 0
     if chunk:
         ch = min(chunk, bd)
-        _rms_norm_chunked_kernel[(walkers or rows,)](x2, w, out, rows, float(eps), D=d, CH=ch,
+        _rms_norm_chunked_kernel[(walkers or rows,)](x2, w, y, rows, float(eps), D=d, CH=ch,
                                                      KEEP="evict_last" if hints else "", **common,
                                                      num_warps=num_warps or max(1, min(8, ch // 256)))
     elif programs_per_sm:
-        _rms_norm_rows_kernel[(walkers,)](x2, w, out, rows, float(eps), D=d, BD=bd, **common,
+        _rms_norm_rows_kernel[(walkers,)](x2, w, y, rows, float(eps), D=d, BD=bd, **common,
                                           num_warps=num_warps or (8 if bd >= 4096 else 4))
     else:
-        _rms_norm_kernel[(triton.cdiv(rows, br),)](x2, w, out, rows, float(eps), D=d, BD=bd, BR=br, **common,
+        _rms_norm_kernel[(triton.cdiv(rows, br),)](x2, w, y, rows, float(eps), D=d, BD=bd, BR=br, **common,
                                                   num_warps=num_warps or (8 if bd * br >= 4096 else 4))
-    return out.view(*x.shape[:-1], d)
+    return out if out is not None else y.view(*x.shape[:-1], d)
+
+
+def _check_out(out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> None:
+    """A ValueError naming what is wrong when `out` cannot take the call's result (metadata only)."""
+    if tuple(out.shape) != tuple(x.shape):
+        raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    if out.dtype != out_dtype:
+        raise ValueError(f"out must be {out_dtype} (the call's out_dtype), got {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())} for shape {tuple(out.shape)}")
+    if out.device != x.device:
+        raise ValueError(f"out must be on x's device {x.device}, got {out.device}")

@@ -108,3 +108,54 @@ def test_empty_rows_and_bad_shapes(gen):
     assert rmsnorm.rms_norm_triton(torch.zeros(0, 64), None, 1e-6, chunk=64).shape == (0, 64)
     with pytest.raises(ValueError, match="out_dtype"):
         rmsnorm.rms_norm_triton(torch.randn(2, 64, generator=gen), None, 1e-6, out_dtype=torch.float16)
+
+
+def _bits(t):
+    """The stored bits of a float32 / bf16 tensor (bit-for-bit comparison: -0.0 and NaN payloads too)."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("lead,d,bf16_rows,cfg", [
+    ((5, 3), 512, False, dict(round_bf16=True)),                     # whole rows, several a program, 3-D x
+    ((37,), 5120, True, dict(chunk=1024)),                           # the release's row in chunks, bf16 rows
+    ((140,), 1000, True, dict(chunk=256, programs_per_sm=1, hints=True)),  # 132 walkers, some 2 rows; masked tail
+    ((7,), 512, False, dict(programs_per_sm=2)),                     # the row-walking kernel, float32 out
+])
+def test_preallocated_out_is_written_and_returned(gen, lead, d, bf16_rows, cfg):
+    """out=: the same bits as the allocating call, written into the given buffer, which is returned."""
+    x = torch.randn(*lead, d, generator=gen) * 3
+    weight = torch.randn(d, generator=gen)
+    if bf16_rows:
+        x, cfg = x.bfloat16(), dict(cfg, out_dtype=torch.bfloat16)
+    want = rmsnorm.rms_norm_triton(x, weight, 1e-6, **cfg)
+    buf = torch.full(x.shape, float("nan"), dtype=want.dtype)  # an element left unwritten stays NaN
+    ptr = buf.data_ptr()
+    got = rmsnorm.rms_norm_triton(x, weight, 1e-6, out=buf, **cfg)
+    assert got is buf and got.data_ptr() == ptr and got.shape == x.shape
+    assert torch.equal(_bits(got), _bits(want))
+    # written again in place (the bench's reuse): the same bits, the same buffer
+    again = rmsnorm.rms_norm_triton(x, weight, 1e-6, out=buf, **cfg)
+    assert again is buf and torch.equal(_bits(buf), _bits(want))
+
+
+def test_preallocated_out_is_checked(gen):
+    x = torch.randn(2, 64, generator=gen)
+    call = lambda out, **k: rmsnorm.rms_norm_triton(x, None, 1e-6, out=out, **k)  # noqa: E731
+    with pytest.raises(ValueError, match=r"out must have x's shape \(2, 64\), got \(2, 32\)"):
+        call(torch.empty(2, 32))
+    with pytest.raises(ValueError, match=r"out must have x's shape \(2, 64\), got \(128,\)"):
+        call(torch.empty(128))  # the same number of values is not enough
+    with pytest.raises(ValueError, match=r"out must be torch.float32 \(the call's out_dtype\), got torch.bfloat16"):
+        call(torch.empty(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out must be torch.bfloat16 \(the call's out_dtype\), got torch.float32"):
+        call(torch.empty(2, 64), out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out must be contiguous, got strides \(1, 2\) for shape \(2, 64\)"):
+        call(torch.empty(64, 2).t())
+    with pytest.raises(ValueError, match=r"out must be on x's device cpu, got meta"):
+        call(torch.empty(2, 64, device="meta"))
+    bad = torch.full((2, 64), 7.0)
+    with pytest.raises(ValueError, match="weight must be"):  # the call's own checks still come first
+        rmsnorm.rms_norm_triton(x, torch.ones(32), 1e-6, out=bad)
+    assert (bad == 7.0).all()  # a refused call writes nothing
+    empty = torch.empty(0, 64)
+    assert rmsnorm.rms_norm_triton(torch.zeros(0, 64), None, 1e-6, out=empty) is empty
