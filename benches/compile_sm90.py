@@ -69,11 +69,44 @@ def ptxas_stats(ptx: str) -> dict:
         src.write_text(ptx)
         run = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(src), "-o", str(src.with_suffix(".o"))],
                              capture_output=True, text=True)
+        census = sass_census(src.with_suffix(".o")) if SASS["on"] and run.returncode == 0 else {}
     text = run.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
     return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(int(s) for s in spills),
-            "ptxas_ok": run.returncode == 0, "ptxas_error": "" if run.returncode == 0 else text[-300:]}
+            "ptxas_ok": run.returncode == 0, "ptxas_error": "" if run.returncode == 0 else text[-300:], **census}
+
+
+SASS = {"on": False}
+CUOBJDUMP = PTXAS.parent / "cuobjdump"
+# opcode classes the census counts in the hottest loop (the first name segment of a SASS opcode)
+SASS_CLASSES = {"mma": ("HGMMA", "HMMA", "WARPGROUP"), "shared": ("LDS", "STS", "LDSM", "STSM"),
+                "global": ("LDG", "STG", "LDGSTS", "UTMALDG"), "int": ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT",
+                                                                   "ISETP", "SEL"),
+                "float": ("FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "HMUL2", "HFMA2", "HADD2"),
+                "convert": ("F2FP", "F2F", "I2F", "F2I", "I2FP")}
+
+
+def sass_census(cubin: Path) -> dict:
+    """Static SASS of one kernel: its instruction count, every loop's of 50+ (a backward branch's span, in
+    address order) and the largest one's by class. A proxy for issue cost where no GPU is lent: a kernel's
+    loop body runs once per tile."""
+    run = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True)
+    rows = []  # (address, opcode, text)
+    for line in run.stdout.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);", line)
+        if m:
+            rows.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    loops = []
+    for i, (addr, op, args) in enumerate(rows):
+        target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            start = int(target.group(1), 16)
+            loops.append([r for r in rows[:i + 1] if r[0] >= start])
+    body = max(loops, key=len) if loops else []
+    classes = {name: sum(1 for _, op, _ in body if op.split(".")[0] in ops) for name, ops in SASS_CLASSES.items()}
+    return {"sass": len(rows), "loops": " / ".join(str(len(b)) for b in loops if len(b) >= 50) or "-",
+            "loop": len(body), **{f"loop_{k}": v for k, v in classes.items()}}
 
 
 def compile_only(self, *args, grid, warmup, **kwargs):
@@ -169,6 +202,8 @@ def cases():
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
             ("sparse attention decode b64", attention(64)),
+            ("sparse attention decode b64, bf16x2 decode", attention(64, layout="two_pass",
+                                                                     two_pass=dict(decode="bf16x2"))),
             ("sparse attention decode b64, one pass", attention(64, layout="entries", block_h=64, block_n=32,
                                                                  split=2)), ("sparse attention prefill 4K", attention(4096)),
             ("MoE decode 1 token", experts(1)),
@@ -206,6 +241,13 @@ def table(rows: list[dict], errors: dict) -> str:
         lines.append(f"| {r['case']} | {r['kernel']} | {consts} | {r['num_warps']} | {r['num_stages']} | "
                      f"{r['regs']} | {r['spill_bytes']} | {r['shared']} | {'yes' if r['wgmma'] else 'no'} | "
                      f"{'ok' if r['ptxas_ok'] else 'FAILED ' + r['ptxas_error']} |")
+    if SASS["on"]:
+        names = ["sass", "loops", "loop"] + [f"loop_{k}" for k in SASS_CLASSES]
+        lines += ["", "SASS census (static, one thread's instruction stream; loops: each backward-branch span of 50+ "
+                      "instructions; loop: the largest, counted by class):", "", "| case | kernel | " + " | ".join(names) + " |",
+                  "|---|---|" + "---:|" * len(names)]
+        lines += [f"| {r['case']} | {r['kernel']} | " + " | ".join(str(r.get(n, "")) for n in names) + " |"
+                  for r in rows]
     if errors:
         lines += ["", "Cases stopped (after the kernels listed for them compiled, or before any):"]
         lines += [f"- {name}: {err}" for name, err in errors.items()]
@@ -216,7 +258,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="")
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--sass", action="store_true", help="also count each kernel's SASS (cuobjdump)")
     args = ap.parse_args(argv)
+    SASS["on"] = args.sass
     if not PTXAS.exists():
         raise SystemExit(f"error: Triton's ptxas is not at {PTXAS}")
     triton_driver.set_active(Sm90Driver())
