@@ -70,6 +70,60 @@ def e2m1_as_e4m3(b, ASM: tl.constexpr):
     return lo, hi
 
 
+# Packed E2M1 bytes -> bf16 worth value * 2^-126, times a bf16 factor. Four bytes in $4, reordered (b0 b2 b1 b3)
+# so that the two nibbles of each output pair sit 16 bits apart; then per pair its 3 magnitude bits onto the
+# exponent's low two bits and the mantissa's top (codes 0 and 1: 0 and the bf16 subnormal 2^-127), the sign
+# onto bit 15 of its half, and one bf16x2 multiply. $0 $1: the low nibbles' values (bytes 0-1, 2-3), $2 $3:
+# the high nibbles'; factors $5 (bytes 0-1) and $6 (bytes 2-3).
+E2M1_BF16_SCALED_PTX = """
+{
+.reg .b32 w, m, s;
+prmt.b32 w, $4, 0, 0x3120;
+shl.b32 m, w, 6;
+shl.b32 s, w, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $0, m, $5;
+shr.b32 m, w, 2;
+shl.b32 s, w, 4;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $1, m, $6;
+shl.b32 m, w, 2;
+shl.b32 s, w, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $2, m, $5;
+shr.b32 m, w, 6;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, w, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $3, m, $6;
+}
+"""
+_E2M1_BF16_SCALED_ASM = tl.constexpr(E2M1_BF16_SCALED_PTX)
+
+
+@triton.jit
+def e2m1_scaled_pairs(b, f, DT: tl.constexpr):
+    """Packed FP4 bytes (uint8, any shape) and a factor per byte (its shape, DT; exactly representable in bf16:
+    convert before broadcasting) -> (low nibbles, high nibbles) worth the E2M1 value * 2^-126 * f, exact, as
+    DT. bf16: the bit
+    assembly of E2M1_BF16_SCALED_PTX (four bytes a lane, about 2.6 instructions a value); float32 (the
+    interpreter, which runs no PTX): the same bit placement in float32 lanes (bf16 is float32's top half)."""
+    if DT == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_SCALED_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        x = b.to(tl.int32)
+        lo = ((((x & 7) << 6) | ((x & 8) << 12)) << 16).to(tl.float32, bitcast=True) * f
+        hi = (((((x >> 4) & 7) << 6) | (((x >> 4) & 8) << 12)) << 16).to(tl.float32, bitcast=True) * f
+    return lo.to(DT), hi.to(DT)
+
+
 @triton.jit
 def e4m3_operand(byte, FP8: tl.constexpr):
     """E4M3 bytes (uint8) -> dot operand: float8e4nv (FP8), or (interpreter) their exact float32 values."""

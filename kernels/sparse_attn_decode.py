@@ -26,6 +26,11 @@ scoring program (scores 33.6-35.0 us, weighted sum 25.0 us) against 64.4-64.6 fo
 Nsight (20c): both passes latency-bound at 2 warps a scheduler (issue 18% / 33%, 0.37 / 0.47 eligible
 warps, DRAM 7% / 13%); running the loads ahead (20c) did not move them, so the wait is in the in-register
 decode and its shared-memory round trip to the MMA operand, not in the gathers.
+
+decode="bf16x2" (below the float32 form's kernels): heads as the MMA's M in both passes, the FP4 bytes assembled
+into bf16 pairs by PTX, selected and window tiles in loops of their own. sm_90 SASS (triton 3.6, static,
+benches/compile_sm90.py --sass): pass 1's loop 1,443 instructions a selected tile (float32 form 4,086), pass 2's
+394 (1,085); 192 / 168 registers. Not yet timed on the GPU.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import bf16_output, dot_dtype, register_cap
+from kernels._formats import bf16_output, dot_dtype, e2m1_scaled_pairs, register_cap
 from kernels.sparse_attn import _fp4_decode_g, _win_decode_g, qk_log2
 
 
@@ -79,6 +84,17 @@ def _entries(idx_row, widx_row, i, hi, n_st, n_sel, n_win, ar, BN: tl.constexpr)
 
 
 @triton.jit
+def _store_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, BN: tl.constexpr, H: tl.constexpr):
+    """Tile i's S^T [BN, BH] (acc, kv' units) -> its float16 weights 2^(s - m) and per head (m, l)."""
+    s = tl.where((ent >= 0)[:, None], acc * qk2, float("-inf"))
+    m = tl.maximum(tl.max(s, axis=0), -1.0e30)  # finite: a tile with no entry gives sum 0, not NaN
+    p = tl.exp2(s - m[None, :])  # [BN, BH] in [0, 1]
+    tl.store(p_row + (i * BN + ar)[:, None] * H + heads[None, :], p.to(tl.float16))
+    tl.store(stat_row + i * 2 * H + heads, m)
+    tl.store(stat_row + (i * 2 + 1) * H + heads, tl.sum(p, axis=0))
+
+
+@triton.jit
 def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr, p_ptr, stat_ptr,
                    n_sel, n_win, n_st, n_t, qk2, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, TPP: tl.constexpr, DT: tl.constexpr):
@@ -115,12 +131,7 @@ def _scores_kernel(q_ptr, kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_pt
         acc = tl.dot(_decoded(x2, s2, win, BN, DC, DT), q2, acc)
         x1, s1 = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, DC, DC)
         acc = tl.dot(_decoded(x3, s3, win, BN, DC, DT), q3, acc)
-        s = tl.where((ent >= 0)[:, None], acc * qk2, float("-inf"))
-        m = tl.maximum(tl.max(s, axis=0), -1.0e30)  # finite: a tile with no entry gives sum 0, not NaN
-        p = tl.exp2(s - m[None, :])  # [BN, BH] in [0, 1]
-        tl.store(p_row + (i * BN + ar)[:, None] * H + heads[None, :], p.to(tl.float16))
-        tl.store(stat_row + i * 2 * H + heads, m)
-        tl.store(stat_row + (i * 2 + 1) * H + heads, tl.sum(p, axis=0))
+        _store_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, BN, H)
         ent = ent_next
         ent_next = ent_after
 
@@ -136,12 +147,7 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
     c0 = tl.program_id(1) * DV
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     stat_row = stat_ptr + t.to(tl.int64) * n_t * 2 * H
-    tiles = tl.arange(0, NTP)[:, None]
-    m = tl.load(stat_row + tiles * 2 * H + heads[None, :], mask=tiles < n_t, other=-1.0e30)  # [NTP, BH]
-    lsum = tl.load(stat_row + (tiles * 2 + 1) * H + heads[None, :], mask=tiles < n_t, other=0.0)
-    sink = tl.load(sink_ptr + heads) * 1.4426950408889634
-    mx = tl.maximum(tl.max(m, axis=0), sink)
-    den = tl.sum(lsum * tl.exp2(m - mx[None, :]), axis=0) + tl.exp2(sink - mx)
+    mx, den = _row_max_den(stat_row, sink_ptr, heads, n_t, NTP, H)
     ar = tl.arange(0, BN)
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
@@ -155,27 +161,207 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
         ent_after = _entries(idx_row, widx_row, i + 2, n_t, n_st, n_sel, n_win, ar, BN)
         xn, sn = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, c0, DV)
         pn = tl.load(p_tile + (i + 1) * BN * H, mask=i + 1 < n_t, other=0.0)
-        f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)  # the tile's weights 2^(s - m_i) -> 2^(s - mx)
-        v = _decoded(x, sc, i >= n_st, BN, DV, DT)
-        acc = tl.dot(tl.trans(v), (pw.to(tl.float32) * f[None, :]).to(DT), acc)
+        acc = _accumulate(acc, _decoded(x, sc, i >= n_st, BN, DV, DT), pw, stat_row, i, heads, mx, H, DT)
         x, sc, pw = xn, sn, pn
         ent = ent_next
         ent_next = ent_after
+    _store_out(acc, den, out_ptr, t, heads, c0, H, D, DV)
+
+
+@triton.jit
+def _row_max_den(stat_row, sink_ptr, heads, n_t, NTP: tl.constexpr, H: tl.constexpr):
+    """From the tiles' (m, l): per head the row's max (the sink included) and the softmax denominator."""
+    tiles = tl.arange(0, NTP)[:, None]
+    m = tl.load(stat_row + tiles * 2 * H + heads[None, :], mask=tiles < n_t, other=-1.0e30)  # [NTP, BH]
+    lsum = tl.load(stat_row + (tiles * 2 + 1) * H + heads[None, :], mask=tiles < n_t, other=0.0)
+    sink = tl.load(sink_ptr + heads) * 1.4426950408889634
+    mx = tl.maximum(tl.max(m, axis=0), sink)
+    return mx, tl.sum(lsum * tl.exp2(m - mx[None, :]), axis=0) + tl.exp2(sink - mx)
+
+
+@triton.jit
+def _accumulate(acc, v, pw, stat_row, i, heads, mx, H: tl.constexpr, DT: tl.constexpr):
+    """O^T += V^T P^T for tile i: v its decoded [BN, DV] columns, pw its float16 weights 2^(s - m_i), made
+    2^(s - mx) and rounded to DT once."""
+    f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)
+    return tl.dot(tl.trans(v), (pw.to(tl.float32) * f[None, :]).to(DT), acc)
+
+
+@triton.jit
+def _store_out(acc, den, out_ptr, t, heads, c0, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr):
     out = acc * (256.0 / den)[None, :]
     col = c0 + tl.arange(0, DV)
     tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + col[:, None], bf16_output(out, out_ptr))
+
+
+# The bf16x2 form (decode="bf16x2"). Heads are the MMA's M in both passes: S [BH, BN] = Q . K^T with the decoded
+# tile as the B operand (so a tile's softmax statistics reduce within a warp, where S^T's need shared memory
+# across the warpgroup), O [BH, DV] += P . V with the weights as A; the weights are stored per head,
+# [T, H, tiles * BN]. FP4 bytes are decoded by bit assembly into bf16 pairs (e2m1_scaled_pairs: about 2.6
+# instructions a value where the float32 placement, multiply and rounding take about 9), window bytes by
+# the native E4M3 conversion, both as plain 2-D tiles (triton 3.6 takes a decoded B operand only without the
+# joins of the grouped lanes); selected and window tiles are walked in loops of their own, so no load of the
+# other format is issued masked and no branch picks the decode.
+
+@triton.jit
+def _fp4_bytes(kvb_ptr, kvs_ptr, ent, D: tl.constexpr, C0, DC: tl.constexpr):
+    """FP4 entries' packed bytes of dims [C0, C0 + DC) [BN, DC/2] (uint8) and their E4M3 scale bytes
+    [BN, DC/16]; rows with ent < 0 read nothing."""
+    ok = ent >= 0
+    row = tl.where(ok, ent, 0)
+    b = tl.load(kvb_ptr + row[:, None] * (D // 2) + C0 // 2 + tl.arange(0, DC // 2)[None, :], mask=ok[:, None],
+                other=0)
+    sc = tl.load(kvs_ptr + row[:, None] * (D // 16) + C0 // 16 + tl.arange(0, DC // 16)[None, :], mask=ok[:, None],
+                 other=0)
+    return b, sc
+
+
+@triton.jit
+def _fp4_bytes_decoded(b, sc, BN: tl.constexpr, DC: tl.constexpr, DT: tl.constexpr):
+    """_fp4_bytes' tiles -> kv' = kv / 256 [BN, DC], DT: the scale times 2^118 (exact in bf16: E4M3 has 4
+    significant bits) is the factor of e2m1_scaled_pairs, whose 2^-126 leaves kv * 2^-8."""
+    f = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622794e+35).to(DT)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, DC // 16, 8)), (BN, DC // 2))
+    lo, hi = e2m1_scaled_pairs(b, f, DT)
+    return tl.interleave(lo, hi)
+
+
+@triton.jit
+def _win_bytes_decoded(winb_ptr, wins_ptr, ent, D: tl.constexpr, C0, DC: tl.constexpr, BN: tl.constexpr,
+                       DT: tl.constexpr):
+    """Window entries' dims [C0, C0 + DC) decoded: E4M3 bytes times their E8M0 scale / 256 (scales below
+    2^-118 taken as 2^-118, as _win_decode does) -> [BN, DC], DT; rows with ent < 0 are zeros."""
+    ok = ent >= 0
+    row = tl.where(ok, ent, 0)
+    b = tl.load(winb_ptr + row[:, None] * D + C0 + tl.arange(0, DC)[None, :], mask=ok[:, None], other=0)
+    if DC >= 32:
+        sc = tl.load(wins_ptr + row[:, None] * (D // 32) + C0 // 32 + tl.arange(0, DC // 32)[None, :],
+                     mask=ok[:, None], other=0)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, DC // 32, 32)), (BN, DC))
+    else:  # a chunk narrower than a scale group (small test shapes)
+        sc = tl.load(wins_ptr + row[:, None] * (D // 32) + (C0 + tl.arange(0, DC))[None, :] // 32,
+                     mask=ok[:, None], other=0)
+    m = ((tl.maximum(sc.to(tl.int32), 9) - 8) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) / 256
+    return (b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * m).to(DT)
+
+
+@triton.jit
+def _columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, C0, WIN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+             DC: tl.constexpr, DT: tl.constexpr):
+    """Dims [C0, C0 + DC) of the entries `ent`, all of one format, decoded: kv' [BN, DC], DT."""
+    if WIN:
+        v = _win_bytes_decoded(winb_ptr, wins_ptr, ent, D, C0, DC, BN, DT)
+    else:
+        b, sc = _fp4_bytes(kvb_ptr, kvs_ptr, ent, D, C0, DC)
+        v = _fp4_bytes_decoded(b, sc, BN, DC, DT)
+    return v
+
+
+@triton.jit
+def _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q0, q1, q2, q3, WIN: tl.constexpr, BN: tl.constexpr,
+                 D: tl.constexpr, DT: tl.constexpr):
+    """S [BH, BN] of one tile (kv' units) from the query's four [BH, D/4] chunks."""
+    DC: tl.constexpr = D // 4
+    acc = tl.dot(q0, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 0, WIN, BN, D, DC, DT)))
+    acc = tl.dot(q1, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, DC, WIN, BN, D, DC, DT)), acc)
+    acc = tl.dot(q2, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 2 * DC, WIN, BN, D, DC, DT)), acc)
+    return tl.dot(q3, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 3 * DC, WIN, BN, D, DC, DT)), acc)
+
+
+@triton.jit
+def _store_head_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, NE, BN: tl.constexpr, H: tl.constexpr):
+    """Tile i's S [BH, BN] -> its float16 weights 2^(s - m) at [head, i * BN + entry] of the token's
+    [H, NE] and per head (m, l)."""
+    s = tl.where((ent >= 0)[None, :], acc * qk2, float("-inf"))
+    m = tl.maximum(tl.max(s, axis=1), -1.0e30)  # finite: a tile with no entry gives sum 0, not NaN
+    p = tl.exp2(s - m[:, None])  # [BH, BN] in [0, 1]
+    tl.store(p_row + heads[:, None] * NE + (i * BN + ar)[None, :], p.to(tl.float16))
+    tl.store(stat_row + i * 2 * H + heads, m)
+    tl.store(stat_row + (i * 2 + 1) * H + heads, tl.sum(p, axis=1))
+
+
+@triton.jit
+def _scores_bf16x2_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, p_ptr, stat_ptr,
+                          n_sel, n_win, n_st, n_t, qk2, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                          BN: tl.constexpr, TPP: tl.constexpr, DT: tl.constexpr):
+    """Pass 1 of the bf16x2 form: token t, tiles [g * TPP, +TPP), heads [hb * BH, +BH); the program's selected
+    tiles, then its window tiles."""
+    t = tl.program_id(0)
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
+    DC: tl.constexpr = D // 4
+    qc = q_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + tl.arange(0, DC)[None, :]  # Q chunk [BH, DC]
+    q0 = tl.load(qc).to(DT)
+    q1 = tl.load(qc + DC).to(DT)
+    q2 = tl.load(qc + 2 * DC).to(DT)
+    q3 = tl.load(qc + 3 * DC).to(DT)
+    ar = tl.arange(0, BN)
+    idx_row = idx_ptr + t.to(tl.int64) * n_sel
+    widx_row = widx_ptr + t.to(tl.int64) * n_win
+    p_row = p_ptr + t.to(tl.int64) * n_t * BN * H
+    stat_row = stat_ptr + t.to(tl.int64) * n_t * 2 * H
+    lo = tl.program_id(1) * TPP
+    hi = tl.minimum(lo + TPP, n_t)
+    for i in range(lo, tl.minimum(hi, n_st)):
+        ent = _entries(idx_row, widx_row, i, hi, n_st, n_sel, n_win, ar, BN)
+        acc = _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q0, q1, q2, q3, False, BN, D, DT)
+        _store_head_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, n_t * BN, BN, H)
+    for i in range(tl.maximum(lo, n_st), hi):
+        ent = _entries(idx_row, widx_row, i, hi, n_st, n_sel, n_win, ar, BN)
+        acc = _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q0, q1, q2, q3, True, BN, D, DT)
+        _store_head_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, n_t * BN, BN, H)
+
+
+@triton.jit
+def _head_weights(p_head, stat_row, i, heads, mx, BN: tl.constexpr, H: tl.constexpr, DT: tl.constexpr):
+    """Tile i's weights [BH, BN] made 2^(s - mx) and rounded to DT once (the MMA's A operand)."""
+    f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)
+    return (tl.load(p_head + i * BN).to(tl.float32) * f[:, None]).to(DT)
+
+
+@triton.jit
+def _weighted_sum_bf16x2_kernel(kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, p_ptr, stat_ptr,
+                                out_ptr, n_sel, n_win, n_st, n_t, H: tl.constexpr, D: tl.constexpr,
+                                BH: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr, NTP: tl.constexpr,
+                                DT: tl.constexpr):
+    """Pass 2 of the bf16x2 form: token t, output columns [cb * DV, +DV), heads [hb * BH, +BH); O [BH, DV] +=
+    P [BH, BN] . V [BN, DV] over the selected tiles, then the window tiles."""
+    t = tl.program_id(0)
+    c0 = tl.program_id(1) * DV
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
+    stat_row = stat_ptr + t.to(tl.int64) * n_t * 2 * H
+    mx, den = _row_max_den(stat_row, sink_ptr, heads, n_t, NTP, H)
+    ar = tl.arange(0, BN)
+    idx_row = idx_ptr + t.to(tl.int64) * n_sel
+    widx_row = widx_ptr + t.to(tl.int64) * n_win
+    p_head = p_ptr + t.to(tl.int64) * n_t * BN * H + heads[:, None] * (n_t * BN) + ar[None, :]  # tile 0's [BH, BN]
+    acc = tl.zeros([BH, DV], tl.float32)  # O, kv' units (1/256)
+    for i in range(0, n_st):
+        ent = _entries(idx_row, widx_row, i, n_st, n_st, n_sel, n_win, ar, BN)
+        v = _columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, c0, False, BN, D, DV, DT)
+        acc = tl.dot(_head_weights(p_head, stat_row, i, heads, mx, BN, H, DT), v, acc)
+    for i in range(n_st, n_t):
+        ent = _entries(idx_row, widx_row, i, n_t, n_st, n_sel, n_win, ar, BN)
+        v = _columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, c0, True, BN, D, DV, DT)
+        acc = tl.dot(_head_weights(p_head, stat_row, i, heads, mx, BN, H, DT), v, acc)
+    out = acc * (256.0 / den)[:, None]
+    col = c0 + tl.arange(0, DV)
+    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + col[None, :], bf16_output(out, out_ptr))
 
 
 def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, scale: float,
                          block_h: int = 64, block_n: int = 64, tiles_per_program: int = 1, block_v: int = 128,
                          num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
                          maxnreg: int | None = None, maxnreg_sum: int | None = None,
-                         float_out: bool = False) -> torch.Tensor:
+                         float_out: bool = False, decode: str = "float32") -> torch.Tensor:
     """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as
     int16, win as int32 words, scales as bytes, indices int32, all contiguous; the caller checks shapes);
     block_h heads and block_n entries a tile in both passes, tiles_per_program tiles a pass-1 program,
     block_v output columns a pass-2 program; maxnreg / maxnreg_sum: register caps for the two passes (more
-    blocks an SM, at the cost of spills). Host side: nothing made on or read from the host."""
+    blocks an SM, at the cost of spills); decode: "float32" (each nibble placed in a float32 lane, scaled and
+    rounded) or "bf16x2" (the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their
+    own; same values). Host side: nothing made on or read from the host."""
+    if decode not in ("float32", "bf16x2"):
+        raise ValueError(f"sparse attention (two passes): decode must be 'float32' or 'bf16x2', got {decode!r}")
     t, h, d = q.shape
     if d % 64 or block_v > d or d % block_v or h % block_h or block_h < 16:
         raise ValueError(f"sparse attention (two passes): head dim {d} needs block_v {block_v} to divide it "
@@ -187,11 +373,15 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     stats = torch.empty(t, n_t, 2, h, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
     dt = dot_dtype()
-    _scores_kernel[(t, triton.cdiv(n_t, tiles_per_program), h // block_h)](
+    scores, weighted_sum = _scores_kernel, _weighted_sum_kernel
+    if decode == "bf16x2":
+        scores, weighted_sum = _scores_bf16x2_kernel, _weighted_sum_bf16x2_kernel
+        kvh, win = kvh.view(torch.uint8), win.view(torch.uint8)
+    scores[(t, triton.cdiv(n_t, tiles_per_program), h // block_h)](
         q, kvh, kv_scale, idx, win, win_scale, win_idx, p, stats, n_sel, n_win, n_st, n_t, qk_log2(scale),
         H=h, D=d, BH=block_h, BN=block_n, TPP=tiles_per_program, DT=dt, num_warps=num_warps, num_stages=num_stages,
         **register_cap(maxnreg))
-    _weighted_sum_kernel[(t, d // block_v, h // block_h)](
+    weighted_sum[(t, d // block_v, h // block_h)](
         kvh, kv_scale, idx, win, win_scale, win_idx, sink, p, stats, out, n_sel, n_win, n_st, n_t,
         H=h, D=d, BH=block_h, BN=block_n, DV=block_v, NTP=triton.next_power_of_2(n_t), DT=dt,
         num_warps=num_warps_sum or num_warps, num_stages=num_stages, **register_cap(maxnreg_sum))

@@ -28,6 +28,7 @@ for _m in (kernels._formats, kernels.sparse_attn, kernels.sparse_attn_decode):  
 from engine import quant as Q  # noqa: E402
 from kernels import sparse_attn as A  # noqa: E402
 from kernels import sparse_attn_decode as AD  # noqa: E402
+from tests.sparse_attn_inputs import attention_inputs, every_fp4_code_and_scale  # noqa: E402
 
 @triton.jit
 def _fp4_probe(kvh_ptr, kvs_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr):
@@ -45,23 +46,65 @@ def _win_probe(winw_ptr, wins_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.con
     tl.store(out_ptr + tl.arange(0, BN)[:, None] * D + tl.arange(0, D)[None, :], kv)
 
 
+@triton.jit
+def _fp4_bytes_probe(kvb_ptr, kvs_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr):
+    ent = tl.load(ent_ptr + tl.arange(0, BN))
+    b, s = AD._fp4_bytes(kvb_ptr, kvs_ptr, ent, D, 0, D)
+    kv = AD._fp4_bytes_decoded(b, s, BN, D, tl.float32)
+    tl.store(out_ptr + tl.arange(0, BN)[:, None] * D + tl.arange(0, D)[None, :], kv)
+
+
+def test_fp4_bytes_decode_every_code_and_scale():
+    """The bf16x2 form's decode (bytes + bit placement of e2m1_scaled_pairs, its float32 lanes here): all
+    256 bytes against all E4M3 scale bytes, a skipped slot as zeros: exact, at 2^-8 of the value."""
+    d, n = 64, 64
+    packed, sc = every_fp4_code_and_scale(d, n)
+    ent = torch.tensor(list(range(n - 1, -1, -1)), dtype=torch.int32)
+    ent[7] = -1
+    out = torch.empty(n, d)
+    _fp4_bytes_probe[(1,)](packed.view(torch.uint8), sc, ent, out, BN=n, D=d)
+    want = Q.dequantize_fp4(packed, sc.view(torch.float8_e4m3fn), 16).float()[ent.clamp_min(0).long()]
+    want[7] = 0
+    assert torch.equal(out * 256, want)
+
+
 def test_fp4_decode_every_code_and_scale():
     """All 256 packed bytes against all 256 E4M3 scale bytes (NaN scales excepted), incl. subnormal
     scales and the E2M1 codes 0/1 that go through float32 subnormals: exact, at 2^-8 of the value."""
     d, n = 64, 64
-    packed = torch.arange(n * d // 2, dtype=torch.int64).remainder(256).to(torch.uint8)
-    packed = packed[torch.randperm(packed.numel(), generator=torch.Generator().manual_seed(1))]
-    packed = packed.view(n, d // 2).view(torch.int8)
-    sc = torch.arange(n * d // 16, dtype=torch.int64).remainder(256).to(torch.uint8).view(n, d // 16)
-    sc = torch.where((sc & 0x7F) == 0x7F, torch.full_like(sc, 0x38), sc)  # E4M3 NaN codes -> 1.0
+    packed, sc = every_fp4_code_and_scale(d, n)
     scale = sc.view(torch.float8_e4m3fn)
-    assert set(sc.flatten().tolist()) >= set(range(0, 0x7F)) | set(range(0x80, 0xFF))
     ent = torch.tensor(list(range(n - 1, -1, -1)), dtype=torch.int32)  # rows out of order
     ent[5] = -1  # a skipped slot decodes to zeros
     out = torch.empty(n, d)
     _fp4_probe[(1,)](packed.view(torch.int16), sc, ent, out, BN=n, D=d)
     want = Q.dequantize_fp4(packed, scale, 16).float()[ent.clamp_min(0).long()]
     want[5] = 0
+    assert torch.equal(out * 256, want)
+
+
+@triton.jit
+def _win_bytes_probe(winb_ptr, wins_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+    ent = tl.load(ent_ptr + tl.arange(0, BN))
+    for c in tl.static_range(0, D // DC):
+        kv = AD._win_bytes_decoded(winb_ptr, wins_ptr, ent, D, c * DC, DC, BN, tl.float32)
+        tl.store(out_ptr + tl.arange(0, BN)[:, None] * D + c * DC + tl.arange(0, DC)[None, :], kv)
+
+
+@pytest.mark.parametrize("dc", [16, 64])
+def test_window_bytes_decode_every_byte(dc):
+    """The bf16x2 form's window decode, in chunks narrower than a scale group and wider: every E4M3 byte
+    but NaN, E8M0 scales 2^-118 .. 2^8, exact at 2^-8 of the value; a skipped slot as zeros."""
+    d, n = 64, 64
+    b = torch.arange(n * d, dtype=torch.int64).remainder(256).to(torch.uint8)
+    b = torch.where((b & 0x7F) == 0x7F, torch.zeros_like(b), b).view(n, d)
+    s = (torch.arange(n * d // 32, dtype=torch.int64).remainder(127) + 9).to(torch.uint8).view(n, d // 32)
+    ent = torch.arange(n, dtype=torch.int32).flip(0)
+    ent[3] = -1
+    out = torch.empty(n, d)
+    _win_bytes_probe[(1,)](b, s, ent, out, BN=n, D=d, DC=dc)
+    want = Q.dequantize_fp8(b.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), 32).float()[ent.long()]
+    want[3] = 0
     assert torch.equal(out * 256, want)
 
 
@@ -76,16 +119,6 @@ def test_window_decode_every_byte():
     _win_probe[(1,)](b.view(torch.int32), s, ent, out, BN=n, D=d)
     want = Q.dequantize_fp8(b.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), 32).float()
     assert torch.equal(out * 256, want[ent.long()])
-
-
-def _inputs(g, t, h, d, n, w, k, wn, q_scale=2.0):
-    q = (torch.randn(t, h, d, generator=g) * q_scale).to(torch.bfloat16)
-    kvp, kvs = Q.quantize_fp4(torch.randn(n, d, generator=g), 16, "e4m3")
-    w8, ws = Q.quantize_fp8(torch.randn(w, d, generator=g))
-    idx = torch.randint(-1, n, (t, k), generator=g, dtype=torch.int32)
-    widx = torch.randint(-1, w, (t, wn), generator=g, dtype=torch.int32)
-    sink = torch.randn(h, generator=g)
-    return [q, kvp, kvs, idx, w8, ws, widx, sink]
 
 
 def _rel(a, b):
@@ -103,7 +136,7 @@ def test_split_kv_matches_reference(poisoned, split, block_h, d_split, layout):
     output columns (the poisoned buffers show a half left unwritten). Last row: nothing selected ->
     zeros."""
     g = torch.Generator().manual_seed(7 + (split or 0))
-    args = _inputs(g, t=3, h=16, d=64, n=50, w=30, k=40, wn=20)
+    args = attention_inputs(g, t=3, h=16, d=64, n=50, w=30, k=40, wn=20)
     args[3][-1], args[6][-1] = -1, -1
     want = A.sparse_attn_reference(*args)
     got = A.sparse_attn_triton(*args, block_h=block_h, block_n=16, num_warps=4, split=split, d_split=d_split,
@@ -123,7 +156,7 @@ def test_split_with_only_window_work_and_dominant_sink(poisoned, layout):
     """One selected tile over 3 splits: splits 1-2 hold window tiles only. Head 0's sink is huge, so its
     output must vanish (the merge adds the sink once, not once per split)."""
     g = torch.Generator().manual_seed(3)
-    args = _inputs(g, t=2, h=16, d=64, n=20, w=60, k=16, wn=48, q_scale=0.5)
+    args = attention_inputs(g, t=2, h=16, d=64, n=20, w=60, k=16, wn=48, q_scale=0.5)
     args[7][0] = 30.0
     want = A.sparse_attn_reference(*args)
     one = A.sparse_attn_triton(*args, block_n=16, num_warps=4, split=1, layout=layout)
@@ -134,10 +167,10 @@ def test_split_with_only_window_work_and_dominant_sink(poisoned, layout):
 
 def test_rejects_bad_head_dim_and_layout():
     g = torch.Generator().manual_seed(0)
-    args = _inputs(g, t=1, h=16, d=96, n=8, w=8, k=4, wn=4)
+    args = attention_inputs(g, t=1, h=16, d=96, n=8, w=8, k=4, wn=4)
     with pytest.raises(ValueError, match="head dim"):
         A.sparse_attn_triton(*args)
-    args = _inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
+    args = attention_inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
     with pytest.raises(ValueError, match="layout"):
         A.sparse_attn_triton(*args, layout="columns")
 
@@ -180,8 +213,9 @@ def _host_use_of(fn, args):
         mp.setattr(A, "_sparse_attn_kernel", kern)
         mp.setattr(A, "_sparse_attn_t_kernel", kern)
         mp.setattr(A, "_merge_kernel", merge)
-        mp.setattr(AD, "_scores_kernel", scores)
-        mp.setattr(AD, "_weighted_sum_kernel", wsum)
+        for form in ("", "_bf16x2"):
+            mp.setattr(AD, f"_scores{form}_kernel", scores)
+            mp.setattr(AD, f"_weighted_sum{form}_kernel", wsum)
         with spy:
             fn(*meta)
     launches = (kern.launches, merge.launches, scores.launches, wsum.launches)
@@ -196,7 +230,7 @@ def test_wrapper_keeps_everything_on_the_device(split, layout):
     """The decode path under CUDA-graph rules: with the inputs on a device, no host tensor is made,
     copied or handed to a kernel and nothing is read back, for one split and for partials + merge."""
     g = torch.Generator().manual_seed(5)
-    args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
+    args = attention_inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
     bad, kern, merge, _, _ = _host_use_of(
         lambda *a: A.sparse_attn_triton(*a, block_n=32, split=split, d_split=2, layout=layout), args)
     assert bad == []
@@ -207,7 +241,7 @@ def test_host_traffic_check_catches_a_host_constant():
     """Negative control for the check above: a wrapper that makes its scale a host tensor per call
     (the pattern that broke graph capture) is flagged."""
     g = torch.Generator().manual_seed(5)
-    args = _inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
+    args = attention_inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
 
     def leaky(q, *rest):
         return A.sparse_attn_triton(q, *rest[:-1], rest[-1] * torch.tensor(1.0).to(q.device))
@@ -225,7 +259,7 @@ def test_default_layout_is_entries_unless_offsets_overflow(t, cache_entries, lay
     decode call (8 tokens) takes 64 heads x 32 entries in 2 splits, merged; a decode batch (64 tokens: 64
     programs of 64 heads) the two passes, one 64-entry tile a scoring program."""
     g = torch.Generator().manual_seed(6)
-    args = [x.to("meta") for x in _inputs(g, t=t, h=64, d=512, n=8, w=8, k=128, wn=64)]
+    args = [x.to("meta") for x in attention_inputs(g, t=t, h=64, d=512, n=8, w=8, k=128, wn=64)]
     args[1] = torch.empty(cache_entries, 256, dtype=torch.uint8, device="meta")  # FP4: d/2 bytes a row
     args[2] = torch.empty(cache_entries, 32, dtype=torch.uint8, device="meta")
     ran = {"heads": _Recorder(), "entries": _Recorder(), "two_pass": _Recorder()}
@@ -246,19 +280,21 @@ def test_default_layout_is_entries_unless_offsets_overflow(t, cache_entries, lay
         assert grid[1] == split and kw["SPLIT"] == (split > 1)
 
 
-@pytest.mark.parametrize("block_h,block_n,tiles,block_v", [(16, 16, 1, 32), (32, 16, 2, 64), (16, 32, 3, 16),
-                                                           (16, 16, 5, 64)])
-def test_two_pass_matches_reference(poisoned, block_h, block_n, tiles, block_v):
+@pytest.mark.parametrize("block_h,block_n,tiles,block_v,decode", [
+    (16, 16, 1, 32, "float32"), (32, 16, 2, 64, "float32"), (16, 32, 3, 16, "float32"), (16, 16, 5, 64, "float32"),
+    (16, 16, 1, 32, "bf16x2"), (32, 16, 2, 64, "bf16x2"), (16, 32, 3, 16, "bf16x2")])
+def test_two_pass_matches_reference(poisoned, block_h, block_n, tiles, block_v, decode):
     """Scores then weighted sum over column blocks: selected tiles 0..2 (or 0..1 at 32 entries) and window
     tiles 0..1 over 1-5 tiles a scoring program and one or two head blocks; token 0's first selected tile
     holds no entry (its max stays finite, its weight 0); the last token selects nothing -> zeros. Same
-    products as the entries layout, so their outputs agree closely too."""
+    products as the entries layout, so their outputs agree closely too. The bf16x2 form decodes the same
+    values and sums in the same order as the float32 form: equal outputs."""
     g = torch.Generator().manual_seed(11 + tiles)
-    args = _inputs(g, t=3, h=32, d=64, n=50, w=30, k=40, wn=20)
+    args = attention_inputs(g, t=3, h=32, d=64, n=50, w=30, k=40, wn=20)
     args[3][-1], args[6][-1] = -1, -1
     args[3][0, :block_n] = -1
     want = A.sparse_attn_reference(*args)
-    opts = dict(tiles_per_program=tiles, block_v=block_v)
+    opts = dict(tiles_per_program=tiles, block_v=block_v, decode=decode)
     got = A.sparse_attn_triton(*args, block_h=block_h, block_n=block_n, layout="two_pass", two_pass=opts)
     assert _rel(want, got) < 1e-2
     assert (got[-1] == 0).all()
@@ -267,30 +303,36 @@ def test_two_pass_matches_reference(poisoned, block_h, block_n, tiles, block_v):
     fo = A.sparse_attn_triton(*args, block_h=block_h, block_n=block_n, layout="two_pass", two_pass=opts,
                               float_out=True)
     assert fo.dtype == torch.float32 and torch.equal(fo.bfloat16().float(), fo) and _rel(want, fo) < 1e-2
+    if decode != "float32":
+        f32 = A.sparse_attn_triton(*args, block_h=block_h, block_n=block_n, layout="two_pass", float_out=True,
+                                   two_pass=dict(opts, decode="float32"))
+        assert _rel(f32, fo) < 1e-4  # same values and sums; only the MMA orientation differs
 
 
-def test_two_pass_window_only_programs_and_dominant_sink(poisoned):
+@pytest.mark.parametrize("decode", ["float32", "bf16x2"])
+def test_two_pass_window_only_programs_and_dominant_sink(poisoned, decode):
     """One selected tile, three window tiles, one tile a scoring program: three programs score window tiles
     only. Head 0's sink is huge, so its output must vanish (the sink enters the denominator once)."""
     g = torch.Generator().manual_seed(3)
-    args = _inputs(g, t=2, h=16, d=64, n=20, w=60, k=16, wn=48, q_scale=0.5)
+    args = attention_inputs(g, t=2, h=16, d=64, n=20, w=60, k=16, wn=48, q_scale=0.5)
     args[7][0] = 30.0
     want = A.sparse_attn_reference(*args)
     got = A.sparse_attn_triton(*args, block_n=16, layout="two_pass", two_pass=dict(tiles_per_program=1,
-                                                                                     block_v=32))
+                                                                                     block_v=32, decode=decode))
     assert _rel(want, got) < 1e-2
     assert got[:, 0].abs().max() < 1e-6 < got[:, 1].abs().max()
 
 
-def test_two_pass_keeps_everything_on_the_device_and_launches_two_kernels():
+@pytest.mark.parametrize("decode", ["float32", "bf16x2"])
+def test_two_pass_keeps_everything_on_the_device_and_launches_two_kernels(decode):
     """Under CUDA-graph rules (inputs on 'meta'): no host tensor made, copied or handed to a kernel, nothing
     read back; one scoring launch over (tokens, tile groups, head blocks), one weighted-sum launch over
     (tokens, column blocks, head blocks), at the release's decode shapes."""
     g = torch.Generator().manual_seed(5)
-    args = _inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
+    args = attention_inputs(g, t=2, h=64, d=512, n=40, w=30, k=500, wn=128)
     bad, kern, merge, scores, wsum = _host_use_of(
-        lambda *a: A.sparse_attn_triton(*a, layout="two_pass", two_pass=dict(tiles_per_program=3, block_v=128)),
-        args)
+        lambda *a: A.sparse_attn_triton(*a, layout="two_pass", two_pass=dict(tiles_per_program=3, block_v=128,
+                                                                              decode=decode)), args)
     assert bad == [] and kern == [] and merge == []
     assert [grid for grid, _, _ in scores] == [(2, 4, 1)]  # 8 + 2 tiles of 64, 3 a program
     assert [grid for grid, _, _ in wsum] == [(2, 4, 1)]  # 512 / 128 column blocks
@@ -298,10 +340,69 @@ def test_two_pass_keeps_everything_on_the_device_and_launches_two_kernels():
 
 def test_two_pass_rejects_what_it_cannot_tile():
     g = torch.Generator().manual_seed(5)
-    args = _inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
+    args = attention_inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
     with pytest.raises(ValueError, match="block_v 48"):
         A.sparse_attn_triton(*args, layout="two_pass", two_pass=dict(block_v=48))
     with pytest.raises(ValueError, match="head block 32"):
         AD.sparse_attn_two_pass(*args, scale=0.125, block_h=32)
     with pytest.raises(ValueError, match="head block 8 .* at least 16"):
         A.sparse_attn_triton(*args, block_h=8, layout="two_pass")
+    with pytest.raises(ValueError, match="decode must be 'float32' or 'bf16x2', got 'fp8'"):
+        A.sparse_attn_triton(*args, layout="two_pass", two_pass=dict(decode="fp8"))
+
+
+_GPU_PROBE = '''
+import torch
+import triton
+import triton.language as tl
+from kernels import sparse_attn_decode as AD
+
+
+@triton.jit
+def probe(kvb_ptr, kvs_ptr, ent_ptr, out_ptr, BN: tl.constexpr, D: tl.constexpr):
+    ent = tl.load(ent_ptr + tl.arange(0, BN))
+    b, s = AD._fp4_bytes(kvb_ptr, kvs_ptr, ent, D, 0, D)
+    kv = AD._fp4_bytes_decoded(b, s, BN, D, tl.bfloat16)
+    tl.store(out_ptr + tl.arange(0, BN)[:, None] * D + tl.arange(0, D)[None, :], kv.to(tl.float32))
+'''
+
+_GPU_CHECK = """
+import sys
+import torch
+sys.path.insert(0, TMP)
+from engine import quant as Q
+from kernels import sparse_attn as A
+from tests.sparse_attn_inputs import attention_inputs, every_fp4_code_and_scale
+import gpu_probe
+d, n = 64, 64
+packed, sc = every_fp4_code_and_scale(d, n)
+ent = torch.arange(n, dtype=torch.int32).flip(0)
+out = torch.empty(n, d, device="cuda")
+gpu_probe.probe[(1,)](packed.view(torch.uint8).cuda(), sc.cuda(), ent.cuda(), out, BN=n, D=d, num_warps=4)
+want = Q.dequantize_fp4(packed, sc.view(torch.float8_e4m3fn), 16).float()[ent.long()]
+assert torch.equal(out.cpu() * 256, want), (out.cpu() * 256 - want).abs().max()
+g = torch.Generator().manual_seed(SEED)
+args = [x.cuda() for x in attention_inputs(g, t=64, h=64, d=512, n=4096, w=256, k=500, wn=128)]
+want = A.sparse_attn_reference(*args)
+f32 = A.sparse_attn_triton(*args, layout="two_pass", float_out=True)
+bf = A.sparse_attn_triton(*args, layout="two_pass", float_out=True, two_pass=dict(decode="bf16x2"))
+rel = lambda a, b: ((a.double() - b.double()).norm() / a.double().norm()).item()
+assert rel(want, bf) < 1e-2 and rel(f32, bf) < 1e-4, (rel(want, bf), rel(f32, bf))
+print("equal outputs:", torch.equal(f32, bf), "rel to float32 form:", rel(f32, bf))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16x2 decode's PTX needs a GPU")
+def test_bf16x2_decode_on_the_gpu(tmp_path):
+    """Compiled on the GPU (a fresh process: this module's kernels are the interpreter's): every FP4 byte
+    against every E4M3 scale through the PTX bit assembly, exact (E2M1 code 1 is a bf16 subnormal before
+    its multiply); the two-pass decode at the release's shapes equal to the float32 form's to float32
+    rounding (same operands, same sums) and to the float64 reference."""
+    import subprocess
+    import sys
+    (tmp_path / "gpu_probe.py").write_text(_GPU_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = _GPU_CHECK.replace("TMP", repr(str(tmp_path))).replace("SEED", "7")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
