@@ -224,8 +224,10 @@ ATTN_DECODE_CFGS = [dict(layout="entries", block_h=64, block_n=32, num_warps=8, 
                     dict(layout="two_pass", two_pass=dict(maxnreg_sum=168)),
                     dict(layout="two_pass", two_pass=dict(block_v=64, maxnreg_sum=128)),
                     # the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their own
-                    # (sm_90 SASS, triton 3.6: pass 1's loop 2,012 instructions a selected tile, was 4,086)
+                    # (sm_90 SASS, triton 3.6: pass 1's loop 1,545 instructions a selected tile, was 4,086; 148
+                    # registers: a cap of 128 makes 4 blocks an SM)
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
+                    dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128)),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", num_stages=2)),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", tiles_per_program=2)),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", block_v=256, num_warps_sum=8))]

@@ -29,8 +29,9 @@ decode and its shared-memory round trip to the MMA operand, not in the gathers.
 
 decode="bf16x2" (below the float32 form's kernels): heads as the MMA's M in both passes, the FP4 bytes assembled
 into bf16 pairs by PTX, selected and window tiles in loops of their own. sm_90 SASS (triton 3.6, static,
-benches/compile_sm90.py --sass): pass 1's loop 1,443 instructions a selected tile (float32 form 4,086), pass 2's
-394 (1,085); 192 / 168 registers. Not yet timed on the GPU.
+benches/compile_sm90.py --sass): pass 1's loop 1,545 instructions a selected tile, the query's chunks read in it
+(float32 form 4,086, its query read before), pass 2's 394 (1,085); 148 / 168 registers and 32 / 24 KB of shared
+memory: 3 blocks an SM each (the float32 form: 2). Not yet timed on the GPU.
 """
 
 from __future__ import annotations
@@ -258,14 +259,18 @@ def _columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, C0, WIN: tl.constexpr, B
 
 
 @triton.jit
-def _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q0, q1, q2, q3, WIN: tl.constexpr, BN: tl.constexpr,
+def _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, qc, WIN: tl.constexpr, BN: tl.constexpr,
                  D: tl.constexpr, DT: tl.constexpr):
-    """S [BH, BN] of one tile (kv' units) from the query's four [BH, D/4] chunks."""
+    """S [BH, BN] of one tile (kv' units); qc points at the query's first [BH, D/4] chunk. Each chunk is read
+    just before its product, so one chunk's shared memory serves all four (sm_90, triton 3.6: 32 KB and 148
+    registers, 3 blocks an SM, where the four chunks read up front took 80 KB and 192: 2)."""
     DC: tl.constexpr = D // 4
-    acc = tl.dot(q0, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 0, WIN, BN, D, DC, DT)))
-    acc = tl.dot(q1, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, DC, WIN, BN, D, DC, DT)), acc)
-    acc = tl.dot(q2, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 2 * DC, WIN, BN, D, DC, DT)), acc)
-    return tl.dot(q3, tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 3 * DC, WIN, BN, D, DC, DT)), acc)
+    acc = tl.dot(tl.load(qc).to(DT), tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 0, WIN, BN, D, DC,
+                                                       DT)))
+    for c in tl.static_range(1, 4):
+        kv = _columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, c * DC, WIN, BN, D, DC, DT)
+        acc = tl.dot(tl.load(qc + c * DC).to(DT), tl.trans(kv), acc)
+    return acc
 
 
 @triton.jit
@@ -289,11 +294,7 @@ def _scores_bf16x2_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, 
     t = tl.program_id(0)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     DC: tl.constexpr = D // 4
-    qc = q_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + tl.arange(0, DC)[None, :]  # Q chunk [BH, DC]
-    q0 = tl.load(qc).to(DT)
-    q1 = tl.load(qc + DC).to(DT)
-    q2 = tl.load(qc + 2 * DC).to(DT)
-    q3 = tl.load(qc + 3 * DC).to(DT)
+    q_chunk = q_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + tl.arange(0, DC)[None, :]  # [BH, DC]
     ar = tl.arange(0, BN)
     idx_row = idx_ptr + t.to(tl.int64) * n_sel
     widx_row = widx_ptr + t.to(tl.int64) * n_win
@@ -303,11 +304,11 @@ def _scores_bf16x2_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, 
     hi = tl.minimum(lo + TPP, n_t)
     for i in range(lo, tl.minimum(hi, n_st)):
         ent = _entries(idx_row, widx_row, i, hi, n_st, n_sel, n_win, ar, BN)
-        acc = _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q0, q1, q2, q3, False, BN, D, DT)
+        acc = _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q_chunk, False, BN, D, DT)
         _store_head_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, n_t * BN, BN, H)
     for i in range(tl.maximum(lo, n_st), hi):
         ent = _entries(idx_row, widx_row, i, hi, n_st, n_sel, n_win, ar, BN)
-        acc = _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q0, q1, q2, q3, True, BN, D, DT)
+        acc = _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, q_chunk, True, BN, D, DT)
         _store_head_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, n_t * BN, BN, H)
 
 

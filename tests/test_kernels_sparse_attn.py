@@ -377,9 +377,9 @@ import gpu_probe
 d, n = 64, 64
 packed, sc = every_fp4_code_and_scale(d, n)
 ent = torch.arange(n, dtype=torch.int32).flip(0)
+want = Q.dequantize_fp4(packed, sc.view(torch.float8_e4m3fn), 16).float()[ent.long()]
 out = torch.empty(n, d, device="cuda")
 gpu_probe.probe[(1,)](packed.view(torch.uint8).cuda(), sc.cuda(), ent.cuda(), out, BN=n, D=d, num_warps=4)
-want = Q.dequantize_fp4(packed, sc.view(torch.float8_e4m3fn), 16).float()[ent.long()]
 assert torch.equal(out.cpu() * 256, want), (out.cpu() * 256 - want).abs().max()
 g = torch.Generator().manual_seed(SEED)
 args = [x.cuda() for x in attention_inputs(g, t=64, h=64, d=512, n=4096, w=256, k=500, wn=128)]
