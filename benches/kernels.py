@@ -211,7 +211,11 @@ ATTN_CFGS = [dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="entries", block_h=32, block_n=64, num_warps=4),
              dict(layout="entries", block_h=16, block_n=64, num_warps=8),
              dict(layout="entries", block_h=64, block_n=64, num_warps=8),
-             dict(layout="heads", block_h=64, block_n=32, num_warps=8)]
+             dict(layout="heads", block_h=64, block_n=32, num_warps=8),
+             # the two passes over a prefill (tokens in chunks of a 64 MB weights buffer; not timed yet)
+             dict(layout="two_pass"),
+             dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
+             dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64))]
 # decode: entry splits + merge (run 7: 4 warps, 16-head blocks, heads layout 111-195 us); 64 heads: one decode
 # (runs 17b-18b, entries layout: 32 heads x 64 / 32 entries in 1-2 splits 65.5-101 us, 64 x 32 in 2 splits
 # 65.2 us = the default, 4 splits and 64 x 64 slower); then the two-pass form (kernels/sparse_attn_decode.py;

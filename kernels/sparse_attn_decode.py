@@ -353,14 +353,17 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
                          block_h: int = 64, block_n: int = 64, tiles_per_program: int = 1, block_v: int = 128,
                          num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
                          maxnreg: int | None = None, maxnreg_sum: int | None = None,
-                         float_out: bool = False, decode: str = "float32") -> torch.Tensor:
+                         float_out: bool = False, decode: str = "float32",
+                         weight_bytes: int = 1 << 26) -> torch.Tensor:
     """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as
     int16, win as int32 words, scales as bytes, indices int32, all contiguous; the caller checks shapes);
     block_h heads and block_n entries a tile in both passes, tiles_per_program tiles a pass-1 program,
     block_v output columns a pass-2 program; maxnreg / maxnreg_sum: register caps for the two passes (more
     blocks an SM, at the cost of spills); decode: "float32" (each nibble placed in a float32 lane, scaled and
     rounded) or "bf16x2" (the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their
-    own; same values). Host side: nothing made on or read from the host."""
+    own; same values). weight_bytes bounds the float16 weights buffer between the passes ([T, tiles * block_n,
+    H]: a 4K-token prefill's would be 335 MB): the tokens run in chunks that fit it, through one buffer.
+    Host side: nothing made on or read from the host."""
     if decode not in ("float32", "bf16x2"):
         raise ValueError(f"sparse attention (two passes): decode must be 'float32' or 'bf16x2', got {decode!r}")
     t, h, d = q.shape
@@ -370,20 +373,24 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     n_sel, n_win = idx.shape[1], win_idx.shape[1]
     n_st, n_wt = triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n)
     n_t = max(n_st + n_wt, 1)
-    p = torch.empty(t, n_t * block_n, h, dtype=torch.float16, device=q.device)
-    stats = torch.empty(t, n_t, 2, h, dtype=torch.float32, device=q.device)
+    chunk = max(1, min(t, weight_bytes // (n_t * block_n * h * 2)))
+    p = torch.empty(chunk, n_t * block_n, h, dtype=torch.float16, device=q.device)
+    stats = torch.empty(chunk, n_t, 2, h, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
     dt = dot_dtype()
     scores, weighted_sum = _scores_kernel, _weighted_sum_kernel
     if decode == "bf16x2":
         scores, weighted_sum = _scores_bf16x2_kernel, _weighted_sum_bf16x2_kernel
         kvh, win = kvh.view(torch.uint8), win.view(torch.uint8)
-    scores[(t, triton.cdiv(n_t, tiles_per_program), h // block_h)](
-        q, kvh, kv_scale, idx, win, win_scale, win_idx, p, stats, n_sel, n_win, n_st, n_t, qk_log2(scale),
-        H=h, D=d, BH=block_h, BN=block_n, TPP=tiles_per_program, DT=dt, num_warps=num_warps, num_stages=num_stages,
-        **register_cap(maxnreg))
-    weighted_sum[(t, d // block_v, h // block_h)](
-        kvh, kv_scale, idx, win, win_scale, win_idx, sink, p, stats, out, n_sel, n_win, n_st, n_t,
-        H=h, D=d, BH=block_h, BN=block_n, DV=block_v, NTP=triton.next_power_of_2(n_t), DT=dt,
-        num_warps=num_warps_sum or num_warps, num_stages=num_stages, **register_cap(maxnreg_sum))
+    for c0 in range(0, t, chunk):
+        tc = min(chunk, t - c0)
+        q_c, idx_c, widx_c = q[c0:c0 + tc], idx[c0:c0 + tc], win_idx[c0:c0 + tc]
+        scores[(tc, triton.cdiv(n_t, tiles_per_program), h // block_h)](
+            q_c, kvh, kv_scale, idx_c, win, win_scale, widx_c, p, stats, n_sel, n_win, n_st, n_t, qk_log2(scale),
+            H=h, D=d, BH=block_h, BN=block_n, TPP=tiles_per_program, DT=dt, num_warps=num_warps,
+            num_stages=num_stages, **register_cap(maxnreg))
+        weighted_sum[(tc, d // block_v, h // block_h)](
+            kvh, kv_scale, idx_c, win, win_scale, widx_c, sink, p, stats, out[c0:c0 + tc], n_sel, n_win, n_st, n_t,
+            H=h, D=d, BH=block_h, BN=block_n, DV=block_v, NTP=triton.next_power_of_2(n_t), DT=dt,
+            num_warps=num_warps_sum or num_warps, num_stages=num_stages, **register_cap(maxnreg_sum))
     return out

@@ -338,6 +338,23 @@ def test_two_pass_keeps_everything_on_the_device_and_launches_two_kernels(decode
     assert [grid for grid, _, _ in wsum] == [(2, 4, 1)]  # 512 / 128 column blocks
 
 
+@pytest.mark.parametrize("decode", ["float32", "bf16x2"])
+def test_two_pass_runs_tokens_in_chunks_that_fit_the_weights_budget(poisoned, decode):
+    """A weights budget of two tokens' tiles: 5 tokens in chunks of 2, 2, 1 through one buffer, the same
+    outputs as one chunk; on 'meta', three launches of each pass with the chunks' token counts as grids."""
+    g = torch.Generator().manual_seed(9)
+    args = attention_inputs(g, t=5, h=16, d=64, n=40, w=30, k=40, wn=20)
+    budget = 2 * 5 * 16 * 16 * 2  # 2 tokens x (3 selected + 2 window tiles of 16) x 16 heads, float16
+    opts = dict(block_v=32, decode=decode)
+    whole = A.sparse_attn_triton(*args, block_n=16, layout="two_pass", two_pass=opts)
+    chunked = A.sparse_attn_triton(*args, block_n=16, layout="two_pass", two_pass=dict(opts, weight_bytes=budget))
+    assert torch.equal(whole, chunked) and _rel(A.sparse_attn_reference(*args), chunked) < 1e-2
+    bad, _, _, scores, wsum = _host_use_of(lambda *a: A.sparse_attn_triton(
+        *a, block_n=16, layout="two_pass", two_pass=dict(opts, weight_bytes=budget)), args)
+    assert bad == []
+    assert [grid[0] for grid, _, _ in scores] == [2, 2, 1] == [grid[0] for grid, _, _ in wsum]
+
+
 def test_two_pass_rejects_what_it_cannot_tile():
     g = torch.Generator().manual_seed(5)
     args = attention_inputs(g, t=1, h=16, d=64, n=8, w=8, k=4, wn=4)
