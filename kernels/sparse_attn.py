@@ -377,6 +377,12 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr,
     tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], bf16_output(out, out_ptr))
 
 
+def int32_offsets_reach(kv_packed, win, d: int) -> bool:
+    """Whether the "entries" and "two_pass" layouts' int32 offsets address every entry of both caches (else
+    only the "heads" layout takes them)."""
+    return max(kv_packed.shape[0], win.shape[0]) * d // 4 < 2 ** 31
+
+
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
@@ -404,7 +410,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     if d % 64 or d & (d - 1):
         raise ValueError(f"sparse attention: head dim {d} must be a power of two >= 64")
     scale = d ** -0.5 if scale is None else scale
-    wide = max(kv_packed.shape[0], win.shape[0]) * d // 4 >= 2 ** 31  # past the entries layout's int32 offsets
+    wide = not int32_offsets_reach(kv_packed, win, d)
     # decode-sized: the tokens' 64-head blocks fill at most half the SMs, no launch shape given
     decode_sized = (layout in (None, "entries") and block_h is None and block_n is None and split is None
                     and d_split == 1 and h % 64 == 0 and 2 * t * (h // 64) <= sm_count(q.device))

@@ -350,7 +350,7 @@ def _weighted_sum_bf16x2_kernel(kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, w
 
 
 def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, scale: float,
-                         block_h: int = 64, block_n: int = 64, tiles_per_program: int = 1, block_v: int = 128,
+                         block_h: int = 64, block_n: int = 64, tiles_per_program: int = 1, block_v: int | None = None,
                          num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
                          maxnreg: int | None = None, maxnreg_sum: int | None = None,
                          float_out: bool = False, decode: str = "float32",
@@ -358,7 +358,7 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as
     int16, win as int32 words, scales as bytes, indices int32, all contiguous; the caller checks shapes);
     block_h heads and block_n entries a tile in both passes, tiles_per_program tiles a pass-1 program,
-    block_v output columns a pass-2 program; maxnreg / maxnreg_sum: register caps for the two passes (more
+    block_v output columns a pass-2 program (None: 128, or the head dim if smaller); maxnreg / maxnreg_sum: register caps for the two passes (more
     blocks an SM, at the cost of spills); decode: "float32" (each nibble placed in a float32 lane, scaled and
     rounded) or "bf16x2" (the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their
     own; same values). weight_bytes bounds the float16 weights buffer between the passes ([T, tiles * block_n,
@@ -367,6 +367,7 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     if decode not in ("float32", "bf16x2"):
         raise ValueError(f"sparse attention (two passes): decode must be 'float32' or 'bf16x2', got {decode!r}")
     t, h, d = q.shape
+    block_v = block_v or min(128, d)
     if d % 64 or block_v > d or d % block_v or h % block_h or block_h < 16:
         raise ValueError(f"sparse attention (two passes): head dim {d} needs block_v {block_v} to divide it "
                          f"and head block {block_h} to divide {h} heads and be at least 16 (the MMA's N)")

@@ -53,8 +53,10 @@ def _worker(ckpt: str, part: str) -> dict:
     weights = CheckpointWeights(CheckpointReader(ckpt, cfg))
     ids = random_ids(cfg, N_TOKENS, seed=3)
 
-    def forward(kernels, wrap_linear=None):
+    def forward(kernels, wrap_linear=None, knobs=""):
         model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), kernels=kernels)
+        if knobs:
+            model.ops.set_knobs(knobs)
         if wrap_linear is not None:
             model.linear = wrap_linear(model.linear)
             model.reset()
@@ -99,6 +101,16 @@ def _worker(ckpt: str, part: str) -> dict:
     # every kernel
     logits, topk, calls, _ = forward(True)
     out["all_kernels"] = {**against_ref(logits, topk), "calls": calls}
+    # every kernel, the sparse attention in its two passes' bf16x2 form (the knobs): which forms ran
+    import kernels.sparse_attn_decode as AD
+    two_pass, ran = AD.sparse_attn_two_pass, []
+    AD.sparse_attn_two_pass = lambda *a, **k: (ran.append(k.get("decode")), two_pass(*a, **k))[1]
+    try:
+        logits, topk, calls, _ = forward(True, knobs="attn_two_pass=1,attn_bf16x2=1")
+    finally:
+        AD.sparse_attn_two_pass = two_pass
+    out["attn_two_pass"] = {**against_ref(logits, topk), "calls": calls, "forms": sorted(set(map(str, ran))),
+                            "two_pass_calls": len(ran)}
     # the reference's own sensitivity to the kernels' output precision: its linears rounded to bf16
     bf16 = lambda lin: (lambda x, base: lin(x, base).to(torch.bfloat16).float() if base is not None else lin(x, base))
     logits, topk, _, _ = forward(False, bf16)
@@ -367,6 +379,17 @@ def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):
     assert got["topk_identical"]["2"] >= 0.75, got["topk_identical"]
 
 
+def test_two_pass_attention_knobs_run_the_bf16x2_form_within_bf16_noise(worker):
+    """The knobs attn_two_pass and attn_bf16x2 send every sparse attention call (a prompt: no decode-sized
+    call) through the two passes' bf16x2 form, and the forward stays as close to the reference as the
+    one-pass kernels do."""
+    got, noise, one_pass = worker["attn_two_pass"], worker["bf16_reference"], worker["all_kernels"]
+    assert got["forms"] == ["bf16x2"] and got["two_pass_calls"] == got["calls"]["sparse_attn"] > 0
+    assert got["finite"] and got["rel_l2"] <= 2 * noise["rel_l2"], (got, noise)
+    assert got["topk_identical"]["2"] >= 0.75, got["topk_identical"]
+    assert got["rel_l2"] != one_pass["rel_l2"]  # the two forms' roundings differ: the knobs took effect
+
+
 def test_hooks_pass_the_engines_operands(worker):
     """The kernels' references on what the hooks captured reproduce the engine's own computation:
     FP8 linears to bf16 output rounding; routed experts (given the engine's routing probe, the reference's
@@ -528,11 +551,33 @@ def test_fp8_linears_above_a_decode_step_take_the_bf16_form():
     ops._raw["wide"] = (wide, torch.full((64, 128), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu))
     assert ops._bf16_form("wide", 64) and ops._bf16_form("wide", 1) and not ops._bf16_form("fits", 64)
     assert ops.set_knobs("linear_bf16_decode=0, moe_fp8_mma=1") == {"linear_bf16_decode": False, "moe_fp8_mma": True}
+    assert ops._attn_launch(()) == {}  # no attention knob set: the wrapper's own choices
     assert not ops._bf16_form("wide", 64) and ops._bf16_form("wide", 65)
     for bad in ("linear_bf16_decode=yes", "moe_fp8_mma=2", "linear_bf16_decode=1,no_such_knob=1"):
         with pytest.raises(ValueError, match="knob"):
             ops.set_knobs(bad)
     assert not ops.linear_bf16_decode and ops.moe_fp8_mma  # a refused spec sets none of its knobs
+
+
+def test_attention_knobs_ask_the_kernel_for_two_passes_where_offsets_reach(monkeypatch):
+    """TritonOps._attn_launch: attn_bf16x2 names the two passes' form, attn_two_pass the layout, except where
+    the caches are past the two passes' int32 offsets (then the wrapper keeps the heads layout); nothing
+    where the kernels' references run."""
+    import engine.ops.triton as T
+
+    ops = T.TritonOps.__new__(T.TritonOps)
+    ops.device = torch.device("cpu")
+    ops.set_knobs("attn_two_pass=1,attn_bf16x2=1")
+    q = torch.empty(4, 16, 512, device="meta")
+    small, huge = torch.empty(100, 256, device="meta"), torch.empty(2 ** 24, 256, device="meta")
+    args = lambda kv: (q, kv, None, None, small)
+    monkeypatch.setattr(T, "interpreter_active", lambda: False)
+    assert ops._attn_launch(args(small)) == {}  # a CPU device, no interpreter: the reference runs
+    monkeypatch.setattr(T, "interpreter_active", lambda: True)
+    assert ops._attn_launch(args(small)) == {"two_pass": {"decode": "bf16x2"}, "layout": "two_pass"}
+    assert ops._attn_launch(args(huge)) == {"two_pass": {"decode": "bf16x2"}}
+    ops.set_knobs("attn_bf16x2=0")
+    assert ops._attn_launch(args(small)) == {"layout": "two_pass"}
 
 
 if __name__ == "__main__":

@@ -141,7 +141,13 @@ class TritonOps:
     # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a, against 18c) 30-42 us
     # faster a layer with it (Full m=1 3.518 -> 3.476 ms, 2.9x its HBM floor at 4.04 TB/s)
     linear_bf16_decode = True
-    KNOBS = ("moe_fp8_mma", "linear_bf16_decode")  # booleans a bench may set by name (set_knobs)
+    # sparse attention in two passes (kernels/sparse_attn_decode.py) for every call the kernel's wrapper would
+    # give a one-pass layout (the prefill) where its int32 offsets reach the caches; and the two passes'
+    # bf16x2 form wherever they run (the wrapper's default for decode batches of 16+ tokens included). Off
+    # until timed on the GPU (static sm_90 SASS: 2.6-2.8x fewer instructions a tile than the float32 form)
+    attn_two_pass = False
+    attn_bf16x2 = False
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2")  # booleans a bench may set
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -411,8 +417,22 @@ class TritonOps:
         self._record(layer, "sparse_attn", "window + selected" if source is not None else "window only", args)
         if not self.compute:
             return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
-        out = self._kernel("sparse_attn")(*args, float_out=True)  # bf16 values as float32: no widening copy
+        out = self._kernel("sparse_attn")(*args, float_out=True, **self._attn_launch(args))  # bf16 values as
+        # float32: no widening copy
         return out if heads == h else out[:, :h].contiguous()
+
+    def _attn_launch(self, args) -> dict:
+        """The sparse attention kernel's launch options the knobs ask for (none where its reference runs)."""
+        from kernels import dispatch
+        if not (self.attn_two_pass or self.attn_bf16x2) or not (dispatch.use_triton(self.device)
+                                                                or interpreter_active()):
+            return {}
+        from kernels.sparse_attn import int32_offsets_reach
+        q, kv_p, win_q = args[0], args[1], args[4]
+        options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
+        if self.attn_two_pass and int32_offsets_reach(kv_p, win_q, q.shape[-1]):
+            options["layout"] = "two_pass"
+        return options
 
     def index_topk(self, indexer, q, head_w, positions, src, shared):
         """The indexer's top-k on kernels (the base op where this wrapper only records): FP4 queries by
