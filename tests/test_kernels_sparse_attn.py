@@ -404,7 +404,7 @@ want = A.sparse_attn_reference(*args)
 f32 = A.sparse_attn_triton(*args, layout="two_pass", float_out=True)
 bf = A.sparse_attn_triton(*args, layout="two_pass", float_out=True, two_pass=dict(decode="bf16x2"))
 rel = lambda a, b: ((a.double() - b.double()).norm() / a.double().norm()).item()
-assert rel(want, bf) < 1e-2 and rel(f32, bf) < 1e-4, (rel(want, bf), rel(f32, bf))
+assert rel(want, bf) < 1e-2 and rel(f32, bf) < 4e-3, (rel(want, bf), rel(f32, bf))  # <= ~1 bf16 ulp apart
 print("equal outputs:", torch.equal(f32, bf), "rel to float32 form:", rel(f32, bf))
 """
 
@@ -413,8 +413,9 @@ print("equal outputs:", torch.equal(f32, bf), "rel to float32 form:", rel(f32, b
 def test_bf16x2_decode_on_the_gpu(tmp_path):
     """Compiled on the GPU (a fresh process: this module's kernels are the interpreter's): every FP4 byte
     against every E4M3 scale through the PTX bit assembly, exact (E2M1 code 1 is a bf16 subnormal before
-    its multiply); the two-pass decode at the release's shapes equal to the float32 form's to float32
-    rounding (same operands, same sums) and to the float64 reference."""
+    its multiply); the two-pass decode at the release's shapes within the float64 reference's tolerance
+    and about one bf16 rounding from the float32 form (same operands; the MMAs' orientation, so the order
+    of their sums, differs)."""
     import subprocess
     import sys
     (tmp_path / "gpu_probe.py").write_text(_GPU_PROBE)
