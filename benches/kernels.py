@@ -235,6 +235,7 @@ ATTN_DECODE_CFGS = [dict(layout="entries", block_h=64, block_n=32, num_warps=8, 
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", num_stages=2)),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, maxnreg_sum=128)),
+                    dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, tiles_per_program=2)),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", block_v=256, num_warps_sum=8))]
 
 
