@@ -10,7 +10,8 @@
 # the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels; NCU_PAIRS="case:kernel ..."
 # picks them; NCU_EXTRA adds ncu options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
 # NCU_EXTRA="--nvtx --nvtx-include attn_decode_default/" for the decode default's launch).
-# KERNELS_ARGS="--only attn,moe" narrows the kernels step.
+# KERNELS_ARGS="--only attn,moe" narrows the kernels step. gputests: the GPU-only tests (decode graphs, the
+# bf16 decodes' PTX), a pytest process per file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder that comes back}"
@@ -38,6 +39,14 @@ for step in "$@"; do
               python3 benches/kernels.py --only "${pair%%:*}" --out "$R/ncu-run" >> "$R/ncu.txt" 2>&1
       done
       cp "$R/ncu.txt" "$R/ncu-report.md" ;;
+    gputests) # the GPU-only tests, each file in a pytest process of its own (the interpreter tests set
+      # TRITON_INTERPRET=1 at import, which would make a GPU test in the same process run interpreted)
+      for t in tests/test_decode_graphs.py "tests/test_kernels_sparse_attn.py -k on_the_gpu" \
+               "tests/test_kernels_fp8_linear.py -k on_the_gpu"; do
+        timeout "${GPUTESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider $t >> "$R/gputests.log" 2>&1
+        echo "$t exit $?" >> "$R/gputests.log"
+      done
+      cp "$R/gputests.log" "$R/gputests.md" ;;
     *) echo "unknown step $step" ;;
   esac
   echo "$step exit $? in $(( $(date +%s) - start )) s" | tee -a "$R/steps.txt"
