@@ -29,8 +29,8 @@ decode and its shared-memory round trip to the MMA operand, not in the gathers.
 
 decode="bf16x2" (below the float32 form's kernels): heads as the MMA's M in both passes, the FP4 bytes assembled
 into bf16 pairs by PTX, selected and window tiles in loops of their own. sm_90 SASS (triton 3.6, static,
-benches/compile_sm90.py --sass): pass 1's loop 1,545 instructions a selected tile, the query's chunks read in it
-(float32 form 4,086, its query read before), pass 2's 394 (1,085); 148 / 168 registers and 32 / 24 KB of shared
+benches/compile_sm90.py --sass): pass 1's loop 1,536 instructions a selected tile, the query's chunks read in it
+(float32 form 4,086, its query read before), pass 2's 392 (1,085); 144 / 168 registers and 32 / 24 KB of shared
 memory: 3 blocks an SM each (the float32 form: 2). Not yet timed on the GPU.
 """
 
@@ -190,6 +190,7 @@ def _accumulate(acc, v, pw, stat_row, i, heads, mx, H: tl.constexpr, DT: tl.cons
 
 @triton.jit
 def _store_out(acc, den, out_ptr, t, heads, c0, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr):
+    """O^T [DV, BH] (kv' units) / the denominator -> the output's columns [c0, c0 + DV) of token t."""
     out = acc * (256.0 / den)[None, :]
     col = c0 + tl.arange(0, DV)
     tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + col[:, None], bf16_output(out, out_ptr))
@@ -209,7 +210,7 @@ def _fp4_bytes(kvb_ptr, kvs_ptr, ent, D: tl.constexpr, C0, DC: tl.constexpr):
     """FP4 entries' packed bytes of dims [C0, C0 + DC) [BN, DC/2] (uint8) and their E4M3 scale bytes
     [BN, DC/16]; rows with ent < 0 read nothing."""
     ok = ent >= 0
-    row = tl.where(ok, ent, 0)
+    row = tl.where(ok, ent, 0).to(tl.int64)  # byte offsets (int32 ends at 2^23 entries of 512 dims)
     b = tl.load(kvb_ptr + row[:, None] * (D // 2) + C0 // 2 + tl.arange(0, DC // 2)[None, :], mask=ok[:, None],
                 other=0)
     sc = tl.load(kvs_ptr + row[:, None] * (D // 16) + C0 // 16 + tl.arange(0, DC // 16)[None, :], mask=ok[:, None],
@@ -233,7 +234,7 @@ def _win_bytes_decoded(winb_ptr, wins_ptr, ent, D: tl.constexpr, C0, DC: tl.cons
     """Window entries' dims [C0, C0 + DC) decoded: E4M3 bytes times their E8M0 scale / 256 (scales below
     2^-118 taken as 2^-118, as _win_decode does) -> [BN, DC], DT; rows with ent < 0 are zeros."""
     ok = ent >= 0
-    row = tl.where(ok, ent, 0)
+    row = tl.where(ok, ent, 0).to(tl.int64)  # byte offsets (int32 ends at 2^23 entries of 512 dims)
     b = tl.load(winb_ptr + row[:, None] * D + C0 + tl.arange(0, DC)[None, :], mask=ok[:, None], other=0)
     if DC >= 32:
         sc = tl.load(wins_ptr + row[:, None] * (D // 32) + C0 // 32 + tl.arange(0, DC // 32)[None, :],
@@ -262,7 +263,7 @@ def _columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, C0, WIN: tl.constexpr, B
 def _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, qc, WIN: tl.constexpr, BN: tl.constexpr,
                  D: tl.constexpr, DT: tl.constexpr):
     """S [BH, BN] of one tile (kv' units); qc points at the query's first [BH, D/4] chunk. Each chunk is read
-    just before its product, so one chunk's shared memory serves all four (sm_90, triton 3.6: 32 KB and 148
+    just before its product, so one chunk's shared memory serves all four (sm_90, triton 3.6: 32 KB and 144
     registers, 3 blocks an SM, where the four chunks read up front took 80 KB and 192: 2)."""
     DC: tl.constexpr = D // 4
     acc = tl.dot(tl.load(qc).to(DT), tl.trans(_columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, 0, WIN, BN, D, DC,
