@@ -106,7 +106,10 @@ def test_x_on_grid_skips_only_an_exact_round_trip(gen, t):
 def test_fp8_form_is_the_engines_routed_experts(gen):
     """kernels/moe_f8.py against engine/model/moe.py's routed experts under the reference numerics
     (ReferenceOps: bf16 act, fp32 sums per 32-K block; the activation and w * h through the engine's FP8
-    round trip): the same computation, up to the order of sums inside each block."""
+    round trip): the same computation, up to the order of sums inside each block. Almost always bit for bit
+    (150 random seeds: all equal); where a hidden value sits on a rounding boundary, that order can flip its
+    bf16 or E4M3 rounding (seed 616620992: one hidden value of token 5, 12 of its 128 outputs one bf16 step
+    apart, rel 2.8e-5), hence 1e-4: a wrong scale, order or operand is 1e-2 and more."""
     x, w1, s1, w3, s3, w2, s2, ids, tw = _case(gen, 9, e=5, k=3)
     stacks = {"w1": (w1, s1), "w3": (w3, s3), "w2": (w2, s2)}
     weights = {f"f.experts.{ex}.{n}.weight": Q.dequantize_fp4(w[ex], s[ex], 32)
@@ -116,7 +119,7 @@ def test_fp8_form_is_the_engines_routed_experts(gen):
     mine = routed_experts(cfg, "f.", x.float(), ids.long(), tw, weights.__getitem__,
                           lambda v, base: Q.fp8_roundtrip(v, 32), act=ops.act, gemm=ops.gemm)
     got = moe.moe_fp4_triton(x, w1, s1, w3, s3, w2, s2, ids, tw, fp8_mma=True, block_m=16, block_n=32)
-    assert _rel(mine, got) < 1e-6, gen.initial_seed()
+    assert _rel(mine, got) < 1e-4, gen.initial_seed()
 
 
 def test_fp8_form_skips_other_ranks_slots(gen):
