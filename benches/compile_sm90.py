@@ -210,6 +210,10 @@ def cases():
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                     num_stages=3, bf16_decode=False)),
+            ("MoE prefill, folded scales", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
+                                                   num_stages=3, bf16_decode="fold", hidden="reference")),
+            ("MoE decode step, folded scales", experts(64, block_m=16, block_n=64, bf16_decode="fold",
+                                                       hidden="reference")),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
             ("mHC stream update (expand), 64 tokens", lambda: mhc.mhc_expand_triton(
                 torch.randn(64, 5120), torch.randn(64, 4, 5120), torch.rand(64, 4), torch.rand(64, 4, 4))),

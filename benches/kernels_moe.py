@@ -78,7 +78,11 @@ def case_moe(bw, mm):
     tile = fp4_tiles.nib_order(Q.dequantize_fp4(pk, sb, 32))  # not `want`: the sweeps below check against it
     exact = {bd: torch.equal(fp4_tiles.fp4_tile_decoded(pk, sb, bd), tile.bfloat16().float() if bd else tile)
              for bd in (False, True)}
-    LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True]}
+    fits = sb.view(torch.uint8)[:, 0] <= fp4_tiles.FOLD_MAX_SCALE_BYTE  # the folded form: NaN past its range
+    folded = fp4_tiles.fp4_tile_decoded(pk, sb, "fold")
+    exact["fold"] = torch.equal(folded[fits], tile[fits].bfloat16().float()) and bool(torch.isnan(folded[~fits]).all())
+    LOG["moe_tile_decode_exact"] = {"float32 form": exact[False], "bf16 form": exact[True],
+                                    "folded bf16 form": exact["fold"]}
     print(f"[moe] tile decode exact: {LOG['moe_tile_decode_exact']}", flush=True)
     # the default first (Nsight profiles a case's first launch); every 8-warp tile lost to the 4-warp
     # ones in runs 2-6; loading the next K step's weight words before this step's decode lost in runs
@@ -89,7 +93,10 @@ def case_moe(bw, mm):
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode=False),
             dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
             dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
-            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)]
+            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+            # the scale folded into one bf16x2 multiply a pair (PTX; sm_90 SASS: 621 vs 690 a K step)
+            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold"),
+            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, bf16_decode="fold")]
     best, t, r = sweep("moe_cfgs", "moe", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, rep=100)
     flops = 2.0 * tq * k * 3 * inter * dim
@@ -109,7 +116,8 @@ def case_moe(bw, mm):
     # runs 11-12 (one load per scale byte): BK 128/256, BN 128, fp32 decode all slower (2.92-3.76 ms)
     # run 19a: the wgmma A fragment's words loaded directly in the MMA's K order 6.8-8.2 ms vs 2.6 (gone)
     cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
-            dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128)]
+            dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128),
+            dict(base, bf16_decode="fold"), dict(base, bf16_decode="fold", maxnreg=64)]  # fold: 336 vs 368 a K step
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)

@@ -81,6 +81,71 @@ def nibble_pair_bf16(wd, A: tl.constexpr):
     return lo, hi
 
 
+# E2M1 words -> NIB-ordered bf16 pairs times a factor, one word ($4) a call: pair A = (nibble A, nibble A + 4) is
+# the word shifted so nibble A's magnitude bits land on bf16 bits 8..6 (the exponent's low two bits and the
+# mantissa's top: E2M1 value * 2^-126, code 1 on the subnormal 2^-127) and its sign on bit 15, the same shift
+# putting nibble A + 4 on the high half; then one bf16x2 multiply by the factor. $0 $1: pairs 0 and 1
+# (positions 0-3 of the word's NIB order), $2 $3: pairs 2 and 3 (positions 4-7); factors in $5 $6.
+E2M1_NIB_BF16_PTX = """
+{
+.reg .b32 m, s;
+shl.b32 m, $4, 6;
+shl.b32 s, $4, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $0, m, $5;
+shl.b32 m, $4, 2;
+shl.b32 s, $4, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $1, m, $6;
+shr.b32 m, $4, 2;
+shl.b32 s, $4, 4;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $2, m, $5;
+shr.b32 m, $4, 6;
+and.b32 s, $4, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 m, m, s;
+mul.rn.bf16x2 $3, m, $6;
+}
+"""
+_E2M1_NIB_BF16_ASM = tl.constexpr(E2M1_NIB_BF16_PTX)
+FOLD_MAX_SCALE_BYTE = 128  # the folded factor 2^(s - 1) is a finite bf16 up to s = 128 (a scale of 2; the
+# release's expert scales sit near 2^-10)
+_FOLD_MAX_SCALE_BYTE = tl.constexpr(FOLD_MAX_SCALE_BYTE)
+
+
+@triton.jit
+def fp4_bytes_folded(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr):
+    """The fold form's loads: the tile's bytes [BR, BK/8, 4] (uint8, a word's four in a row) and its factors
+    2^(s - 1) per byte, bf16 (E8M0 s times the 2^126 the placement leaves out; NaN past FOLD_MAX_SCALE_BYTE)."""
+    r64 = rows.to(tl.int64)
+    BR: tl.constexpr = rows.shape[0]
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    b = tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + r64[:, None] * (KDIM // 2) + kb[None, :], mask=rmask[:, None],
+                other=0)
+    byte = scale_bytes(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])  # [BR, BK/8], per word
+    f = tl.where(byte <= _FOLD_MAX_SCALE_BYTE, (byte + 126) << 7, 0x7FC0).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(b, (BR, BK // 8, 4)), tl.broadcast_to(f[:, :, None], (BR, BK // 8, 4))
+
+
+@triton.jit
+def fp4_decoded_folded(b, f, BK: tl.constexpr):
+    """fp4_bytes_folded's tiles -> the [BR, BK] bf16 tile in NIB order (E2M1_NIB_BF16_PTX; GPU only): the
+    scale folded into the pairs' one multiply, where the bf16 form takes two (2^126, then the scale). sm_90
+    SASS (triton 3.6, benches/compile_sm90.py --sass): the gate/up loop 621 instructions a 64-wide K step
+    at the prefill's 64 x 128 tiles (bf16 form 690), 336 at the decode step's 16 x 64 (368)."""
+    lo, hi = tl.inline_asm_elementwise(_E2M1_NIB_BF16_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    BR: tl.constexpr = b.shape[0]
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BR, BK))
+
+
 @triton.jit
 def fp4_words(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """The raw words [BR, BK/8] of a [BR, BK] tile of an FP4 weight [N, KDIM] and their scales per word
@@ -132,19 +197,36 @@ def fp4_tile(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr
 @triton.jit
 def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BD: tl.constexpr):
     rows = tl.arange(0, R)
-    tile = fp4_tile(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM, tl.bfloat16 if BD else tl.float32, BD)
+    if BD == 2:
+        b, f = fp4_bytes_folded(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM)
+        tile = fp4_decoded_folded(b, f, KDIM)
+    else:
+        tile = fp4_tile(w_ptr, s_ptr, rows, rows < R, 0, KDIM, KDIM, tl.bfloat16 if BD else tl.float32, BD)
     tile = tile.to(tl.float32)
     tl.store(out_ptr + rows[:, None] * KDIM + tl.arange(0, KDIM)[None, :], tile)
 
 
-def fp4_tile_decoded(packed: torch.Tensor, scale: torch.Tensor, bf16_decode: bool) -> torch.Tensor:
+def decode_form(bf16_decode) -> int:
+    """The kernels' BD constant for a `bf16_decode` argument: 0 float32, 1 bf16 bits, 2 the folded bf16 form."""
+    if bf16_decode not in (False, True, "fold"):
+        raise ValueError(f"bf16_decode must be False, True or 'fold', got {bf16_decode!r}")
+    return 2 if bf16_decode == "fold" else int(bf16_decode)
+
+
+def fold_fits(*scales: torch.Tensor) -> bool:
+    """Whether every E8M0 scale byte is in the folded form's range (its factor 2^(s - 1) a finite bf16: scales
+    up to 2); a device read (call once per weight). A byte past it gives NaN, not a wrong value."""
+    return all(bool((s.view(torch.uint8) <= FOLD_MAX_SCALE_BYTE).all()) for s in scales)
+
+
+def fp4_tile_decoded(packed: torch.Tensor, scale: torch.Tensor, bf16_decode) -> torch.Tensor:
     """The grouped GEMM's tile decode alone, for checks: packed int8 [R, K/2] (R, K powers of two) and
-    E8M0 bytes [R, K/32] -> float32 [R, K] in NIB order. bf16_decode needs a GPU: the interpreter does
-    not emulate bf16 bit casts (its values come out 0)."""
+    E8M0 bytes [R, K/32] -> float32 [R, K] in NIB order. bf16_decode (decode_form) True or "fold" needs a
+    GPU: the interpreter does not emulate bf16 bit casts (its values come out 0) or run PTX."""
     r, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(r, k, dtype=torch.float32, device=packed.device)
     _decode_tile_kernel[(1,)](packed.contiguous().view(torch.int32), scale.contiguous().view(torch.uint8), out,
-                              R=r, KDIM=k, BD=bool(bf16_decode))
+                              R=r, KDIM=k, BD=decode_form(bf16_decode))
     return out
 
 

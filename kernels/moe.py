@@ -41,8 +41,8 @@ import triton.language as tl
 from engine import quant as Q
 from kernels import moe_f8
 from kernels._formats import dot_dtype, register_cap
-from kernels.fp4_tiles import (fp4_decoded, fp4_dot_scaled, fp4_tile, fp4_words, nib_order, nib_position,
-                               nibble_pair, scale_words)
+from kernels.fp4_tiles import (decode_form, fp4_bytes_folded, fp4_decoded, fp4_decoded_folded, fp4_dot_scaled,
+                               fp4_tile, fp4_words, nib_order, nib_position, nibble_pair, scale_words)
 
 
 def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
@@ -370,6 +370,11 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_p
         if SC:
             acc1 = fp4_dot_scaled(w1_ptr, s1_ptr, grow, n_mask, k0, tl.trans(xt), acc1, DIM, BK)
             acc3 = fp4_dot_scaled(w3_ptr, s3_ptr, grow, n_mask, k0, tl.trans(xt), acc3, DIM, BK)
+        elif BD == 2:
+            w1c, s1c = fp4_bytes_folded(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK)
+            w3c, s3c = fp4_bytes_folded(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK)
+            acc1 = tl.dot(fp4_decoded_folded(w1c, s1c, BK), tl.trans(xt), acc1)
+            acc3 = tl.dot(fp4_decoded_folded(w3c, s3c, BK), tl.trans(xt), acc3)
         else:
             w1c, s1c = fp4_words(w1_ptr, s1_ptr, grow, n_mask, k0, DIM, BK, BD)  # both loads before a decode
             w3c, s3c = fp4_words(w3_ptr, s3_ptr, grow, n_mask, k0, DIM, BK, BD)
@@ -413,6 +418,9 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
                      other=0.0).to(DT)
         if SC:
             acc = fp4_dot_scaled(w2_ptr, s2_ptr, grow, n_mask, k0, tl.trans(ht), acc, INTER, BK)
+        elif BD == 2:
+            w2c, s2c = fp4_bytes_folded(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK)
+            acc = tl.dot(fp4_decoded_folded(w2c, s2c, BK), tl.trans(ht), acc)
         else:
             acc = tl.dot(fp4_tile(w2_ptr, s2_ptr, grow, n_mask, k0, INTER, BK, DT, BD), tl.trans(ht), acc)
     if FH:  # w is in h already; each expert's output as the numerics' act stores it
@@ -452,7 +460,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_iters: int = 1, gemv_down_block_n: int = 16, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
-                   bf16_decode: bool = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
+                   bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
                    x_on_grid: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
@@ -466,13 +474,17 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     programs per SM); bf16_decode (default; where the dots run in bf16, i.e. not under the
     interpreter): the grouped GEMM decodes FP4 straight into bf16 bits, no float32 round trip (H200
     run 11: 2.68 vs 3.00 ms at the 64-token decode step, 10.3 vs 10.6 ms at 4K tokens; bit-exact, checked
-    in benches/kernels.py); scaled: the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled
+    in benches/kernels.py); bf16_decode="fold": the bf16 bits by PTX with the scale folded into one bf16x2
+    multiply a pair (fp4_tiles.fp4_decoded_folded: ~10% fewer instructions in the grouped GEMM's loops on
+    sm_90; not timed yet), for scale bytes up to fp4_tiles.FOLD_MAX_SCALE_BYTE (beyond: NaN; fold_fits checks);
+    scaled: the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled
     (Triton's MXFP4 path; on the GPU only, the interpreter keeps the bit-assembly decode); fp8_mma: the
     grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the
     engine's numerics in either form (only the order of sums differs), grouped at every width; x_on_grid:
     x is on the E4M3-per-32 grid already (the engine's `linear(x, None)`), so the bf16 form's round trip
     (kernels/quant.py fp8_roundtrip_triton) is skipped."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
+    form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
     hidden = _hidden(hidden, fp8_mma)
     fp8_hidden = hidden is not None
@@ -537,7 +549,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
-    bd = bool(bf16_decode) and dt == tl.bfloat16 and not sc  # the interpreter's dots run in float32
+    bd = form if dt == tl.bfloat16 and not sc else 0  # the interpreter's dots run in float32
     _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
         xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, tw, float(swiglu_limit), nbm,
         DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,

@@ -59,6 +59,47 @@ def test_tile_decode_every_byte_and_scale():
                        fp4_tiles.nib_order(Q.dequantize_fp4(packed, scale, 32)))
 
 
+def test_fold_form_is_chosen_and_checked():
+    """bf16_decode takes False, True or "fold" (the folded scale), refused otherwise on either path; fold_fits
+    says whether every scale byte is in the folded factor's range (up to 2^1, byte 128)."""
+    assert [fp4_tiles.decode_form(v) for v in (False, True, "fold")] == [0, 1, 2]
+    ok = torch.full((4, 2), fp4_tiles.FOLD_MAX_SCALE_BYTE, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    high = ok.view(torch.uint8).clone()
+    high[3, 1] += 1
+    assert fp4_tiles.fold_fits(ok, ok) and not fp4_tiles.fold_fits(ok, high.view(torch.float8_e8m0fnu))
+    for t in (1, 8):  # the GEMV path (2 pairs) and the grouped path (16 pairs, gemv_max_pairs 4)
+        with pytest.raises(ValueError, match="bf16_decode must be False, True or 'fold', got 'bf16'"):
+            moe.moe_fp4_triton(*_case(torch.Generator().manual_seed(0), t), bf16_decode="bf16", gemv_max_pairs=4)
+
+
+_GPU_FOLD_CHECK = """
+import torch
+from engine import quant as Q
+from kernels import fp4_tiles
+rows = 256
+pk = torch.arange(256, dtype=torch.int32).repeat(rows, 1).to(torch.uint8).view(torch.int8)
+sb = (torch.arange(rows) % 241).to(torch.uint8)[:, None].expand(rows, 16).contiguous()
+want = fp4_tiles.nib_order(Q.dequantize_fp4(pk, sb.view(torch.float8_e8m0fnu), 32))
+got = fp4_tiles.fp4_tile_decoded(pk.cuda(), sb.cuda().view(torch.float8_e8m0fnu), "fold").cpu()
+fits = sb[:, 0] <= fp4_tiles.FOLD_MAX_SCALE_BYTE
+assert torch.equal(got[fits], want[fits].bfloat16().float()), (got[fits] - want[fits]).abs().max()
+assert torch.isnan(got[~fits]).all()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the folded decode's PTX needs a GPU")
+def test_fold_decode_on_the_gpu():
+    """Every FP4 byte under every E8M0 scale byte 0..240, compiled on the GPU (a fresh process: this module's
+    kernels are the interpreter's): engine.quant's values in NIB order up to byte 128, NaN past it."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _GPU_FOLD_CHECK], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_nib_order_is_the_decoders_order():
     """Position 2 A + half of each 8-group holds index A + 4 half: a word's two halves side by side."""
     a = torch.arange(16.0).reshape(1, 16)

@@ -22,8 +22,11 @@ U32 = np.uint32
 def kernel_ptx(name: str) -> str:
     """A kernel's PTX string, imported when a test runs, not at collection: triton imported before an
     interpreter test module sets TRITON_INTERPRET=1 would leave it compiled tl helpers (tl.zeros)."""
-    from kernels import _formats, fp8_linear
-    return getattr(_formats, name, None) or getattr(fp8_linear, name)
+    from kernels import _formats, fp4_tiles, fp8_linear
+    for module in (_formats, fp4_tiles, fp8_linear):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(name)
 
 
 # -- the emulator -------------------------------------------------------------------------------
@@ -158,6 +161,22 @@ def _e2m1_bf16_scaled_mismatches(ptx, words, f):
     return bad
 
 
+def _e2m1_nib_bf16_mismatches(ptx, words, f):
+    """E2M1_NIB_BF16 (the MoE's folded decode, one word = 8 nibbles n0..n7 a call): $A = (nibble A, nibble A + 4)
+    for A = 0..3 (the NIB order's positions 2A, 2A + 1), times factors $5 = (f0, f1) for $0 $2 and
+    $6 = (f2, f3) for $1 $3 (elementwise over the word's bytes: element e of each output takes f_e); each
+    E2M1 * 2^-126 * its factor."""
+    fb = _factor_bits(f)
+    regs = run_ptx(ptx, {4: words, 5: fb[:, 0] | fb[:, 1] << U32(16), 6: fb[:, 2] | fb[:, 3] << U32(16)})
+    nib = Q.unpack_fp4(torch.from_numpy(_bytes_of(words))).double().numpy().reshape(-1, 8)  # nibble n of the word
+    bad = 0
+    for a in range(4):
+        for half in range(2):
+            got = (regs[f"${a}"] >> U32(16 * half)) & U32(0xFFFF)
+            bad += _mismatches(got, nib[:, a + 4 * half] * 2.0**-126 * f[:, 2 * (a % 2) + half])
+    return bad
+
+
 def _e2m1_as_e4m3_mismatches(ptx, words):
     """E2M1_AS_E4M3: $0 byte p = byte p's low nibble as E4M3, $1 its high nibble's; each E2M1 * 2^-6."""
     regs = run_ptx(ptx, {2: words})
@@ -209,6 +228,12 @@ def test_e2m1_bf16_scaled_every_byte_every_factor():
     assert _e2m1_bf16_scaled_mismatches(kernel_ptx("E2M1_BF16_SCALED_PTX"), words, f) == 0
 
 
+def test_e2m1_nib_bf16_every_byte_every_factor():
+    """The MoE's folded decode: every byte in every position against every factor, and every byte pair."""
+    words, f = _e2m1_scaled_inputs()
+    assert _e2m1_nib_bf16_mismatches(kernel_ptx("E2M1_NIB_BF16_PTX"), words, f) == 0
+
+
 def test_e2m1_as_e4m3_every_byte_pair():
     """Every byte pair in both halves (so every byte in every position): E4M3 bytes worth E2M1 * 2^-6."""
     assert _e2m1_as_e4m3_mismatches(kernel_ptx("E2M1_AS_E4M3_PTX"), _byte_pairs()) == 0
@@ -235,6 +260,8 @@ MUTANTS = [
     ("e2m1_bf16", "E2M1_BF16_SCALED_PTX", "0x01C001C0", "0x03C003C0"),  # a sign bit into the exponent ($0)
     ("e2m1_bf16", "E2M1_BF16_SCALED_PTX", "0x3120", "0x3210"),          # bytes 1 and 2 swapped
     ("e2m1_bf16", "E2M1_BF16_SCALED_PTX", "shr.b32 m, w, 6", "shr.b32 m, w, 5"),
+    ("e2m1_nib", "E2M1_NIB_BF16_PTX", "shr.b32 m, $4, 2", "shr.b32 m, $4, 3"),   # pair 2's magnitudes
+    ("e2m1_nib", "E2M1_NIB_BF16_PTX", "mul.rn.bf16x2 $1, m, $6", "mul.rn.bf16x2 $1, m, $5"),  # a byte's factor
     ("e2m1_e4m3", "E2M1_AS_E4M3_PTX", "shl.b32 a1, a1, 2", "shl.b32 a1, a1, 3"),
     ("e4m3_bf16", "E4M3_BF16_SCALED_PTX", "0x07F007F0", "0x07E007E0"),  # the mantissa's last bit lost
 ]
@@ -247,6 +274,8 @@ def test_mutated_ptx_is_caught(kind, name, old, new):
     bad = kernel_ptx(name).replace(old, new, 1)
     if kind == "e2m1_bf16":
         mismatches = _e2m1_bf16_scaled_mismatches(bad, *_e2m1_scaled_inputs())
+    elif kind == "e2m1_nib":
+        mismatches = _e2m1_nib_bf16_mismatches(bad, *_e2m1_scaled_inputs())
     elif kind == "e2m1_e4m3":
         mismatches = _e2m1_as_e4m3_mismatches(bad, _byte_pairs())
     else:

@@ -147,7 +147,12 @@ class TritonOps:
     # until timed on the GPU (static sm_90 SASS: 2.6-2.8x fewer instructions a tile than the float32 form)
     attn_two_pass = False
     attn_bf16x2 = False
-    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2")  # booleans a bench may set
+    # the routed experts' grouped GEMMs with each scale folded into the decode's one bf16x2 multiply
+    # (kernels/fp4_tiles.py fp4_decoded_folded; ~10% fewer instructions a K step on sm_90), for a layer whose
+    # expert scales all fit it (checked once a layer); off until timed
+    moe_fold = False
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold")  # booleans a bench
+    # may set by name (set_knobs)
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -162,6 +167,7 @@ class TritonOps:
         self.calls: Counter = Counter()
         self._raw: dict[str, tuple | None] = {}
         self._bf16_fits: dict[str, bool] = {}  # FP8 weight -> whether its scales suit the bf16 form
+        self._fold_fits: dict[str, bool] = {}  # experts' prefix -> whether their scales suit the folded decode
         self._experts: dict[str, tuple | None] = {}
         self._bf16: dict[str, torch.Tensor | None] = {}
         self._bf16_of: dict[int, tuple] = {}  # id(float weight) -> (a weak reference to it, its bf16 copy)
@@ -237,7 +243,7 @@ class TritonOps:
 
     def forget(self, prefix: str) -> None:
         """Drop the device weights of names starting with `prefix` (a bench freeing a layer)."""
-        for cache in (self._raw, self._experts, self._bf16):
+        for cache in (self._raw, self._experts, self._bf16, self._bf16_fits, self._fold_fits):
             for name in [n for n in cache if n.startswith(prefix)]:
                 del cache[name]
 
@@ -522,10 +528,19 @@ class TritonOps:
             fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
             form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8,
                     "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
+            if self.moe_fold and self._fold_ok(prefix, raw):
+                form["bf16_decode"] = "fold"
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
         return self.base.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear, owned)
+
+    def _fold_ok(self, prefix: str, raw) -> bool:
+        """Whether every expert scale of `prefix` suits the folded decode (a host read, once a layer)."""
+        if prefix not in self._fold_fits:
+            from kernels.fp4_tiles import fold_fits
+            self._fold_fits[prefix] = fold_fits(raw[1], raw[3], raw[5])
+        return self._fold_fits[prefix]
 
     def _mhc(self, layer: int, case: str, x, fn, scale, base, pre_prev, update, hc_eps, norm_eps, iters):
         """The fused mHC: [update X' = post*y + comb^T X], collapse with pre_prev, the next mixes.
