@@ -428,8 +428,8 @@ class TritonOps:
         self._record(layer, "sparse_attn", "window + selected" if source is not None else "window only", args)
         if not self.compute:
             return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
-        out = self._kernel("sparse_attn")(*args, float_out=True, **self._attn_launch(args))  # bf16 values as
-        # float32: no widening copy
+        # float_out: the bf16 values as float32, no widening copy
+        out = self._kernel("sparse_attn")(*args, float_out=True, **self._attn_launch(args))
         return out if heads == h else out[:, :h].contiguous()
 
     def _attn_launch(self, args) -> dict:
