@@ -162,7 +162,9 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
         ent_after = _entries(idx_row, widx_row, i + 2, n_t, n_st, n_sel, n_win, ar, BN)
         xn, sn = _raw_chunk(kvh_ptr, kvs_ptr, winw_ptr, wins_ptr, ent_next, i + 1 >= n_st, D, c0, DV)
         pn = tl.load(p_tile + (i + 1) * BN * H, mask=i + 1 < n_t, other=0.0)
-        acc = _accumulate(acc, _decoded(x, sc, i >= n_st, BN, DV, DT), pw, stat_row, i, heads, mx, H, DT)
+        f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)  # the tile's weights 2^(s - m_i) -> 2^(s - mx)
+        v = _decoded(x, sc, i >= n_st, BN, DV, DT)
+        acc = tl.dot(tl.trans(v), (pw.to(tl.float32) * f[None, :]).to(DT), acc)
         x, sc, pw = xn, sn, pn
         ent = ent_next
         ent_next = ent_after
@@ -178,14 +180,6 @@ def _row_max_den(stat_row, sink_ptr, heads, n_t, NTP: tl.constexpr, H: tl.conste
     sink = tl.load(sink_ptr + heads) * 1.4426950408889634
     mx = tl.maximum(tl.max(m, axis=0), sink)
     return mx, tl.sum(lsum * tl.exp2(m - mx[None, :]), axis=0) + tl.exp2(sink - mx)
-
-
-@triton.jit
-def _accumulate(acc, v, pw, stat_row, i, heads, mx, H: tl.constexpr, DT: tl.constexpr):
-    """O^T += V^T P^T for tile i: v its decoded [BN, DV] columns, pw its float16 weights 2^(s - m_i), made
-    2^(s - mx) and rounded to DT once."""
-    f = tl.exp2(tl.load(stat_row + i * 2 * H + heads) - mx)
-    return tl.dot(tl.trans(v), (pw.to(tl.float32) * f[None, :]).to(DT), acc)
 
 
 @triton.jit
