@@ -309,6 +309,18 @@ def test_two_pass_matches_reference(poisoned, block_h, block_n, tiles, block_v, 
         assert _rel(f32, fo) < 1e-4  # same values and sums; only the MMA orientation differs
 
 
+def test_two_pass_at_the_release_widths(poisoned):
+    """64 heads of 512 (one head block, query chunks of 128: the window decode's whole-scale-group branch,
+    DV 128), 4 selected tiles and 2 window tiles with empty slots: both forms as close to the float64
+    reference as the bf16 output allows, and to each other."""
+    g = torch.Generator().manual_seed(1)
+    args = attention_inputs(g, t=2, h=64, d=512, n=300, w=130, k=200, wn=128)
+    want = A.sparse_attn_reference(*args)
+    f32 = A.sparse_attn_triton(*args, layout="two_pass", float_out=True)
+    bf = A.sparse_attn_triton(*args, layout="two_pass", float_out=True, two_pass=dict(decode="bf16x2"))
+    assert _rel(want, f32) < 1e-2 and _rel(want, bf) < 1e-2 and _rel(f32, bf) < 1e-4
+
+
 @pytest.mark.parametrize("decode", ["float32", "bf16x2"])
 def test_two_pass_window_only_programs_and_dominant_sink(poisoned, decode):
     """One selected tile, three window tiles, one tile a scoring program: three programs score window tiles
