@@ -70,40 +70,29 @@ def e2m1_as_e4m3(b, ASM: tl.constexpr):
     return lo, hi
 
 
+# per pair k (the nibbles at bits 4k and 4k + 16): the shift that puts a nibble's magnitude bits on bf16 bits
+# 8..6, and the one that puts its sign on bit 15
+_PAIR_SHIFTS = (("shl", 6, 12), ("shl", 2, 8), ("shr", 2, 4), ("shr", 6, 0))
+
+
+def e2m1_pairs_ptx(src: str, pairs: tuple = (0, 1, 2, 3)) -> str:
+    """PTX that places the E2M1 nibble pairs of the 32-bit register `src` as bf16x2 values times a factor:
+    pair k is the nibbles at bits 4k and 4k + 16; each nibble's 3 magnitude bits land on bf16 bits 8..6 (the
+    exponent's low two and the mantissa's top: E2M1 value * 2^-126, codes 0 and 1 on 0 and the subnormal
+    2^-127) and its sign on bit 15 of its half; then one mul.rn.bf16x2. Output $i is pair pairs[i], times $5
+    for $0 and $2, $6 for $1 and $3. Scratch registers m and s."""
+    lines = []
+    for i, k in enumerate(pairs):
+        way, mag, sign = _PAIR_SHIFTS[k]
+        lines += [f"{way}.b32 m, {src}, {mag}", f"shl.b32 s, {src}, {sign}", "and.b32 m, m, 0x01C001C0",
+                  "and.b32 s, s, 0x80008000", "or.b32 m, m, s", f"mul.rn.bf16x2 ${i}, m, ${5 + i % 2}"]
+    return "".join(line + ";\n" for line in lines)
+
+
 # Packed E2M1 bytes -> bf16 worth value * 2^-126, times a bf16 factor. Four bytes in $4, reordered (b0 b2 b1 b3)
-# so that the two nibbles of each output pair sit 16 bits apart; then per pair its 3 magnitude bits onto the
-# exponent's low two bits and the mantissa's top (codes 0 and 1: 0 and the bf16 subnormal 2^-127), the sign
-# onto bit 15 of its half, and one bf16x2 multiply. $0 $1: the low nibbles' values (bytes 0-1, 2-3), $2 $3:
-# the high nibbles'; factors $5 (bytes 0-1) and $6 (bytes 2-3).
-E2M1_BF16_SCALED_PTX = """
-{
-.reg .b32 w, m, s;
-prmt.b32 w, $4, 0, 0x3120;
-shl.b32 m, w, 6;
-shl.b32 s, w, 12;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 m, m, s;
-mul.rn.bf16x2 $0, m, $5;
-shr.b32 m, w, 2;
-shl.b32 s, w, 4;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 m, m, s;
-mul.rn.bf16x2 $1, m, $6;
-shl.b32 m, w, 2;
-shl.b32 s, w, 8;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 m, m, s;
-mul.rn.bf16x2 $2, m, $5;
-shr.b32 m, w, 6;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, w, 0x80008000;
-or.b32 m, m, s;
-mul.rn.bf16x2 $3, m, $6;
-}
-"""
+# so that a pair's two nibbles sit 16 bits apart: $0 $1 the low nibbles' values (bytes 0-1: the pair at bits 0,
+# bytes 2-3: at bits 8), $2 $3 the high nibbles' (bits 4, bits 12); factors $5 (bytes 0-1) and $6 (bytes 2-3).
+E2M1_BF16_SCALED_PTX = "{\n.reg .b32 w, m, s;\nprmt.b32 w, $4, 0, 0x3120;\n" + e2m1_pairs_ptx("w", (0, 2, 1, 3)) + "}\n"
 _E2M1_BF16_SCALED_ASM = tl.constexpr(E2M1_BF16_SCALED_PTX)
 
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._formats import e2m1_pairs_ptx
+
 
 @triton.jit
 def nibble_pair(wd, A: tl.constexpr):
@@ -81,39 +83,10 @@ def nibble_pair_bf16(wd, A: tl.constexpr):
     return lo, hi
 
 
-# E2M1 words -> NIB-ordered bf16 pairs times a factor, one word ($4) a call: pair A = (nibble A, nibble A + 4) is
-# the word shifted so nibble A's magnitude bits land on bf16 bits 8..6 (the exponent's low two bits and the
-# mantissa's top: E2M1 value * 2^-126, code 1 on the subnormal 2^-127) and its sign on bit 15, the same shift
-# putting nibble A + 4 on the high half; then one bf16x2 multiply by the factor. $0 $1: pairs 0 and 1
-# (positions 0-3 of the word's NIB order), $2 $3: pairs 2 and 3 (positions 4-7); factors in $5 $6.
-E2M1_NIB_BF16_PTX = """
-{
-.reg .b32 m, s;
-shl.b32 m, $4, 6;
-shl.b32 s, $4, 12;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 m, m, s;
-mul.rn.bf16x2 $0, m, $5;
-shl.b32 m, $4, 2;
-shl.b32 s, $4, 8;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 m, m, s;
-mul.rn.bf16x2 $1, m, $6;
-shr.b32 m, $4, 2;
-shl.b32 s, $4, 4;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 m, m, s;
-mul.rn.bf16x2 $2, m, $5;
-shr.b32 m, $4, 6;
-and.b32 s, $4, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 m, m, s;
-mul.rn.bf16x2 $3, m, $6;
-}
-"""
+# E2M1 words -> NIB-ordered bf16 pairs times a factor, one word ($4) a call (_formats.e2m1_pairs_ptx): pair A =
+# (nibble A, nibble A + 4), 16 bits apart in the word as stored. $0 $1: pairs 0 and 1 (positions 0-3 of the
+# word's NIB order), $2 $3: pairs 2 and 3 (positions 4-7); factors in $5 $6.
+E2M1_NIB_BF16_PTX = "{\n.reg .b32 m, s;\n" + e2m1_pairs_ptx("$4") + "}\n"
 _E2M1_NIB_BF16_ASM = tl.constexpr(E2M1_NIB_BF16_PTX)
 FOLD_MAX_SCALE_BYTE = 128  # the folded factor 2^(s - 1) is a finite bf16 up to s = 128 (a scale of 2; the
 # release's expert scales sit near 2^-10)
