@@ -168,7 +168,7 @@ def _weighted_sum_kernel(kvh_ptr, kvs_ptr, idx_ptr, winw_ptr, wins_ptr, widx_ptr
         x, sc, pw = xn, sn, pn
         ent = ent_next
         ent_next = ent_after
-    _store_out(acc, den, out_ptr, t, heads, c0, H, D, DV)
+    _store_out(acc, den, out_ptr, t, heads, c0, H, D, DV, 1)
 
 
 @triton.jit
@@ -183,11 +183,15 @@ def _row_max_den(stat_row, sink_ptr, heads, n_t, NTP: tl.constexpr, H: tl.conste
 
 
 @triton.jit
-def _store_out(acc, den, out_ptr, t, heads, c0, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr):
-    """O^T [DV, BH] (kv' units) / the denominator -> the output's columns [c0, c0 + DV) of token t."""
-    out = acc * (256.0 / den)[None, :]
+def _store_out(acc, den, out_ptr, t, heads, c0, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               HA: tl.constexpr):
+    """The output block (kv' units; heads along axis HA: O^T [DV, BH] has HA = 1, O [BH, DV] HA = 0) / the
+    denominator -> the output's columns [c0, c0 + DV) of token t."""
+    EA: tl.constexpr = 1 - HA
+    out = acc * tl.expand_dims(256.0 / den, EA)
     col = c0 + tl.arange(0, DV)
-    tl.store(out_ptr + (t.to(tl.int64) * H + heads[None, :]) * D + col[:, None], bf16_output(out, out_ptr))
+    tl.store(out_ptr + (t.to(tl.int64) * H + tl.expand_dims(heads, EA)) * D + tl.expand_dims(col, HA),
+             bf16_output(out, out_ptr))
 
 
 # The bf16x2 form (decode="bf16x2"). Heads are the MMA's M in both passes: S [BH, BN] = Q . K^T with the decoded
@@ -271,7 +275,8 @@ def _tile_scores(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, qc, WIN: tl.constexp
 @triton.jit
 def _store_head_weights(acc, ent, qk2, p_row, stat_row, i, ar, heads, NE, BN: tl.constexpr, H: tl.constexpr):
     """Tile i's S [BH, BN] -> its float16 weights 2^(s - m) at [head, i * BN + entry] of the token's
-    [H, NE] and per head (m, l)."""
+    [H, NE] and per head (m, l): _store_weights transposed. One helper for both (an axis constexpr) compiles
+    the float32 form's pass 1 to other PTX than runs 20b-20d timed (its pointer arithmetic moves), so two."""
     s = tl.where((ent >= 0)[None, :], acc * qk2, float("-inf"))
     m = tl.maximum(tl.max(s, axis=1), -1.0e30)  # finite: a tile with no entry gives sum 0, not NaN
     p = tl.exp2(s - m[:, None])  # [BH, BN] in [0, 1]
@@ -340,9 +345,7 @@ def _weighted_sum_bf16x2_kernel(kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, w
         ent = _entries(idx_row, widx_row, i, n_t, n_st, n_sel, n_win, ar, BN)
         v = _columns(kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, ent, c0, True, BN, D, DV, DT)
         acc = tl.dot(_head_weights(p_head, stat_row, i, heads, mx, BN, H, DT), v, acc)
-    out = acc * (256.0 / den)[:, None]
-    col = c0 + tl.arange(0, DV)
-    tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + col[None, :], bf16_output(out, out_ptr))
+    _store_out(acc, den, out_ptr, t, heads, c0, H, D, DV, 0)
 
 
 def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, scale: float,
