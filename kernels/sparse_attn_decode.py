@@ -385,10 +385,10 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     if bf16x2:
         scores, weighted_sum = _scores_bf16x2_kernel, _weighted_sum_bf16x2_kernel
         kvh, win = kvh.view(torch.uint8), win.view(torch.uint8)
+    groups, col_blocks = triton.cdiv(n_t, tiles_per_program), d // block_v
     for c0 in range(0, t, chunk):
         tc = min(chunk, t - c0)
         q_c, idx_c, widx_c = q[c0:c0 + tc], idx[c0:c0 + tc], win_idx[c0:c0 + tc]
-        groups, col_blocks = triton.cdiv(n_t, tiles_per_program), d // block_v
         scores[(groups, tc, h // block_h) if bf16x2 else (tc, groups, h // block_h)](
             q_c, kvh, kv_scale, idx_c, win, win_scale, widx_c, p, stats, n_sel, n_win, n_st, n_t, qk_log2(scale),
             H=h, D=d, BH=block_h, BN=block_n, TPP=tiles_per_program, DT=dt, num_warps=num_warps,

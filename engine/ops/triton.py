@@ -434,9 +434,10 @@ class TritonOps:
 
     def _attn_launch(self, args) -> dict:
         """The sparse attention kernel's launch options the knobs ask for (none where its reference runs)."""
+        if not (self.attn_two_pass or self.attn_bf16x2):
+            return {}  # the decode step's hot path: nothing imported or checked with the knobs off
         from kernels import dispatch
-        if not (self.attn_two_pass or self.attn_bf16x2) or not (dispatch.use_triton(self.device)
-                                                                or interpreter_active()):
+        if not (dispatch.use_triton(self.device) or interpreter_active()):
             return {}
         from kernels.sparse_attn import int32_offsets_reach
         q, kv_p, win_q = args[0], args[1], args[4]
