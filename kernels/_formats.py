@@ -123,6 +123,19 @@ def e4m3_operand(byte, FP8: tl.constexpr):
 
 
 @triton.jit
+def e8m0_bf16_factor(byte, OFFSET: tl.constexpr):
+    """E8M0 bytes s (int32 lanes) -> the bf16 power of two 2^(s + OFFSET - 127) from its exponent bits (a form's
+    scale with a constant folded in); NaN where that passes bf16's range (s > 254 - OFFSET), so a scale out of a
+    form's range shows in its output instead of being wrong (e8m0_bytes_at_most checks a weight ahead)."""
+    return tl.where(byte <= 254 - OFFSET, (byte + OFFSET) << 7, 0x7FC0).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+def e8m0_bytes_at_most(max_byte: int, *scales: torch.Tensor) -> bool:
+    """Whether every E8M0 byte of `scales` is <= max_byte: a device read, for load time."""
+    return all(s.numel() == 0 or int(s.view(torch.uint8).max()) <= max_byte for s in scales)
+
+
+@triton.jit
 def pow2_scale_up(amax, inv_max):
     """2^ceil(log2(amax * inv_max)) from the float's exponent bits, as engine.quant.pow2_scale_up."""
     x = amax * inv_max

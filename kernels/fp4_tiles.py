@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import e2m1_pairs_ptx
+from kernels._formats import e2m1_pairs_ptx, e8m0_bf16_factor, e8m0_bytes_at_most
 
 
 @triton.jit
@@ -88,9 +88,11 @@ def nibble_pair_bf16(wd, A: tl.constexpr):
 # word's NIB order), $2 $3: pairs 2 and 3 (positions 4-7); factors in $5 $6.
 E2M1_NIB_BF16_PTX = "{\n.reg .b32 m, s;\n" + e2m1_pairs_ptx("$4") + "}\n"
 _E2M1_NIB_BF16_ASM = tl.constexpr(E2M1_NIB_BF16_PTX)
-FOLD_MAX_SCALE_BYTE = 128  # the folded factor 2^(s - 1) is a finite bf16 up to s = 128 (a scale of 2; the
-# release's expert scales sit near 2^-10)
-_FOLD_MAX_SCALE_BYTE = tl.constexpr(FOLD_MAX_SCALE_BYTE)
+# the folded factor 2^(s - 1) (_formats.e8m0_bf16_factor at offset 126) is a finite bf16 up to s = 128 (a scale
+# of 2; the release's expert scales sit near 2^-10)
+FOLD_FACTOR_OFFSET = 126
+FOLD_MAX_SCALE_BYTE = 254 - FOLD_FACTOR_OFFSET
+_FOLD_FACTOR_OFFSET = tl.constexpr(FOLD_FACTOR_OFFSET)
 
 
 @triton.jit
@@ -103,7 +105,7 @@ def fp4_bytes_folded(w_ptr, s_ptr, rows, rmask, k0, KDIM: tl.constexpr, BK: tl.c
     b = tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + r64[:, None] * (KDIM // 2) + kb[None, :], mask=rmask[:, None],
                 other=0)
     byte = scale_bytes(s_ptr, r64 * (KDIM // 32), k0 // 8, BK // 8, rmask[:, None])  # [BR, BK/8], per word
-    f = tl.where(byte <= _FOLD_MAX_SCALE_BYTE, (byte + 126) << 7, 0x7FC0).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    f = e8m0_bf16_factor(byte, _FOLD_FACTOR_OFFSET)
     return tl.reshape(b, (BR, BK // 8, 4)), tl.broadcast_to(f[:, :, None], (BR, BK // 8, 4))
 
 
@@ -189,7 +191,7 @@ def decode_form(bf16_decode) -> int:
 def fold_fits(*scales: torch.Tensor) -> bool:
     """Whether every E8M0 scale byte is in the folded form's range (its factor 2^(s - 1) a finite bf16: scales
     up to 2); a device read (call once per weight). A byte past it gives NaN, not a wrong value."""
-    return all(bool((s.view(torch.uint8) <= FOLD_MAX_SCALE_BYTE).all()) for s in scales)
+    return e8m0_bytes_at_most(FOLD_MAX_SCALE_BYTE, *scales)
 
 
 def fp4_tile_decoded(packed: torch.Tensor, scale: torch.Tensor, bf16_decode) -> torch.Tensor:

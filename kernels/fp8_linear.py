@@ -23,13 +23,15 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import bf16_output, dot_dtype, e4m3_value, e8m0_value, in_mma_k_order, sm_count
+from kernels._formats import (bf16_output, dot_dtype, e4m3_value, e8m0_bf16_factor, e8m0_bytes_at_most,
+                              e8m0_value, in_mma_k_order, sm_count)
 from kernels.quant import fp8_groups, quantize_fp8_triton
 
-# the bf16 form folds 2^(s - 127) into the weight's bf16 value as one factor 2^(s - 7), a bf16 while s <= 134
-# (weights up to 448 * 2^7); products stay exact down to s = 3
-BF16_MAX_SCALE_BYTE = 134
-_BF16_MAX_SCALE_BYTE = tl.constexpr(BF16_MAX_SCALE_BYTE)  # a jit function reads module globals only as constexpr
+# the bf16 form folds 2^(s - 127) into the weight's bf16 value as one factor 2^(s - 7) (_formats.e8m0_bf16_factor
+# at offset 120), a bf16 while s <= 134 (weights up to 448 * 2^7); products stay exact down to s = 3
+BF16_FACTOR_OFFSET = 120
+BF16_MAX_SCALE_BYTE = 254 - BF16_FACTOR_OFFSET
+_BF16_FACTOR_OFFSET = tl.constexpr(BF16_FACTOR_OFFSET)  # a jit function reads module globals only as constexpr
 
 
 def _check(x, w, w_scale):
@@ -169,8 +171,7 @@ def e4m3_scaled_operand(byte, sbyte, BK: tl.constexpr, DT: tl.constexpr):
     usable): the value decoders."""
     R: tl.constexpr = byte.shape[0]
     if DT == tl.bfloat16:
-        f = tl.where(sbyte <= _BF16_MAX_SCALE_BYTE, (sbyte + 120) << 7, 0x7FC0).to(tl.int16).to(tl.bfloat16,
-                                                                                                 bitcast=True)
+        f = e8m0_bf16_factor(sbyte, _BF16_FACTOR_OFFSET)
         f = tl.reshape(tl.broadcast_to(f[:, :, None], (R, BK // 32, 32)), (R, BK))
         return tl.inline_asm_elementwise(_E4M3_BF16_SCALED_ASM, "=r,=r,r,r,r", [byte, f], dtype=tl.bfloat16,
                                          is_pure=True, pack=4)
@@ -291,4 +292,4 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
 def bf16_form_fits(w_scale: torch.Tensor) -> bool:
     """Whether every weight scale byte is in the bf16 form's range (<= BF16_MAX_SCALE_BYTE, a weight up to
     448 * 2^7): a check for load time (it syncs), the kernel itself writes NaN for a block out of range."""
-    return w_scale.numel() == 0 or int(w_scale.view(torch.uint8).max()) <= BF16_MAX_SCALE_BYTE
+    return e8m0_bytes_at_most(BF16_MAX_SCALE_BYTE, w_scale)
