@@ -162,13 +162,15 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         raise ValueError(f"rows of {d} values do not fit one program (at most {MAX_WIDTH})")
     if chunk < 0 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be 0 or a power of two, got {chunk}")
-    if out is not None:
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    else:
         _check_out(out, x, out_dtype)
     x2 = x.reshape(-1, d).contiguous()
     rows = x2.shape[0]
-    y = out.view(rows, d) if out is not None else torch.empty(rows, d, dtype=out_dtype, device=x.device)
+    y = out.view(rows, d)
     if rows == 0:
-        return out if out is not None else y.view(*x.shape[:-1], d)
+        return out
     bd = triton.next_power_of_2(d)
     br = rows_per_program or max(1, min(16, 4096 // bd))
     w = weight.float().contiguous() if weight is not None else y
@@ -186,7 +188,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     else:
         _rms_norm_kernel[(triton.cdiv(rows, br),)](x2, w, y, rows, float(eps), D=d, BD=bd, BR=br, **common,
                                                   num_warps=num_warps or (8 if bd * br >= 4096 else 4))
-    return out if out is not None else y.view(*x.shape[:-1], d)
+    return out
 
 
 def _check_out(out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> None:
