@@ -212,7 +212,7 @@ ATTN_CFGS = [dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="entries", block_h=16, block_n=64, num_warps=8),
              dict(layout="entries", block_h=64, block_n=64, num_warps=8),
              dict(layout="heads", block_h=64, block_n=32, num_warps=8),
-             # the two passes over a prefill (tokens in chunks of a 64 MB weights buffer; not timed yet)
+             # the two passes over a prefill (tokens in chunks of a 16 MB weights buffer; not timed yet)
              dict(layout="two_pass"),
              dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64))]
@@ -228,7 +228,7 @@ ATTN_DECODE_CFGS = [dict(layout="entries", block_h=64, block_n=32, num_warps=8, 
                     dict(layout="two_pass", two_pass=dict(maxnreg_sum=168)),
                     dict(layout="two_pass", two_pass=dict(block_v=64, maxnreg_sum=128)),
                     # the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their own
-                    # (sm_90 SASS, triton 3.6: pass 1's loop 1,545 instructions a selected tile, was 4,086; 148
+                    # (sm_90 SASS, triton 3.6: pass 1's loop 1,536 instructions a selected tile, was 4,086; 144
                     # registers: a cap of 128 makes 4 blocks an SM)
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128)),
