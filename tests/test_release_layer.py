@@ -169,6 +169,39 @@ def test_stored_weights_keep_no_float_copy_and_feed_the_fp8_kernel():
     assert src._handed.alive() == 0  # nothing kept alive
 
 
+def test_gemm_of_takes_the_bf16_form_where_linear_would(monkeypatch):
+    """The Engram's wkv by name: above a decode step's rows (K whole 64 blocks, scales in range) the FP8 kernel
+    runs in its bf16 form with a float32 output, as `linear` does; at 64 rows of a narrow product, the FP8 form.
+    Both equal the float64 product to bf16 rounding."""
+    import torch
+    from engine import quant
+    from engine.ops import ops_for
+    from engine.ops.stored import StoredWeights, TensorReader
+    from engine.ops.triton import TritonOps
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 128, generator=g) / 10
+    q, s = quant.quantize_fp8_weight(w, 32)
+    name = "layers.1.engram.wkv.weight"
+    ops = TritonOps(ops_for("reference"), StoredWeights(reader=TensorReader({name: q, "layers.1.engram.wkv.scale": s})),
+                    "cpu")
+    seen, kernel = [], ops._kernel
+
+    def spy(kind):
+        run = kernel(kind)
+        return lambda *a, **k: seen.append(k) or run(*a, **k)
+
+    monkeypatch.setattr(ops, "_kernel", spy)
+    value = quant.dequantize_fp8_weight(q, s, 32).double()
+    for rows, form in ((65, {"mma": "bf16"}), (64, {})):
+        x = quant.fp8_roundtrip(torch.randn(rows, 128, generator=g), 32)
+        got = ops.gemm_of(x, lambda: pytest.fail("the float weight was fetched"), name)
+        assert seen.pop() == {"float_out": True, **form} and got.dtype == torch.float32
+        assert torch.equal(got, got.bfloat16().float())  # bf16 values
+        want = x.double() @ value.t()
+        assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-12).all()
+
+
 def test_profile_pass_writes_a_section_per_phase(tmp_path):
     """--profile: after the timed passes, one more pass under torch.profiler; each role's two phases get
     a section in release-layer-profile.txt, and the JSON keeps the sums, not the tables."""

@@ -364,13 +364,15 @@ class TritonOps:
         """x @ W^T for the weight `name` (the Engram's wkv): on its stored E4M3 bytes by `fp8_linear` when
         it is stored so (x already E4M3-rounded per 32 by the caller: re-quantized exactly), so its float
         value is never made (a 0.6 GB dequantization each decode step at release size, 0.9 ms on the
-        H200); else the base op on fetch()."""
-        raw = None
+        H200); in the kernel's bf16 form where `linear` would take it (the release's wkv, 20480 x 6144, took
+        5.3 ms of a 4,096-token prefill in the FP8 form, run 18c); else the base op on fetch()."""
+        raw, base = None, name[: -len(".weight")]
         if self.compute and self.act_quant and x.dim() == 2 and name.endswith(".weight"):
-            raw = self._fp8_weight(name[: -len(".weight")])
+            raw = self._fp8_weight(base)
         if raw is None or raw[0].shape[1] != x.shape[1]:
             return self.base.gemm_of(x, fetch, name)
-        return self._kernel("fp8_linear")(x.float().contiguous(), *raw).float()
+        form = {"mma": "bf16"} if self._bf16_form(base, x.shape[0]) else {}
+        return self._kernel("fp8_linear")(x.float().contiguous(), *raw, float_out=True, **form)
 
     def grouped_out(self, o: torch.Tensor, wo_a, name: str = "") -> torch.Tensor:
         """The grouped output projection o [T, g, d] x wo_a() [g, r, d] -> [T, g, r]. With the reference's
