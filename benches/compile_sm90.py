@@ -137,7 +137,8 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope, sinkhorn, sparse_attn, sparse_attn_train, ties, topk
+    from kernels import (engram, fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope, sinkhorn, sparse_attn,
+                         sparse_attn_train, ties, topk)
 
     def quantizers():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
@@ -190,12 +191,13 @@ def cases():
                                                                          torch.randn(2, 64, 4, 64))}
         return run[kind]
 
-    def mixing(tq):
+    def mixing(tq, wide=False):
         dim = 5120
-        args = (torch.randn(tq, 4, dim).bfloat16(), torch.randn(24, 4 * dim) * 0.01, torch.rand(3) + 0.5,
-                torch.randn(24) * 0.5, torch.rand(tq, 4), torch.randn(tq, dim).bfloat16(), torch.rand(tq, 4) * 2,
+        stream = torch.float32 if wide else torch.bfloat16  # wide: the engine's float32 stream of bf16 values
+        args = (torch.randn(tq, 4, dim).to(stream), torch.randn(24, 4 * dim) * 0.01, torch.rand(3) + 0.5,
+                torch.randn(24) * 0.5, torch.rand(tq, 4), torch.randn(tq, dim).to(stream), torch.rand(tq, 4) * 2,
                 torch.softmax(torch.randn(tq, 4, 4), -1))
-        return lambda: mhc.mhc_triton(*args)
+        return lambda: mhc.mhc_triton(*args, **({"bf16_values": True} if wide else {}))
 
     return [("quantizers", quantizers), ("fp8 linear 128x5120x8192", linear(128)),
             ("fp8 linear 64x5120x8192", linear(64)), ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
@@ -215,6 +217,8 @@ def cases():
             ("MoE decode step, folded scales", experts(64, block_m=16, block_n=64, bf16_decode="fold",
                                                        hidden="reference")),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),
+            ("mHC 4K tokens, float32 stream of bf16 values", mixing(4096, wide=True)),
+            ("mHC 64 tokens, float32 stream of bf16 values", mixing(64, wide=True)),
             ("mHC stream update (expand), 64 tokens", lambda: mhc.mhc_expand_triton(
                 torch.randn(64, 5120), torch.randn(64, 4, 5120), torch.rand(64, 4), torch.rand(64, 4, 4))),
             ("RMSNorm 4096 x 5120", lambda: rmsnorm.rms_norm_triton(torch.randn(4096, 5120), torch.randn(5120), 1e-6,
@@ -224,6 +228,9 @@ def cases():
             ("RMSNorm 4096 x 5120, bf16 rows, row-walking programs", lambda: rmsnorm.rms_norm_triton(
                 torch.randn(4096, 5120).bfloat16(), torch.randn(5120), 1e-6, out_dtype=torch.bfloat16,
                 programs_per_sm=4)),
+            ("Engram mix 4096 tokens x 4 x 5120", lambda: engram.engram_mix_triton(
+                torch.randn(4096, 4, 5120), torch.randn(4096, 5 * 5120), torch.randn(4, 5120), torch.randn(4, 5120),
+                1e-6, torch.ones(4096, dtype=torch.bool), round_bf16=True)),
             ("RoPE 64 x 64 x 512 (a decode step's queries)", lambda: rope.rope_triton(
                 torch.randn(64, 64, 512), torch.zeros(64, dtype=torch.long), torch.zeros(4096, 32, 2))),
             ("tie marks, 64 rows x 4096 entries", lambda: ties.tie_marks_triton(

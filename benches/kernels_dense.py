@@ -1,12 +1,12 @@
 """The dense cases of benches/kernels.py: the FP8 block-scaled linear (prefill and decode-step shapes),
-the quantizers and RMSNorm."""
+the quantizers, RMSNorm and the Engram's gated update."""
 
 from __future__ import annotations
 
 import torch
 
 from engine import quant as Q
-from kernels import fp8_linear, quant, rmsnorm
+from kernels import engram, fp8_linear, quant, rmsnorm
 
 from benches.kernel_bench import DEV, LOG, bench, rel, row, sweep
 
@@ -146,3 +146,22 @@ def _norm_preallocated(name, run, ref, like, tc, cfgs):
         print(f"[norm] {name} {c}: allocating {us(side[c]['alloc_us'])} us (again {again:.1f}), preallocated "
               f"{us(side[c]['prealloc_us'])} us, same-bytes copy {tc:.1f} us", flush=True)
     LOG[f"norm_alloc_vs_prealloc_{name}"] = side
+
+
+def case_engram(bw, mm):
+    """The Engram's gated update at a 4,096-token prefill (4 copies of 5120; kv [T, 5 x 5120]), float32 stream
+    in, bf16-rounded float32 out, as the kernel path runs it; eager = the engine's torch op and the reference's
+    rounding (~20 launches; ~3 ms of run 18c's SWA + Engram prefill). Floor: one read of x and kv, one write."""
+    t_, hc, d = 4096, 4, 5120
+    x = torch.randn(t_, hc, d, device=DEV).bfloat16().float()
+    kv = torch.randn(t_, (hc + 1) * d, device=DEV).bfloat16().float()
+    qw, kw = torch.rand(hc, d, device=DEV) + 0.5, torch.randn(hc, d, device=DEV)
+    mask = torch.rand(t_, device=DEV) > 0.01
+    want = engram.engram_mix_reference(x, kv, qw, kw, 1e-6, mask, round_bf16=True)
+    run = lambda **c: engram.engram_mix_triton(x, kv, qw, kw, 1e-6, mask, round_bf16=True, **c)  # noqa: E731
+    cfg, t, same = sweep("engram_cfgs", "engram mix", [{}, dict(num_warps=4), dict(num_warps=16)], run,
+                         lambda out: (out == want).float().mean().item(), valid=lambda f: f > 0.99, rep=50)
+    te = bench(lambda: engram.engram_mix_reference(x, kv, qw, kw, 1e-6, mask, round_bf16=True), rep=20)
+    byt = (x.numel() * 2 + kv.numel()) * 4
+    row("Engram mix 4096 x 4 x 5120 (float32 stream, bf16-rounded out)", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s; cfg {cfg}", te, f"equal to the reference's rounding: {same:.6f} of values", "-")

@@ -10,6 +10,7 @@ import importlib.util
 
 import torch
 
+from kernels import engram as _engram
 from kernels import fp8_linear as _lin
 from kernels import indexer as _idx
 from kernels import mhc as _mhc
@@ -36,6 +37,7 @@ _PAIRS = {
     "rms_norm": (_rms.rms_norm_reference, _rms.rms_norm_triton),
     "rope": (_rope.rope_reference, _rope.rope_triton),
     "tie_marks": (_ties.tie_marks_reference, _ties.tie_marks_triton),
+    "engram_mix": (_engram.engram_mix_reference, _engram.engram_mix_triton),
 }
 
 
@@ -94,6 +96,10 @@ def rope(*args, **kwargs):
 
 def tie_marks(*args, **kwargs):
     return _call("tie_marks", *args, **kwargs)
+
+
+def engram_mix(*args, **kwargs):
+    return _call("engram_mix", *args, **kwargs)
 
 
 def fp8_linear(*args, **kwargs):

@@ -55,17 +55,20 @@ def sinkhorn_split_reference(m, scale, base, hc_eps=1e-6, iters=20):
 
 
 def mhc_reference(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=None,
-                  norm_eps=1e-20, hc_eps=1e-6, iters=20):
+                  norm_eps=1e-20, hc_eps=1e-6, iters=20, bf16_values: bool = False):
+    """bf16_values: x is float32 holding bf16 values; the update and the collapse are rounded to bf16 values
+    and kept float32 (what a bf16 stream stores, in the engine's float32 tensors)."""
     t, dim = _check(x, fn, scale, base, pre_prev, y, post_old, comb_old)
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
+    stored = (lambda v: v.to(torch.bfloat16).to(x.dtype)) if bf16_values else (lambda v: v.to(x.dtype))  # noqa: E731
     xs = x.to(cdt)
     xn = None
     if y is not None:
         xs = post_old.to(cdt)[..., None] * y.to(cdt)[:, None, :] \
             + torch.einsum("tij,tid->tjd", comb_old.to(cdt), xs)
-        xn = xs.to(x.dtype)
+        xn = stored(xs)
         xs = xn.to(cdt)
-    collapse = torch.einsum("tc,tcd->td", pre_prev.to(cdt), xs).to(x.dtype)
+    collapse = stored(torch.einsum("tc,tcd->td", pre_prev.to(cdt), xs))
     flat = xs.flatten(1)
     m = (flat @ fn.to(cdt).T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     pre, post, comb = sinkhorn_split_reference(m, scale.to(cdt), base.to(cdt), hc_eps, iters)
@@ -184,11 +187,21 @@ def _sum_parts(part_ptr, t64, tm, T, KS, BT: tl.constexpr, KSB: tl.constexpr):
 
 
 @triton.jit
-def _update(yv, x0, x1, x2, x3, p, ca, cb, cc, cd, out_ty: tl.constexpr):
-    """One stream of the post/comb update, rounded to the stream's dtype (the mixes and the collapse
-    see the stored stream): p y + ca x0 + cb x1 + cc x2 + cd x3 ([BT] coefficients, [BT, BD] tiles)."""
+def _stored(v, out_ty: tl.constexpr, RND: tl.constexpr):
+    """float32 v as the stream stores it: in its dtype, or (RND: a float32 stream of bf16 values) rounded to
+    bf16 values and kept float32."""
+    if RND:
+        return cast_rne(v, tl.bfloat16).to(tl.float32)
+    else:
+        return cast_rne(v, out_ty)
+
+
+@triton.jit
+def _update(yv, x0, x1, x2, x3, p, ca, cb, cc, cd, out_ty: tl.constexpr, RND: tl.constexpr):
+    """One stream of the post/comb update, as the stream stores it (the mixes and the collapse see the
+    stored stream): p y + ca x0 + cb x1 + cc x2 + cd x3 ([BT] coefficients, [BT, BD] tiles)."""
     v = p[:, None] * yv + ca[:, None] * x0 + cb[:, None] * x1 + cc[:, None] * x2 + cd[:, None] * x3
-    return cast_rne(v, out_ty)
+    return _stored(v, out_ty, RND)
 
 
 @triton.jit
@@ -197,9 +210,10 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
                      DIM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ITERS: tl.constexpr,
                      HAS_POST: tl.constexpr, USE_DOT: tl.constexpr, NP: tl.constexpr, MR: tl.constexpr,
                      DOT_DT: tl.constexpr, PREC: tl.constexpr, FINISH: tl.constexpr, KSB: tl.constexpr,
-                     TOKENS_M: tl.constexpr = False):
+                     TOKENS_M: tl.constexpr = False, RND: tl.constexpr = False):
     """FINISH: 0 partials only (a second launch finishes), 1 finish in registers (one d split),
-    2 partials and the last program of the token block to arrive finishes.
+    2 partials and the last program of the token block to arrive finishes. RND: the stream is float32 of
+    bf16 values; the update and the collapse are stored so (`_stored`), and its tiles are exact bf16 operands.
 
     USE_DOT: fn_ptr is `mhc_fn_pieces(fn, NP)`: NP pieces x 24 rows, stream-interleaved columns
     (column 4 d + j = fn[:, j dim + d]), so chunk ci's A operand is one contiguous [rows, 4 BD] tile
@@ -286,10 +300,10 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
             x2 = x2q.to(tl.float32)
             x3 = x3q.to(tl.float32)
             sty = xn_ptr.dtype.element_ty
-            n0 = _update(yv, x0, x1, x2, x3, p0, c00, c10, c20, c30, sty)
-            n1 = _update(yv, x0, x1, x2, x3, p1, c01, c11, c21, c31, sty)
-            n2 = _update(yv, x0, x1, x2, x3, p2, c02, c12, c22, c32, sty)
-            n3 = _update(yv, x0, x1, x2, x3, p3, c03, c13, c23, c33, sty)
+            n0 = _update(yv, x0, x1, x2, x3, p0, c00, c10, c20, c30, sty, RND)
+            n1 = _update(yv, x0, x1, x2, x3, p1, c01, c11, c21, c31, sty, RND)
+            n2 = _update(yv, x0, x1, x2, x3, p2, c02, c12, c22, c32, sty, RND)
+            n3 = _update(yv, x0, x1, x2, x3, p3, c03, c13, c23, c33, sty, RND)
             tl.store(xn_ptr + xoff, n0, mask=m2)
             tl.store(xn_ptr + xoff + DIM, n1, mask=m2)
             tl.store(xn_ptr + xoff + 2 * DIM, n2, mask=m2)
@@ -302,7 +316,7 @@ def _mhc_main_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, prep_ptr, y_ptr, posto_
         v3 = n3.to(tl.float32)
         sq += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
         col = q0[:, None] * v0 + q1[:, None] * v1 + q2[:, None] * v2 + q3[:, None] * v3
-        tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], cast_rne(col, xc_ptr.dtype.element_ty), mask=m2)
+        tl.store(xc_ptr + t64[:, None] * DIM + d[None, :], _stored(col, xc_ptr.dtype.element_ty, RND), mask=m2)
         if USE_DOT and TOKENS_M:
             xa = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), (BT, 4 * BD)).to(DOT_DT)
             for pc in tl.static_range(NP):
@@ -455,7 +469,7 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
                precision: str = "tf32x3", num_warps: int | None = None, *, token_block: int | None = None,
                split_k: int | None = None, split: int | None = None, num_stages: int | None = None,
                finish_block_t: int | None = None, waves: float | None = None, finish: str = "last",
-               orient: str = "mixes"):
+               orient: str = "mixes", bf16_values: bool = False):
     """The fused mHC (see the module docstring); the outputs of `mhc_reference`.
 
     Tuning: token_block (tokens per program), block_d (d chunk), split_k (programs along d), waves
@@ -466,9 +480,14 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
     one-launch kernel and is ignored (the block follows T). The dot path's fn pieces are made once per
     fn tensor (and version) and cached (`mhc_fn_pieces`). orient (dot path): "mixes" (fn pieces as the
     MMA's M, tokens as N: the default) or "tokens" (tokens as M from registers, each fn piece as B:
-    see the kernel's TOKENS_M)."""
+    see the kernel's TOKENS_M). bf16_values: x (and y) float32 holding bf16 values, as the engine keeps the
+    `reference` numerics' stream: read as they are (no bf16 copy made first), taken as exact bf16 dot
+    operands as a bf16 stream is, the update and the collapse rounded to bf16 values and stored float32
+    (no widening copy after): the same values as the bf16 stream's outputs."""
     del block_t
     t, dim = _check(x, fn, scale, base, pre_prev, y, post_old, comb_old)
+    if bf16_values and x.dtype != torch.float32:
+        raise ValueError(f"bf16_values describes a float32 stream, got {x.dtype}")
     if finish not in ("last", "launch"):
         raise ValueError(f"finish must be 'last' or 'launch', got {finish!r}")
     if orient not in ("mixes", "tokens"):
@@ -481,13 +500,15 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
     comb = torch.empty(t, 4, 4, dtype=torch.float32, device=dev)
     if t == 0:
         return xn, xc, pre, post, comb
+    if block_d is None and bf16_values:  # the bf16 stream's bytes a step (its 64-wide chunks of a 64-token block
+        block_d = 32  # in float32 spill 424 bytes and ask for 240 KB of shared memory on sm_90: past the 227 KB)
     bt, use_dot, bd, ks, cps = mhc_plan(t, dim, dev, block_d, token_block, split_k, waves)
     dot_dt = dot_dtype()
     if split is None:
-        split = 3 if (x.dtype == torch.bfloat16 and dot_dt == tl.bfloat16) else 0
+        split = 3 if ((x.dtype == torch.bfloat16 or bf16_values) and dot_dt == tl.bfloat16) else 0
     if split not in (0, 2, 3):
         raise ValueError(f"split must be 0, 2 or 3 bf16 pieces, got {split}")
-    if split and x.dtype != torch.bfloat16:
+    if split and x.dtype != torch.bfloat16 and not bf16_values:
         raise ValueError("the bf16 split of fn needs a bf16 stream (its values are exact bf16 dot operands)")
     tblocks = triton.cdiv(t, bt)
     mode = 1 if (ks == 1 and not use_dot) else (2 if finish == "last" else 0)
@@ -505,7 +526,8 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
         f32(comb_old) if y is not None else comb, xn if xn is not None else xc, xc, part, cnt, pre, post, comb,
         t, ks, cps, float(norm_eps), float(hc_eps), DIM=dim, BT=bt, BD=bd, ITERS=iters, HAS_POST=y is not None,
         USE_DOT=use_dot, NP=max(1, split), MR=128 if split == 3 else 64, DOT_DT=dot_dt, PREC=precision,
-        FINISH=mode, KSB=_parts_per_load(ks, bt), TOKENS_M=orient == "tokens", num_warps=nw, num_stages=ns)
+        FINISH=mode, KSB=_parts_per_load(ks, bt), TOKENS_M=orient == "tokens", RND=bf16_values, num_warps=nw,
+        num_stages=ns)
     if mode == 0:
         fbt = finish_block_t or min(32, _pow2_at_least(t))
         ksb = _parts_per_load(ks, fbt)

@@ -118,6 +118,30 @@ def test_bf16_stream_update_is_stored_rounded(poisoned, gen):
     assert (got[0] == want[0]).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("t,dim,kw", [(20, 64, {"token_block": 16, "split_k": 1}), (3, 64, {"split_k": 1}),
+                                      (1, 128, {}), (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch"})])
+@pytest.mark.parametrize("with_post", [False, True])
+def test_float32_stream_of_bf16_values_is_the_bf16_stream(poisoned, gen, t, dim, kw, with_post):
+    """bf16_values: the stream (and y) as float32 tensors of bf16 values, read as they are: every output the
+    bf16 stream's, bit for bit (the update and the collapse rounded to bf16 values, stored float32), and within
+    one bf16 step of the float64 reference's rounding."""
+    args = _inputs(gen, t, dim, torch.bfloat16, with_post)
+    wide = tuple(a.float() if a.dtype == torch.bfloat16 else a for a in args)
+    narrow_out = mhc.mhc_triton(*args, **kw)
+    wide_out = mhc.mhc_triton(*wide, bf16_values=True, **kw)
+    for name, a, b in zip(("xn", "collapse", "pre", "post", "comb"), narrow_out, wide_out):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert b.dtype == torch.float32 and torch.equal(a.float(), b), (name, gen.initial_seed())
+    want = mhc.mhc_reference(*wide, bf16_values=True)
+    for a, b in zip(want[:2], wide_out[:2]):
+        if a is not None:
+            assert torch.equal(a.bfloat16().float(), a)  # the reference rounds too
+            assert ((a - b).abs() <= (a.abs() * 2.0**-7).clamp_min(1e-30)).all()
+    with pytest.raises(ValueError, match="bf16_values"):
+        mhc.mhc_triton(*args, bf16_values=True, **kw)
+
+
 def test_mhc_plan_at_release_shapes():
     """dim 5120: 1 token -> 160 FMA programs of one 32-wide chunk; 4K tokens -> 64-token dot blocks x
     2 d splits (128 programs of 40 64-wide chunks, one wave of 132 SMs)."""

@@ -291,6 +291,7 @@ def engram_forward(
     token_mask: torch.Tensor | None = None,
     act=_as_computed,
     gemm=_matmul,
+    mix=None,
 ) -> torch.Tensor:
     """The stream after Engram: x + gate * value per copy, same shape and dtype as x.
 
@@ -301,7 +302,9 @@ def engram_forward(
     q_weight, k_weight: [hc, dim]; token_mask: optional BoolTensor [T], False = leave untouched.
     Computed in float32 (float64 if x is float64). act (engine/ops): how the wkv GEMM's output is
     stored (bf16 in the reference's numerics); by default as computed. gemm: x @ w^T in the
-    numerics' order of sums (by default one matmul). The model's Engram passes both from its ops.
+    numerics' order of sums (by default one matmul). mix: the gated update from the projection
+    (`engram_mix`'s arguments and result; by default engram_mix). The model's Engram passes its ops'
+    gemm_of (which stores its output as `act` would) and engram_mix.
     """
     if x.dim() != 3:
         raise EngramError(f"x must be [T, hc, dim], got shape {tuple(x.shape)}")
@@ -321,6 +324,21 @@ def engram_forward(
     if kv.shape != (n_tok, (hc + 1) * dim):
         raise EngramError(f"wkv gave [{', '.join(map(str, kv.shape))}] from [{n_tok}, {in_features}], "
                           f"not [{n_tok}, {(hc + 1) * dim}]")
+    if token_mask is not None:
+        token_mask = torch.as_tensor(token_mask, dtype=torch.bool)
+        if tuple(token_mask.shape) != (n_tok,):
+            raise EngramError(f"token_mask must be [T={n_tok}], got {tuple(token_mask.shape)}")
+    return (mix or engram_mix)(x, kv, q_weight, k_weight, eps, token_mask)
+
+
+def engram_mix(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+               token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated update of engram_forward: x [T, hc, dim], kv [T, (hc + 1) * dim] (the wkv projection: hc
+    keys, then the value), q_weight / k_weight [hc, dim], token_mask bool [T] or None (False: gate 0)
+    -> x + gate * value per copy, in x's dtype; computed in float32 (float64 if x is float64)."""
+    n_tok, hc, dim = x.shape
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    kv = kv.to(compute)
     key = kv[:, : hc * dim].reshape(n_tok, hc, dim)
     value = kv[:, hc * dim :]  # [T, dim], shared by every copy
     h = x.to(compute)
@@ -330,9 +348,6 @@ def engram_forward(
     dot = (h * weight * key).sum(-1) * rstd * dim**-0.5  # [T, hc]
     gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
     if token_mask is not None:
-        token_mask = torch.as_tensor(token_mask, dtype=torch.bool)
-        if tuple(token_mask.shape) != (n_tok,):
-            raise EngramError(f"token_mask must be [T={n_tok}], got {tuple(token_mask.shape)}")
         gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0.0)
     return (h + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)
 
@@ -371,6 +386,6 @@ class Engram:
         if self.act_quant:
             table = self.ops.fp8_roundtrip(table.flatten(1), 32).view_as(table)
         ops, wkv = self.ops, p + "wkv.weight"
-        return ops.act(engram_forward(x, table, lambda: get(wkv), get(p + "q_weight"), get(p + "k_weight"),
-                                      self.cfg.norm_eps, token_mask=~dead, act=ops.act,
-                                      gemm=lambda flat, fetch: ops.gemm_of(flat, fetch, wkv)))
+        return engram_forward(x, table, lambda: get(wkv), get(p + "q_weight"), get(p + "k_weight"), self.cfg.norm_eps,
+                              token_mask=~dead, gemm=lambda flat, fetch: ops.gemm_of(flat, fetch, wkv),
+                              mix=ops.engram_mix)  # (gemm_of stores its output as `act` would)

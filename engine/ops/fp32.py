@@ -97,6 +97,11 @@ class Fp32Ops:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return self.act(rms_norm(x, weight, eps))
 
+    def engram_mix(self, x, kv, q_weight, k_weight, eps: float, token_mask=None) -> torch.Tensor:
+        """The Engram's gated update of the stream (engine/model/engram.py engram_mix), stored as an activation."""
+        from ..model.engram import engram_mix
+        return self.act(engram_mix(x, kv, q_weight, k_weight, eps, token_mask))
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
         """RoPE on the last len(freqs)*2 dims (engine/model/rope.py), stored as an activation."""
         return self.act(rotate(x, positions, freqs, inverse))
@@ -147,8 +152,9 @@ class Fp32Ops:
         return x @ w.t()
 
     def gemm_of(self, x: torch.Tensor, fetch, name: str) -> torch.Tensor:
-        """`gemm` with the weight `name` fetched by fetch() (the kernel ops may run its stored bytes)."""
-        return self.gemm(x, fetch().to(x.dtype))
+        """`gemm` with the weight `name` fetched by fetch() (the kernel ops may run its stored bytes), its output
+        stored as an activation."""
+        return self.act(self.gemm(x, fetch().to(x.dtype)))
 
     # mHC: the mixes, the collapse of the copies into a sub-layer's input, the update of the stream
     def hc_mixes(self, x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):

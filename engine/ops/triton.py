@@ -37,8 +37,6 @@ compute): engine/run/parity.py compares each kernel with its reference on them.
 
 from __future__ import annotations
 
-import os
-import sys
 import weakref
 from collections import Counter
 
@@ -46,63 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import quant as Q
+from .kernel_path import (KernelPathError, checkpoint_backed, decide, enable_interpreter,  # noqa: F401 (names
+                          interpreter_active, shards_stored_bytes, triton_importable)  # callers take from here)
 
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: fewer heads are zero-padded for attention and the indexer
-
-
-class KernelPathError(ValueError):
-    """The kernel ops cannot run here; the message says why."""
-
-
-# -- where the kernels can run -------------------------------------------------------------------
-
-def interpreter_active() -> bool:
-    """True when the kernels were (or will be) built for TRITON_INTERPRET=1."""
-    mod = sys.modules.get("kernels.sparse_attn")
-    if mod is not None:
-        return type(mod._sparse_attn_kernel).__name__ == "InterpretedFunction"
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def enable_interpreter() -> bool:
-    """Make the Triton kernels run on the CPU (TRITON_INTERPRET=1). Possible only before the kernels
-    are imported in this process; returns whether the interpreter is (now) on."""
-    if "kernels.sparse_attn" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-    return interpreter_active()
-
-
-def triton_importable() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton") is not None
-
-
-def checkpoint_backed(weights) -> bool:
-    """Weights whose raw stored bytes can be read (CheckpointWeights, DeviceWeights over one)."""
-    return getattr(weights, "reader", None) is not None
-
-
-def shards_stored_bytes(weights) -> bool:
-    """A rank's weight source that hands out its slices in the stored formats (engine/serve/parallel.py
-    ShardedWeights), so the kernels of one rank read only its shard."""
-    return callable(getattr(weights, "stored", None)) and getattr(weights, "parallel", None) is not None
-
-
-def decide(flag: bool | None, weights, device, parallel=None) -> bool:
-    """Whether a model on `device` runs the kernel ops (see the module docstring)."""
-    device = torch.device(device)
-    if flag is False:
-        return False
-    rank_ready = parallel is None or shards_stored_bytes(weights)
-    if flag is None:
-        return device.type == "cuda" and rank_ready and checkpoint_backed(weights) and triton_importable()
-    if not rank_ready:
-        raise KernelPathError("one rank of several runs the kernel path on its shard of the stored bytes: "
-                              "its weights must be a ShardedWeights (engine.run.api.load(parallel=...))")
-    if not checkpoint_backed(weights):
-        raise KernelPathError("the kernel path reads a checkpoint's stored bytes; these weights are in-memory "
-                              "tensors (kernels=True needs weights from engine.run.api.load)")
-    return True
 
 
 def _pow2(n: int) -> int:
@@ -309,6 +254,14 @@ class TritonOps:
         kept as is), so without act's two rounding copies (about 20 launches of a decode step)."""
         return y.float() if y.dtype == torch.bfloat16 else self.act(y.float())
 
+    def engram_mix(self, x, kv, q_weight, k_weight, eps: float, token_mask=None) -> torch.Tensor:
+        """The Engram's gated update in one launch (kernels/engram.py), stored as `act` stores it; the wrapped
+        numerics take ~20 launches over float32 temporaries (~3 ms of a 4,096-token prefill, run 18c)."""
+        from kernels.engram import MAX_WIDTH
+        if not self.compute or x.dim() != 3 or x.shape[-1] > MAX_WIDTH:
+            return self.base.engram_mix(x, kv, q_weight, k_weight, eps, token_mask)
+        return self._kernel("engram_mix")(x, kv, q_weight, k_weight, eps, token_mask, round_bf16=self._bf16_stream)
+
     def fp8_roundtrip(self, x: torch.Tensor, block: int = 32) -> torch.Tensor:
         """The E4M3 round trip in one launch (kernels/quant.py), bit for bit the wrapped op's (~20 launches:
         the MoE's input and the window keys, each decode step)."""
@@ -361,10 +314,11 @@ class TritonOps:
         return torch.bmm(xs, ws).sum(0)
 
     def gemm_of(self, x: torch.Tensor, fetch, name: str) -> torch.Tensor:
-        """x @ W^T for the weight `name` (the Engram's wkv): on its stored E4M3 bytes by `fp8_linear` when
+        """x @ W^T for the weight `name` (the Engram's wkv), stored as an activation: on its stored E4M3 bytes
+        by `fp8_linear` (a bf16 output: what `act` stores, and fp32 numerics keep it too) when
         it is stored so (x already E4M3-rounded per 32 by the caller: re-quantized exactly), so its float
         value is never made (a 0.6 GB dequantization each decode step at release size, 0.9 ms on the
-        H200); in the kernel's bf16 form where `linear` would take it (the release's wkv, 20480 x 6144, took
+        H200); in the kernel's bf16 form where `linear` would take it (the release's wkv, 25600 x 6144, took
         5.3 ms of a 4,096-token prefill in the FP8 form, run 18c); else the base op on fetch()."""
         raw, base = None, name[: -len(".weight")]
         if self.compute and self.act_quant and x.dim() == 2 and name.endswith(".weight"):
@@ -551,14 +505,14 @@ class TritonOps:
         if not self.active(layer) or x.shape[1] != 4 or fn.shape[0] != 24:
             return None
         y, post_old, comb_old = update if update is not None else (None, None, None)
-        # the reference's stream is bf16 (every value here bf16-exact): handed over as bf16, the kernel
-        # reads half the bytes, stores the update in bf16 before its mixes read it (as the reference
-        # does) and takes its bf16 3-piece dots instead of tf32x3 (H200 run 15a: 2 x 42 us a decode step
-        # in float32, 25 us in the bf16 bench)
-        stream = torch.bfloat16 if self._bf16_stream else torch.float32
-        args = (x.to(stream).contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
-                None if y is None else y.to(stream).contiguous(), post_old, comb_old)
-        kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters}
+        # the reference's stream is bf16 (every value here bf16-exact, in float32 tensors): read as it is
+        # (`bf16_values`), the kernel stores the update and the collapse rounded to bf16 values (as the
+        # reference does) and takes its bf16 3-piece dots instead of tf32x3 (H200 run 15a: 2 x 42 us a decode
+        # step in float32, 25 us in the bf16 bench); no bf16 copy of the stream before it and no float32 copy
+        # of its outputs after (a 4K-token prefill: ~2 GB a layer of copies, ~0.5 ms at the copy rate)
+        args = (x.float().contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
+                None if y is None else y.float().contiguous(), post_old, comb_old)
+        kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters, "bf16_values": self._bf16_stream}
         self._record(layer, "mhc", case, args, kwargs)
         if not self.compute:
             return None
@@ -569,8 +523,8 @@ class TritonOps:
         fused = self._mhc(layer, "attention mixes", x, fn, scale, base, pre_prev, None, hc_eps, norm_eps, iters)
         if fused is None:
             return self.base.mhc_attention(layer, x, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps)
-        _, attn_in, pre, post, comb = fused  # one launch: collapse + mixes
-        return self._bf16_act(attn_in), pre, post, comb
+        _, attn_in, pre, post, comb = fused  # one launch: collapse + mixes, stored as `act` stores them
+        return attn_in, pre, post, comb
 
     def expand(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
         """The FFN's stream update (no collapse follows it in the block to fuse it with): one launch, bit for
@@ -587,4 +541,4 @@ class TritonOps:
         if fused is None:
             return self.base.mhc_ffn(layer, x, update, fn, scale, base, hc, iters, hc_eps, norm_eps)
         x1, ffn_in, pre, post, comb = fused  # the attention's post/comb update fused with the FFN's collapse + mixes
-        return self._bf16_act(x1), self._bf16_act(ffn_in), pre, post, comb
+        return x1, ffn_in, pre, post, comb
