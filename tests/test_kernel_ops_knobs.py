@@ -45,3 +45,30 @@ def test_attention_knobs_ask_the_kernel_for_two_passes_where_offsets_reach(monke
     assert ops._attn_launch(args(huge)) == {"two_pass": {"decode": "bf16x2"}}
     ops.set_knobs("attn_bf16x2=0")
     assert ops._attn_launch(args(small)) == {"layout": "two_pass"}
+
+
+def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):
+    """TritonOps._mhc over `reference` numerics: with mhc_f32_stream (the default) the kernel gets the float32
+    stream and y as they are, with bf16_values, and its outputs come back as they are; off, bf16 copies go in
+    and float32 copies come out. The same values either way (the mHC kernel's tests: bit for bit)."""
+    import engine.ops.triton as T
+    from engine.ops import ops_for
+
+    monkeypatch.setattr(T, "checkpoint_backed", lambda weights: True)
+    ops = T.TritonOps(ops_for("reference"), type("W", (), {"reader": None})(), "cpu")
+    g = torch.Generator().manual_seed(2)
+    t, dim = 5, 32
+    x, y = torch.randn(t, 4, dim, generator=g).bfloat16().float(), torch.randn(t, dim, generator=g).bfloat16().float()
+    fn, scale, base = torch.randn(24, 4 * dim, generator=g) * 0.05, torch.rand(3, generator=g) + 0.5, torch.zeros(24)
+    pre, post, comb = torch.rand(t, 4, generator=g), torch.rand(t, 4, generator=g), torch.rand(t, 4, 4, generator=g)
+    seen, kernel = [], ops._kernel
+    monkeypatch.setattr(ops, "_kernel", lambda name: lambda *a, **k: (seen.append((a, k)), kernel(name)(*a, **k))[1])
+    out = {}
+    for wide in (True, False):
+        ops.set_knobs(f"mhc_f32_stream={int(wide)}")
+        out[wide] = ops._mhc(0, "test", x, fn, scale, base, pre, (y, post, comb), 1e-6, 1e-20, 20)
+        args, kwargs = seen.pop()
+        assert (args[0] is x and args[5] is y) == wide and args[0].dtype == (torch.float32 if wide else torch.bfloat16)
+        assert kwargs.get("bf16_values", False) == wide
+        assert all(o.dtype == torch.float32 for o in out[wide])
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))

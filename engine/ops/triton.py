@@ -96,7 +96,10 @@ class TritonOps:
     # (kernels/fp4_tiles.py fp4_decoded_folded; ~10% fewer instructions a K step on sm_90), for a layer whose
     # expert scales all fit it (checked once a layer); off until timed
     moe_fold = False
-    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold")  # booleans a bench
+    # the fused mHC on the float32 stream as it is (bf16 values read from float32, outputs stored so; not timed
+    # yet, see _mhc); off: the measured form before it (a bf16 copy of the stream in, float32 copies out)
+    mhc_f32_stream = True
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold", "mhc_f32_stream")  # booleans a bench
     # may set by name (set_knobs)
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
@@ -501,22 +504,29 @@ class TritonOps:
 
     def _mhc(self, layer: int, case: str, x, fn, scale, base, pre_prev, update, hc_eps, norm_eps, iters):
         """The fused mHC: [update X' = post*y + comb^T X], collapse with pre_prev, the next mixes.
-        Returns (X' or None, collapsed [T, dim], pre, post, comb), or None (not 4 copies, or recording)."""
+        Returns (X' or None, collapsed [T, dim], both as `act` stores them, pre, post, comb), or None (not 4
+        copies, or recording)."""
         if not self.active(layer) or x.shape[1] != 4 or fn.shape[0] != 24:
             return None
         y, post_old, comb_old = update if update is not None else (None, None, None)
         # the reference's stream is bf16 (every value here bf16-exact, in float32 tensors): read as it is
-        # (`bf16_values`), the kernel stores the update and the collapse rounded to bf16 values (as the
-        # reference does) and takes its bf16 3-piece dots instead of tf32x3 (H200 run 15a: 2 x 42 us a decode
-        # step in float32, 25 us in the bf16 bench); no bf16 copy of the stream before it and no float32 copy
-        # of its outputs after (a 4K-token prefill: ~2 GB a layer of copies, ~0.5 ms at the copy rate)
-        args = (x.float().contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
-                None if y is None else y.float().contiguous(), post_old, comb_old)
-        kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters, "bf16_values": self._bf16_stream}
+        # (`bf16_values`, knob mhc_f32_stream), the kernel stores the update and the collapse rounded to bf16
+        # values (as the reference does) and takes its bf16 3-piece dots instead of tf32x3 (H200 run 15a: 2 x 42
+        # us a decode step in float32 dots, 25 us in the bf16 bench); no bf16 copy of the stream before it and no
+        # float32 copy of its outputs after (a 4K-token prefill: ~2 GB a layer of copies, ~0.5 ms at the copy
+        # rate). The knob off: the stream handed over as a bf16 copy (what runs 15-20 timed)
+        wide = self._bf16_stream and self.mhc_f32_stream
+        stream = torch.bfloat16 if self._bf16_stream and not wide else torch.float32
+        args = (x.to(stream).contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
+                None if y is None else y.to(stream).contiguous(), post_old, comb_old)
+        kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters, **({"bf16_values": True} if wide else {})}
         self._record(layer, "mhc", case, args, kwargs)
         if not self.compute:
             return None
-        return self._kernel("mhc")(*args, **kwargs)
+        x1, collapsed, *mixes = self._kernel("mhc")(*args, **kwargs)
+        if not wide:  # bf16 outputs (or fp32 numerics' own): as `act` stores them
+            x1, collapsed = None if x1 is None else self._bf16_act(x1), self._bf16_act(collapsed)
+        return x1, collapsed, *mixes
 
     def mhc_attention(self, layer: int, x, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float,
                       norm_eps: float):
