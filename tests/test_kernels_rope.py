@@ -45,6 +45,16 @@ def test_matches_float64_and_the_reference_rotation(gen, shape, rd, inverse):
     ref = ops.rotate(x, positions, freqs, inverse)
     assert torch.equal(rope.rope_reference(x, positions, table, inverse), ref)
     assert (got != ref).float().mean() < 1e-3  # one bf16 step where float32 products straddle a boundary
+    # in place (bf16 values in x): only the rotated dims rewritten, the same bits as the out-of-place kernel
+    for run in (rope.rope_triton, rope.rope_reference):
+        y = x.clone()
+        back = run(y, positions, table, inverse, inplace=True)
+        assert back is y and torch.equal(y, got if run is rope.rope_triton else ref)
+    # a non-contiguous x cannot be rewritten in place: a new tensor, x untouched
+    wide = torch.cat([x, x], -1)[..., : shape[-1]]
+    kept = wide.clone()
+    assert torch.equal(rope.rope_triton(wide, positions, table, inverse, inplace=True), got)
+    assert torch.equal(wide, kept)
 
 
 def test_rejects_bad_shapes():

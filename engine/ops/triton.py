@@ -241,11 +241,14 @@ class TritonOps:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
         """RoPE in one kernel (kernels/rope.py) on the wrapped `reference` numerics' own table, where their
-        form takes ~8 launches (a decode step rotates 3-6 tensors); other numerics: theirs."""
+        form takes ~8 launches (a decode step rotates 3-6 tensors); other numerics: theirs. In place: the
+        model rotates fresh activations it does not read again unrotated (q, the window and compressed keys,
+        the output), holding bf16 values, so only the rotated dims are read and written (64 of 512 for q)."""
         rd = freqs.numel() * 2
         if not (self.compute and self._bf16_stream) or rd > x.shape[-1] or (x.shape[-1] - rd) % 2:
             return self.base.rotate(x, positions, freqs, inverse)
-        return self._kernel("rope")(x, positions, torch.view_as_real(self.base._rope_table(freqs, x.device)), inverse)
+        table = torch.view_as_real(self.base._rope_table(freqs, x.device))
+        return self._kernel("rope")(x, positions, table, inverse, inplace=True)
 
     @property
     def _bf16_stream(self) -> bool:
