@@ -397,9 +397,15 @@ class Indexer:
         and the numerics' choice among ties (ops.break_ties).
         -> (idx [B, k], picked [B, k], k-th score [B], tied [B, k])."""
         ranking = self.ranking(scores, visible) if ranking is None else ranking
-        top_up = self.role.in_candidate_pool and self.ops.tops_up_pool
         block_idx, block_picked = topk_in_position_order(ranking, k) if picks is None else picks
         block_kth, block_tied = self.ops.tie_marks(ranking, block_idx, block_picked)
+        return self.resolve_ties(scores, ranking, visible, n, k, block_idx, block_picked, block_kth, block_tied)
+
+    def resolve_ties(self, scores, ranking, visible, n: int, k: int, block_idx, block_picked, block_kth, block_tied):
+        """settle's second half: the numerics' choice among the tied picks (ops.break_ties), re-marked. Rows
+        are independent, so it takes any number of blocks at once (the kernel ops: once a prefill, one host
+        read of which rows tie instead of one a block)."""
+        top_up = self.role.in_candidate_pool and self.ops.tops_up_pool
         # who takes a tie is the numerics' choice (the reference: torch's topk over the whole row)
         chosen = self.ops.break_ties(scores.detach(), ranking, visible, n, k, block_idx, block_picked, block_tied)
         if chosen[0] is not block_idx:  # re-picked rows: their picks at the old k-th score stay marked tied

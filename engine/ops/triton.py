@@ -447,8 +447,14 @@ class TritonOps:
             ranking = indexer.ranking(scores, visible[b])
             sel = topk_fn(ranking, kp2, vis[b])[:, :k].long()
             got = ranking.gather(-1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
-            parts.append((*indexer.settle(scores, visible[b], n, k, picks=(sel, got), ranking=ranking), scores))
-        idx, picked, kth, tied, scores = (torch.cat(p) for p in zip(*parts))
+            kth, tied = self.tie_marks(ranking, sel, got)
+            parts.append((sel, got, kth, tied, scores, ranking if ranking.data_ptr() != scores.data_ptr() else None))
+        idx, picked, kth, tied, scores = (torch.cat(p) for p in list(zip(*parts))[:5])
+        own = [r for *_, r in parts if r is not None]  # blocks whose ranking is not their scores (a top-up)
+        ranking = torch.cat([s if r is None else r for *_, s, r in parts]) if own else scores
+        # the ties settled once for every block: one host read of the tied rows where the numerics take one,
+        # after all the blocks' kernels are queued (a 4K prefill: 8 blocks, 8 reads that left the GPU idle)
+        idx, picked, kth, tied = indexer.resolve_ties(scores, ranking, visible, n, k, idx, picked, kth, tied)
         indexer.took(idx, (kth, tied), runner_ups(scores, idx) if indexer.detail else None,
                      scores if torch.is_grad_enabled() else None)
         return idx, picked
