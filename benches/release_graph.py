@@ -241,6 +241,8 @@ def table(report: dict) -> str:
             continue
         peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 1e9:.1f}"
         note = ("" if row["warm"] else "first pass (compiles included); ") + f"chain {row['chain']}"
+        if row["phase"] == "prefill" and row.get("host_syncs"):  # (the decode step's: the graph table)
+            note += f"; host syncs {', '.join(row['host_syncs'])}"
         lines.append(f"| {row['title']} | {row['layer']} | {row['phase']} {row['queries']} | {row['time_s'] * 1e3:.2f} | "
                      f"{row['flops'] / 1e9:.4g} | {row['bytes'] / 1e6:.4g} | {row['floor_s'] * 1e3:.4g} | {row['limit']} | "
                      f"{row['ratio']:.1f} | {'met' if row['goal_met'] else 'missed'} | {peak} | {row['touched_experts']} | {note} |")

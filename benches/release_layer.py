@@ -340,8 +340,8 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
     "decode_out"}. profiles: a dict to receive the last layer's profile per phase (a pass of its own: the
     profiler slows what it watches). graph: a dict to receive the last layer's decode step captured as a
     CUDA graph (`graph_decode`) instead of run eagerly; with profiles too, one replay is profiled into
-    profiles["decode graph"]. syncs: a list to receive the host syncs of the last
-    layer's decode step (CUDA's sync debug mode: file, line, message)."""
+    profiles["decode graph"]. syncs: a dict to receive, per phase, the host syncs of the last layer
+    (CUDA's sync debug mode: file:line of each)."""
     from engine.model.attention import Shared
     target = layers[-1]
     model.reset()
@@ -367,7 +367,8 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
                 graph.update(graph_decode(block, x, pre, positions, shared, step, device, profiles))
                 continue
             with profiled(profiles if L == target else None, phase, device), \
-                    listed_host_syncs(syncs if L == target and phase == "decode" else None, device):
+                    listed_host_syncs(syncs.setdefault(phase, []) if syncs is not None and L == target else None,
+                                      device):
                 y, _ = block.forward(x, pre, positions, shared, step, None, probe)
                 _sync(device)
             if L == target and phase == "decode":
@@ -387,11 +388,12 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
     role = role_plan(cfg)[layer]
     layers = chain(cfg, layer)
     gen_s = sum(gen.add_layer(L) for L in layers)
-    passes, times, first_pass, syncs = [], [], None, []
+    passes, times, first_pass, syncs = [], [], None, {}
     for attempt in range(args.passes):
         started = time.perf_counter()
+        # the host syncs of the first warm pass (the first one's include weight uploads and compiles)
         got = run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
-                       syncs=syncs if attempt == 0 else None)
+                       syncs=syncs if attempt == min(1, args.passes - 1) else None)
         took = time.perf_counter() - started
         times.append(took)
         passes.append(got)
@@ -433,8 +435,8 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
             rows[-1]["profile"] = profiles[phase]
         if phase == "decode" and "decode graph" in profiles:
             rows[-1]["graph_profile"] = profiles["decode graph"]
+        rows[-1]["host_syncs"] = syncs.get(phase, [])
         if phase == "decode":
-            rows[-1]["host_syncs"] = syncs
             rows[-1].update(graph_row(graph, got.get("decode_out"), floor_s), **loop)
     return rows
 
