@@ -21,10 +21,10 @@ from kernels._formats import cast_rne
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False,
                    inplace: bool = False):
     """engine/ops/reference.py's rotation by the table's rows at `positions` (inplace: written into a
-    contiguous float32 x, which is returned)."""
+    contiguous float32 or bf16 x, which is returned)."""
     from engine.ops.reference import rotate_by
     out = rotate_by(x, torch.view_as_complex(table[positions.long()].contiguous()), inverse)
-    return x.copy_(out) if inplace and x.dtype == torch.float32 and x.is_contiguous() else out
+    return x.copy_(out) if inplace and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() else out
 
 
 @triton.jit
@@ -62,8 +62,8 @@ def _rope_slice_kernel(x_ptr, pos_ptr, tab_ptr, rows, per_token, D: tl.constexpr
     rmask = r < rows
     m = rmask[:, None] & (j < RD)[None, :]
     row = r.to(tl.int64)[:, None] * D + (D - RD)
-    x = tl.load(x_ptr + row + j[None, :], mask=m, other=0.0)
-    xp = tl.load(x_ptr + row + (j ^ 1)[None, :], mask=m, other=0.0)  # the pair's other half
+    x = tl.load(x_ptr + row + j[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + row + (j ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)  # the pair's other half
     pos = tl.load(pos_ptr + r // per_token, mask=rmask, other=0).to(tl.int64)
     at = tab_ptr + (pos[:, None] * (RD // 2) + (j // 2)[None, :]) * 2
     c = tl.load(at, mask=m, other=1.0)
@@ -72,22 +72,25 @@ def _rope_slice_kernel(x_ptr, pos_ptr, tab_ptr, rows, per_token, D: tl.constexpr
         s = -s
     even = x * c - xp * s  # as _rope_kernel computes them
     odd = xp * s + x * c
-    y = tl.where(((j & 1) == 1)[None, :], odd, even)
-    tl.store(x_ptr + row + j[None, :], cast_rne(y, tl.bfloat16).to(tl.float32), mask=m)
+    y = cast_rne(tl.where(((j & 1) == 1)[None, :], odd, even), tl.bfloat16)
+    if x_ptr.dtype.element_ty == tl.float32:
+        y = y.to(tl.float32)
+    tl.store(x_ptr + row + j[None, :], y, mask=m)
 
 
 def rope_triton(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False,
                 inplace: bool = False):
     """The kernel; same inputs and output as rope_reference. inplace: x holds bf16 values (the reference's
     activations, whose rounding leaves them as they are) and the caller has no further use for them: a
-    contiguous float32 x has only its last rd dims rewritten, in place (rd / D of the traffic: a 4K-token
-    prefill's queries read and wrote 1.1 GB for 64 of 512 dims, ~0.25 ms on the H200), and is returned."""
+    contiguous float32 or bf16 x has only its last rd dims rewritten, in place (rd / D of the traffic: a
+    4K-token prefill's queries read and wrote 1.1 GB for 64 of 512 dims, ~0.25 ms on the H200), and is
+    returned."""
     d, rd = x.shape[-1], table.shape[1] * 2
     if table.dim() != 3 or table.shape[2] != 2 or rd > d or (d - rd) % 2:
         raise ValueError(f"table must be [P, rd/2, 2] with rd <= D and D - rd even (D {d}, table {tuple(table.shape)})")
     if positions.shape != (x.shape[0],):
         raise ValueError(f"positions must be [T] = [{x.shape[0]}], got {tuple(positions.shape)}")
-    if inplace and x.dtype == torch.float32 and x.is_contiguous():
+    if inplace and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
         rows = x.numel() // d
         if rows and rd:
             br = max(1, min(32, 2048 // triton.next_power_of_2(rd)))

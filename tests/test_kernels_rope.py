@@ -47,9 +47,10 @@ def test_matches_float64_and_the_reference_rotation(gen, shape, rd, inverse):
     assert (got != ref).float().mean() < 1e-3  # one bf16 step where float32 products straddle a boundary
     # in place (bf16 values in x): only the rotated dims rewritten, the same bits as the out-of-place kernel
     for run in (rope.rope_triton, rope.rope_reference):
-        y = x.clone()
-        back = run(y, positions, table, inverse, inplace=True)
-        assert back is y and torch.equal(y, got if run is rope.rope_triton else ref)
+        want_here = got if run is rope.rope_triton else ref
+        for y in (x.clone(), x.bfloat16()):  # float32 of bf16 values, or bf16 itself (the attention's output)
+            back = run(y, positions, table, inverse, inplace=True)
+            assert back is y and torch.equal(y.float(), want_here), y.dtype
     # a non-contiguous x cannot be rewritten in place: a new tensor, x untouched
     wide = torch.cat([x, x], -1)[..., : shape[-1]]
     kept = wide.clone()

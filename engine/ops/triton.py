@@ -22,7 +22,8 @@ weights, the engine's hidden state), the fused mHC (`mhc`: the attention mixes; 
 the attention's post/comb update) and the FFN's stream update alone (`mhc_expand`), RMSNorm, RoPE
 (`rope`), and the caches' and activations' FP8/FP4 stores (`quantize_fp8`, `fp8_roundtrip`,
 `quantize_fp4` with the loaded values). Under `reference` they return float32 holding bf16 values, as
-its `act` stores them. Numerics differ from the wrapped ops only where the kernels' order of sums or
+its `act` stores them, but for the sparse attention's output: bf16 itself, for its one consumer (the output
+projection's RoPE in place and bf16 GEMM). Numerics differ from the wrapped ops only where the kernels' order of sums or
 their MMAs do (each kernel against its reference: the interpreter tests; the whole forward: notes/parity.md).
 
 Weights: the raw bytes come from the weight source's own device copy where it keeps one
@@ -344,8 +345,9 @@ class TritonOps:
             w = self._bf16_weight(name)
             if w is not None:
                 w = w.view(o.shape[1], -1, o.shape[2])
-                out = torch.bmm(o.transpose(0, 1).to(torch.bfloat16), w.transpose(1, 2))
-                return self._bf16_act(out.transpose(0, 1))
+                out = torch.bmm(o.transpose(0, 1).to(torch.bfloat16), w.transpose(1, 2))  # o bf16: no copy
+                # [T, g, r] float32 laid out for wo_b (its flatten a view, not a second copy)
+                return out.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
         return self.base.grouped_out(o, wo_a, name)
 
     def _bf16_weight(self, base: str) -> torch.Tensor | None:
@@ -390,8 +392,10 @@ class TritonOps:
         self._record(layer, "sparse_attn", "window + selected" if source is not None else "window only", args)
         if not self.compute:
             return self.base.sparse_attention(layer, q, keys, n_cached, window_bytes, idx, source, sink, window, scale)
-        # float_out: the bf16 values as float32, no widening copy
-        out = self._kernel("sparse_attn")(*args, float_out=True, **self._attn_launch(args))
+        # under `reference`, bf16 as the kernel stores it: its one consumer (Attention.output: the RoPE in place,
+        # then grouped_out's bf16 GEMM) takes bf16, so neither a float32 output nor a bf16 copy of it is made (a
+        # 4K prefill's o: 0.27 GB written instead of 0.54, and no 0.8 GB conversion); else float32 values
+        out = self._kernel("sparse_attn")(*args, float_out=not self._bf16_stream, **self._attn_launch(args))
         return out if heads == h else out[:, :h].contiguous()
 
     def _attn_launch(self, args) -> dict:
