@@ -43,10 +43,11 @@ def _check(x, w, w_scale):
     return m, n, k
 
 
-def fp8_linear_reference(x, w, w_scale, float_out: bool = False, mma: str = "fp8"):
+def fp8_linear_reference(x, w, w_scale, float_out: bool = False, mma: str = "fp8", x_values=None):
     """x [M, K] (quantized to E4M3 per 32 here) @ the dequantized weight^T in float64 (float32 off the CPU)
-    -> bf16 [M, N] (float_out: those values as float32). mma: the kernel's form, the same products for both."""
-    del mma
+    -> bf16 [M, N] (float_out: those values as float32). mma: the kernel's form, the same products for both;
+    x_values: the kernel's reuse of x's rounded values (the same values: ignored here)."""
+    del mma, x_values
     m, n, k = _check(x, w, w_scale)
     cdt = torch.float64 if x.device.type == "cpu" else torch.float32
     q, s = Q.quantize_fp8(x.cpu() if x.device.type != "cpu" else x)
@@ -249,13 +250,15 @@ def fp8_linear_plan(m: int, n: int, k: int, device, block_m: int = 128, block_n:
 
 def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = None, num_warps: int | None = None,
                       num_stages: int = 4, native: bool | None = None, split_k: int | None = None,
-                      waves: float = 2.0, float_out: bool = False, mma: str = "fp8", block_k: int = 64):
+                      waves: float = 2.0, float_out: bool = False, mma: str = "fp8", block_k: int = 64,
+                      x_values: torch.Tensor | None = None):
     """x [M, K] @ dequant(w)^T -> bf16 [M, N] (float_out: its bf16 values as float32, rounded to nearest
     even in the kernel: what the reference numerics store, without a widening copy); the launch shape from
     `fp8_linear_plan` (num_warps: 8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step).
     mma: "fp8" (the FP8 tensor-core form, 32 of K per step) or "bf16" (bf16 products of the exact values,
     block_k of K per step (64 where it does not divide K, a multiple of 64); weight scale bytes above
-    BF16_MAX_SCALE_BYTE give NaN, see `bf16_form_fits`)."""
+    BF16_MAX_SCALE_BYTE give NaN, see `bf16_form_fits`). x_values (bf16 form): `x_values_bf16(x)` made
+    already, for linears that share an input (the attention's wq_a and wkv, the shared expert's w1 and w3)."""
     m, n, k = _check(x, w, w_scale)
     if mma not in ("fp8", "bf16"):
         raise ValueError(f"FP8 linear: unknown mma form {mma!r} (fp8 or bf16)")
@@ -274,7 +277,10 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
     if bf16:
-        _fp8_linear_bf16_kernel[grid](x_values_bf16(x), w.contiguous().view(torch.uint8),
+        if x_values is not None and (x_values.shape != x.shape or x_values.dtype != torch.bfloat16):
+            raise ValueError(f"FP8 linear: x_values {tuple(x_values.shape)} {x_values.dtype} are not x's bf16 values")
+        _fp8_linear_bf16_kernel[grid](x_values_bf16(x) if x_values is None else x_values.contiguous(),
+                                      w.contiguous().view(torch.uint8),
                                       w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,
                                       BK=bk, DT=dot_dtype(), GROUP=8, PARTIAL=splits > 1,
                                       num_warps=nw, num_stages=num_stages)

@@ -48,3 +48,44 @@ def test_ties_are_settled_once_for_every_query_block(tmp_path, monkeypatch):
         assert (out[64][layer][1] is None) == (out[16][layer][1] is None)
         if out[64][layer][1] is not None:
             assert torch.equal(out[64][layer][1], out[16][layer][1]), layer
+
+
+def test_linears_sharing_an_input_round_it_once(monkeypatch):
+    """TritonOps._x_values: the bf16 form's rounded input is made once for two linears fed the same tensor
+    (wq_a and wkv), again after an in-place write (the version), and after the in-place RoPE, which drops what
+    it rewrites (inference tensors keep no version)."""
+    import kernels.dispatch as dispatch
+    import kernels.fp8_linear as fp8_linear
+    from engine import quant
+    from engine.ops import ops_for
+    from engine.ops.stored import StoredWeights, TensorReader
+    from engine.ops.triton import TritonOps
+
+    g = torch.Generator().manual_seed(3)
+    stored = {}
+    for name in ("layers.0.attn.wq_a", "layers.0.attn.wkv"):
+        q, s = quant.quantize_fp8_weight(torch.randn(64, 128, generator=g) / 10, 32)
+        stored[name + ".weight"], stored[name + ".scale"] = q, s
+    ops = TritonOps(ops_for("reference"), StoredWeights(reader=TensorReader(stored)), "cpu")
+    made, seen = [], []
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(fp8_linear, "x_values_bf16", lambda x: made.append(x) or x.bfloat16())
+    from kernels.rope import rope_reference
+    monkeypatch.setattr(ops, "_kernel", lambda name: rope_reference if name == "rope" else
+                        lambda *a, **k: seen.append(k.get("x_values")) or fp8_linear.fp8_linear_reference(*a, **k))
+    x = torch.randn(80, 128, generator=g)
+    for base in ("layers.0.attn.wq_a", "layers.0.attn.wkv"):
+        ops.linear(x, base, None, True, None)
+    assert len(made) == 1 and seen[0] is seen[1] is not None
+    x.mul_(2)  # written in place: a new version, new values
+    ops.linear(x, "layers.0.attn.wq_a", None, True, None)
+    assert len(made) == 2 and seen[2] is not seen[1]
+    with torch.inference_mode():
+        xi = torch.randn(80, 128)
+        ops.linear(xi, "layers.0.attn.wq_a", None, True, None)
+        ops.linear(xi, "layers.0.attn.wkv", None, True, None)
+        assert len(made) == 3  # identity alone
+        freqs = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+        assert ops.rotate(xi, torch.arange(80), freqs) is xi  # written in place
+        ops.linear(xi, "layers.0.attn.wkv", None, True, None)
+        assert len(made) == 4

@@ -120,6 +120,7 @@ class TritonOps:
         self._experts: dict[str, tuple | None] = {}
         self._bf16: dict[str, torch.Tensor | None] = {}
         self._bf16_of: dict[int, tuple] = {}  # id(float weight) -> (a weak reference to it, its bf16 copy)
+        self._x_memo: list[tuple] = []  # (linear input, its version, its bf16 form values): the last two
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""
@@ -228,9 +229,26 @@ class TritonOps:
             self._record(layer, "fp8_linear", ".".join(parts[2:]), args)
             if self.compute:
                 # bf16 values stored as float32 by the kernel (as _bf16_act keeps a bf16 output), no widening copy
-                form = {"mma": "bf16"} if self._bf16_form(base, x2.shape[0]) else {}
+                form = {"mma": "bf16", "x_values": self._x_values(x, x2)} if self._bf16_form(base, x2.shape[0]) else {}
                 return self._kernel("fp8_linear")(*args, float_out=True, **form).view(*x.shape[:-1], -1)
         return self.base.linear(x, base, weights, act_quant, round_input)
+
+    def _x_values(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
+        """The bf16 form's E4M3-rounded input values for x, made once for linears that share it (wq_a and wkv,
+        the shared expert's w1 and w3, q_a into both wq_b): the last two inputs kept, matched by identity and
+        version. Inference tensors keep no version, so the ops that write in place (`rotate`) drop a kept
+        input themselves. None where the kernels' references run."""
+        from kernels import dispatch
+        if not dispatch.use_triton(x.device):
+            return None
+        version = None if x.is_inference() else x._version
+        for seen, seen_version, values in self._x_memo:
+            if seen is x and seen_version == version:
+                return values
+        from kernels.fp8_linear import x_values_bf16
+        values = x_values_bf16(x2)
+        self._x_memo = [(x, version, values)] + self._x_memo[:1]
+        return values
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """One kernel (kernels/rmsnorm.py) where the wrapped numerics take seven launches: float32, its
@@ -249,6 +267,7 @@ class TritonOps:
         if not (self.compute and self._bf16_stream) or rd > x.shape[-1] or (x.shape[-1] - rd) % 2:
             return self.base.rotate(x, positions, freqs, inverse)
         table = torch.view_as_real(self.base._rope_table(freqs, x.device))
+        self._x_memo = [kept for kept in self._x_memo if kept[0] is not x]  # x is written below
         return self._kernel("rope")(x, positions, table, inverse, inplace=True)
 
     @property
