@@ -10,6 +10,7 @@ import importlib.util
 
 import torch
 
+from kernels import elementwise as _ew
 from kernels import engram as _engram
 from kernels import fp8_linear as _lin
 from kernels import indexer as _idx
@@ -38,6 +39,8 @@ _PAIRS = {
     "rope": (_rope.rope_reference, _rope.rope_triton),
     "tie_marks": (_ties.tie_marks_reference, _ties.tie_marks_triton),
     "engram_mix": (_engram.engram_mix_reference, _engram.engram_mix_triton),
+    "swiglu": (_ew.swiglu_reference, _ew.swiglu_triton),
+    "add": (_ew.add_reference, _ew.add_triton),
 }
 
 
@@ -96,6 +99,14 @@ def rope(*args, **kwargs):
 
 def tie_marks(*args, **kwargs):
     return _call("tie_marks", *args, **kwargs)
+
+
+def swiglu(*args, **kwargs):
+    return _call("swiglu", *args, **kwargs)
+
+
+def add(*args, **kwargs):
+    return _call("add", *args, **kwargs)
 
 
 def engram_mix(*args, **kwargs):

@@ -44,7 +44,8 @@ from engine_helpers import check_same_experts_but_near_ties, random_ids, tiny_co
 PROMPT = "The quick brown fox jumps over the dog."  # 18 tokens with the shipped tokenizer
 PROBES = ("topk", "routing")
 ALL_KERNELS = {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores", "topk_positions",
-               "rms_norm", "rope", "mhc_expand", "fp8_roundtrip", "quantize_fp8", "tie_marks", "engram_mix"}
+               "rms_norm", "rope", "mhc_expand", "fp8_roundtrip", "quantize_fp8", "tie_marks", "engram_mix",
+               "swiglu", "add"}
 
 needs_model = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").exists(), reason="no shipped model")
 

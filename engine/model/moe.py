@@ -109,7 +109,7 @@ class MoE:
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, probe: dict | None) -> torch.Tensor:
         """x [T, dim] (normalized) -> [T, dim]; probe (a dict, or None) receives the routing."""
-        cfg, ops, linear, act = self.cfg, self.ops, self.linear, self.ops.act
+        cfg, ops, linear = self.cfg, self.ops, self.linear
         scores, experts, weights = self.gate(x, image_mask)
         if self.parallel is None:
             y = ops.routed_experts(cfg, self.layer, self.prefix, x, experts, weights, self.get, linear)
@@ -118,8 +118,8 @@ class MoE:
             y = self.parallel.all_reduce(ops.routed_experts(cfg, self.layer, self.prefix, x, experts, weights,
                                                             self.get, linear, owned))
         shared = self.prefix + "shared_experts."
-        y = act(y + linear(act(swiglu(linear(x, shared + "w1"), linear(x, shared + "w3"), cfg.swiglu_limit)),
-                           shared + "w2"))
+        h = ops.swiglu(linear(x, shared + "w1"), linear(x, shared + "w3"), cfg.swiglu_limit)
+        y = ops.add(y, linear(h, shared + "w2"))
         if probe is not None:
             probe["experts"], probe["weights"], probe["scores"] = experts, weights, scores
         return y

@@ -97,6 +97,15 @@ class Fp32Ops:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return self.act(rms_norm(x, weight, eps))
 
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """The shared expert's gated product (engine/model/moe.py swiglu), stored as an activation."""
+        from ..model.moe import swiglu
+        return self.act(swiglu(gate, up, limit))
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a + b stored as an activation (the routed experts' sum plus the shared expert's output)."""
+        return self.act(a + b)
+
     def engram_mix(self, x, kv, q_weight, k_weight, eps: float, token_mask=None) -> torch.Tensor:
         """The Engram's gated update of the stream (engine/model/engram.py engram_mix), stored as an activation."""
         from ..model.engram import engram_mix
