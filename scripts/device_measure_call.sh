@@ -42,7 +42,8 @@ for step in "$@"; do
     gputests) # the GPU-only tests, each file in a pytest process of its own (the interpreter tests set
       # TRITON_INTERPRET=1 at import, which would make a GPU test in the same process run interpreted)
       for t in tests/test_decode_graphs.py "tests/test_kernels_sparse_attn.py -k on_the_gpu" \
-               "tests/test_kernels_fp8_linear.py -k on_the_gpu"; do
+               "tests/test_kernels_fp8_linear.py -k on_the_gpu" "tests/test_kernels_moe.py -k on_the_gpu" \
+               tests/test_kernels_glue_on_the_gpu.py; do
         timeout "${GPUTESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider $t >> "$R/gputests.log" 2>&1
         echo "$t exit $?" >> "$R/gputests.log"
       done

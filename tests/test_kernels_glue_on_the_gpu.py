@@ -1,0 +1,91 @@
+"""The twenty-third session's prefill glue kernels compiled on the GPU (the interpreter tests run their Python,
+not Triton's compiler, and the mHC's float32-stream form takes bf16 dots only there): each in a fresh process
+(kernel modules other tests import under TRITON_INTERPRET=1 would stay interpreted), against its reference.
+Skipped without a GPU; scripts/device_measure_call.sh's gputests step runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.triton_interp import env_without_interpreter
+
+ROOT = Path(__file__).resolve().parent.parent
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels")
+
+
+def _run(code: str) -> None:
+    run = subprocess.run([sys.executable, "-c", "import torch\ng = torch.Generator().manual_seed(23)\n" + code],
+                         env=env_without_interpreter(), capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@on_gpu
+def test_mhc_float32_stream_is_the_bf16_stream_bit_for_bit():
+    """bf16_values on the GPU takes the bf16 3-piece dots, as the bf16 stream does: every output equal, at a
+    decode step, a prefill and one token, with and without the update."""
+    _run("""
+from kernels import mhc
+dim = 5120
+for t in (1, 64, 4096):
+    for post in (False, True):
+        x = torch.randn(t, 4, dim, generator=g).bfloat16().cuda()
+        args = [x, (torch.randn(24, 4 * dim, generator=g) * 0.01).cuda(), (torch.rand(3, generator=g) + 0.5).cuda(),
+                (torch.randn(24, generator=g) * 0.5).cuda(), torch.rand(t, 4, generator=g).cuda()]
+        if post:
+            args += [torch.randn(t, dim, generator=g).bfloat16().cuda(), (torch.rand(t, 4, generator=g) * 2).cuda(),
+                     torch.softmax(torch.randn(t, 4, 4, generator=g), -1).cuda()]
+        narrow = mhc.mhc_triton(*args)
+        wide = mhc.mhc_triton(*[a.float() if a.dtype == torch.bfloat16 else a for a in args], bf16_values=True)
+        for a, b in zip(narrow, wide):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.float(), b), (t, post)
+""")
+
+
+@on_gpu
+def test_engram_mix_rope_and_shared_expert_kernels_against_their_references():
+    _run("""
+from kernels import elementwise, engram, rope
+t, hc, d = 64, 4, 5120
+x = torch.randn(t, hc, d, generator=g).bfloat16().float().cuda()
+kv = torch.randn(t, (hc + 1) * d, generator=g).bfloat16().float().cuda()
+qw, kw = (torch.rand(hc, d, generator=g) + 0.5).cuda(), torch.randn(hc, d, generator=g).cuda()
+mask = (torch.rand(t, generator=g) > 0.2).cuda()
+got = engram.engram_mix_triton(x, kv, qw, kw, 1e-6, mask, round_bf16=True)
+want = engram.engram_mix_reference(x, kv, qw, kw, 1e-6, mask, round_bf16=True)
+differ = got != want
+assert differ.float().mean() < 1e-3 and ((got - want).abs()[differ] <= want.abs()[differ] * 2.0**-7).all()
+assert torch.equal(got[~mask], x[~mask])
+table = torch.randn(4096, 32, 2, generator=g).cuda()
+pos = torch.randint(0, 4096, (t,), generator=g).cuda()
+for shape in ((t, 64, 512), (t, 128)):
+    q = torch.randn(*shape, generator=g).bfloat16().float().cuda()
+    whole = rope.rope_triton(q, pos, table)
+    for y in (q.clone(), q.bfloat16()):
+        assert rope.rope_triton(y, pos, table, inplace=True) is y and torch.equal(y.float(), whole), shape
+a, b = torch.randn(t, 2304, generator=g).cuda() * 8, torch.randn(t, 2304, generator=g).cuda() * 8
+got = elementwise.swiglu_triton(a, b, 10.0, round_bf16=True)
+want = elementwise.swiglu_reference(a, b, 10.0, round_bf16=True)
+differ = got != want
+assert differ.float().mean() < 1e-2 and ((got - want).abs()[differ] <= want.abs()[differ] * 2.0**-7).all()
+assert torch.equal(elementwise.add_triton(a, b, round_bf16=True), (a + b).bfloat16().float())
+""")
+
+
+@on_gpu
+def test_fp8_linear_takes_the_rounded_input_it_is_given():
+    _run("""
+from kernels import fp8_linear
+x = torch.randn(256, 1024, generator=g).cuda()
+w = (torch.randn(512, 1024, generator=g) * 30).to(torch.float8_e4m3fn).cuda()
+ws = torch.randint(118, 124, (16, 32), generator=g, dtype=torch.uint8).cuda().view(torch.float8_e8m0fnu)
+own = fp8_linear.fp8_linear_triton(x, w, ws, mma="bf16", float_out=True)
+given = fp8_linear.fp8_linear_triton(x, w, ws, mma="bf16", float_out=True, x_values=fp8_linear.x_values_bf16(x))
+assert torch.equal(own, given)
+""")
