@@ -212,6 +212,8 @@ def cases():
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                     num_stages=3, bf16_decode=False)),
+            ("MoE prefill, the engine's hidden state", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
+                                                                num_stages=3, hidden="reference")),
             ("MoE prefill, folded scales", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                    num_stages=3, bf16_decode="fold", hidden="reference")),
             ("MoE decode step, folded scales", experts(64, block_m=16, block_n=64, bf16_decode="fold",
