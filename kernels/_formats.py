@@ -169,6 +169,20 @@ def e4m3_code(v):
 
 
 @triton.jit
+def e4m3_rounded(v):
+    """float32 in [-448, 448] -> its E4M3 value (round to nearest even), as float32: e4m3_value(e4m3_code(v))
+    without the byte. Normals: the mantissa rounded to 3 bits on the float's own bits (a carry into the
+    exponent is the right answer); below 2^-6, the uniform 2^-9 grid by adding and taking off 1.5 x 2^14
+    (whose float32 ulp is 2^-9); the sign kept on the bits (a tiny negative rounds to -0, as its code does)."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & -0x100000).to(tl.float32, bitcast=True)
+    magnitude = tl.where(a < 0.015625, (a + 24576.0) - 24576.0, normal)
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e2m1_code(v):
     """float32 in [-6, 6] -> 4-bit E2M1 code (int32 lane, bit 3 = sign), round to nearest even."""
     a = tl.abs(v)

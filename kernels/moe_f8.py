@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import cast_rne, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_value, pow2_scale_up
+from kernels._formats import cast_rne, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_rounded, e4m3_value, pow2_scale_up
 
 
 @triton.jit
@@ -100,26 +100,33 @@ def act(v, RB: tl.constexpr):
 
 
 @triton.jit
-def swiglu_e4m3(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
-    """The engine's hidden state from gate and up sums acc1, acc3 [BN rows of I, BM pairs] and the pairs'
-    routing weights tw [BM]: act(w * SwiGLU(act(gate), act(up))) quantized to E4M3 with an E8M0 scale per 32
-    consecutive rows, as engine.quant.quantize_fp8 -> (E4M3 codes int32 [BN, BM], scales float32
-    [BN/32, BM])."""
+def _swiglu_groups(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
+    """act(w * SwiGLU(act(gate), act(up))) from gate and up sums acc1, acc3 [BN rows of I, BM pairs] and the
+    pairs' routing weights tw [BM], in groups of 32 consecutive rows [BN/32, 32, BM] over each group's E8M0
+    scale (engine.quant.quantize_fp8's), clamped to E4M3's range; and the scales [BN/32, BM]."""
     g = tl.minimum(act(acc1, RB), limit)  # clamped as engine/model/moe.py swiglu
     u = tl.minimum(tl.maximum(act(acc3, RB), -limit), limit)
     h = act(g / (1.0 + tl.exp(-g)) * u * tw[None, :], RB)
     hg = tl.reshape(h, (BN // 32, 32, BM))
     scale = pow2_scale_up(tl.maximum(tl.max(tl.abs(hg), axis=1), 1e-4), 1.0 / 448.0)  # [BN/32, BM]
-    q = e4m3_code(tl.minimum(tl.maximum(tl.div_rn(hg, tl.broadcast_to(scale[:, None, :], hg.shape)), -448.0), 448.0))
-    return tl.reshape(q, (BN, BM)), scale
+    return tl.minimum(tl.maximum(tl.div_rn(hg, tl.broadcast_to(scale[:, None, :], hg.shape)), -448.0), 448.0), scale
+
+
+@triton.jit
+def swiglu_e4m3(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
+    """The engine's hidden state (`_swiglu_groups`) quantized to E4M3 with an E8M0 scale per 32 consecutive
+    rows, as engine.quant.quantize_fp8 -> (E4M3 codes int32 [BN, BM], scales float32 [BN/32, BM])."""
+    v, scale = _swiglu_groups(acc1, acc3, tw, limit, BN, BM, RB)
+    return tl.reshape(e4m3_code(v), (BN, BM)), scale
 
 
 @triton.jit
 def swiglu_e4m3_values(acc1, acc3, tw, limit, BN: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
     """`swiglu_e4m3`'s hidden state as float32 values [BN, BM] (E4M3 value times its scale: exact in bf16),
-    for the bf16 form, whose down GEMM takes h so."""
-    q, scale = swiglu_e4m3(acc1, acc3, tw, limit, BN, BM, RB)
-    return tl.reshape(tl.reshape(e4m3_value(q), (BN // 32, 32, BM)) * scale[:, None, :], (BN, BM))
+    for the bf16 form, whose down GEMM takes h so: the values rounded on the float's bits (e4m3_rounded), no
+    byte made and decoded back (the epilogue that spilled 508 bytes at 64 x 128 tiles on triton 3.6)."""
+    v, scale = _swiglu_groups(acc1, acc3, tw, limit, BN, BM, RB)
+    return tl.reshape(e4m3_rounded(v) * scale[:, None, :], (BN, BM))
 
 
 @triton.jit
