@@ -19,12 +19,15 @@ scales), the indexer (`quantize_fp4` of the queries, `indexer_scores` against th
 keys, `topk_positions`) and its tie marks (`tie_marks`), sparse attention (`sparse_attn` over the FP8
 window bytes and the selected packed FP4 global entries), the FP4 routed experts (`moe_fp4`, raw packed
 weights, the engine's hidden state), the fused mHC (`mhc`: the attention mixes; the FFN mixes fused with
-the attention's post/comb update) and the FFN's stream update alone (`mhc_expand`), RMSNorm, RoPE
-(`rope`), and the caches' and activations' FP8/FP4 stores (`quantize_fp8`, `fp8_roundtrip`,
-`quantize_fp4` with the loaded values). Under `reference` they return float32 holding bf16 values, as
-its `act` stores them, but for the sparse attention's output: bf16 itself, for its one consumer (the output
-projection's RoPE in place and bf16 GEMM). Numerics differ from the wrapped ops only where the kernels' order of sums or
-their MMAs do (each kernel against its reference: the interpreter tests; the whole forward: notes/parity.md).
+the attention's post/comb update, on the float32 stream as it is) and the FFN's stream update alone
+(`mhc_expand`), RMSNorm, RoPE (`rope`, in place on the rotated dims), the Engram's gated update
+(`engram_mix`), the shared expert's SwiGLU and its sum with the routed experts (`swiglu`, `add`), and the
+caches' and activations' FP8/FP4 stores (`quantize_fp8`, `fp8_roundtrip`, `quantize_fp4` with the loaded
+values); the one-launch elementwise and row-wise ones live in engine/ops/triton_pointwise.py. Under
+`reference` they return float32 holding bf16 values, as its `act` stores them, but for the sparse
+attention's output: bf16 itself, for its one consumer (the output projection's RoPE in place and bf16 GEMM).
+Numerics differ from the wrapped ops only where the kernels' order of sums or their MMAs do (each kernel
+against its reference: the interpreter tests; the whole forward: notes/parity.md).
 
 Weights: the raw bytes come from the weight source's own device copy where it keeps one
 (engine/ops/stored.py StoredWeights: `stored`, `stacked_experts`, no fp32 copies), else from its
