@@ -137,8 +137,8 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import (elementwise, engram, fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope, sinkhorn,
-                         sparse_attn, sparse_attn_train, ties, topk)
+    from kernels import (elementwise, engram, f32_gemm, fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope,
+                         sinkhorn, sparse_attn, sparse_attn_train, ties, topk)
 
     def quantizers():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
@@ -233,6 +233,8 @@ def cases():
             ("Engram mix 4096 tokens x 4 x 5120", lambda: engram.engram_mix_triton(
                 torch.randn(4096, 4, 5120), torch.randn(4096, 5 * 5120), torch.randn(4, 5120), torch.randn(4, 5120),
                 1e-6, torch.ones(4096, dtype=torch.bool), round_bf16=True)),
+            ("float32 GEMM (tf32x3), the router 4096 x 384 x 5120", lambda: f32_gemm.f32_gemm_triton(
+                torch.randn(4096, 5120), torch.randn(384, 5120))),
             ("shared expert SwiGLU 4096 x 2304", lambda: elementwise.swiglu_triton(
                 torch.randn(4096, 2304), torch.randn(4096, 2304), 10.0, round_bf16=True)),
             ("shared expert sum 4096 x 5120", lambda: elementwise.add_triton(

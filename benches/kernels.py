@@ -24,7 +24,7 @@ from engine import quant as Q  # noqa: E402
 from kernels import indexer, mhc, sparse_attn, topk  # noqa: E402
 
 from benches.kernel_bench import DEV, LOG, bench, ceilings, fp4_dev, kernel_breakdown, rand_fp4, rel, row, sweep  # noqa: E402
-from benches.kernels_dense import case_engram, case_linear, case_norm, case_quant  # noqa: E402
+from benches.kernels_dense import case_engram, case_f32, case_linear, case_norm, case_quant  # noqa: E402
 from benches.kernels_moe import case_moe  # noqa: E402
 
 dec_scores = None
@@ -365,7 +365,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
-                    "half), indexer, topk, moe, linear, norm, engram, run in the order given (default: all; topk is the "
+                    "half), indexer, topk, moe, linear, norm, engram, f32, run in the order given (default: all; topk is the "
                     "top-512 sweep alone, on its own logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
@@ -374,7 +374,7 @@ def main():
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
                  attn_decode=case_attn_decode,
                  indexer=case_indexer, topk=case_topk, moe=case_moe, linear=case_linear, norm=case_norm,
-                 engram=case_engram)
+                 engram=case_engram, f32=case_f32)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")

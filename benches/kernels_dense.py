@@ -1,12 +1,12 @@
 """The dense cases of benches/kernels.py: the FP8 block-scaled linear (prefill and decode-step shapes),
-the quantizers, RMSNorm and the Engram's gated update."""
+the quantizers, RMSNorm, the Engram's gated update and the float32 GEMM on tensor cores."""
 
 from __future__ import annotations
 
 import torch
 
 from engine import quant as Q
-from kernels import engram, fp8_linear, quant, rmsnorm
+from kernels import engram, f32_gemm, fp8_linear, quant, rmsnorm
 
 from benches.kernel_bench import DEV, LOG, bench, rel, row, sweep
 
@@ -165,3 +165,22 @@ def case_engram(bw, mm):
     byt = (x.numel() * 2 + kv.numel()) * 4
     row("Engram mix 4096 x 4 x 5120 (float32 stream, bf16-rounded out)", t, byt / bw * 1e6, "HBM",
         f"{byt / t / 1e6:.2f} TB/s; cfg {cfg}", te, f"equal to the reference's rounding: {same:.6f} of values", "-")
+
+
+def case_f32(bw, mm):
+    """The prefill's float32 GEMMs (the router's gate 4096 x 384 x 5120; a compressor's projection 4096 x 1024 x
+    5120) on tensor cores at float32 accuracy (kernels/f32_gemm.py, TritonOps knob f32_tf32x3), against cuBLAS's
+    float32 GEMM in the same run (the engine's form: CUDA-core sgemm, 0.33 ms for the gate in run 18c)."""
+    cfgs = [{}, dict(block_m=128, block_n=128, num_warps=8), dict(block_k=16), dict(block_k=64, num_stages=2),
+            dict(block_m=64, block_n=64), dict(num_stages=4)]
+    for m_, n_, k_, what in ((4096, 384, 5120, "router gate"), (4096, 1024, 5120, "compressor")):
+        x, w = torch.randn(m_, k_, device=DEV), torch.randn(n_, k_, device=DEV) / k_ ** 0.5
+        want = (x.double() @ w.double().t()).float()
+        cfg, t, r = sweep(f"f32_gemm_cfgs_{m_}x{n_}x{k_}", f"f32 gemm {what}", cfgs,
+                          lambda **c: f32_gemm.f32_gemm_triton(x, w, **c), lambda out: rel(want, out),
+                          valid=lambda r: r < 1e-5, rep=50)
+        te = bench(lambda: x @ w.t(), rep=50)
+        flops = 2.0 * m_ * n_ * k_
+        row(f"float32 GEMM {m_}x{n_}x{k_} ({what}, tf32x3)", t, flops / mm * 1e6, "bf16 MMA",
+            f"{flops / t / 1e6:.0f} TFLOP/s; cfg {cfg}; cuBLAS float32 {te:.1f} us, rel {rel(want, x @ w.t()):.1e}",
+            te, f"rel {r:.1e}", "-")

@@ -12,6 +12,7 @@ import torch
 
 from kernels import elementwise as _ew
 from kernels import engram as _engram
+from kernels import f32_gemm as _f32
 from kernels import fp8_linear as _lin
 from kernels import indexer as _idx
 from kernels import mhc as _mhc
@@ -41,6 +42,7 @@ _PAIRS = {
     "engram_mix": (_engram.engram_mix_reference, _engram.engram_mix_triton),
     "swiglu": (_ew.swiglu_reference, _ew.swiglu_triton),
     "add": (_ew.add_reference, _ew.add_triton),
+    "f32_gemm": (_f32.f32_gemm_reference, _f32.f32_gemm_triton),
 }
 
 
@@ -107,6 +109,10 @@ def swiglu(*args, **kwargs):
 
 def add(*args, **kwargs):
     return _call("add", *args, **kwargs)
+
+
+def f32_gemm(*args, **kwargs):
+    return _call("f32_gemm", *args, **kwargs)
 
 
 def engram_mix(*args, **kwargs):

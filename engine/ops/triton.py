@@ -104,8 +104,13 @@ class TritonOps(PointwiseKernels):
     # the fused mHC on the float32 stream as it is (bf16 values read from float32, outputs stored so; not timed
     # yet, see _mhc); off: the measured form before it (a bf16 copy of the stream in, float32 copies out)
     mhc_f32_stream = True
-    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold", "mhc_f32_stream")  # booleans a bench
-    # may set by name (set_knobs)
+    # the prefill's float32 GEMMs (the router's gate, the compressor's projections) on tensor cores at float32
+    # accuracy (kernels/f32_gemm.py, tf32x3) instead of cuBLAS's CUDA-core sgemm (0.33 ms for the gate at 4K
+    # tokens, run 18c); float32 sums in another order, so off until timed with its routing parity
+    f32_tf32x3 = False
+    # booleans a bench may set by name (set_knobs)
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold", "mhc_f32_stream",
+             "f32_tf32x3")
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -281,6 +286,8 @@ class TritonOps(PointwiseKernels):
         the splits: cuBLAS tiles the plain GEMM into too few programs there (the compressor's [64, 5120] x
         [5120, 512]: 21 us + a 5 us split-K pass each on the H200, for 10 MB); float32 sums in another order."""
         m, kdim = x.shape if x.dim() == 2 else (0, 0)
+        if self.compute and self.f32_tf32x3 and m > 256:  # a prefill's: the tensor-core form, if asked
+            return self._kernel("f32_gemm")(x, w)
         splits = _k_splits(kdim)
         if not self.compute or not 0 < m <= 256 or splits == 1:
             return self.base.f32_linear(x, w)

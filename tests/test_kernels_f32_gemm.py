@@ -1,0 +1,47 @@
+"""The float32 GEMM on tensor cores (kernels/f32_gemm.py) on the CPU under TRITON_INTERPRET=1 against a float64
+product, ragged shapes and the router's width, and the kernel op's knob (TritonOps.f32_linear)."""
+
+from interpreted import interpreted  # first: the interpreter before triton
+
+import pytest
+import torch
+
+_, f32_gemm = interpreted("_formats", "f32_gemm")
+
+
+@pytest.mark.parametrize("m, n, k, cfg", [(300, 384, 512, {}), (70, 50, 200, {"block_k": 64}),
+                                          (129, 130, 96, {"block_m": 128, "block_n": 64}), (5, 384, 64, {})])
+def test_against_a_float64_product(m, n, k, cfg):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
+    got = f32_gemm.f32_gemm_triton(x, w, **cfg)
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got.double() - want).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().t())).all()
+    assert torch.allclose(got, f32_gemm.f32_gemm_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError, match="do not fit"):
+        f32_gemm.f32_gemm_triton(torch.zeros(4, 8), torch.zeros(3, 7))
+    with pytest.raises(ValueError, match="precision"):
+        f32_gemm.f32_gemm_triton(torch.zeros(4, 8), torch.zeros(3, 8), precision="tf32")
+    assert f32_gemm.f32_gemm_triton(torch.zeros(0, 8), torch.zeros(3, 8)).shape == (0, 3)
+
+
+def test_the_knob_sends_prefill_widths_to_the_kernel(monkeypatch):
+    """TritonOps.f32_linear: off (the default) a prefill's float32 GEMM is the wrapped op's; with f32_tf32x3 the
+    kernel's, above the decode widths (which keep their K-split batched GEMM)."""
+    import engine.ops.triton as kernel_ops
+    from engine.ops import ops_for
+
+    monkeypatch.setattr(kernel_ops, "checkpoint_backed", lambda weights: True)
+    ops = kernel_ops.TritonOps(ops_for("reference"), type("W", (), {"reader": None})(), "cpu")
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(300, 512, generator=gen), torch.randn(384, 512, generator=gen)
+    assert torch.equal(ops.f32_linear(x, w), x @ w.t()) and "f32_gemm" not in ops.calls
+    ops.set_knobs("f32_tf32x3=1")
+    got = ops.f32_linear(x, w)
+    assert ops.calls["f32_gemm"] == 1 and torch.allclose(got, x @ w.t(), rtol=1e-5, atol=1e-4)
+    ops.f32_linear(x[:64], w)  # a decode step's width: the K-split form, not the kernel
+    assert ops.calls["f32_gemm"] == 1
