@@ -112,3 +112,15 @@ for t, cfg in ((200, dict(block_m=64, block_n=128)), (40, dict(block_m=16, block
     rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert rel < 1e-3, (t, cfg, rel)
 """)
+
+
+@on_gpu
+def test_float32_gemm_on_tensor_cores_at_float32_accuracy():
+    _run("""
+from kernels import f32_gemm
+for m, n, k in ((4096, 384, 5120), (300, 1024, 5120), (5, 50, 96)):
+    x, w = torch.randn(m, k, generator=g).cuda(), (torch.randn(n, k, generator=g) / k ** 0.5).cuda()
+    got = f32_gemm.f32_gemm_triton(x, w).double()
+    want = x.double() @ w.double().t()
+    assert ((got - want).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().t())).all(), (m, n, k)
+""")
