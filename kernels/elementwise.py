@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import cast_rne
+from kernels.rmsnorm import _rounded
 
 BLOCK = 2048
 
@@ -42,13 +42,6 @@ def add_reference(a, b, round_bf16: bool = False):
 
 
 @triton.jit
-def _rounded(v, ROUND: tl.constexpr):
-    if ROUND:
-        v = cast_rne(v, tl.bfloat16).to(tl.float32)
-    return v
-
-
-@triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, CLAMP: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -57,7 +50,7 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, CLAMP: tl.constexpr, ROUND: 
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    tl.store(out_ptr + i, _rounded(g * tl.sigmoid(g) * u, ROUND), mask=m)
+    tl.store(out_ptr + i, _rounded(g * tl.sigmoid(g) * u, out_ptr, ROUND), mask=m)
 
 
 @triton.jit
@@ -66,7 +59,7 @@ def _add_kernel(a_ptr, b_ptr, out_ptr, n, ROUND: tl.constexpr, BLOCK: tl.constex
     m = i < n
     a = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i, _rounded(a + b, ROUND), mask=m)
+    tl.store(out_ptr + i, _rounded(a + b, out_ptr, ROUND), mask=m)
 
 
 def swiglu_triton(gate, up, limit: float, round_bf16: bool = False):

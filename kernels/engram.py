@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._formats import cast_rne
-from kernels.rmsnorm import _inv_rms
+from kernels.rmsnorm import _inv_rms, _rounded
 
 MAX_WIDTH = 16384  # the longest row one program holds in registers
 
@@ -69,10 +68,7 @@ def _engram_mix_kernel(x_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr, eps, in
     if HAS_MASK:
         gate = tl.where(tl.load(mask_ptr + tok) != 0, gate, 0.0)
     value = tl.load(kv_row + HC * D + d, mask=m, other=0.0).to(tl.float32)
-    out = h + gate * value
-    if ROUND:
-        out = cast_rne(out, tl.bfloat16).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * D + d, out, mask=m)
+    tl.store(out_ptr + row.to(tl.int64) * D + d, _rounded(h + gate * value, out_ptr, ROUND), mask=m)
 
 
 def engram_mix_triton(x, kv, q_weight, k_weight, eps: float, token_mask=None, round_bf16: bool = False,
