@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_linear import _tile_rows
+
 
 def _check(x, w):
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -31,16 +33,7 @@ def f32_gemm_reference(x, w, **_launch):
 @triton.jit
 def _f32_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    nbm, nbn = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    # GROUP row blocks sweep the N blocks together: their x tiles stay in L2 while w streams
-    per_group = GROUP * nbn
-    first = (pid // per_group) * GROUP
-    size = tl.minimum(nbm - first, GROUP)
-    pm = first + (pid % per_group) % size
-    pn = (pid % per_group) // size
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
+    rm, rn = _tile_rows(M, N, BM, BN, GROUP)  # GROUP row blocks sweep the N blocks together (L2 reuse)
     rk = tl.arange(0, BK)
     xp = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
     wp = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
