@@ -60,10 +60,12 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                       swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None,
-                      x_on_grid: bool = False):
+                      x_on_grid: bool = False, bf16_decode=None):
     """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
     `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute (x rounded
-    to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds)."""
+    to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds). bf16_decode: the kernel's
+    weight decode, the same values in every form (ignored here)."""
+    del bf16_decode
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     hidden = _hidden(hidden, fp8_mma)
     if hidden is not None:

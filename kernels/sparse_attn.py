@@ -383,15 +383,22 @@ def int32_offsets_reach(kv_packed, win, d: int) -> bool:
     return max(kv_packed.shape[0], win.shape[0]) * d // 4 < 2 ** 31
 
 
+def _two_pass_fits(h: int) -> bool:
+    """Whether the two passes' head blocks (64 heads, or all of fewer, at least 16) tile h heads."""
+    return h >= 16 and h % min(64, h) == 0
+
+
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
                        layout: str | None = None, float_out: bool = False, two_pass: dict | None = None):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
-    layout (module docstring): None picks "two_pass" for a decode batch of 16+ tokens (below), else "entries"
-    wherever its int32 offsets reach every cache entry, else "heads" -- the H200's best on both paths
-    (benches/results/kernels-h200-run3.md: prefill 4.40 vs 4.64 ms, decode batch 64 67.7 vs 81.2 us). block_h heads share each program (None: 32 for
+    layout (module docstring): None picks "two_pass" in its bf16x2 form for a decode batch of 16+ tokens and
+    for a prefill (no launch shape given) wherever its int32 offsets reach every cache entry and its head
+    blocks tile the heads (below), else "entries" where the offsets reach, else "heads" -- the H200's best
+    (benches/results/kernels-h200-run24a.md: prefill 2.69 ms against 4.39 for "entries", decode batch 64
+    34.6 against 65.4 us). block_h heads share each program (None: 32 for
     "entries", 64 for "heads", which fills a Hopper warpgroup MMA; with block_n and split None too, a
     decode-sized "entries" call takes 64 heads x 32 entries in 2 splits), block_n entries per tile (None: 64
     for "entries"; for "heads" 32 when the tokens fill the SMs, else 16, which compiles without spills
@@ -414,10 +421,19 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     # decode-sized: the tokens' 64-head blocks fill at most half the SMs, no launch shape given
     decode_sized = (layout in (None, "entries") and block_h is None and block_n is None and split is None
                     and d_split == 1 and h % 64 == 0 and 2 * t * (h // 64) <= sm_count(q.device))
+    if layout is None and two_pass is None and not wide and _two_pass_fits(h) and (
+            t >= 16 if decode_sized else block_h is block_n is split is None and d_split == 1):
+        # a decode batch of 16+ tokens and a prefill in the two passes' bf16x2 form (H200 run 24a: batch 64
+        # 34.6 us with 128-entry tiles against 59.4 for the float32 form's and 65.4 for the one-pass decode
+        # shape; a 4K prefill 2.69 ms with 64 output columns a pass-2 program under 128 registers, against
+        # 4.39 for "entries")
+        layout = "two_pass"
+        if decode_sized and t >= 16:
+            block_n, two_pass = 128, {"decode": "bf16x2"}
+        else:
+            two_pass = {"decode": "bf16x2", "maxnreg": 128, "block_v": 64}
     if layout is None:
-        # a decode batch of 16+ tokens in two passes (H200 runs 20b/20c, 64 tokens: 58.6 / 59.1 us against
-        # 64.4 / 64.6 for the one-pass decode shape below)
-        layout = "heads" if wide else "two_pass" if decode_sized and t >= 16 else "entries"
+        layout = "heads" if wide else "entries"
     if layout not in ("heads", "entries", "two_pass"):
         raise ValueError(f"sparse attention: layout must be 'heads', 'entries' or 'two_pass', got {layout!r}")
     if wide and layout != "heads":

@@ -30,8 +30,8 @@ def test_shapes_are_checked():
 
 
 def test_the_knob_sends_prefill_widths_to_the_kernel(monkeypatch):
-    """TritonOps.f32_linear: off (the default) a prefill's float32 GEMM is the wrapped op's; with f32_tf32x3 the
-    kernel's, above the decode widths (which keep their K-split batched GEMM)."""
+    """TritonOps.f32_linear: with f32_tf32x3 (the default) a prefill's float32 GEMM is the kernel's, above the
+    decode widths (which keep their K-split batched GEMM); off, the wrapped op's."""
     import engine.ops.triton as kernel_ops
     from engine.ops import ops_for
 
@@ -39,9 +39,9 @@ def test_the_knob_sends_prefill_widths_to_the_kernel(monkeypatch):
     ops = kernel_ops.TritonOps(ops_for("reference"), type("W", (), {"reader": None})(), "cpu")
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(300, 512, generator=gen), torch.randn(384, 512, generator=gen)
-    assert torch.equal(ops.f32_linear(x, w), x @ w.t()) and "f32_gemm" not in ops.calls
-    ops.set_knobs("f32_tf32x3=1")
     got = ops.f32_linear(x, w)
     assert ops.calls["f32_gemm"] == 1 and torch.allclose(got, x @ w.t(), rtol=1e-5, atol=1e-4)
     ops.f32_linear(x[:64], w)  # a decode step's width: the K-split form, not the kernel
     assert ops.calls["f32_gemm"] == 1
+    ops.set_knobs("f32_tf32x3=0")
+    assert torch.equal(ops.f32_linear(x, w), x @ w.t()) and ops.calls["f32_gemm"] == 1

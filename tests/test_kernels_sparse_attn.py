@@ -249,15 +249,16 @@ def test_host_traffic_check_catches_a_host_constant():
     assert bad
 
 
-@pytest.mark.parametrize("t,cache_entries,layout,bh,bn,split", [(256, 4096, "entries", 32, 64, 1),
+@pytest.mark.parametrize("t,cache_entries,layout,bh,bn,split", [(256, 4096, "two_pass", 64, 64, 0),
                                                                   (256, (1 << 33) // 512 + 1, "heads", 64, 32, 1),
                                                                   (8, 4096, "entries", 64, 32, 2),
-                                                                  (64, 4096, "two_pass", 64, 64, 0)])
-def test_default_layout_is_entries_unless_offsets_overflow(t, cache_entries, layout, bh, bn, split):
-    """Without a layout the wrapper takes the H200's measured best (entries, 32 heads x 64 entries)
-    unless the cache is past the entries kernel's int32 offsets; then the heads kernel, 64 x 32. A small
-    decode call (8 tokens) takes 64 heads x 32 entries in 2 splits, merged; a decode batch (64 tokens: 64
-    programs of 64 heads) the two passes, one 64-entry tile a scoring program."""
+                                                                  (64, 4096, "two_pass", 64, 128, 0)])
+def test_default_layout_is_two_pass_unless_offsets_overflow(t, cache_entries, layout, bh, bn, split):
+    """Without a layout the wrapper takes the H200's measured best: a prefill in the two passes' bf16x2 form
+    (64 heads x 64 entries, 64 output columns a pass-2 program, scoring under 128 registers), unless the cache
+    is past their int32 offsets; then the heads kernel, 64 x 32. A small decode call (8 tokens) takes the
+    one-pass kernel, 64 heads x 32 entries in 2 splits, merged; a decode batch (64 tokens) the bf16x2 passes
+    on 128-entry tiles."""
     g = torch.Generator().manual_seed(6)
     args = [x.to("meta") for x in attention_inputs(g, t=t, h=64, d=512, n=8, w=8, k=128, wn=64)]
     args[1] = torch.empty(cache_entries, 256, dtype=torch.uint8, device="meta")  # FP4: d/2 bytes a row
@@ -267,17 +268,33 @@ def test_default_layout_is_entries_unless_offsets_overflow(t, cache_entries, lay
         mp.setattr(A, "_sparse_attn_kernel", ran["heads"])
         mp.setattr(A, "_sparse_attn_t_kernel", ran["entries"])
         mp.setattr(A, "_merge_kernel", merge := _Recorder())
-        mp.setattr(AD, "_scores_kernel", ran["two_pass"])
-        mp.setattr(AD, "_weighted_sum_kernel", _Recorder())
+        mp.setattr(AD, "_scores_bf16x2_kernel", ran["two_pass"])
+        mp.setattr(AD, "_weighted_sum_bf16x2_kernel", summed := _Recorder())
+        mp.setattr(AD, "_scores_kernel", float32_form := _Recorder())
         A.sparse_attn_triton(*args)
-    assert len(merge.launches) == (split > 1)
+    assert len(merge.launches) == (split > 1) and float32_form.launches == []
     assert [len(r.launches) for r in ran.values()] == [int(name == layout) for name in ran]
     grid, _, kw = ran[layout].launches[0]
     assert (kw["BH"], kw["BN"]) == (bh, bn)
     if layout == "two_pass":
-        assert grid == (t, 3, 1) and kw["TPP"] == 1  # 128 selected + 64 window entries: 3 tiles, 1 a program
+        tiles = 3 if bn == 64 else 2  # 128 selected + 64 window entries
+        assert grid == (tiles, t, 1) and kw["TPP"] == 1
+        prefill = t == 256
+        assert (kw.get("maxnreg"), summed.launches[0][2]["DV"]) == ((128, 64) if prefill else (None, 128))
+        assert summed.launches[0][0] == (512 // (64 if prefill else 128), t, 1)
     else:
         assert grid[1] == split and kw["SPLIT"] == (split > 1)
+
+
+def test_default_layout_keeps_one_pass_for_few_heads():
+    """Fewer than 16 heads do not fill the two passes' MMA: a prefill without a layout stays "entries"."""
+    g = torch.Generator().manual_seed(6)
+    args = [x.to("meta") for x in attention_inputs(g, t=64, h=8, d=64, n=8, w=8, k=16, wn=16)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A, "_sparse_attn_t_kernel", entries := _Recorder())
+        mp.setattr(A, "_merge_kernel", _Recorder())
+        A.sparse_attn_triton(*args)
+    assert len(entries.launches) == 1
 
 
 @pytest.mark.parametrize("block_h,block_n,tiles,block_v,decode", [

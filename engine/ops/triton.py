@@ -91,23 +91,26 @@ class TritonOps(PointwiseKernels):
     # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a, against 18c) 30-42 us
     # faster a layer with it (Full m=1 3.518 -> 3.476 ms, 2.9x its HBM floor at 4.04 TB/s)
     linear_bf16_decode = True
-    # sparse attention in two passes (kernels/sparse_attn_decode.py) for every call the kernel's wrapper would
-    # give a one-pass layout (the prefill) where its int32 offsets reach the caches; and the two passes'
-    # bf16x2 form wherever they run (the wrapper's default for decode batches of 16+ tokens included). Off
-    # until timed on the GPU (static sm_90 SASS: 2.6-2.8x fewer instructions a tile than the float32 form)
+    # sparse attention: force the two passes (kernels/sparse_attn_decode.py) on every call where its int32
+    # offsets reach the caches, and their bf16x2 form wherever they run, with the kernels' other launch options
+    # at their defaults. The wrapper's own defaults already take the two passes' bf16x2 form for the prefill
+    # and decode batches of 16+ tokens, with the launch options the H200 liked best (run 24a); these knobs
+    # are for A/B runs
     attn_two_pass = False
     attn_bf16x2 = False
     # the routed experts' grouped GEMMs with each scale folded into the decode's one bf16x2 multiply
-    # (kernels/fp4_tiles.py fp4_decoded_folded; ~10% fewer instructions a K step on sm_90), for a layer whose
-    # expert scales all fit it (checked once a layer); off until timed
-    moe_fold = False
+    # (kernels/fp4_tiles.py fp4_decoded_folded), for a layer whose expert scales all fit it (checked once a
+    # layer): H200 run 24a, 4K prefill in the engine's hidden-state form 10.13 ms against 10.37, the 64-token
+    # decode step 2.62 against 2.66 ms
+    moe_fold = True
     # the fused mHC on the float32 stream as it is (bf16 values read from float32, outputs stored so; not timed
     # yet, see _mhc); off: the measured form before it (a bf16 copy of the stream in, float32 copies out)
     mhc_f32_stream = True
     # the prefill's float32 GEMMs (the router's gate, the compressor's projections) on tensor cores at float32
     # accuracy (kernels/f32_gemm.py, tf32x3) instead of cuBLAS's CUDA-core sgemm (0.33 ms for the gate at 4K
-    # tokens, run 18c); float32 sums in another order, so off until timed with its routing parity
-    f32_tf32x3 = False
+    # tokens, run 18c); float32 sums in another order than cuBLAS's, as accurate (run 24a: the gate 255 us
+    # against cuBLAS's 337, the compressor's 559 against 852; 2.6e-7 from float64 against 3.9e-7 / 7.4e-7)
+    f32_tf32x3 = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold", "mhc_f32_stream",
              "f32_tf32x3")
@@ -282,9 +285,10 @@ class TritonOps(PointwiseKernels):
         return (x.bfloat16() @ held[1].t()).float()
 
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The float32 x @ w^T at decode widths (x [M <= 256, K]) as a K-split batched GEMM and a sum over
-        the splits: cuBLAS tiles the plain GEMM into too few programs there (the compressor's [64, 5120] x
-        [5120, 512]: 21 us + a 5 us split-K pass each on the H200, for 10 MB); float32 sums in another order."""
+        """The float32 x @ w^T: at a prefill's widths on the tf32x3 kernel (knob f32_tf32x3); at decode widths
+        (x [M <= 256, K]) as a K-split batched GEMM and a sum over the splits: cuBLAS tiles the plain GEMM into
+        too few programs there (the compressor's [64, 5120] x [5120, 512]: 21 us + a 5 us split-K pass each on
+        the H200, for 10 MB); float32 sums in another order."""
         m, kdim = x.shape if x.dim() == 2 else (0, 0)
         if self.compute and self.f32_tf32x3 and m > 256:  # a prefill's: the tensor-core form, if asked
             return self._kernel("f32_gemm")(x, w)
