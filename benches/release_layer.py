@@ -403,9 +403,9 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
                 break  # no time for a warm pass: report the first (compiles included)
     got = passes[-1]
     warm = len(passes) > 1
-    # the host syncs on a pass of their own after the timed ones (the first pass's include weight uploads
-    # and compiles; sync debug mode's warnings cost host time: a listed SWA + Engram prefill took 55.8 ms
-    # against 24.7 ms of GPU span, run 24b)
+    # the host syncs on a pass of their own after the timed ones (the first pass's include weight uploads and
+    # compiles; sync debug mode's warnings are host work inside a timed span: run 24b's listed SWA + Engram
+    # prefill read 55.8 ms against 24.7 ms of profiled GPU span)
     if warm and device.type == "cuda" and time.perf_counter() + times[-1] < deadline:
         run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, syncs=syncs)
     profiles: dict = {}
@@ -427,7 +427,7 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
         touched = got.get(f"touched_{phase}") or min(cfg.n_routed_experts, len(positions) * cfg.n_activated_experts)
         work = layer_work(cfg, role, positions, sequences, touched)
         floor_s, limit = floor_of(work, rates)
-        # the median over the warm passes (one warm pass's figure moved by up to 2 ms between runs 24a and 24c)
+        # the median over the warm passes (one warm pass's figure moved by up to 2 ms between runs 24b and 24d)
         t = statistics.median(p[f"{phase}_s"] for p in (passes[1:] if warm else passes))
         rows.append({"role": key, "title": TITLES[key], "layer": layer, "phase": phase,
                      "queries": len(positions), "time_s": t, "flops": work["flops"], "bytes": work["bytes"],

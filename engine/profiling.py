@@ -26,6 +26,42 @@ def kernel_events(events) -> list:
     return [e for e in events if _on_gpu(e) and not getattr(e, "is_user_annotation", False)]
 
 
+def idle_gaps(kernels, host_events, top: int = 12, min_us: float = 20.0) -> list[dict]:
+    """The longest stretches with no kernel running (each at least min_us), longest first: the gap, the
+    kernels either side, and the host's innermost ops busiest during it (what the GPU waited for: a synchronizing
+    call, or launches slower than the kernels they feed). Times in us, on the profiler's one clock."""
+    gaps, end, last = [], None, None
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        lo, hi = e.time_range.start, e.time_range.end
+        if end is not None and lo - end >= min_us:
+            gaps.append({"us": lo - end, "start": end, "end": lo, "before": last.name, "after": e.name})
+        if end is None or hi > end:
+            end, last = hi, e
+    gaps.sort(key=lambda g: -g["us"])
+    def innermost(e) -> bool:  # a leaf (a runtime call), or an aten op with no aten op inside
+        children = getattr(e, "cpu_children", None) or []
+        return not children or e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in children)
+    leaves = [e for e in host_events if innermost(e)]
+    for g in gaps[:top]:
+        overlap: dict[str, float] = {}
+        for e in leaves:
+            o = min(e.time_range.end, g["end"]) - max(e.time_range.start, g["start"])
+            if o > 0:
+                overlap[e.name] = overlap.get(e.name, 0.0) + o
+        g["host"] = sorted(overlap.items(), key=lambda kv: -kv[1])[:4]
+    return gaps[:top]
+
+
+def _gap_table(gaps: list[dict], idle_us: float) -> list[str]:
+    lines = ["", f"GPU idle: {idle_us / 1e3:.2f} ms inside the span; the longest gaps, with the host's leaf ops "
+             "busiest in each (us of overlap)", "", "| gap (us) | after kernel | before kernel | host ops |",
+             "|---|---|---|---|"]
+    for g in gaps:
+        host = "; ".join(f"{name[:40]} {us:.0f}" for name, us in g["host"]) or "-"
+        lines.append(f"| {g['us']:.0f} | {g['before'][:50]} | {g['after'][:50]} | {host} |")
+    return lines
+
+
 def profile_report(prof, cuda: bool) -> dict:
     """Tables of one profiled step: named parts and autograd nodes by the kernel time launched inside
     them, kernels by name, ops by their own time; the kernels' total, their count, and the GPU's busy
@@ -56,6 +92,7 @@ def profile_report(prof, cuda: bool) -> dict:
                   "|---|---|---|---|"]
         for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]:
             lines.append(f"| {name[:110]} | {n} | {us / 1e3:.1f} | {us / n:.1f} |")
+        lines += _gap_table(idle_gaps(kernels, [e for e in prof.events() if not _on_gpu(e)]), span - busy)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     lines += ["", averages.table(sort_by=key, row_limit=40)]
     if cuda:  # where the host's time goes (launch-bound stretches, synchronizing calls)

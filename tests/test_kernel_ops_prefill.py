@@ -50,6 +50,38 @@ def test_ties_are_settled_once_for_every_query_block(tmp_path, monkeypatch):
             assert torch.equal(out[64][layer][1], out[16][layer][1]), layer
 
 
+def test_branch_free_ties_pick_the_same_without_a_host_read(tmp_path, monkeypatch):
+    """ties_branch_free: break_ties runs in its branch-free form (no read of which rows tie) and every layer
+    picks what the host-read form picks, ties marked alike."""
+    import engine.ops.triton as kernel_ops
+    from engine.capture import capturing
+    from engine.ops.reference import ReferenceOps
+
+    monkeypatch.setattr(kernel_ops, "interpreter_active", lambda: False)
+    cfg = tiny_config()
+    weights = CheckpointWeights(CheckpointReader(write_tiny_checkpoint(tmp_path, seed=5, n_shards=1), cfg))
+    ids = random_ids(cfg, 64, seed=4)
+    forms = []
+    real = ReferenceOps.break_ties
+    monkeypatch.setattr(ReferenceOps, "break_ties", lambda self, *a: (forms.append(capturing()), real(self, *a))[1])
+    out = {}
+    for knob in ("0", "1"):
+        forms.clear()
+        model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), numerics="reference",
+                      kernels=True)
+        model.ops.set_knobs(f"ties_branch_free={knob}")
+        collect = {}
+        model.forward(ids, probes=ProbeRequest(kinds={"topk"}), collect=collect)
+        out[knob] = {L: (c["topk"], c.get("topk_tied")) for L, c in collect.items() if "topk" in c}
+        assert forms and set(forms) == {knob == "1"}
+    assert out["0"].keys() == out["1"].keys() and out["0"]
+    for layer, (picks, tied) in out["0"].items():
+        assert torch.equal(picks, out["1"][layer][0]), layer
+        assert (tied is None) == (out["1"][layer][1] is None)
+        if tied is not None:
+            assert torch.equal(tied, out["1"][layer][1]), layer
+
+
 def test_linears_sharing_an_input_round_it_once(monkeypatch):
     """TritonOps._x_values: the bf16 form's rounded input is made once for two linears fed the same tensor
     (wq_a and wkv), again after an in-place write (the version), and after the in-place RoPE, which drops what

@@ -96,7 +96,11 @@ want = fp8_linear.fp8_linear_reference(x, w, ws.view(torch.float8_e8m0fnu), floa
 for cfg in (dict(), dict(block_k=128), dict(split_k=1)):
     got = fp8_linear.fp8_linear_triton(x.cuda(), w.cuda(), ws.cuda().view(torch.float8_e8m0fnu), mma="bf16",
                                        float_out=True, **cfg).cpu()
-    assert torch.allclose(got, want, rtol=2.0 ** -8, atol=1e-5 * want.abs().max().item()), cfg
+    # want is float64 rounded to bf16 once; the kernel's float32 sums can land one bf16 step (2^-7 relative at
+    # most) to the other side of a rounding midpoint (H200 run 24g: 1 or 2 of 5,120 values)
+    differ = got != want
+    assert differ.float().mean() < 1e-3, cfg
+    assert ((got - want).abs() <= 2.0 ** -7 * want.abs() + 1e-5 * want.abs().max()).all(), cfg
 ws[1, 0] = 135
 bad = fp8_linear.fp8_linear_triton(x.cuda(), w.cuda(), ws.cuda().view(torch.float8_e8m0fnu), mma="bf16").cpu()
 assert torch.isnan(bad[:, 32:64]).all() and not torch.isnan(bad[:, :32]).any()

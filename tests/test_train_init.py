@@ -140,3 +140,22 @@ def test_routing_bias_step_moves_each_layer_toward_its_mean_load():
         assert torch.equal(trainee.biases[name], want), L
         assert trainee.biases[name] is held[name]
     assert any(not torch.equal(trainee.biases[k], before[k]) for k in before)
+
+
+def test_idle_gaps_name_the_kernels_around_them_and_the_host_ops_inside():
+    """Gaps between kernels, longest first, from the union of kernel intervals (a kernel inside another's span
+    opens no gap); the host's innermost ops (runtime calls, aten ops with no aten op inside) that overlap a
+    gap, by overlap; gaps under min_us left out."""
+    from types import SimpleNamespace
+
+    from engine.profiling import idle_gaps
+
+    ev = lambda name, lo, hi, children=(): SimpleNamespace(name=name, time_range=SimpleNamespace(start=lo, end=hi),
+                                                           cpu_children=list(children))
+    kernels = [ev("b", 150, 160), ev("a", 0, 100), ev("inner", 10, 20), ev("c", 400, 410), ev("d", 415, 420)]
+    sync = ev("cudaStreamSynchronize", 90, 390)
+    host = [ev("aten::nonzero", 80, 395, [sync]), sync, ev("cudaLaunchKernel", 395, 399)]
+    gaps = idle_gaps(kernels, host, min_us=20)
+    assert [(g["us"], g["before"], g["after"]) for g in gaps] == [(240, "b", "c"), (50, "a", "b")]
+    assert gaps[0]["host"] == [("aten::nonzero", 235), ("cudaStreamSynchronize", 230), ("cudaLaunchKernel", 4)]
+    assert gaps[1]["host"] == [("aten::nonzero", 50), ("cudaStreamSynchronize", 50)]

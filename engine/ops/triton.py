@@ -111,9 +111,14 @@ class TritonOps(PointwiseKernels):
     # tokens, run 18c); float32 sums in another order than cuBLAS's, as accurate (run 24a: the gate 255 us
     # against cuBLAS's 337, the compressor's 559 against 852; 2.6e-7 from float64 against 3.9e-7 / 7.4e-7)
     f32_tf32x3 = True
+    # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
+    # keeping theirs: the form a graph capture takes) instead of reading back which rows tie: the prefill's one
+    # host read a Full layer (run 24b's profiles: 3.8-8.9 ms of GPU idle in the Full layers' prefill spans,
+    # 0.3 in Reuse's, which has none), for a top-k over every row; off until timed
+    ties_branch_free = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold", "mhc_f32_stream",
-             "f32_tf32x3")
+             "f32_tf32x3", "ties_branch_free")
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -376,6 +381,14 @@ class TritonOps(PointwiseKernels):
         # 4K prefill's o: 0.27 GB written instead of 0.54, and no 0.8 GB conversion); else float32 values
         out = self._kernel("sparse_attn")(*args, float_out=not self._bf16_stream, **self._attn_launch(args))
         return out if heads == h else out[:, :h].contiguous()
+
+    def break_ties(self, *args):
+        """The wrapped numerics' choice among tied picks; with ties_branch_free, in its branch-free form."""
+        if not (self.compute and self.ties_branch_free):
+            return self.base.break_ties(*args)
+        from ..capture import branch_free
+        with branch_free():
+            return self.base.break_ties(*args)
 
     def _attn_launch(self, args) -> dict:
         """The sparse attention kernel's launch options the knobs ask for (none where its reference runs)."""
