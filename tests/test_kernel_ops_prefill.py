@@ -121,3 +121,18 @@ def test_linears_sharing_an_input_round_it_once(monkeypatch):
         assert ops.rotate(xi, torch.arange(80), freqs) is xi  # written in place
         ops.linear(xi, "layers.0.attn.wkv", None, True, None)
         assert len(made) == 4
+
+
+def test_gpu_query_blocks_fill_the_score_budget(monkeypatch):
+    """TritonOps._query_rows: on the GPU whole 512-query blocks up to SCORE_ELEMENTS scores (a 4K prefill over
+    1,024 entries in one block; 256K entries: one 512-query block, the floor); where the references run, the
+    given block."""
+    import kernels.dispatch as dispatch
+    from engine.ops.triton import TritonOps
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert TritonOps._query_rows(cpu, 1024, 512) == 512
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: device.type == "cuda")
+    assert TritonOps._query_rows(gpu, 1024, 512) == (1 << 25) // 1024 >= 4096
+    assert TritonOps._query_rows(gpu, 1 << 18, 512) == 512
+    assert TritonOps._query_rows(gpu, 3000, 512) == 21 * 512  # 2^25 / (3000 x 512) = 21.8 -> whole blocks

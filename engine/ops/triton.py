@@ -407,7 +407,7 @@ class TritonOps(PointwiseKernels):
     def index_topk(self, indexer, q, head_w, positions, src, shared):
         """The indexer's top-k on kernels (the base op where this wrapper only records): FP4 queries by
         the kernels' quantizer against the source's packed FP4 index keys, scores and top-k by kernels,
-        one block of QUERY_BLOCK queries at a time. The candidate source picks its pool from each
+        a block of queries at a time (`_query_rows`). The candidate source picks its pool from each
         block's kernel scores (ops.select_blocks); the top-k kernel ranks `indexer.ranking` (a short
         pool topped up from outside it), and `indexer.settle` marks the ties and lets the numerics break
         them, as on the CPU route (engine/model/attention.py Indexer)."""
@@ -430,9 +430,10 @@ class TritonOps(PointwiseKernels):
         if role.candidate_source:
             shared.candidates = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
         scores_fn, topk_fn = self._kernel("indexer_scores"), self._kernel("topk_positions")
+        rows = self._query_rows(q.device, n, QUERY_BLOCK)
         parts = []
-        for a in range(0, q.shape[0], QUERY_BLOCK):
-            b = slice(a, a + QUERY_BLOCK)
+        for a in range(0, q.shape[0], rows):
+            b = slice(a, a + rows)
             scores = scores_fn(qp[b], qs[b], ik_packed, ik_scale, w[b], vis[b],
                                None if pool is None else pool[b].contiguous(), block)  # [B, N], -inf masked
             if indexer.parallel is not None:  # this rank's index heads: a partial sum, before any top-k
@@ -449,11 +450,23 @@ class TritonOps(PointwiseKernels):
         own = [r for *_, r in parts if r is not None]  # blocks whose ranking is not their scores (a top-up)
         ranking = torch.cat([s if r is None else r for *_, s, r in parts]) if own else scores
         # the ties settled once for every block: one host read of the tied rows where the numerics take one,
-        # after all the blocks' kernels are queued (a 4K prefill: 8 blocks, 8 reads that left the GPU idle)
+        # after all the blocks' kernels are queued (a 4K prefill in 512-query blocks had taken 8 reads)
         idx, picked, kth, tied = indexer.resolve_ties(scores, ranking, visible, n, k, idx, picked, kth, tied)
         indexer.took(idx, (kth, tied), runner_ups(scores, idx) if indexer.detail else None,
                      scores if torch.is_grad_enabled() else None)
         return idx, picked
+
+    SCORE_ELEMENTS = 1 << 25  # a query block's [rows, entries] scores on the GPU: 128 MB of float32
+
+    @classmethod
+    def _query_rows(cls, device: torch.device, n: int, block: int) -> int:
+        """Queries scored a block: on the GPU as many as SCORE_ELEMENTS allows (a 4K prefill over ~1K entries
+        in one block: ~10 launches and host steps a block, 8x fewer than 512-query blocks), in whole
+        `block`s; where the kernels' references run, `block` (the CPU route's memory bound)."""
+        from kernels import dispatch
+        if not dispatch.use_triton(device):
+            return block
+        return max(1, cls.SCORE_ELEMENTS // max(n * block, 1)) * block
 
     def _index_inputs(self, layer: int, q, head_w, packed_keys, visible, pool_mask, pool_block: int, k: int):
         """The indexer kernels' operands: q [T, Hi, Di] rotated, quantized here by the kernels'
