@@ -28,6 +28,10 @@ O^T += V^T P^T), so the warpgroups split the tile's entries instead of sharing t
 (3.6/3.7) moves a dot's A operand into registers when it is computed in the loop (the decoded tile:
 the whole tile per warpgroup); carried as a loop value it stays in shared memory for both dots, so the
 tile is decoded one iteration ahead.
+
+layout="two_pass" (kernels/sparse_attn_decode.py): scores for all heads in one launch, the weighted sum over
+column blocks in a second; in its bf16x2 form the wrapper's default for prefills and decode batches of 16+
+tokens since H200 run 24a (sparse_attn_triton's docstring).
 """
 
 from __future__ import annotations
