@@ -18,8 +18,10 @@ from engine.run.probes import ProbeRequest  # noqa: E402
 from engine_helpers import IdentityTokenizer, random_ids, tiny_config, write_tiny_checkpoint  # noqa: E402
 
 
-def test_ties_are_settled_once_for_every_query_block(tmp_path, monkeypatch):
-    import engine.model.attention as A
+def _tiny_prefill(tmp_path, monkeypatch, on_break_ties):
+    """A 64-token prefill of the tiny model on the kernel ops (the kernels' references standing in), every
+    break_ties call shown to on_break_ties(args) first -> run(configure): each picking layer's (top-k, tied)
+    for a fresh model that configure(model) set up."""
     import engine.ops.triton as kernel_ops
     from engine.ops.reference import ReferenceOps
 
@@ -27,59 +29,57 @@ def test_ties_are_settled_once_for_every_query_block(tmp_path, monkeypatch):
     cfg = tiny_config()
     weights = CheckpointWeights(CheckpointReader(write_tiny_checkpoint(tmp_path, seed=5, n_shards=1), cfg))
     ids = random_ids(cfg, 64, seed=4)
-    calls = []
     real = ReferenceOps.break_ties
-    monkeypatch.setattr(ReferenceOps, "break_ties", lambda self, *a: (calls.append(a[5].shape[0]), real(self, *a))[1])
+    monkeypatch.setattr(ReferenceOps, "break_ties", lambda self, *a: (on_break_ties(a), real(self, *a))[1])
+
+    def run(configure):
+        model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), numerics="reference",
+                      kernels=True)
+        configure(model)
+        collect = {}
+        model.forward(ids, probes=ProbeRequest(kinds={"topk"}), collect=collect)
+        return {L: (c["topk"], c.get("topk_tied")) for L, c in collect.items() if "topk" in c}
+    return run
+
+
+def _assert_same_picks(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for layer, (picks, tied) in a.items():
+        assert torch.equal(picks, b[layer][0]), layer
+        assert (tied is None) == (b[layer][1] is None)
+        if tied is not None:
+            assert torch.equal(tied, b[layer][1]), layer
+
+
+def test_ties_are_settled_once_for_every_query_block(tmp_path, monkeypatch):
+    import engine.model.attention as A
+
+    calls = []
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: calls.append(args[5].shape[0]))
     out, n_calls = {}, {}
     for block in (64, 16):  # one query block, then four
         monkeypatch.setattr(A, "QUERY_BLOCK", block)
         calls.clear()
-        model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), numerics="reference",
-                      kernels=True)
-        collect = {}
-        model.forward(ids, probes=ProbeRequest(kinds={"topk"}), collect=collect)
-        out[block] = {L: (c["topk"], c.get("topk_tied")) for L, c in collect.items() if "topk" in c}
+        out[block] = run(lambda model: None)
         assert calls and all(rows == 64 for rows in calls), calls  # every call sees all 64 queries' rows
         n_calls[block] = len(calls)
     assert n_calls[16] == n_calls[64]  # one a picking layer, however many blocks
-    assert out[64].keys() == out[16].keys() and out[64]
-    for layer in out[64]:
-        assert torch.equal(out[64][layer][0], out[16][layer][0]), layer
-        assert (out[64][layer][1] is None) == (out[16][layer][1] is None)
-        if out[64][layer][1] is not None:
-            assert torch.equal(out[64][layer][1], out[16][layer][1]), layer
+    _assert_same_picks(out[64], out[16])
 
 
 def test_branch_free_ties_pick_the_same_without_a_host_read(tmp_path, monkeypatch):
     """ties_branch_free: break_ties runs in its branch-free form (no read of which rows tie) and every layer
     picks what the host-read form picks, ties marked alike."""
-    import engine.ops.triton as kernel_ops
     from engine.capture import capturing
-    from engine.ops.reference import ReferenceOps
 
-    monkeypatch.setattr(kernel_ops, "interpreter_active", lambda: False)
-    cfg = tiny_config()
-    weights = CheckpointWeights(CheckpointReader(write_tiny_checkpoint(tmp_path, seed=5, n_shards=1), cfg))
-    ids = random_ids(cfg, 64, seed=4)
     forms = []
-    real = ReferenceOps.break_ties
-    monkeypatch.setattr(ReferenceOps, "break_ties", lambda self, *a: (forms.append(capturing()), real(self, *a))[1])
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: forms.append(capturing()))
     out = {}
     for knob in ("0", "1"):
         forms.clear()
-        model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), numerics="reference",
-                      kernels=True)
-        model.ops.set_knobs(f"ties_branch_free={knob}")
-        collect = {}
-        model.forward(ids, probes=ProbeRequest(kinds={"topk"}), collect=collect)
-        out[knob] = {L: (c["topk"], c.get("topk_tied")) for L, c in collect.items() if "topk" in c}
+        out[knob] = run(lambda model: model.ops.set_knobs(f"ties_branch_free={knob}"))
         assert forms and set(forms) == {knob == "1"}
-    assert out["0"].keys() == out["1"].keys() and out["0"]
-    for layer, (picks, tied) in out["0"].items():
-        assert torch.equal(picks, out["1"][layer][0]), layer
-        assert (tied is None) == (out["1"][layer][1] is None)
-        if tied is not None:
-            assert torch.equal(tied, out["1"][layer][1]), layer
+    _assert_same_picks(out["0"], out["1"])
 
 
 def test_linears_sharing_an_input_round_it_once(monkeypatch):
