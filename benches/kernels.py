@@ -204,41 +204,34 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
     return (torch.einsum("thj,tjd->thd", p, e) / den[..., None]).bfloat16()
 
 
-# the wrapper's default first (layout "entries", 32 heads x 64 entries: Nsight profiles a case's first
-# launch); layout="entries": entries as the MMA's M, heads as N; BH 16 compiles without spills on
-# triton 3.6 (4 programs per token, each decoding the tile), BH 32 spills ~116 B (2 programs per token)
-ATTN_CFGS = [dict(layout="entries", block_h=32, block_n=64, num_warps=8),
-             dict(layout="entries", block_h=32, block_n=64, num_warps=4),
-             dict(layout="entries", block_h=16, block_n=64, num_warps=8),
-             dict(layout="entries", block_h=64, block_n=64, num_warps=8),
-             dict(layout="heads", block_h=64, block_n=32, num_warps=8),
-             # the two passes over a prefill (tokens in chunks of a 16 MB weights buffer; not timed yet)
-             dict(layout="two_pass"),
+# the wrapper's default first (Nsight profiles a case's first launch): since run 24a the two passes' bf16x2 form,
+# scoring under 128 registers, 64 output columns a pass-2 program (2,693 us at 4K; plain bf16x2 2,796, the float32
+# two passes 4,078, "entries" 32 heads x 64 entries 4,394, "heads" 4,643). layout="entries": entries as the MMA's
+# M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile), BH 32
+# spills ~116 B (2 programs per token)
+ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
+             dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
-             dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64))]
+             # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)
+             dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64, tiles_per_program=2)),
+             dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", block_v=64))]
 # decode: entry splits + merge (run 7: 4 warps, 16-head blocks, heads layout 111-195 us); 64 heads: one decode
 # (runs 17b-18b, entries layout: 32 heads x 64 / 32 entries in 1-2 splits 65.5-101 us, 64 x 32 in 2 splits
-# 65.2 us = the default, 4 splits and 64 x 64 slower); then the two-pass form (kernels/sparse_attn_decode.py;
-# runs 20b/20c, before / after its loads ran ahead: 58.6 / 59.1 us at 1 tile a scoring program (scores 33.6 + sum
-# 25.0 us), 2 tiles 65.7, 5 tiles 62.1-62.6, DV 64 73-78, DV 256 on 8 warps 68.6-69.3, 8 warps 73.8-82.1)
-ATTN_DECODE_CFGS = [dict(layout="entries", block_h=64, block_n=32, num_warps=8, split=2),
+# 65.2 us); then the two-pass form (kernels/sparse_attn_decode.py; runs 20b/20c: 58.6 / 59.1 us at 1 tile a
+# scoring program, 2 tiles 65.7, 5 tiles 62.1-62.6, DV 64 73-78, DV 256 on 8 warps 68.6-69.3, 8 warps 73.8-82.1).
+# Run 24a, its bf16x2 form (the FP4 bytes assembled into bf16 pairs; 144 registers at 64-entry tiles): 39.3 us,
+# with a 128-register cap 39.8, 2 stages 51.7, DV 64 under the cap 39.9, two tiles a program 38.4, DV 256 on 8
+# warps 43.4; 128-entry tiles (255 registers, no spills) 34.6 = the default since; 256-entry tiles spill 2,972 B
+ATTN_DECODE_CFGS = [dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2")),
+                    dict(layout="entries", block_h=64, block_n=32, num_warps=8, split=2),
                     dict(layout="two_pass"),
-                    dict(layout="two_pass", two_pass=dict(tiles_per_program=2)),
-                    dict(layout="two_pass", two_pass=dict(block_v=64)),
-                    dict(layout="two_pass", two_pass=dict(maxnreg_sum=168)),
-                    dict(layout="two_pass", two_pass=dict(block_v=64, maxnreg_sum=128)),
-                    # the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their own
-                    # (sm_90 SASS, triton 3.6: pass 1's loop 1,536 instructions a selected tile, was 4,086; 144
-                    # registers: a cap of 128 makes 4 blocks an SM)
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
-                    dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128)),
-                    dict(layout="two_pass", two_pass=dict(decode="bf16x2", num_stages=2)),
-                    dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
-                    dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, maxnreg_sum=128)),
                     dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, tiles_per_program=2)),
-                    # 128-entry tiles: pass 1 issues 19.8 instructions an entry instead of 24.0, at 255 registers
-                    dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2")),
-                    dict(layout="two_pass", two_pass=dict(decode="bf16x2", block_v=256, num_warps_sum=8))]
+                    # candidates after run 24a, at 128-entry tiles: 8 warps (250 / 144 registers, no spills);
+                    # 64 output columns a pass-2 program (twice the programs); two tiles a scoring program
+                    dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", num_warps=8)),
+                    dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", block_v=64)),
+                    dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", tiles_per_program=2))]
 
 
 def case_attn(bw, mm):
