@@ -28,8 +28,8 @@ def test_moe_fold_knob_checks_each_layers_scales_once(monkeypatch):
 
 def test_attention_knobs_ask_the_kernel_for_two_passes_where_offsets_reach(monkeypatch):
     """TritonOps._attn_launch: attn_bf16x2 names the two passes' form, attn_two_pass the layout, except where
-    the caches are past the two passes' int32 offsets (then the wrapper keeps the heads layout); nothing
-    where the kernels' references run."""
+    the caches are past the two passes' int32 offsets (then the wrapper keeps the heads layout); attn_one_pass
+    the one-pass kernel's layout for the caches; nothing where the kernels' references run."""
     import engine.ops.triton as T
 
     ops = T.TritonOps.__new__(T.TritonOps)
@@ -45,6 +45,9 @@ def test_attention_knobs_ask_the_kernel_for_two_passes_where_offsets_reach(monke
     assert ops._attn_launch(args(huge)) == {"two_pass": {"decode": "bf16x2"}}
     ops.set_knobs("attn_bf16x2=0")
     assert ops._attn_launch(args(small)) == {"layout": "two_pass"}
+    ops.set_knobs("attn_two_pass=0,attn_one_pass=1")  # the one-pass kernel's layouts, for an A/B
+    assert ops._attn_launch(args(small)) == {"layout": "entries"}
+    assert ops._attn_launch(args(huge)) == {"layout": "heads"}
 
 
 def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):

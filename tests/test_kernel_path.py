@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -98,19 +99,19 @@ def _worker(ckpt: str, part: str) -> dict:
                    "top_up": tie_marks_on_both_routes(cfg, weights, ids, TopUpFp32Ops)}
     for name, fn in saved.items():
         setattr(TritonOps, name, fn)
-    # every kernel
-    logits, topk, calls, _ = forward(True)
-    out["all_kernels"] = {**against_ref(logits, topk), "calls": calls}
-    # every kernel, the sparse attention in its two passes' bf16x2 form (the knobs): which forms ran
+    # every kernel (the sparse attention in the wrapper's default, its two passes' bf16x2 form on a prompt), then
+    # the one-pass kernel's layouts (knob attn_one_pass): which two-pass forms ran in each
     import kernels.sparse_attn_decode as AD
     two_pass, ran = AD.sparse_attn_two_pass, []
     AD.sparse_attn_two_pass = lambda *a, **k: (ran.append(k.get("decode")), two_pass(*a, **k))[1]
     try:
-        logits, topk, calls, _ = forward(True, knobs="attn_two_pass=1,attn_bf16x2=1")
+        for key, knobs in (("all_kernels", None), ("attn_one_pass", "attn_one_pass=1")):
+            ran.clear()
+            logits, topk, calls, _ = forward(True, knobs=knobs)
+            out[key] = {**against_ref(logits, topk), "calls": calls, "forms": sorted(set(map(str, ran))),
+                        "two_pass_calls": len(ran)}
     finally:
         AD.sparse_attn_two_pass = two_pass
-    out["attn_two_pass"] = {**against_ref(logits, topk), "calls": calls, "forms": sorted(set(map(str, ran))),
-                            "two_pass_calls": len(ran)}
     # the reference's own sensitivity to the kernels' output precision: its linears rounded to bf16
     bf16 = lambda lin: (lambda x, base: lin(x, base).to(torch.bfloat16).float() if base is not None else lin(x, base))
     logits, topk, _, _ = forward(False, bf16)
@@ -379,15 +380,17 @@ def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):
     assert got["topk_identical"]["2"] >= 0.75, got["topk_identical"]
 
 
-def test_two_pass_attention_knobs_run_the_bf16x2_form_within_bf16_noise(worker):
-    """The knobs attn_two_pass and attn_bf16x2 send every sparse attention call (a prompt: no decode-sized
-    call) through the two passes' bf16x2 form, and the forward stays as close to the reference as the
-    one-pass kernels do."""
-    got, noise, one_pass = worker["attn_two_pass"], worker["bf16_reference"], worker["all_kernels"]
+def test_prompt_attention_runs_the_two_passes_bf16x2_form_within_bf16_noise(worker):
+    """By default every sparse attention call of a prompt (no decode-sized call) takes the two passes' bf16x2
+    form, and the forward stays as close to the reference as with the one-pass kernel (knob attn_one_pass,
+    which runs no two-pass call)."""
+    got, noise, one_pass = worker["all_kernels"], worker["bf16_reference"], worker["attn_one_pass"]
     assert got["forms"] == ["bf16x2"] and got["two_pass_calls"] == got["calls"]["sparse_attn"] > 0
-    assert got["finite"] and got["rel_l2"] <= 2 * noise["rel_l2"], (got, noise)
-    assert got["topk_identical"]["2"] >= 0.75, got["topk_identical"]
-    assert got["rel_l2"] != one_pass["rel_l2"]  # the two forms' roundings differ: the knobs took effect
+    assert one_pass["two_pass_calls"] == 0 and one_pass["calls"]["sparse_attn"] == got["calls"]["sparse_attn"]
+    for run in (got, one_pass):
+        assert run["finite"] and run["rel_l2"] <= 2 * noise["rel_l2"], (run, noise)
+        assert run["topk_identical"]["2"] >= 0.75, run["topk_identical"]
+    assert got["rel_l2"] != one_pass["rel_l2"]  # the two forms' roundings differ: the knob took effect
 
 
 def test_hooks_pass_the_engines_operands(worker):
@@ -486,20 +489,21 @@ def test_parity_view_rows_and_modes(worker):
 
 def test_f32_linear_splits_k_at_decode_widths():
     """TritonOps.f32_linear (the compressor's float32 projections): a K-split batched GEMM at decode widths,
-    equal to the float64 product to float32 rounding; the wrapped op's at prefill widths and for short K."""
+    equal to the float64 product to float32 rounding; the tf32x3 kernel at prefill widths; the wrapped op's for
+    short K."""
     from engine.ops.fp32 import Fp32Ops
     from engine.ops.triton import TritonOps, _k_splits
 
     g = torch.Generator().manual_seed(11)
     ops = TritonOps.__new__(TritonOps)
-    ops.base, ops.compute = Fp32Ops(), True
+    ops.base, ops.compute, ops.calls, ops.device = Fp32Ops(), True, Counter(), torch.device("cpu")
     x, w = torch.randn(64, 5120, generator=g).bfloat16().float(), torch.randn(96, 5120, generator=g).bfloat16()
     assert _k_splits(5120) == 16
     got, want = ops.f32_linear(x, w), (x.double() @ w.double().t())
     assert got.dtype == torch.float32 and got.shape == (64, 96)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
-    wide = torch.randn(300, 5120, generator=g)
-    assert torch.equal(ops.f32_linear(wide, w), Fp32Ops().f32_linear(wide, w))
+    wide = torch.randn(300, 5120, generator=g)  # a prefill's: the tf32x3 kernel (its float32 reference here)
+    assert torch.equal(ops.f32_linear(wide, w), Fp32Ops().f32_linear(wide, w)) and ops.calls["f32_gemm"] == 1
     assert torch.equal(ops.f32_linear(x[:, :200], w[:, :200]), Fp32Ops().f32_linear(x[:, :200], w[:, :200]))
 
 

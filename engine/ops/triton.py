@@ -95,9 +95,10 @@ class TritonOps(PointwiseKernels):
     # offsets reach the caches, and their bf16x2 form wherever they run, with the kernels' other launch options
     # at their defaults. The wrapper's own defaults already take the two passes' bf16x2 form for the prefill
     # and decode batches of 16+ tokens, with the launch options the H200 liked best (run 24a); these knobs
-    # are for A/B runs
+    # are for A/B runs, as is attn_one_pass: the one-pass kernel's layouts (the default before run 24a)
     attn_two_pass = False
     attn_bf16x2 = False
+    attn_one_pass = False
     # the routed experts' grouped GEMMs with each scale folded into the decode's one bf16x2 multiply
     # (kernels/fp4_tiles.py fp4_decoded_folded), for a layer whose expert scales all fit it (checked once a
     # layer): H200 run 24a, 4K prefill in the engine's hidden-state form 10.13 ms against 10.37, the 64-token
@@ -117,8 +118,8 @@ class TritonOps(PointwiseKernels):
     # 0.3 in Reuse's, which has none), for a top-k over every row; off until timed
     ties_branch_free = False
     # booleans a bench may set by name (set_knobs)
-    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "moe_fold", "mhc_f32_stream",
-             "f32_tf32x3", "ties_branch_free")
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
+             "mhc_f32_stream", "f32_tf32x3", "ties_branch_free")
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -392,13 +393,15 @@ class TritonOps(PointwiseKernels):
 
     def _attn_launch(self, args) -> dict:
         """The sparse attention kernel's launch options the knobs ask for (none where its reference runs)."""
-        if not (self.attn_two_pass or self.attn_bf16x2):
+        if not (self.attn_two_pass or self.attn_bf16x2 or self.attn_one_pass):
             return {}  # the decode step's hot path: nothing imported or checked with the knobs off
         from kernels import dispatch
         if not (dispatch.use_triton(self.device) or interpreter_active()):
             return {}
         from kernels.sparse_attn import int32_offsets_reach
         q, kv_p, win_q = args[0], args[1], args[4]
+        if self.attn_one_pass:
+            return {"layout": "entries" if int32_offsets_reach(kv_p, win_q, q.shape[-1]) else "heads"}
         options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
         if self.attn_two_pass and int32_offsets_reach(kv_p, win_q, q.shape[-1]):
             options["layout"] = "two_pass"
