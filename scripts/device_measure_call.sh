@@ -2,7 +2,8 @@
 # One device call for the evidence of issues 15, 18 and 20 (notes/parity.md, notes/ced-prefill.md,
 # benches/results/): each step under its own time limit. Everything lands in $R; after each step it is
 # archived to $OUT/results.tar.gz and the tables copied beside it ($OUT returns at most 8 files).
-#   run(command="bash scripts/device_measure_call.sh kernels release parity", timeout_s=600)
+#   run(command="bash scripts/device_measure_call.sh kernels release parity", timeout_s=600,
+#       carry=[".device-cache"])     # Triton's compile cache from the last call, where one came back (below)
 # The release step's first pass compiles every kernel (~60 s per role's first layer on the H200): give it
 # a call of its own, e.g. RELEASE_LIMIT=480 bash scripts/device_measure_call.sh release
 # Steps: parity (kernel path vs CPU reference numerics, 1,000 tokens), ced (prefill timing),
@@ -18,6 +19,18 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 R=${R:-/tmp/measure}
 mkdir -p "$R"
+# Triton's compile cache across sessions (a cold machine compiles for minutes: run 24's last call lost its
+# first release role to it): carry .device-cache (run(carry=[".device-cache"])) and the cache comes back as
+# $OUT/triton-cache.tar.gz after each step; copy that into .device-cache/ here for the next call
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .device-cache/triton-cache.tar.gz ] && tar xzf .device-cache/triton-cache.tar.gz -C "$TRITON_CACHE_DIR"
+save_cache() {  # at most 15 MiB (a file from $OUT may be 16); TRITON_CACHE_BACK=0 for every invocation of a call
+  [ "${TRITON_CACHE_BACK:-1}" = 1 ] || return 0  # but its last (64 MiB come back in all)
+  tar czf /tmp/triton-cache.tar.gz -C "$TRITON_CACHE_DIR" . 2>/dev/null
+  if [ "$(stat -c %s /tmp/triton-cache.tar.gz)" -le $((15 << 20)) ]; then cp /tmp/triton-cache.tar.gz "$OUT/"
+  else echo "triton cache $(stat -c %s /tmp/triton-cache.tar.gz) bytes: too large to bring back" >> "$R/steps.txt"; fi
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$R/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt" 2>&1
 for step in "$@"; do
@@ -53,4 +66,5 @@ for step in "$@"; do
   echo "$step exit $? in $(( $(date +%s) - start )) s" | tee -a "$R/steps.txt"
   tar czf "$OUT/results.tar.gz" -C "$R" .
   cp "$R"/*.md "$R/steps.txt" "$OUT/" 2>/dev/null
+  save_cache
 done
