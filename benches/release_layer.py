@@ -13,9 +13,10 @@ made on demand). A Reuse or Reindex layer first runs its source layers (untimed)
 Per role: a prefill of --tokens tokens with every probe, then one decode step of --decode tokens
 (a chunk of one sequence standing in for that many sequences: the weights are read once either way;
 the floor counts each sequence's own caches). Time is synchronized wall time of the layer's
-Block.forward, the median over the warm passes (the first compiles; --passes 4: three warm ones). Floor = max(FLOPs / FP8 rate, bytes / HBM rate) with
-both rates measured here (torch._scaled_mm E4M3 GEMM, a large device copy); FLOPs and bytes are those
-of ideal kernels (`layer_work`). Peak memory is torch's peak allocation during the layer.
+Block.forward, the median over the warm passes (the first compiles; --passes 4: three warm ones).
+Floor = max(FLOPs / FP8 rate, bytes / HBM rate) with both rates measured here (torch._scaled_mm E4M3 GEMM,
+a large device copy); FLOPs and bytes are those of ideal kernels (`layer_work`). Peak memory is torch's peak
+allocation during the layer.
 
 --weights stored (default): engine/ops/stored.py StoredWeights, the stored bytes only; fp32: what
 engine.run.api.load's DeviceWeights does today (every weight `get` asks for kept dequantized fp32).

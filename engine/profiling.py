@@ -38,6 +38,7 @@ def idle_gaps(kernels, host_events, top: int = 12, min_us: float = 20.0) -> list
         if end is None or hi > end:
             end, last = hi, e
     gaps.sort(key=lambda g: -g["us"])
+
     def innermost(e) -> bool:  # a leaf (a runtime call), or an aten op with no aten op inside
         children = getattr(e, "cpu_children", None) or []
         return not children or e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in children)
@@ -53,8 +54,8 @@ def idle_gaps(kernels, host_events, top: int = 12, min_us: float = 20.0) -> list
 
 
 def _gap_table(gaps: list[dict], idle_us: float) -> list[str]:
-    lines = ["", f"GPU idle: {idle_us / 1e3:.2f} ms inside the span; the longest gaps, with the host's leaf ops "
-             "busiest in each (us of overlap)", "", "| gap (us) | after kernel | before kernel | host ops |",
+    lines = ["", f"GPU idle: {idle_us / 1e3:.2f} ms inside the span; the longest gaps, with the host's innermost "
+             "ops busiest in each (us of overlap)", "", "| gap (us) | after kernel | before kernel | host ops |",
              "|---|---|---|---|"]
     for g in gaps:
         host = "; ".join(f"{name[:40]} {us:.0f}" for name, us in g["host"]) or "-"

@@ -479,7 +479,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     in benches/kernels.py); bf16_decode="fold": the bf16 bits by PTX with the scale folded into one bf16x2
     multiply a pair (fp4_tiles.fp4_decoded_folded: ~10% fewer instructions in the grouped GEMM's loops on
     sm_90; H200 run 24a: 9.66 against 9.83 ms at 4K tokens, 2.62 against 2.66 at the 64-token step; the
-    engine's default through TritonOps.moe_fold), for scale bytes up to fp4_tiles.FOLD_MAX_SCALE_BYTE (beyond: NaN; fold_fits checks);
+    engine's default through TritonOps.moe_fold), for scale bytes up to fp4_tiles.FOLD_MAX_SCALE_BYTE
+    (beyond: NaN; fold_fits checks);
     scaled: the grouped GEMM hands the raw FP4 and E8M0 bytes to tl.dot_scaled
     (Triton's MXFP4 path; on the GPU only, the interpreter keeps the bit-assembly decode); fp8_mma: the
     grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the

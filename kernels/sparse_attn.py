@@ -425,16 +425,16 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     # decode-sized: the tokens' 64-head blocks fill at most half the SMs, no launch shape given
     decode_sized = (layout in (None, "entries") and block_h is None and block_n is None and split is None
                     and d_split == 1 and h % 64 == 0 and 2 * t * (h // 64) <= sm_count(q.device))
-    if layout is None and two_pass is None and not wide and _two_pass_fits(h) and (
+    if layout is None and not wide and _two_pass_fits(h) and (
             t >= 16 if decode_sized else block_h is block_n is split is None and d_split == 1):
         # a decode batch of 16+ tokens and a prefill in the two passes' bf16x2 form (H200 run 24a: batch 64
         # 34.6 us with 128-entry tiles against 59.4 for the float32 form's and 65.4 for the one-pass decode
         # shape; a 4K prefill 2.69 ms with 64 output columns a pass-2 program under 128 registers, against
-        # 4.39 for "entries")
+        # 4.39 for "entries"); options given in two_pass are taken as they are
         layout = "two_pass"
-        if decode_sized and t >= 16:
+        if two_pass is None and decode_sized:
             block_n, two_pass = 128, {"decode": "bf16x2"}
-        else:
+        elif two_pass is None:
             two_pass = {"decode": "bf16x2", "maxnreg": 128, "block_v": 64}
     if layout is None:
         layout = "heads" if wide else "entries"

@@ -286,6 +286,19 @@ def test_default_layout_is_two_pass_unless_offsets_overflow(t, cache_entries, la
         assert grid[1] == split and kw["SPLIT"] == (split > 1)
 
 
+def test_given_two_pass_options_are_taken_as_they_are():
+    """A two_pass dict without a layout (the attn_bf16x2 knob's) still gets the two passes where the default
+    would take them, with its own options: the float32 form on 64-entry tiles, no register cap."""
+    g = torch.Generator().manual_seed(6)
+    args = [x.to("meta") for x in attention_inputs(g, t=64, h=64, d=512, n=8, w=8, k=128, wn=64)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AD, "_scores_kernel", scored := _Recorder())
+        mp.setattr(AD, "_weighted_sum_kernel", _Recorder())
+        A.sparse_attn_triton(*args, two_pass={"decode": "float32"})
+    (grid, _, kw), = scored.launches
+    assert kw["BN"] == 64 and "maxnreg" not in kw and grid == (64, 3, 1)
+
+
 def test_default_layout_keeps_one_pass_for_few_heads():
     """Fewer than 16 heads do not fill the two passes' MMA: a prefill without a layout stays "entries"."""
     g = torch.Generator().manual_seed(6)
