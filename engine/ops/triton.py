@@ -113,9 +113,10 @@ class TritonOps(PointwiseKernels):
     # against cuBLAS's 337, the compressor's 559 against 852; 2.6e-7 from float64 against 3.9e-7 / 7.4e-7)
     f32_tf32x3 = True
     # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
-    # keeping theirs: the form a graph capture takes) instead of reading back which rows tie: the prefill's one
-    # host read a Full layer (run 24b's profiles: 3.8-8.9 ms of GPU idle in the Full layers' prefill spans,
-    # 0.3 in Reuse's, which has none), for a top-k over every row; off until timed
+    # keeping theirs: the form a graph capture takes) instead of reading back which rows tie, the prefill's one
+    # host read a Full layer, for a top-k over every row. Off until timed: run 24b's Full layers idle 3.8-8.9 ms
+    # of their prefill spans (Reuse, without the read, 0.3), but the read itself waited little (all their
+    # device-to-host copies: 0.36 ms), so the idle looks like the host's own pace between launches
     ties_branch_free = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
