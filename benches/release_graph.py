@@ -243,6 +243,10 @@ def table(report: dict) -> str:
         note = ("" if row["warm"] else "first pass (compiles included); ") + f"chain {row['chain']}"
         if row["phase"] == "prefill" and row.get("host_syncs"):  # (the decode step's: the graph table)
             note += f"; host syncs {', '.join(row['host_syncs'])}"
+        prof = row.get("profile") or {}
+        if prof.get("span_s"):  # the profiled pass (GPU only): where the time went, the gaps table in the profile
+            note += (f"; profiled: kernels {prof['kernel_s'] * 1e3:.2f} ms, GPU idle "
+                     f"{(prof['span_s'] - prof['busy_s']) * 1e3:.2f} of {prof['span_s'] * 1e3:.2f} ms")
         lines.append(f"| {row['title']} | {row['layer']} | {row['phase']} {row['queries']} | {row['time_s'] * 1e3:.2f} | "
                      f"{row['flops'] / 1e9:.4g} | {row['bytes'] / 1e6:.4g} | {row['floor_s'] * 1e3:.4g} | {row['limit']} | "
                      f"{row['ratio']:.1f} | {'met' if row['goal_met'] else 'missed'} | {peak} | {row['touched_experts']} | {note} |")

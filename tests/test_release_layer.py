@@ -234,8 +234,8 @@ def test_graph_row_and_table_judge_the_back_to_back_replay():
 
 
 def test_prefill_rows_name_their_host_syncs():
-    """A prefill row's host syncs (CUDA's sync debug mode, on the warm pass) go in its note; a decode row's
-    go in the graph table, not the note."""
+    """A prefill row's host syncs (CUDA's sync debug mode, on a pass of their own) go in its note; a decode
+    row's go in the graph table, not the note. A profiled row's note gives its kernel time and GPU idle."""
     from benches.release_graph import table
     row = {"status": "ok", "title": "Full m=2", "layer": 2, "queries": 4096, "time_s": 0.03, "flops": 3e12,
            "bytes": 7e9, "floor_s": 2e-3, "limit": "FP8", "ratio": 15.0, "goal_met": False, "peak_bytes": 1e10,
@@ -243,7 +243,10 @@ def test_prefill_rows_name_their_host_syncs():
     report = {"rates": {"fp8_gemm_n": 8192, "fp8_flops": 1.4e15, "hbm_Bps": 4.2e12}, "device": "H200", "config": "c",
               "tokens": 4096, "decode": 64, "weights": "stored", "ops": "TritonOps", "wall_s": 1.0, "budget_s": 2,
               "rows": [{**row, "phase": "prefill", "host_syncs": ["reference.py:194", "engram.py:241"]},
-                       {**row, "phase": "decode", "queries": 64, "host_syncs": ["reference.py:194"]}]}
+                       {**row, "phase": "decode", "queries": 64, "host_syncs": ["reference.py:194"],
+                        "profile": {"kernel_s": 3.1e-3, "busy_s": 3.0e-3, "span_s": 10.25e-3}}]}
     lines = [line for line in table(report).splitlines() if line.startswith("| Full m=2 | 2 |")]
     assert lines[0].endswith("chain [2]; host syncs reference.py:194, engram.py:241 |")
     assert "host syncs" not in lines[1]
+    # a profiled row says how much of its GPU span was idle (10.25 - 3.0 ms)
+    assert lines[1].endswith("chain [2]; profiled: kernels 3.10 ms, GPU idle 7.25 of 10.25 ms |")
