@@ -113,6 +113,8 @@ def compile_only(self, *args, grid, warmup, **kwargs):
     """JITFunction.run with every launch made a compile; records each distinct kernel once."""
     compiled = _ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
     consts = {k: v for k, v in kwargs.items() if k.isupper()}
+    if kwargs.get("maxnreg"):  # a register cap compiles another kernel (the prefill's attention scoring)
+        consts["maxnreg"] = kwargs["maxnreg"]
     key = (self.fn.__name__, tuple(sorted((k, str(v)) for k, v in consts.items())),
            kwargs.get("num_warps"), kwargs.get("num_stages"), tuple(str(getattr(a, "dtype", "")) for a in args))
     if key not in _SEEN:
