@@ -1,5 +1,5 @@
-"""benches/release_layer.py's decode step on CUDA graphs: the whole layer's step captured and replayed, the host
-syncs found on the way, the engine's own one-token decode loop eager and on its piecewise graphs
+"""benches/release_layer.py's phases on CUDA graphs: the whole layer's decode step (or prefill) captured and
+replayed, the host syncs found on the way, the engine's own one-token decode loop eager and on its piecewise graphs
 (engine/model/graphs.py); and the report's table."""
 
 from __future__ import annotations
@@ -53,15 +53,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict | None = None,
-                 replays: int = 20) -> dict:
-    """The layer's decode step captured once as a CUDA graph and replayed: what a serving loop pays per
-    step when the host is out of the way. The Engram hashes its n-grams and gathers its table rows
+def graph_phase(block, x, pre, positions, shared, step, device, phase: str = "decode", probe: dict | None = None,
+                profiles: dict | None = None, replays: int = 20) -> dict:
+    """The layer's decode step (or its prefill) captured once as a CUDA graph and replayed: what a serving
+    loop pays per step when the host is out of the way (a prefill graph is what a server replays for a
+    fixed-size chunk; its probes are written by every replay). The Engram hashes its n-grams and gathers its table rows
     inside the graph, its n-gram history kept on the device (the engine's own loop keeps it on the CPU
     and looks up on the host). Every live CUDA tensor is held while the graph lives (a graph reads its
     inputs by address). -> {"graph_s": mean of `replays` replays back to back, "graph_single_s":
     median of single replays, each timed alone, "graph_out", "graph_peak"}
-    or {"graph_error": why}. profiles: a dict to receive one more replay's profile ("decode graph": the
+    or {"graph_error": why}. profiles: a dict to receive one more replay's profile ("<phase> graph": the
     kernels the graph runs, which differ from the eager step's where a host branch has a branch-free form)."""
     out = {}
     if device.type != "cuda":
@@ -75,7 +76,7 @@ def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict 
         g = torch.cuda.CUDAGraph()
         _sync(device)
         with torch.cuda.graph(g):
-            y, _ = block.forward(x, pre, positions, shared, step, None, None)
+            y, _ = block.forward(x, pre, positions, shared, step, None, probe)
         g.replay()
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -97,7 +98,7 @@ def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict 
         end.synchronize()
         out.update(graph_s=start.elapsed_time(end) / 1e3 / replays, graph_single_s=sorted(times)[len(times) // 2],
                    graph_out=y.clone(), graph_peak=torch.cuda.max_memory_allocated(device))
-        with profiled(profiles, "decode graph", device):
+        with profiled(profiles, f"{phase} graph", device):
             g.replay()
             _sync(device)
     except Exception as err:  # noqa: BLE001 -- reported in the row, the eager figures still stand
@@ -108,8 +109,8 @@ def graph_decode(block, x, pre, positions, shared, step, device, profiles: dict 
 
 
 def graph_row(graph: dict, eager_out, floor_s: float) -> dict:
-    """The decode row's CUDA-graph figures: replay time, its ratio to the floor, and the largest
-    difference from the eager step's output (relative to its largest value)."""
+    """A row's CUDA-graph figures: replay time, its ratio to the floor, and the largest difference from
+    the eager phase's output (relative to its largest value)."""
     if not graph:
         return {}
     if "graph_error" in graph:
@@ -124,27 +125,27 @@ def graph_row(graph: dict, eager_out, floor_s: float) -> dict:
 
 
 def graph_table(rows: list[dict]) -> list[str]:
-    """The report's lines for the decode rows' graph figures (none when no row has any)."""
-    graphed = [r for r in rows if r.get("status") == "ok" and r["phase"] == "decode"
-               and ("graph_s" in r or "graph_error" in r or r.get("host_syncs"))]
+    """The report's lines for the rows' graph figures (none when no row has any): decode rows first."""
+    graphed = [r for phase in ("decode", "prefill") for r in rows if r.get("status") == "ok" and r["phase"] == phase
+               and ("graph_s" in r or "graph_error" in r or (phase == "decode" and r.get("host_syncs")))]
     if not graphed:
         return []
-    lines = ["", "Decode step as one CUDA graph (captured after the warm pass; graph: the mean of 20 replays "
-              "back to back, the layer's share of a whole-step graph; one replay: the median of 20 replays "
-              "each timed alone, its own launch included; the Engram hashes and gathers inside the graph, its "
-              "n-gram history on the device; host syncs: where the eager step waits on the GPU, by CUDA's "
-              "sync debug mode on the first pass; under capture each is a branch-free form):", "",
-              "| role | layer | eager (ms) | graph (ms) | one replay (ms) | x floor | goal | vs eager output | "
+    lines = ["", "Each phase of the layer as one CUDA graph (captured after the warm passes; graph: the mean of 20 "
+              "replays back to back, the layer's share of a whole-step graph; one replay: the median of 20 replays "
+              "each timed alone, its own launch included; the prefill's graph writes every probe; the Engram hashes "
+              "and gathers inside the graph, its n-gram history on the device; host syncs: where the eager phase waits "
+              "on the GPU, by CUDA's sync debug mode on a pass of its own; under capture each is a branch-free form):",
+              "", "| role | layer | phase | eager (ms) | graph (ms) | one replay (ms) | x floor | goal | vs eager output | "
               "host syncs |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in graphed:
         syncs = "; ".join(r.get("host_syncs") or []) or "none"
+        head = f"| {r['title']} | {r['layer']} | {r['phase']} {r['queries']} | {r['time_s'] * 1e3:.2f} | "
         if "graph_s" not in r:
-            lines.append(f"| {r['title']} | {r['layer']} | {r['time_s'] * 1e3:.2f} | "
-                         f"{r.get('graph_error', 'not run')[:160]} | - | - | - | - | {syncs} |")
+            lines.append(head + f"{r.get('graph_error', 'not run')[:160]} | - | - | - | - | {syncs} |")
             continue
         diff = "-" if r["graph_rel_diff"] is None else f"{r['graph_rel_diff']:.1e}"
-        lines.append(f"| {r['title']} | {r['layer']} | {r['time_s'] * 1e3:.2f} | {r['graph_s'] * 1e3:.3f} | "
+        lines.append(head + f"{r['graph_s'] * 1e3:.3f} | "
                      f"{r['graph_single_s'] * 1e3:.3f} | {r['graph_ratio']:.1f} | "
                      f"{'met' if r['graph_goal_met'] else 'missed'} | {diff} | {syncs} |")
     return lines

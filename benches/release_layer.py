@@ -45,7 +45,7 @@ RELEASE_CONFIG = ROOT / "assets" / "configs" / "v41-flash.json"  # the release i
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
-from benches.release_graph import (GOAL_RATIO, decode_loop, graph_decode, graph_row, listed_host_syncs,  # noqa: E402
+from benches.release_graph import (GOAL_RATIO, decode_loop, graph_phase, graph_row, listed_host_syncs,  # noqa: E402
                                    profiled, stream_inputs, table)
 
 
@@ -336,13 +336,13 @@ def _peak(device) -> float | None:
 
 
 def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, detail: bool,
-             profiles: dict | None = None, graph: dict | None = None, syncs: list | None = None) -> dict:
+             profiles: dict | None = None, graphs: dict | None = None, syncs: list | None = None) -> dict:
     """One pass: reset the caches, prefill `layers` in order, then one decode chunk; the last layer is
     timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode",
-    "decode_out"}. profiles: a dict to receive the last layer's profile per phase (a pass of its own: the
-    profiler slows what it watches). graph: a dict to receive the last layer's decode step captured as a
-    CUDA graph (`graph_decode`) instead of run eagerly; with profiles too, one replay is profiled into
-    profiles["decode graph"]. syncs: a dict to receive, per phase, the host syncs of the last layer
+    "prefill_out", "decode_out"}. profiles: a dict to receive the last layer's profile per phase (a pass of its own: the
+    profiler slows what it watches). graphs: {phase: a dict} to receive the last layer's phase captured as
+    a CUDA graph (`graph_phase`) instead of run eagerly (a captured prefill fills the caches by its replays);
+    with profiles too, one replay is profiled into profiles["<phase> graph"]. syncs: a dict to receive, per phase, the host syncs of the last layer
     (CUDA's sync debug mode: file:line of each)."""
     from engine.model.attention import Shared
     target = layers[-1]
@@ -365,16 +365,17 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
                 _peak_reset(device)
             started = time.perf_counter()
             step = (chunk_ids, dead, history)
-            if L == target and phase == "decode" and graph is not None:
-                graph.update(graph_decode(block, x, pre, positions, shared, step, device, profiles))
+            if L == target and graphs is not None and phase in graphs:
+                graphs[phase].update(graph_phase(block, x, pre, positions, shared, step, device, phase, probe,
+                                                 profiles))
                 continue
             with profiled(profiles if L == target else None, phase, device), \
                     listed_host_syncs(syncs.setdefault(phase, []) if syncs is not None and L == target else None,
                                       device):
                 y, _ = block.forward(x, pre, positions, shared, step, None, probe)
                 _sync(device)
-            if L == target and phase == "decode":
-                out["decode_out"] = y
+            if L == target:
+                out[f"{phase}_out"] = y
             if L == target:
                 out[f"{phase}_s"] = time.perf_counter() - started
                 out[f"peak_{phase}"] = _peak(device)
@@ -412,10 +413,12 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
     profiles: dict = {}
     if args.profile and warm and time.perf_counter() + times[-1] * 3 < deadline:
         run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, profiles)
-    graph: dict = {}
-    if args.graph and warm and time.perf_counter() + times[-1] * 2 < deadline:
-        run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
-                 profiles if args.profile else None, graph=graph)
+    graphs: dict = {}
+    for phase in ("decode", "prefill") if args.graph else ():  # a pass each: the decode's after an eager prefill
+        if warm and time.perf_counter() + times[-1] * 2 < deadline:
+            graphs[phase] = {}
+            run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
+                     profiles if args.profile else None, graphs={phase: graphs[phase]})
     loop: dict = {}
     if args.decode_loop and warm and time.perf_counter() + times[-1] * 4 < deadline:
         loop = decode_loop(model, cfg, layers, args.tokens, args.decode_loop, device)
@@ -440,11 +443,12 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
                      "phase_s": [round(p[f"{phase}_s"], 5) for p in passes], "status": "ok"})
         if phase in profiles:
             rows[-1]["profile"] = profiles[phase]
-        if phase == "decode" and "decode graph" in profiles:
-            rows[-1]["graph_profile"] = profiles["decode graph"]
+        if f"{phase} graph" in profiles:
+            rows[-1]["graph_profile"] = profiles[f"{phase} graph"]
         rows[-1]["host_syncs"] = syncs.get(phase, [])
+        rows[-1].update(graph_row(graphs.get(phase, {}), got.get(f"{phase}_out"), floor_s))
         if phase == "decode":
-            rows[-1].update(graph_row(graph, got.get("decode_out"), floor_s), **loop)
+            rows[-1].update(loop)
     return rows
 
 
@@ -455,7 +459,7 @@ def profile_text(report: dict) -> str:
     parts = []
     for row in report["rows"]:
         for key, what, took in (("profile", row["phase"], row["time_s"]),
-                                ("graph_profile", "decode graph replay", row.get("graph_s"))):
+                                ("graph_profile", f"{row['phase']} graph replay", row.get("graph_s"))):
             prof = row.get(key)
             if prof:
                 parts.append(f"## {row['title']}, layer {row['layer']}, {what} {row['queries']}: "
@@ -494,7 +498,8 @@ def parse(argv):
     p.add_argument("--detail", action="store_true", help="also the detail probes (runner-ups, recall)")
     p.add_argument("--device", default=None)
     p.add_argument("--graph", action="store_true",
-                   help="one more pass per role with the decode step captured as a CUDA graph and replayed")
+                   help="two more passes per role, the decode step and then the prefill captured as a CUDA graph and "
+                        "replayed")
     p.add_argument("--decode-loop", type=int, default=0, metavar="N",
                    help="also N one-token decode steps per role, eager and on the engine's piecewise CUDA graphs")
     p.add_argument("--profile", action="store_true",

@@ -217,8 +217,8 @@ def test_profile_pass_writes_a_section_per_phase(tmp_path):
 
 
 def test_graph_row_and_table_judge_the_back_to_back_replay():
-    """The decode row's graph figures: the goal is judged on the back-to-back replay; the single replay
-    is shown beside it; an error row keeps the table's columns."""
+    """A row's graph figures: the goal is judged on the back-to-back replay; the single replay is shown
+    beside it; an error row keeps the table's columns."""
     import torch
     from benches.release_graph import graph_row, graph_table
     eager = torch.tensor([1.0, -2.0])
@@ -227,10 +227,14 @@ def test_graph_row_and_table_judge_the_back_to_back_replay():
     assert row["graph_ratio"] == pytest.approx(2.9) and row["graph_goal_met"]
     assert row["graph_rel_diff"] == pytest.approx(0.01)
     assert not graph_row({**graph, "graph_s": 3.1e-3}, eager, 1e-3)["graph_goal_met"]  # 3.1x
-    base = {"status": "ok", "phase": "decode", "title": "SWA-only", "layer": 0, "time_s": 9e-3}
-    lines = graph_table([{**base, **row}, {**base, "graph_error": "RuntimeError: capture failed"}])
-    assert lines[-2].startswith("| SWA-only | 0 | 9.00 | 2.900 | 3.400 | 2.9 | met | 1.0e-02 | none |")
-    assert lines[-1].count("|") == lines[-2].count("|") and "capture failed" in lines[-1]
+    base = {"status": "ok", "phase": "decode", "queries": 64, "title": "SWA-only", "layer": 0, "time_s": 9e-3}
+    prefill = {**base, "phase": "prefill", "queries": 4096, "time_s": 20e-3}
+    lines = graph_table([{**prefill, **graph_row({**graph, "graph_s": 9e-3}, eager, floor_s=2e-3)}, prefill,
+                         {**base, **row}, {**base, "graph_error": "RuntimeError: capture failed"}])
+    # decode rows first, then the graphed prefill (4.5x its floor); a prefill row without a graph pass is left out
+    assert lines[-3].startswith("| SWA-only | 0 | decode 64 | 9.00 | 2.900 | 3.400 | 2.9 | met | 1.0e-02 | none |")
+    assert lines[-2].count("|") == lines[-3].count("|") and "capture failed" in lines[-2]
+    assert lines[-1].startswith("| SWA-only | 0 | prefill 4096 | 20.00 | 9.000 | 3.400 | 4.5 | missed | 1.0e-02 |")
 
 
 def test_prefill_rows_name_their_host_syncs():
