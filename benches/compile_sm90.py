@@ -163,8 +163,8 @@ def cases():
     def top512():
         topk.topk_positions_triton(torch.randn(64, 65536), 512)
 
-    def attention(tq, **cfg):
-        q = torch.randn(tq, 64, 512).bfloat16()
+    def attention(tq, q_dtype=torch.bfloat16, **cfg):
+        q = torch.randn(tq, 64, 512).bfloat16().to(q_dtype)
         kvp, kvs = rand_fp4((4096, 512), 16, "e4m3")
         w8 = (torch.randn(256, 512) * 50).to(torch.float8_e4m3fn)
         ws = torch.randint(118, 122, (256, 16), dtype=torch.uint8).view(torch.float8_e8m0fnu)
@@ -206,10 +206,12 @@ def cases():
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
             ("sparse attention decode b64", attention(64)),
+            ("sparse attention decode b64, float32 q", attention(64, torch.float32)),
             ("sparse attention decode b64, bf16x2 decode", attention(64, layout="two_pass",
                                                                      two_pass=dict(decode="bf16x2"))),
             ("sparse attention decode b64, one pass", attention(64, layout="entries", block_h=64, block_n=32,
                                                                  split=2)), ("sparse attention prefill 4K", attention(4096)),
+            ("sparse attention prefill 4K, float32 q", attention(4096, torch.float32)),
             ("MoE decode 1 token", experts(1)),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,

@@ -449,6 +449,11 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     sink32 = sink.float().contiguous()
     if layout == "two_pass":
         from kernels.sparse_attn_decode import sparse_attn_two_pass
+        # q as bf16 (the values the kernels round it to as they load it): pass 1 reads q once per entry tile, and
+        # a float32 q costs its program 176 B of spills under the prefill's 128-register cap and 2.8x the
+        # shared-memory operations a loop (sm_90 SASS, triton 3.6; decode batch 64: 2.1x): a release layer's
+        # 4K prefill spent ~3.7 ms in the two passes on a float32 q (H200 run 25a) against 2.69 on a bf16 one
+        q = q.to(torch.bfloat16) if q.dtype == torch.float32 else q
         return sparse_attn_two_pass(q.contiguous(), *caches, sink32, scale, block_h=min(block_h or 64, h),
                                     block_n=block_n or 64, float_out=float_out, **(two_pass or {}))
     if d_split not in (1, 2):

@@ -299,6 +299,21 @@ def test_given_two_pass_options_are_taken_as_they_are():
     assert kw["BN"] == 64 and "maxnreg" not in kw and grid == (64, 3, 1)
 
 
+def test_two_pass_takes_a_float32_q_as_bf16(poisoned):
+    """The two passes read q once per entry tile: a float32 q (the reference stream's, bf16 values) reaches
+    them as bf16, the values they round it to, so the output is the bf16 q's bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    args = attention_inputs(g, t=3, h=32, d=64, n=50, w=30, k=40, wn=20)
+    q16 = args[0].bfloat16()
+    seen = []
+    with pytest.MonkeyPatch.context() as mp:
+        two_pass = AD.sparse_attn_two_pass
+        mp.setattr(AD, "sparse_attn_two_pass", lambda q, *a, **kw: (seen.append(q.dtype), two_pass(q, *a, **kw))[1])
+        got = A.sparse_attn_triton(q16.float(), *args[1:], block_n=16, layout="two_pass")
+        want = A.sparse_attn_triton(q16, *args[1:], block_n=16, layout="two_pass")
+    assert seen == [torch.bfloat16, torch.bfloat16] and torch.equal(got, want)
+
+
 def test_default_layout_keeps_one_pass_for_few_heads():
     """Fewer than 16 heads do not fill the two passes' MMA: a prefill without a layout stays "entries"."""
     g = torch.Generator().manual_seed(6)

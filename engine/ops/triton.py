@@ -368,8 +368,8 @@ class TritonOps(PointwiseKernels):
             sel = idx.to(torch.int32)
         heads = max(h, MIN_DOT_ROWS)
         # the kernels round q to bf16 as they load it: a bf16-valued float32 q (the `reference` stream) goes as
-        # it is, with no converted copy and no padded copy where the heads fill the MMA (a 4K-token prefill's
-        # q: ~1.3 GB of traffic, ~0.3 ms of a release layer's prefill on the H200)
+        # it is, with no padded copy where the heads fill the MMA (the two passes take a bf16 copy of their own:
+        # kernels/sparse_attn.py)
         qb = q if self._bf16_stream else q.to(torch.bfloat16)
         if heads != h:
             qb = F.pad(qb, (0, 0, 0, heads - h))
