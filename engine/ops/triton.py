@@ -114,10 +114,9 @@ class TritonOps(PointwiseKernels):
     f32_tf32x3 = True
     # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
     # keeping theirs: the form a graph capture takes) instead of reading back which rows tie, the prefill's one
-    # host read a Full layer, for a top-k over every row. Off until timed: run 24b's Full layers idle 3.8-8.9 ms
-    # of their prefill spans (Reuse, without the read, 0.3), but the read itself waited little (all their
-    # device-to-host copies: 0.36 ms), so the idle looks like the host's own pace between launches
-    ties_branch_free = False
+    # host read a Full layer. H200 run 25b against 25a: the Full layers' captured prefill the same GPU time
+    # (20.47 / 20.28 / 20.49 ms against 20.49 / 20.29 / 20.55), the eager prefill 21.8 against 21.7-23.5 ms
+    ties_branch_free = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
              "mhc_f32_stream", "f32_tf32x3", "ties_branch_free")
