@@ -443,6 +443,9 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     if wide and layout != "heads":
         raise ValueError(f"sparse attention: layout={layout!r} addresses the caches with int32 offsets; "
                          f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
+    n_sel = idx.shape[1]
+    if n_sel == 0:  # nothing selected (a layer without a global branch): the window's indices stand in as a
+        idx = win_idx  # pointer never read (an empty tensor's is null, which a launch refuses)
     caches = (kv_packed.contiguous().view(torch.int16), kv_scale.contiguous().view(torch.uint8),
               idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
               win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous())
@@ -455,7 +458,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
         # 4K prefill spent ~3.7 ms in the two passes on a float32 q (H200 run 25a) against 2.69 on a bf16 one
         q = q.to(torch.bfloat16) if q.dtype == torch.float32 else q
         return sparse_attn_two_pass(q.contiguous(), *caches, sink32, scale, block_h=min(block_h or 64, h),
-                                    block_n=block_n or 64, float_out=float_out, **(two_pass or {}))
+                                    block_n=block_n or 64, float_out=float_out, n_sel=n_sel, **(two_pass or {}))
     if d_split not in (1, 2):
         raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
     # decode: all 64 heads a program decode each entry once, 32-entry tiles, two splits (H200 run 17b: 65.5
@@ -465,7 +468,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     bh = min(block_h or (32 if layout == "entries" else 64), h)
     if h % bh:
         raise ValueError(f"head count {h} is not a multiple of the head block {bh}")
-    n_sel, n_win = idx.shape[1], win_idx.shape[1]
+    n_win = win_idx.shape[1]
     if block_n is None:
         block_n = 64 if layout == "entries" else 32 if t * (h // bh) >= sm_count(q.device) else 16
     tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)

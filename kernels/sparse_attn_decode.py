@@ -353,7 +353,7 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
                          num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
                          maxnreg: int | None = None, maxnreg_sum: int | None = None,
                          float_out: bool = False, decode: str = "float32",
-                         weight_bytes: int = 1 << 24) -> torch.Tensor:
+                         weight_bytes: int = 1 << 24, n_sel: int | None = None) -> torch.Tensor:
     """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as
     int16, win as int32 words, scales as bytes, indices int32, all contiguous; the caller checks shapes);
     block_h heads and block_n entries a tile in both passes, tiles_per_program tiles a pass-1 program,
@@ -363,7 +363,8 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     own; same values). weight_bytes bounds the float16 weights buffer between the passes ([T, tiles * block_n,
     H]: a 4K-token prefill's would be 335 MB): the tokens run in chunks that fit it, through one buffer (16 MB:
     204 tokens of the release's 640 entries x 64 heads, still 2,040 scoring programs, and the buffer stays
-    in the H200's 50 MB L2 between the passes).
+    in the H200's 50 MB L2 between the passes). n_sel: the selected slots a row (None: idx's width; 0 with
+    any int32 idx of T rows, never read: an empty tensor's null pointer would fail the launch).
     Host side: nothing made on or read from the host."""
     if decode not in ("float32", "bf16x2"):
         raise ValueError(f"sparse attention (two passes): decode must be 'float32' or 'bf16x2', got {decode!r}")
@@ -372,7 +373,7 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     if d % 64 or block_v > d or d % block_v or h % block_h or block_h < 16:
         raise ValueError(f"sparse attention (two passes): head dim {d} needs block_v {block_v} to divide it "
                          f"and head block {block_h} to divide {h} heads and be at least 16 (the MMA's N)")
-    n_sel, n_win = idx.shape[1], win_idx.shape[1]
+    n_sel, n_win = idx.shape[1] if n_sel is None else n_sel, win_idx.shape[1]
     n_st, n_wt = triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n)
     n_t = max(n_st + n_wt, 1)
     chunk = max(1, min(t, weight_bytes // (n_t * block_n * h * 2), 65535))  # 65535: a grid's y extent

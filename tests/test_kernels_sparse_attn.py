@@ -165,6 +165,23 @@ def test_split_with_only_window_work_and_dominant_sink(poisoned, layout):
     assert got[:, 0].abs().max() < 1e-6 < got[:, 1].abs().max()
 
 
+@pytest.mark.parametrize("layout,opts", [("heads", {"split": 1}), ("entries", {"split": 2}),
+                                         ("two_pass", {"two_pass": {"decode": "float32"}}),
+                                         ("two_pass", {"two_pass": {"decode": "bf16x2"}})])
+def test_window_only_calls_take_a_zero_width_selection(poisoned, layout, opts):
+    """A layer without a global branch (SWA-only) selects nothing: a zero-width selection (a null pointer, which
+    the wrapper does not launch with) gives what a slot of -1 gives, with no selected tile scored."""
+    g = torch.Generator().manual_seed(8)
+    args = attention_inputs(g, t=3, h=16, d=64, n=4, w=60, k=1, wn=48)
+    args[3][:] = -1
+    want = A.sparse_attn_reference(*args)
+    none = args[3][:, :0]
+    assert none.shape == (3, 0) and none.data_ptr() == 0
+    got = A.sparse_attn_triton(*args[:3], none, *args[4:], block_n=16, layout=layout, **opts)
+    assert _rel(want, got) < 1e-2
+    assert torch.equal(got, A.sparse_attn_triton(*args, block_n=16, layout=layout, **opts))
+
+
 def test_rejects_bad_head_dim_and_layout():
     g = torch.Generator().manual_seed(0)
     args = attention_inputs(g, t=1, h=16, d=96, n=8, w=8, k=4, wn=4)

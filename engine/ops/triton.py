@@ -358,10 +358,10 @@ class TritonOps(PointwiseKernels):
         rows = torch.arange(t, device=dev)[:, None]
         win_idx = n_cached + rows - (window - 1) + torch.arange(window, device=dev)[None, :]  # [T, W] key rows
         win_idx = torch.where(win_idx >= 0, win_idx, -1).to(torch.int32)
-        if source is None:  # no global branch: one empty slot against a dummy entry
+        if source is None:  # no global branch: nothing selected (no selected tile scored), a dummy entry's bytes
             kv_p = torch.zeros(1, d // 2, dtype=torch.int8, device=dev)
             kv_s = _e4m3_zeros(1, d // 16, device=dev)
-            sel = torch.full((t, 1), -1, dtype=torch.int32, device=dev)
+            sel = torch.empty(t, 0, dtype=torch.int32, device=dev)
         else:
             kv_p, kv_s = source.packed()[:2]
             sel = idx.to(torch.int32)
