@@ -21,14 +21,20 @@ R=${R:-/tmp/measure}
 mkdir -p "$R"
 # Triton's compile cache across sessions (a cold machine compiles for minutes: run 24's last call lost its
 # first release role to it): carry .device-cache (run(carry=[".device-cache"])) and the cache comes back as
-# $OUT/triton-cache.tar.gz after each step; copy that into .device-cache/ here for the next call
+# $OUT/triton-cache.tar.gz.part-aa (and -ab past 15 MiB) after each step; copy those into .device-cache/ here
+# (replacing the last call's parts) for the next call
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f .device-cache/triton-cache.tar.gz ] && tar xzf .device-cache/triton-cache.tar.gz -C "$TRITON_CACHE_DIR"
-save_cache() {  # at most 15 MiB (a file from $OUT may be 16); TRITON_CACHE_BACK=0 for every invocation of a call
-  [ "${TRITON_CACHE_BACK:-1}" = 1 ] || return 0  # but its last (64 MiB come back in all)
+if ls .device-cache/triton-cache.tar.gz.part-* >/dev/null 2>&1; then
+  cat .device-cache/triton-cache.tar.gz.part-* | tar xzf - -C "$TRITON_CACHE_DIR"
+elif [ -f .device-cache/triton-cache.tar.gz ]; then tar xzf .device-cache/triton-cache.tar.gz -C "$TRITON_CACHE_DIR"; fi
+save_cache() {  # in parts of 15 MiB (a file from $OUT may be 16), two at most: run 25's GPU tests made it
+  # grow past one; TRITON_CACHE_BACK=0 for every invocation of a call but its last (64 MiB come back in all)
+  [ "${TRITON_CACHE_BACK:-1}" = 1 ] || return 0
   tar czf /tmp/triton-cache.tar.gz -C "$TRITON_CACHE_DIR" . 2>/dev/null
-  if [ "$(stat -c %s /tmp/triton-cache.tar.gz)" -le $((15 << 20)) ]; then cp /tmp/triton-cache.tar.gz "$OUT/"
+  rm -f "$OUT"/triton-cache.tar.gz.part-*
+  if [ "$(stat -c %s /tmp/triton-cache.tar.gz)" -le $((30 << 20)) ]; then
+    split -b 15M /tmp/triton-cache.tar.gz "$OUT/triton-cache.tar.gz.part-"
   else echo "triton cache $(stat -c %s /tmp/triton-cache.tar.gz) bytes: too large to bring back" >> "$R/steps.txt"; fi
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$R/gpu.txt" 2>&1
