@@ -57,8 +57,8 @@ def graph_phase(block, x, pre, positions, shared, step, device, phase: str = "de
                 profiles: dict | None = None, replays: int = 20) -> dict:
     """The layer's decode step (or its prefill) captured once as a CUDA graph and replayed: what a serving
     loop pays per step when the host is out of the way (a prefill graph is what a server replays for a
-    fixed-size chunk; its probes are written by every replay). The Engram hashes its n-grams and gathers its table rows
-    inside the graph, its n-gram history kept on the device (the engine's own loop keeps it on the CPU
+    fixed-size chunk; its probes are written by every replay). The Engram hashes its n-grams and gathers
+    its table rows inside the graph, its n-gram history kept on the device (the engine's own loop keeps it on the CPU
     and looks up on the host). Every live CUDA tensor is held while the graph lives (a graph reads its
     inputs by address). -> {"graph_s": mean of `replays` replays back to back, "graph_single_s":
     median of single replays, each timed alone, "graph_out", "graph_peak"}
@@ -118,7 +118,8 @@ def graph_row(graph: dict, eager_out, floor_s: float) -> dict:
     ratio = graph["graph_s"] / floor_s
     diff = None
     if eager_out is not None:
-        diff = float((graph["graph_out"].float() - eager_out.float()).abs().max() / eager_out.float().abs().max())
+        eager = eager_out.float().to(graph["graph_out"].device)
+        diff = float((graph["graph_out"].float() - eager).abs().max() / eager.abs().max())
     return {"graph_s": graph["graph_s"], "graph_single_s": graph["graph_single_s"], "graph_ratio": ratio,
             "graph_goal_met": ratio <= GOAL_RATIO, "graph_rel_diff": diff,
             "graph_peak": graph["graph_peak"]}

@@ -339,11 +339,12 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
              profiles: dict | None = None, graphs: dict | None = None, syncs: list | None = None) -> dict:
     """One pass: reset the caches, prefill `layers` in order, then one decode chunk; the last layer is
     timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode",
-    "prefill_out", "decode_out"}. profiles: a dict to receive the last layer's profile per phase (a pass of its own: the
-    profiler slows what it watches). graphs: {phase: a dict} to receive the last layer's phase captured as
-    a CUDA graph (`graph_phase`) instead of run eagerly (a captured prefill fills the caches by its replays);
-    with profiles too, one replay is profiled into profiles["<phase> graph"]. syncs: a dict to receive, per phase, the host syncs of the last layer
-    (CUDA's sync debug mode: file:line of each)."""
+    "prefill_out", "decode_out" (on the host)}. profiles: a dict to receive the last layer's profile per phase
+    (a pass of its own: the profiler slows what it watches). graphs: {phase: a dict} to receive the last
+    layer's phase captured as a CUDA graph (`graph_phase`) instead of run eagerly (a captured prefill fills
+    the caches by its replays); with profiles too, one replay is profiled into profiles["<phase> graph"].
+    syncs: a dict to receive, per phase, the host syncs of the last layer (CUDA's sync debug mode: file:line
+    of each)."""
     from engine.model.attention import Shared
     target = layers[-1]
     model.reset()
@@ -375,12 +376,13 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
                 y, _ = block.forward(x, pre, positions, shared, step, None, probe)
                 _sync(device)
             if L == target:
-                out[f"{phase}_out"] = y
-            if L == target:
                 out[f"{phase}_s"] = time.perf_counter() - started
                 out[f"peak_{phase}"] = _peak(device)
                 experts = probe.get("routing", {}).get("experts")
                 out[f"touched_{phase}"] = int(torch.unique(experts).numel()) if experts is not None else None
+                # for the graph's check, on the host: a 4K prefill's output (0.34 GB) kept on the GPU by each pass
+                # raised the later passes' peaks (run 25a's peak column: up to 1.0 GB too high)
+                out[f"{phase}_out"] = y.cpu()
         history = model.history_after(chunk_ids, dead)
     return out
 
