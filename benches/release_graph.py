@@ -224,6 +224,59 @@ def loop_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def knob_ab(ops, variants: list[str], run_pass) -> list[dict]:
+    """A role's figures under each kernel-ops knob spec ("" first: the defaults, the baseline of the same run):
+    a warm pass (the variant's compiles; its eager times), then each phase captured as a graph where possible;
+    the knobs restored after each. run_pass(graphs=None): one of release_layer.py's passes (`run_role`).
+    -> [{"knobs", "prefill", "decode" (seconds), "prefill_how", "decode_how" ("graph" / "eager")}
+    or {"knobs", "error"}]."""
+    def measure() -> dict:
+        got, figures = run_pass(), {}
+        for phase in ("prefill", "decode"):
+            one = {phase: {}}
+            run_pass(graphs=one)
+            graphed = "graph_s" in one[phase]
+            figures.update({phase: one[phase]["graph_s"] if graphed else got[f"{phase}_s"],
+                            f"{phase}_how": "graph" if graphed else "eager"})
+        return figures
+
+    if not hasattr(ops, "set_knobs"):
+        return [{"knobs": "; ".join(variants), "error": f"{type(ops).__name__} has no knobs: the kernel ops do"}]
+    out = []
+    for spec in [""] + [v for v in variants if v]:
+        before = {name: getattr(ops, name) for name in ops.KNOBS}
+        try:
+            ops.set_knobs(spec)
+            out.append({"knobs": spec or "defaults", **measure()})
+        except Exception as err:  # noqa: BLE001 -- one variant's failure is its row's, not the role's
+            out.append({"knobs": spec, "error": f"{type(err).__name__}: {err}".replace("\n", " ")[:300]})
+        finally:
+            for name, value in before.items():
+                setattr(ops, name, value)
+    return out
+
+
+def ab_table(rows: list[dict]) -> list[str]:
+    """The report's lines for --ab (none without it): each variant's time and its ratio to the defaults'."""
+    roles = [r for r in rows if r.get("status") == "ok" and r.get("ab")]
+    if not roles:
+        return []
+    lines = ["", "Kernel-ops knobs A/B, each role in one process (the defaults measured beside the variants; graph: "
+             "the phase captured and replayed, 20 back to back; eager where graphs are not possible):", "",
+             "| role | knobs | prefill (ms) | x defaults | decode (ms) | x defaults | how |", "|---|---|---|---|---|---|---|"]
+    for r in roles:
+        base = r["ab"][0]
+        for v in r["ab"]:
+            if "error" in v:
+                lines.append(f"| {r['title']} | {v['knobs']} | {v['error'][:160]} | - | - | - | - |")
+                continue
+            cells = [f"{v[p] * 1e3:.3f} | {v[p] / base[p]:.3f}" if base.get(p) else f"{v[p] * 1e3:.3f} | -"
+                     for p in ("prefill", "decode")]
+            lines.append(f"| {r['title']} | {v['knobs']} | {cells[0]} | {cells[1]} | "
+                         f"{v['prefill_how']} / {v['decode_how']} |")
+    return lines
+
+
 def table(report: dict) -> str:
     r = report["rates"]
     lines = [f"# Release-size layers, {report['device']}",
@@ -252,6 +305,6 @@ def table(report: dict) -> str:
         lines.append(f"| {row['title']} | {row['layer']} | {row['phase']} {row['queries']} | {row['time_s'] * 1e3:.2f} | "
                      f"{row['flops'] / 1e9:.4g} | {row['bytes'] / 1e6:.4g} | {row['floor_s'] * 1e3:.4g} | {row['limit']} | "
                      f"{row['ratio']:.1f} | {'met' if row['goal_met'] else 'missed'} | {peak} | {row['touched_experts']} | {note} |")
-    lines += graph_table(report["rows"]) + loop_table(report["rows"])
+    lines += graph_table(report["rows"]) + loop_table(report["rows"]) + ab_table(report["rows"])
     lines += ["", f"Total wall time {report['wall_s']:.1f} s (budget {report['budget_s']:g} s)."]
     return "\n".join(lines) + "\n"

@@ -45,8 +45,8 @@ RELEASE_CONFIG = ROOT / "assets" / "configs" / "v41-flash.json"  # the release i
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
-from benches.release_graph import (GOAL_RATIO, decode_loop, graph_phase, graph_row, listed_host_syncs,  # noqa: E402
-                                   profiled, stream_inputs, table)
+from benches.release_graph import (GOAL_RATIO, decode_loop, graph_phase, graph_row, knob_ab,  # noqa: E402
+                                   listed_host_syncs, profiled, stream_inputs, table)
 
 
 # -- which layers ---------------------------------------------------------------------------------
@@ -421,6 +421,10 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
             graphs[phase] = {}
             run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
                      profiles if args.profile else None, graphs={phase: graphs[phase]})
+    ab = []
+    if args.ab and warm and time.perf_counter() + times[-1] * 4 * (len(args.ab) + 1) < deadline:
+        ab = knob_ab(model.ops, args.ab, lambda graphs=None: run_role(model, cfg, layers, args.tokens, args.decode,
+                                                                       device, args.detail, graphs=graphs))
     loop: dict = {}
     if args.decode_loop and warm and time.perf_counter() + times[-1] * 4 < deadline:
         loop = decode_loop(model, cfg, layers, args.tokens, args.decode_loop, device)
@@ -451,6 +455,8 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
         rows[-1].update(graph_row(graphs.get(phase, {}), got.get(f"{phase}_out"), floor_s))
         if phase == "decode":
             rows[-1].update(loop)
+        elif ab:
+            rows[-1]["ab"] = ab
     return rows
 
 
@@ -459,7 +465,7 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
 def profile_text(report: dict) -> str:
     """The profiled rows' tables, one section per role and phase (--profile)."""
     parts = []
-    for row in report["rows"]:
+    for row in (r for r in report["rows"] if r["status"] == "ok"):
         for key, what, took in (("profile", row["phase"], row["time_s"]),
                                 ("graph_profile", f"{row['phase']} graph replay", row.get("graph_s"))):
             prof = row.get(key)
@@ -508,11 +514,13 @@ def parse(argv):
                    help="one more pass per role under torch.profiler: release-layer-profile.txt")
     p.add_argument("--moe-fp8", action="store_true", help="routed experts on FP8 tensor cores (kernels/moe_f8.py)")
     p.add_argument("--ops", default="", help="kernel-ops knobs, name=value,... (TritonOps.KNOBS, e.g. linear_bf16_decode=0)")
+    p.add_argument("--ab", default="", help="knob variants timed beside the defaults, e.g. 'mhc_f32_stream=0;attn_one_pass=1'")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     args.tokens = args.tokens or (24 if args.tiny else 4096)
     args.decode = args.decode or (4 if args.tiny else 64)
     args.roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    args.ab = [v.strip() for v in args.ab.split(";") if v.strip()]
     bad = [r for r in args.roles if r not in ROLES]
     if bad:
         p.error(f"unknown roles {bad}; choose from {', '.join(ROLES)}")

@@ -254,3 +254,50 @@ def test_prefill_rows_name_their_host_syncs():
     assert "host syncs" not in lines[1]
     # a profiled row says how much of its GPU span was idle (10.25 - 3.0 ms)
     assert lines[1].endswith("chain [2]; profiled: kernels 3.10 ms, GPU idle 7.25 of 10.25 ms |")
+
+
+def test_knob_ab_times_the_defaults_beside_each_variant_and_restores_the_knobs():
+    """--ab: the defaults first, then each variant (a warm pass, then each phase as a graph where one is
+    captured, else its eager time), the knobs set back after every variant, a refused spec its own row; the
+    table gives each variant's ratio to the defaults measured in the same process."""
+    from benches.release_graph import ab_table, knob_ab
+    from engine.ops.triton import TritonOps
+
+    class Ops:  # the knobs as TritonOps keeps and sets them
+        KNOBS = ("fast", "other")
+        fast, other = True, False
+        set_knobs = TritonOps.set_knobs
+
+    ops, seen = Ops(), []
+
+    def run_pass(graphs=None):
+        seen.append((ops.fast, ops.other, None if graphs is None else next(iter(graphs))))
+        took = 0.01 if ops.fast else 0.02
+        if graphs is not None and "prefill" in graphs:  # only the prefill captures (the decode: eager)
+            graphs["prefill"]["graph_s"] = took / 2
+        return {"prefill_s": took, "decode_s": took / 10}
+
+    ab = knob_ab(ops, ["fast=0,other=1", "nope=1"], run_pass)
+    assert [v["knobs"] for v in ab] == ["defaults", "fast=0,other=1", "nope=1"]
+    assert ab[0] == {"prefill": 0.005, "prefill_how": "graph", "decode": 0.001, "decode_how": "eager",
+                     "knobs": "defaults"}
+    assert ab[1]["prefill"] == 0.01 and ab[1]["decode"] == 0.002 and "unknown" in ab[2]["error"]
+    assert (ops.fast, ops.other) == (True, False)  # restored
+    assert seen[3:6] == [(False, True, None), (False, True, "prefill"), (False, True, "decode")]
+    lines = ab_table([{"status": "ok", "title": "Reuse", "ab": ab}])
+    assert lines[-2] == "| Reuse | fast=0,other=1 | 10.000 | 2.000 | 2.000 | 2.000 | graph / eager |"
+    assert "unknown kernel-ops knob" in lines[-1]
+    assert "has no knobs" in knob_ab(object(), ["fast=0"], run_pass)[0]["error"]
+
+
+def test_a_failed_role_does_not_stop_the_report(tmp_path):
+    """A role's error row (no phase, no figures) is written with the others: the profile text skips it (it had
+    raised a KeyError in write(), losing every role's report)."""
+    from benches.release_layer import write
+    rates = {"fp8_gemm_n": 8192, "fp8_flops": 1.4e15, "hbm_Bps": 4.2e12}
+    report = {"rates": rates, "device": "H200", "config": "c", "tokens": 4096, "decode": 64, "weights": "stored",
+              "ops": "TritonOps", "wall_s": 1.0, "budget_s": 2,
+              "rows": [{"role": "reuse", "title": "Reuse", "layer": 3, "status": "error", "error": "RuntimeError: x"}]}
+    write(report, tmp_path)
+    assert "RuntimeError: x" in (tmp_path / "release-layer.md").read_text()
+    assert json.loads((tmp_path / "release-layer.json").read_text())["rows"][0]["status"] == "error"
