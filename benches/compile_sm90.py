@@ -163,12 +163,12 @@ def cases():
     def top512():
         topk.topk_positions_triton(torch.randn(64, 65536), 512)
 
-    def attention(tq, q_dtype=torch.bfloat16, **cfg):
+    def attention(tq, q_dtype=torch.bfloat16, selected=512, **cfg):
         q = torch.randn(tq, 64, 512).bfloat16().to(q_dtype)
         kvp, kvs = rand_fp4((4096, 512), 16, "e4m3")
         w8 = (torch.randn(256, 512) * 50).to(torch.float8_e4m3fn)
         ws = torch.randint(118, 122, (256, 16), dtype=torch.uint8).view(torch.float8_e8m0fnu)
-        idx = torch.randint(0, 4096, (tq, 512), dtype=torch.int32)
+        idx = torch.randint(0, 4096, (tq, selected), dtype=torch.int32)
         widx = torch.randint(0, 256, (tq, 128), dtype=torch.int32)
         return lambda: sparse_attn.sparse_attn_triton(q, kvp, kvs, idx, w8, ws, widx, torch.randn(64), **cfg)
 
@@ -212,6 +212,8 @@ def cases():
             ("sparse attention decode b64, one pass", attention(64, layout="entries", block_h=64, block_n=32,
                                                                  split=2)), ("sparse attention prefill 4K", attention(4096)),
             ("sparse attention prefill 4K, float32 q", attention(4096, torch.float32)),
+            ("sparse attention prefill 4K, window only", attention(4096, selected=0)),
+            ("sparse attention decode b64, window only", attention(64, selected=0)),
             ("MoE decode 1 token", experts(1)),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
@@ -305,6 +307,7 @@ def main(argv=None) -> int:
     out = table(COMPILED, errors)
     print(out)
     if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "compile-sm90.md").write_text(out + "\n")
     return 1 if errors or any(not r["ptxas_ok"] for r in COMPILED) else 0
 

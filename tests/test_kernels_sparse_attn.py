@@ -171,15 +171,16 @@ def test_split_with_only_window_work_and_dominant_sink(poisoned, layout):
 def test_window_only_calls_take_a_zero_width_selection(poisoned, layout, opts):
     """A layer without a global branch (SWA-only) selects nothing: a zero-width selection (a null pointer, which
     the wrapper does not launch with) gives what a slot of -1 gives, with no selected tile scored."""
-    g = torch.Generator().manual_seed(8)
-    args = attention_inputs(g, t=3, h=16, d=64, n=4, w=60, k=1, wn=48)
-    args[3][:] = -1
-    want = A.sparse_attn_reference(*args)
-    none = args[3][:, :0]
-    assert none.shape == (3, 0) and none.data_ptr() == 0
-    got = A.sparse_attn_triton(*args[:3], none, *args[4:], block_n=16, layout=layout, **opts)
-    assert _rel(want, got) < 1e-2
-    assert torch.equal(got, A.sparse_attn_triton(*args, block_n=16, layout=layout, **opts))
+    for wn in (48, 16):  # three window tiles; one (the two passes' single tile: a one-tile softmax row)
+        g = torch.Generator().manual_seed(8)
+        args = attention_inputs(g, t=3, h=16, d=64, n=4, w=60, k=1, wn=wn)
+        args[3][:] = -1
+        want = A.sparse_attn_reference(*args)
+        none = args[3][:, :0]
+        assert none.shape == (3, 0) and none.data_ptr() == 0
+        got = A.sparse_attn_triton(*args[:3], none, *args[4:], block_n=16, layout=layout, **opts)
+        assert _rel(want, got) < 1e-2
+        assert torch.equal(got, A.sparse_attn_triton(*args, block_n=16, layout=layout, **opts))
 
 
 def test_rejects_bad_head_dim_and_layout():
