@@ -206,6 +206,8 @@ def cases():
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
             ("sparse attention decode b64", attention(64)),
+            ("sparse attention decode 1 token", attention(1)),
+            ("sparse attention decode 1 token, float32 q", attention(1, torch.float32)),
             ("sparse attention decode b64, float32 q", attention(64, torch.float32)),
             ("sparse attention decode b64, bf16x2 decode", attention(64, layout="two_pass",
                                                                      two_pass=dict(decode="bf16x2"))),
