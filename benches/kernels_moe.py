@@ -98,6 +98,8 @@ def case_moe(bw, mm):
             dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
             dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold"),
+            # experts past 64 pairs in 128-token x 64-row tiles, the others in the default's (TritonOps.moe_split_tiles)
+            dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold", split_m=128),
             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, bf16_decode="fold")]
     best, t, r = sweep("moe_cfgs", "moe", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, rep=100)
@@ -111,7 +113,8 @@ def case_moe(bw, mm):
     engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
     try:
         sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", [
-            engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64)],
+            engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
+            dict(engine_form, bf16_decode="fold", split_m=128)],
             lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out), rep=50)
     except Exception as ex:  # noqa: BLE001
         LOG["errors"].append(f"moe engine hidden: {ex!r}"[:400])

@@ -60,12 +60,12 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                       swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None,
-                      x_on_grid: bool = False, bf16_decode=None):
+                      x_on_grid: bool = False, bf16_decode=None, split_m=None):
     """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
     `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute (x rounded
-    to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds). bf16_decode: the kernel's
-    weight decode, the same values in every form (ignored here)."""
-    del bf16_decode
+    to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds). bf16_decode, split_m: the
+    kernel's weight decode and tiles, the same values in every form (ignored here)."""
+    del bf16_decode, split_m
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     hidden = _hidden(hidden, fp8_mma)
     if hidden is not None:
@@ -104,12 +104,14 @@ def fp8_form_pays(pairs: int, experts: int, gemv_max_pairs: int = 16) -> bool:
     return gemv_max_pairs < pairs <= 4 * experts
 
 
-def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int, split_m: int | None = None):
     """Group (token, slot) pairs by expert into row blocks of block_m; no host sync (graph-safe).
 
     Returns order int32 [P] (pair ids sorted by expert), and per block: expert (-1 = unused),
     first and end row in `order`, each int32 [NB] with NB = min(P, ceil(P/block_m) + min(E + 1, P)).
-    Negative ids (slots computed elsewhere) are grouped after the last expert, in unused blocks."""
+    Negative ids (slots computed elsewhere) are grouped after the last expert, in unused blocks.
+    split_m: two block lists over the same order -> (order, small, big), each (expert, first, end): experts
+    with at most block_m pairs in blocks of block_m, the others in blocks of split_m."""
     groups = n_experts + 1  # the last group: the negative ids
     flat = topk_ids.flatten().long()
     flat = torch.where(flat < 0, n_experts, flat)
@@ -121,17 +123,28 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     # scatter_add, not bincount: bincount reads the max back to the host, which breaks graph capture
     counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     row_start = torch.cumsum(counts, 0) - counts
+    if split_m is None:
+        return (order, *_blocks(counts, row_start, block_m, n_experts, p))
+    small = counts <= block_m
+    return (order, _blocks(torch.where(small, counts, 0), row_start, block_m, n_experts, p),
+            _blocks(torch.where(small, 0, counts), row_start, split_m, n_experts, p))
+
+
+def _blocks(counts, row_start, block_m: int, n_experts: int, p: int):
+    """Each group's pairs (counts, from row_start in the sorted order) in blocks of block_m -> (expert, first,
+    end) int32 [NB]; a group counted 0 gets no block."""
+    groups = counts.numel()
     nblk = (counts + block_m - 1) // block_m
     blk_cum = torch.cumsum(nblk, 0)
     nb = min(p, -(-p // block_m) + min(groups, p))
-    b = torch.arange(nb, device=flat.device)
+    b = torch.arange(nb, device=counts.device)
     e_of_b = torch.searchsorted(blk_cum, b, right=True).clamp(max=groups - 1)
     within = b - (blk_cum[e_of_b] - nblk[e_of_b])
     begin = row_start[e_of_b] + within * block_m
     end = torch.minimum(begin + block_m, row_start[e_of_b] + counts[e_of_b])
     used = (b < blk_cum[-1]) & (e_of_b < n_experts)
     expert = torch.where(used, e_of_b, -1).to(torch.int32)
-    return order, expert, begin.to(torch.int32), end.to(torch.int32)
+    return expert, begin.to(torch.int32), end.to(torch.int32)
 
 
 # -- decode path: GEMV -------------------------------------------------------------------------------
@@ -463,7 +476,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
-                   x_on_grid: bool = False):
+                   x_on_grid: bool = False, split_m: int | None = None):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -486,7 +499,11 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     grouped GEMMs on FP8 tensor cores (kernels/moe_f8.py); hidden ("reference" / "fp32", `_hidden`): the
     engine's numerics in either form (only the order of sums differs), grouped at every width; x_on_grid:
     x is on the E4M3-per-32 grid already (the engine's `linear(x, None)`), so the bf16 form's round trip
-    (kernels/quant.py fp8_roundtrip_triton) is skipped."""
+    (kernels/quant.py fp8_roundtrip_triton) is skipped.
+    split_m (the bf16 grouped GEMM): an expert with more than block_m pairs in tiles of split_m tokens x
+    block_n * block_m / split_m weight rows (the same MMA area), the others as before: its weight tiles decoded once
+    for up to split_m tokens (a 4K prefill's experts hold ~64 pairs, Poisson: about half need two 64-token
+    blocks). Two launches a GEMM, over the same sorted pairs."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -545,23 +562,31 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                                  swiglu_limit, block_m=block_m, block_n=block_n, block_k=bk, group_m=group_m,
                                  num_warps=num_warps, num_stages=num_stages, interpreted=dt != tl.bfloat16,
                                  launch_options=register_cap(maxnreg), bf16_acts=hidden == "reference")
-    order, bexp, bbeg, bend = moe_align(topk_ids, e, block_m)
+    if split_m is None:
+        order, *blocks = moe_align(topk_ids, e, block_m)
+        tiles = [(blocks, block_m, block_n)]
+    else:
+        split_n = block_n * block_m // split_m
+        if split_m <= block_m or split_n < 16 or block_n * block_m % split_m or (fp8_hidden and split_n % 32):
+            raise ValueError(f"split_m {split_m}: more tokens than block_m {block_m}, and {block_n} x {block_m} / "
+                             f"split_m weight rows at least 16 (whole 32-row groups for the hidden state)")
+        order, small, big = moe_align(topk_ids, e, block_m, split_m)
+        tiles = [(small, block_m, block_n), (big, split_m, split_n)]
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
-    nbm = bexp.numel()
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
     xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
     bd = form if dt == tl.bfloat16 and not sc else 0  # the interpreter's dots run in float32
-    _moe_gate_up_kernel[(nbm * triton.cdiv(inter, block_n),)](
-        xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, tw, float(swiglu_limit), nbm,
-        DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages,
-        **register_cap(maxnreg))
-    _moe_down_kernel[(nbm * triton.cdiv(dim, block_n),)](
-        h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm,
-        DIM=dim, INTER=inter, TOPK=k, BM=block_m, BN=block_n, BK=bk, DT=dt, GROUP_M=group_m,
-        BD=bd, SC=sc, FH=fp8_hidden, RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages,
-        **register_cap(maxnreg))
+    shared = dict(DIM=dim, INTER=inter, TOPK=k, BK=bk, DT=dt, GROUP_M=group_m, BD=bd, SC=sc, FH=fp8_hidden,
+                  RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
+    for (bexp, bbeg, bend), bm, bn in tiles:
+        nbm = bexp.numel()
+        _moe_gate_up_kernel[(nbm * triton.cdiv(inter, bn),)](
+            xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, tw, float(swiglu_limit), nbm, BM=bm, BN=bn, **shared)
+    for (bexp, bbeg, bend), bm, bn in tiles:
+        nbm = bexp.numel()
+        _moe_down_kernel[(nbm * triton.cdiv(dim, bn),)](
+            h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm, BM=bm, BN=bn, **shared)
     return out

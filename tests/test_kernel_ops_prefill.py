@@ -136,3 +136,27 @@ def test_gpu_query_blocks_fill_the_score_budget(monkeypatch):
     assert TritonOps._query_rows(gpu, 1024, 512) == (1 << 25) // 1024 >= 4096
     assert TritonOps._query_rows(gpu, 1 << 18, 512) == 512
     assert TritonOps._query_rows(gpu, 3000, 512) == 21 * 512  # 2^25 / (3000 x 512) = 21.8 -> whole blocks
+
+
+def test_split_tiles_knob_reaches_the_prefill_experts_only(tmp_path, monkeypatch):
+    """moe_split_tiles: a prefill's routed experts (more than four pairs an expert: the 64-token blocks' width)
+    are launched with split_m=128; without the knob, or at a few pairs, they are not. The picks do not move."""
+    import kernels.dispatch as dispatch
+
+    seen = []
+    reference, triton_version = dispatch._PAIRS["moe_fp4"]
+
+    def recorded(*args, **kwargs):
+        seen.append((args[7].numel(), args[1].shape[0], kwargs.get("split_m")))
+        return reference(*args, **kwargs)
+
+    monkeypatch.setitem(dispatch._PAIRS, "moe_fp4", (recorded, triton_version))
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
+    out = {}
+    for knob in ("0", "1"):
+        seen.clear()
+        out[knob] = run(lambda model: model.ops.set_knobs(f"moe_split_tiles={knob}"))
+        assert seen and all(split == (128 if knob == "1" and pairs > 4 * experts else None)
+                            for pairs, experts, split in seen), seen
+        assert any(pairs > 4 * experts for pairs, experts, _ in seen)
+    _assert_same_picks(out["0"], out["1"])

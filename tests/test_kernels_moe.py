@@ -156,6 +156,24 @@ def test_grouped_path(gen, block_k, group_m):
     assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
 
 
+@pytest.mark.parametrize("hidden", [None, "reference"])
+def test_split_tiles_take_the_crowded_experts_in_bigger_token_blocks(gen, hidden):
+    """split_m: experts with more than block_m pairs run in split_m-token tiles of fewer weight rows, the others
+    as before; every pair computed once (against the float64 reference), with and without the engine's hidden
+    state. Skewed routing: experts 0 and 1 take every token (20 pairs each, past the 16-pair block), the others
+    a few pairs or none."""
+    x, w1, s1, w3, s3, w2, s2, _, tw = _case(gen, 20, e=5, k=3)
+    ids = torch.stack([torch.tensor([0, 1, 2 + int(i) % 3]) for i in torch.randint(0, 9, (20,), generator=gen)])
+    args = (x, w1, s1, w3, s3, w2, s2, ids.to(torch.int32), tw)
+    got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, hidden=hidden, split_m=32)
+    assert _rel(moe.moe_fp4_reference(*args, hidden=hidden), got) < 1e-5, gen.initial_seed()
+    order, small, big = moe.moe_align(ids, 5, 16, 32)
+    rows = {name: sorted(int(e) for e in blocks[0] if e >= 0) for name, blocks in (("small", small), ("big", big))}
+    assert rows["big"] == [0, 1] and set(rows["small"]) <= {2, 3, 4}  # one 32-pair block each for 0 and 1
+    with pytest.raises(ValueError, match="split_m"):
+        moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, split_m=16)
+
+
 def test_no_limit_and_both_paths_agree(gen):
     args = _case(gen, 2)
     args = ((args[0].float() * 4).to(torch.bfloat16), *args[1:])  # well past the clamps

@@ -117,9 +117,13 @@ class TritonOps(PointwiseKernels):
     # host read a Full layer. H200 run 25b against 25a: the Full layers' captured prefill the same GPU time
     # (20.47 / 20.28 / 20.49 ms against 20.49 / 20.29 / 20.55), the eager prefill 21.8 against 21.7-23.5 ms
     ties_branch_free = True
+    # a prefill's experts with more than 64 pairs in 128-token x 64-row tiles (kernels/moe.py split_m): each weight
+    # tile decoded once for up to 128 tokens; sm_90 SASS 393 instructions a K step against 621 for the same MMA
+    # work. Off: not timed (the unsplit 128-token tile lost, 10.6 vs 9.66 ms in run 18b)
+    moe_split_tiles = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
-             "mhc_f32_stream", "f32_tf32x3", "ties_branch_free")
+             "mhc_f32_stream", "f32_tf32x3", "ties_branch_free", "moe_split_tiles")
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -511,6 +515,8 @@ class TritonOps(PointwiseKernels):
                     "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
             if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
+            if self.moe_split_tiles and not fp8 and ids.numel() > 4 * raw[0].shape[0]:  # the 64-token blocks' width
+                form["split_m"] = 128
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
