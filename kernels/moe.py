@@ -97,6 +97,12 @@ def _hidden(hidden: str | None, fp8_mma: bool) -> str | None:
     return "reference" if hidden is None and fp8_mma else hidden
 
 
+def token_block(pairs: int, experts: int) -> int:
+    """The grouped GEMM's default token block: 16 at a decode step's widths (up to four pairs an expert), 64 for a
+    prefill's (the width split_m applies to)."""
+    return 16 if pairs <= 4 * experts else 64
+
+
 def fp8_form_pays(pairs: int, experts: int, gemv_max_pairs: int = 16) -> bool:
     """Whether the FP8 form beats the bf16 form at this width (H200 run 16c, both with the engine's hidden
     state): the decode step's grouped widths, 16-token blocks (64 tokens: 2.45 vs 2.67 ms); not the GEMV
@@ -547,7 +553,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
             KS=ks2, num_warps=gemv_down_num_warps or gemv_num_warps)
         return out
     if block_m is None:
-        block_m = 16 if p <= 4 * e else 64
+        block_m = token_block(p, e)
     if block_n is None:  # weight rows are the wgmma M: at least 64 (the FP8 form: 128 halves its waits per row)
         block_n = 64 if block_m == 16 and not fp8_mma else 128
     if fp8_hidden and block_n % 32:

@@ -509,13 +509,13 @@ class TritonOps(PointwiseKernels):
                     weights.float().contiguous())
             # the wrapped numerics' hidden state (w * h in E4M3 per 32; `reference`: bf16 gate, up, w * h and
             # expert outputs), in either form
-            from kernels.moe import fp8_form_pays
+            from kernels.moe import fp8_form_pays, token_block
             fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
             form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8,
                     "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
             if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
-            if self.moe_split_tiles and not fp8 and ids.numel() > 4 * raw[0].shape[0]:  # the 64-token blocks' width
+            if self.moe_split_tiles and not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:
                 form["split_m"] = 128
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
