@@ -336,10 +336,10 @@ def _peak(device) -> float | None:
 
 
 def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, detail: bool,
-             profiles: dict | None = None, graphs: dict | None = None, syncs: list | None = None) -> dict:
+             profiles: dict | None = None, graphs: dict | None = None, syncs: list | None = None, outputs=False) -> dict:
     """One pass: reset the caches, prefill `layers` in order, then one decode chunk; the last layer is
     timed. -> {"prefill_s", "decode_s", "peak_prefill", "peak_decode", "touched_prefill", "touched_decode",
-    "prefill_out", "decode_out" (on the host)}. profiles: a dict to receive the last layer's profile per phase
+    "prefill_out", "decode_out" (on the host, with outputs)}. profiles: a dict to receive the last layer's profile per phase
     (a pass of its own: the profiler slows what it watches). graphs: {phase: a dict} to receive the last
     layer's phase captured as a CUDA graph (`graph_phase`) instead of run eagerly (a captured prefill fills
     the caches by its replays); with profiles too, one replay is profiled into profiles["<phase> graph"].
@@ -380,9 +380,8 @@ def run_role(model, cfg, layers: list[int], tokens: int, decode: int, device, de
                 out[f"peak_{phase}"] = _peak(device)
                 experts = probe.get("routing", {}).get("experts")
                 out[f"touched_{phase}"] = int(torch.unique(experts).numel()) if experts is not None else None
-                # for the graph's check, on the host: a 4K prefill's output (0.34 GB) kept on the GPU by each pass
-                # raised the later passes' peaks (run 25a's peak column: up to 1.0 GB too high)
-                out[f"{phase}_out"] = y.cpu()
+                if outputs:  # on the host: a 4K prefill's 0.34 GB kept on the GPU raised later peaks (run 25a)
+                    out[f"{phase}_out"] = y.cpu()
         history = model.history_after(chunk_ids, dead)
     return out
 
@@ -396,7 +395,8 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
     passes, times, first_pass, syncs = [], [], None, {}
     for attempt in range(args.passes):
         started = time.perf_counter()
-        got = run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail)
+        got = run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, outputs=args.graph)
+        eager_out = {phase: got.pop(f"{phase}_out", None) for phase in ("prefill", "decode")}  # the last pass's
         took = time.perf_counter() - started
         times.append(took)
         passes.append(got)
@@ -452,7 +452,7 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
         if f"{phase} graph" in profiles:
             rows[-1]["graph_profile"] = profiles[f"{phase} graph"]
         rows[-1]["host_syncs"] = syncs.get(phase, [])
-        rows[-1].update(graph_row(graphs.get(phase, {}), got.get(f"{phase}_out"), floor_s))
+        rows[-1].update(graph_row(graphs.get(phase, {}), eager_out[phase], floor_s))
         if phase == "decode":
             rows[-1].update(loop)
         elif ab:
