@@ -226,18 +226,21 @@ def loop_table(rows: list[dict]) -> list[str]:
 
 def knob_ab(ops, variants: list[str], run_pass) -> list[dict]:
     """A role's figures under each kernel-ops knob spec ("" first: the defaults, the baseline of the same run):
-    a warm pass (the variant's compiles; its eager times), then each phase captured as a graph where possible;
-    the knobs restored after each. run_pass(graphs=None): one of release_layer.py's passes (`run_role`).
-    -> [{"knobs", "prefill", "decode" (seconds), "prefill_how", "decode_how" ("graph" / "eager")}
-    or {"knobs", "error"}]."""
+    a pass for the variant's compiles, then each phase captured as a graph where possible, else timed eagerly on
+    a pass after the compiling one; the knobs restored after each. run_pass(graphs=None): one of
+    release_layer.py's passes (`run_role`). -> [{"knobs", "prefill", "decode" (seconds), "prefill_how",
+    "decode_how" ("graph" / "eager")} or {"knobs", "error"}]."""
     def measure() -> dict:
-        got, figures = run_pass(), {}
+        run_pass()
+        figures, eager = {}, None
         for phase in ("prefill", "decode"):
             one = {phase: {}}
             run_pass(graphs=one)
-            graphed = "graph_s" in one[phase]
-            figures.update({phase: one[phase]["graph_s"] if graphed else got[f"{phase}_s"],
-                            f"{phase}_how": "graph" if graphed else "eager"})
+            if "graph_s" in one[phase]:
+                figures.update({phase: one[phase]["graph_s"], f"{phase}_how": "graph"})
+            else:
+                eager = eager or run_pass()
+                figures.update({phase: eager[f"{phase}_s"], f"{phase}_how": "eager"})
         return figures
 
     if not hasattr(ops, "set_knobs"):
