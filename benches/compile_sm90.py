@@ -8,7 +8,7 @@ Triton's driver replaced by one that names an sm_90 target and with every launch
 compile (`warmup`): nothing runs, so outputs are garbage and host code reading them may stop a case
 early (reported). The PTX of each distinct compile goes through the ptxas that Triton ships
 (`-arch=sm_90a -v`). What it shows: that the kernel compiles for Hopper with this Triton, its
-registers per thread, spill bytes, shared memory and whether it got warpgroup MMAs. What it cannot
+registers per thread, spill bytes, shared memory, whether it got warpgroup MMAs and its GPU-scope fences. What it cannot
 show: time. Triton's version here may differ from the device image's (3.6).
 """
 
@@ -74,7 +74,17 @@ def ptxas_stats(ptx: str) -> dict:
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
     return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(int(s) for s in spills),
-            "ptxas_ok": run.returncode == 0, "ptxas_error": "" if run.returncode == 0 else text[-300:], **census}
+            "gpu_fences": gpu_fences(ptx), "ptxas_ok": run.returncode == 0,
+            "ptxas_error": "" if run.returncode == 0 else text[-300:], **census}
+
+
+def gpu_fences(ptx: str) -> int:
+    """GPU-scope orderings in the PTX: fences, and atomics with acquire/release semantics (sm_90 puts a
+    MEMBAR.ALL.GPU before each such atomic, which waits for every memory operation the thread has in flight).
+    A sum nothing in the same launch reads needs none (`sem="relaxed"`)."""
+    fences = re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:fence\.(?:sc|acq_rel)\.gpu|membar\.gl)\b", ptx, re.M)
+    ordered = re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.[\w.]*\.(?:acq_rel|release|acquire)\.", ptx, re.M)
+    return len(fences) + len(ordered)
 
 
 SASS = {"on": False}
@@ -216,7 +226,7 @@ def cases():
             ("sparse attention prefill 4K, float32 q", attention(4096, torch.float32)),
             ("sparse attention prefill 4K, window only", attention(4096, selected=0)),
             ("sparse attention decode b64, window only", attention(64, selected=0)),
-            ("MoE decode 1 token", experts(1)),
+            ("MoE decode 1 token", experts(1)), ("MoE decode 1 token, the engine's hidden state", experts(1, hidden="reference")),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                     num_stages=3, bf16_decode=False)),
@@ -264,12 +274,12 @@ def cases():
 
 def table(rows: list[dict], errors: dict) -> str:
     lines = [f"# Triton kernels compiled for sm_90 (no GPU), triton {triton.__version__}, torch {torch.__version__}",
-             "", "| case | kernel | constants | warps | stages | regs | spill B | smem B | wgmma | ptxas |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+             "", "| case | kernel | constants | warps | stages | regs | spill B | smem B | wgmma | gpu fences | ptxas |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         consts = ", ".join(f"{k}={v}" for k, v in r["consts"].items())
         lines.append(f"| {r['case']} | {r['kernel']} | {consts} | {r['num_warps']} | {r['num_stages']} | "
-                     f"{r['regs']} | {r['spill_bytes']} | {r['shared']} | {'yes' if r['wgmma'] else 'no'} | "
+                     f"{r['regs']} | {r['spill_bytes']} | {r['shared']} | {'yes' if r['wgmma'] else 'no'} | {r['gpu_fences']} | "
                      f"{'ok' if r['ptxas_ok'] else 'FAILED ' + r['ptxas_error']} |")
     if SASS["on"]:
         names = ["sass", "loops", "loop"] + [f"loop_{k}" for k in SASS_CLASSES]

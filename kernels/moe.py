@@ -10,12 +10,7 @@ out[t] = sum_k w[t,k] * W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L)), e = 
 float32 [T, dim]. Weights are decoded from FP4 in registers; activations stay bf16.
 
 Two paths (moe_fp4_triton picks by the number of (token, expert) pairs P = T * k):
-- few pairs (decode): GEMV on CUDA cores, one program per (pair, block of weight rows, K slice): split-K
-  so that thousands of short programs each issue all their 16-byte word loads at once (a K slice of
-  gemv_iters unrolled steps) and the H200's 132 SMs keep enough bytes in flight. The gate/up kernel adds
-  its partial W1 x, W3 x into a zeroed fp32 buffer (atomics); the last K split of each row block to
-  finish (an atomic counter) applies the clamped SwiGLU and writes h; the down kernel adds tw * W2 h
-  into out (atomics).
+- few pairs (decode): GEMV on CUDA cores, split-K (kernels/moe_gemv.py).
 - many pairs (prefill): grouped tensor-core GEMM per expert block of tokens (moe_align), the weight tile
   decoded once per program and K step. Swap-AB: the decoded weight tile [BN rows, BK] is the wgmma's
   register A operand (M = weight rows) and the token tile the shared-memory B operand (N = tokens), so
@@ -39,10 +34,10 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels import moe_f8
+from kernels import moe_f8, moe_gemv
 from kernels._formats import dot_dtype, register_cap
 from kernels.fp4_tiles import (decode_form, fp4_bytes_folded, fp4_decoded, fp4_decoded_folded, fp4_dot_scaled,
-                               fp4_tile, fp4_words, nib_order, nib_position, nibble_pair, scale_words)
+                               fp4_tile, fp4_words, nib_order, nib_position)
 
 
 def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
@@ -153,198 +148,6 @@ def _blocks(counts, row_start, block_m: int, n_experts: int, p: int):
     return expert, begin.to(torch.int32), end.to(torch.int32)
 
 
-# -- decode path: GEMV -------------------------------------------------------------------------------
-
-@triton.jit
-def _gemv_vec(v_ptr, kw, j: tl.constexpr, KW: tl.constexpr, SPLIT_LAYOUT: tl.constexpr):
-    """Vector entries 8 * kw + j as float32 [BKW]: stored [8, KW] (entry 8 kw + j at j * KW + kw,
-    contiguous along kw: h from the gate/up kernel) if SPLIT_LAYOUT, else in natural order (x)."""
-    if SPLIT_LAYOUT:
-        return tl.load(v_ptr + j * KW + kw).to(tl.float32)
-    else:
-        return tl.load(v_ptr + kw * 8 + j).to(tl.float32)
-
-
-@triton.jit
-def _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW: tl.constexpr, SPLIT_LAYOUT: tl.constexpr,
-               TWO: tl.constexpr):
-    """One K step of `_gemv_rows` on loaded words: acc (+ accb) += decoded W[rows, kw] * v * scale."""
-    part = tl.zeros(acc.shape, tl.float32)
-    partb = tl.zeros(acc.shape, tl.float32)
-    for A in tl.static_range(4):
-        vlo = _gemv_vec(v_ptr, kw, A, KW, SPLIT_LAYOUT)[None, :]
-        vhi = _gemv_vec(v_ptr, kw, A + 4, KW, SPLIT_LAYOUT)[None, :]
-        lo, hi = nibble_pair(wd, A)  # two separate += so each product is one FFMA into the running part
-        part += lo * vlo
-        part += hi * vhi
-        if TWO:
-            lo, hi = nibble_pair(wdb, A)
-            partb += lo * vlo
-            partb += hi * vhi
-    acc += part * sc
-    if TWO:
-        accb += partb * scb
-    return acc, accb
-
-
-@triton.jit
-def _gemv_rows_prefetch(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM: tl.constexpr,
-                        BKW: tl.constexpr, NIT: tl.constexpr, SPLIT_LAYOUT: tl.constexpr, TWO: tl.constexpr):
-    """`_gemv_rows` as a rolled loop that issues step it+1's word and scale loads before decoding step
-    it (a register double buffer: the loads of the next step are in flight during this step's decode,
-    which the unrolled version leaves to the compiler's scheduling)."""
-    KW: tl.constexpr = KDIM // 8
-    r64 = rows.to(tl.int64)
-    soff = r64 * (KDIM // 32)
-    kw = kw_first + tl.arange(0, BKW)
-    woff = r64[:, None] * KW + kw[None, :]
-    wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
-    sc = scale_words(s_ptr, soff, kw_first, BKW, rmask[:, None])
-    wdb = wd
-    scb = sc
-    if TWO:
-        wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
-        scb = scale_words(sb_ptr, soff, kw_first, BKW, rmask[:, None])
-    acc = tl.zeros([rows.shape[0], BKW], tl.float32)
-    accb = tl.zeros([rows.shape[0], BKW], tl.float32)
-    for it in range(NIT):
-        nmask = rmask[:, None] & (it + 1 < NIT)
-        kwn = kw + BKW
-        wdn = tl.load(w_ptr + woff + BKW, mask=nmask, other=0)
-        scn = scale_words(s_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
-        wdbn = wdn
-        scbn = scn
-        if TWO:
-            wdbn = tl.load(wb_ptr + woff + BKW, mask=nmask, other=0)
-            scbn = scale_words(sb_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
-        acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
-        wd, sc, wdb, scb, kw, woff = wdn, scn, wdbn, scbn, kwn, woff + BKW
-    if TWO:
-        return tl.sum(acc, axis=1), tl.sum(accb, axis=1)
-    else:
-        y = tl.sum(acc, axis=1)
-        return y, y
-
-
-@triton.jit
-def _gemv_rows(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM: tl.constexpr,
-               BKW: tl.constexpr, NIT: tl.constexpr, SPLIT_LAYOUT: tl.constexpr, TWO: tl.constexpr):
-    """sum over words kw_first .. kw_first + NIT * BKW of W[rows, 8 kw .. 8 kw + 7] * v (FP4 weight
-    [N, KDIM] as int32 words) -> fp32 [BR]; TWO: the same for a second weight Wb sharing each loaded
-    piece of v (gate and up), else the second result is the first. The NIT steps are unrolled, so every
-    step's loads can be issued before the first decode."""
-    KW: tl.constexpr = KDIM // 8
-    r64 = rows.to(tl.int64)
-    acc = tl.zeros([rows.shape[0], BKW], tl.float32)
-    accb = tl.zeros([rows.shape[0], BKW], tl.float32)
-    for it in tl.static_range(NIT):
-        kw = kw_first + it * BKW + tl.arange(0, BKW)
-        woff = r64[:, None] * KW + kw[None, :]
-        wd = tl.load(w_ptr + woff, mask=rmask[:, None], other=0)
-        sc = scale_words(s_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
-        if TWO:
-            wdb = tl.load(wb_ptr + woff, mask=rmask[:, None], other=0)
-            scb = scale_words(sb_ptr, r64 * (KDIM // 32), kw_first + it * BKW, BKW, rmask[:, None])
-        else:
-            wdb, scb = wd, sc
-        acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
-    if TWO:
-        return tl.sum(acc, axis=1), tl.sum(accb, axis=1)
-    else:
-        y = tl.sum(acc, axis=1)
-        return y, y
-
-
-@triton.jit
-def _gemv_pair_rows(ids_ptr, BN: tl.constexpr, N: tl.constexpr):
-    """This program's (token, expert) pair p, its expert e and its block of BN output rows of N."""
-    p = tl.program_id(0)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    return p, e, rows, rows < N
-
-
-@triton.jit
-def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, tw_ptr, NP, limit,
-                         DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                         BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, KS: tl.constexpr,
-                         PF: tl.constexpr = False, FH: tl.constexpr = False, RB: tl.constexpr = False):
-    """Program (pair, row block, K split of KS): partial W1 x and W3 x added into gu [2, P, I] (fp32,
-    zeroed); the last split of a row block to arrive (counter cnt [P, row blocks], zeroed) applies the
-    clamped SwiGLU and writes h [P, 8, I/8] (row r at (r % 8) * I/8 + r // 8: the down kernel's
-    contiguous vector order); FH: the engine's hidden state (moe_f8.swiglu_e4m3, w included; BN whole
-    32-row groups)."""
-    p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, INTER)
-    kw_first = tl.program_id(2) * (NIT * BKW)
-    grow = e * INTER + rows
-    xv = x_ptr + (p // TOPK).to(tl.int64) * DIM
-    if PF:
-        g, u = _gemv_rows_prefetch(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT,
-                                   False, True)
-    else:
-        g, u = _gemv_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT, False, True)
-    if KS > 1:
-        gp = gu_ptr + p.to(tl.int64) * INTER + rows
-        tl.atomic_add(gp, g, mask=rmask)
-        tl.atomic_add(gp + NP * INTER, u, mask=rmask)
-        if _arrived_last(cnt_ptr, KS):
-            g = tl.load(gp, mask=rmask, other=0.0, cache_modifier=".cg")
-            u = tl.load(gp + NP * INTER, mask=rmask, other=0.0, cache_modifier=".cg")
-            _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER, BN, FH, RB)
-    else:
-        _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER, BN, FH, RB)
-
-
-@triton.jit
-def _gemv_swiglu_store(h_ptr, tw_ptr, p, rows, rmask, g, u, limit, INTER: tl.constexpr, BN: tl.constexpr,
-                       FH: tl.constexpr, RB: tl.constexpr):
-    if FH:  # as the grouped kernels' epilogue, for one pair: [BN, 1]
-        tw = tl.load(tw_ptr + p + tl.arange(0, 1))
-        h = tl.reshape(moe_f8.swiglu_e4m3_values(g[:, None], u[:, None], tw, limit, BN, 1, RB), (BN,))
-    else:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + p.to(tl.int64) * INTER + (rows % 8) * (INTER // 8) + rows // 8, h, mask=rmask)
-
-
-@triton.jit
-def _gemv_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, ys_ptr, cnt_ptr,
-                      DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                      BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, PF: tl.constexpr = False,
-                      FH: tl.constexpr = False, RB: tl.constexpr = False, KS: tl.constexpr = 1):
-    """Program (pair, row block, K split of KS): tw * W2 h over its K slice added into out (fp32 atomics);
-    FH: act(W2 h) (w is in h already), which needs the whole sum: the K splits add into ys [P, dim] (zeroed)
-    and the last to arrive (counter cnt [P, row blocks], zeroed) rounds it into out."""
-    p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, DIM)
-    kw_first = tl.program_id(2) * (NIT * BKW)
-    if PF:
-        y, _ = _gemv_rows_prefetch(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows,
-                                   rmask, kw_first, INTER, BKW, NIT, True, False)
-    else:
-        y, _ = _gemv_rows(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(tl.int64) * INTER, e * DIM + rows, rmask,
-                          kw_first, INTER, BKW, NIT, True, False)
-    dst = out_ptr + (p // TOPK).to(tl.int64) * DIM + rows
-    if not FH:
-        tl.atomic_add(dst, y * tl.load(tw_ptr + p), mask=rmask)
-    elif KS > 1:
-        yp = ys_ptr + p.to(tl.int64) * DIM + rows
-        tl.atomic_add(yp, y, mask=rmask)
-        if _arrived_last(cnt_ptr, KS):
-            tl.atomic_add(dst, moe_f8.act(tl.load(yp, mask=rmask, other=0.0, cache_modifier=".cg"), RB), mask=rmask)
-    else:
-        tl.atomic_add(dst, moe_f8.act(y, RB), mask=rmask)
-
-
-@triton.jit
-def _arrived_last(cnt_ptr, KS: tl.constexpr):
-    """After this program's partial sums are issued: count its arrival at its (pair, row block) counter; True
-    for the last of the KS K splits, which then reads the sums (from L2, after its acquire)."""
-    tl.debug_barrier()  # every thread's partials before the one increment (release)
-    done = tl.atomic_add(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
-    return done == KS - 1
-
-
 # -- prefill path: grouped tensor-core GEMM ----------------------------------------------------------
 
 @triton.jit
@@ -448,24 +251,10 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
         y = moe_f8.act(acc, RB)
     else:
         y = acc * tl.load(tw_ptr + pair, mask=rmask, other=0.0)[None, :]
-    tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], y, mask=rmask[None, :] & n_mask[:, None])
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
-def _gemv_split(kw: int, block_kw: int, iters: int) -> tuple[int, int, int]:
-    """Words per step (the largest power of two <= block_kw dividing kw, at least one scale group's 4),
-    unrolled steps per program (the largest divisor of the step count <= iters) and the number of K
-    splits: no masked K tail."""
-    bkw = _pow2_divisor(kw, max(block_kw, 4))
-    steps = kw // bkw
-    nit = max(d for d in range(1, max(1, iters) + 1) if steps % d == 0)
-    return bkw, nit, steps // nit
+    # relaxed: nothing in this launch reads out, so no fence before each add (acq_rel, the default, put a
+    # MEMBAR.ALL.GPU before each of a thread's 16 four-wide adds in the sm_90 SASS)
+    tl.atomic_add(out_ptr + tok[None, :].to(tl.int64) * DIM + n_idx[:, None], y, mask=rmask[None, :] & n_mask[:, None],
+                  sem="relaxed")
 
 
 def _words(w: torch.Tensor) -> torch.Tensor:
@@ -527,31 +316,12 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     w1w, w3w, w2w = _words(w1), _words(w3), _words(w2)
     s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
     tw = topk_weights.float().contiguous()
-    if p <= gemv_max_pairs:  # another rank's slots: expert 0 at weight 0 (a few pairs at most)
-        elsewhere = topk_ids < 0
-        ids = topk_ids.clamp_min(0).to(torch.int32).contiguous()
-        tw = tw.masked_fill(elsewhere, 0.0).contiguous()
-        if fp8_hidden:  # whole 32-row groups per gate/up block (the E4M3 quantization of w * h)
-            gemv_block_n = -(-gemv_block_n // 32) * 32
-        (bkw1, it1, ks1), (bkw2, it2, ks2) = (_gemv_split(dim // 8, gemv_block_kw, gemv_iters),
-                                              _gemv_split(inter // 8, gemv_down_block_kw, gemv_down_iters))
-        nrb, nrb2 = triton.cdiv(inter, gemv_block_n), triton.cdiv(dim, gemv_down_block_n)
-        ys_n = p * dim if fp8_hidden and ks2 > 1 else 0
-        # one zeroed buffer (one memset): out [T, dim], gate and up sums [2, P, I], counters [P, nrb], and for
-        # the hidden state's down sums [P, dim] and their counters [P, nrb2]
-        sizes = (t * dim, 2 * p * inter, p * nrb, ys_n, p * nrb2 if ys_n else 0)
-        out, gu, cnt, ys, cnt2 = torch.zeros(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
-        out, cnt, cnt2 = out.view(t, dim), cnt.view(torch.int32), cnt2.view(torch.int32)
-        h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
-        _gemv_gate_up_kernel[(p, nrb, ks1)](
-            x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p, float(swiglu_limit), DIM=dim, INTER=inter,
-            TOPK=k, BN=gemv_block_n, BKW=bkw1, NIT=it1, KS=ks1, PF=gemv_prefetch, FH=fp8_hidden,
-            RB=hidden == "reference", num_warps=gemv_num_warps)
-        _gemv_down_kernel[(p, triton.cdiv(dim, gemv_down_block_n), ks2)](
-            h, w2w, s2, ids, tw, out, ys, cnt2, DIM=dim, INTER=inter, TOPK=k,
-            BN=gemv_down_block_n, BKW=bkw2, NIT=it2, PF=gemv_prefetch, FH=fp8_hidden, RB=hidden == "reference",
-            KS=ks2, num_warps=gemv_down_num_warps or gemv_num_warps)
-        return out
+    if p <= gemv_max_pairs:
+        return moe_gemv.moe_gemv(
+            x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden, block_n=gemv_block_n,
+            block_kw=gemv_block_kw, iters=gemv_iters, down_block_n=gemv_down_block_n,
+            down_block_kw=gemv_down_block_kw, down_iters=gemv_down_iters, num_warps=gemv_num_warps,
+            down_num_warps=gemv_down_num_warps, prefetch=gemv_prefetch)
     if block_m is None:
         block_m = token_block(p, e)
     if block_n is None:  # weight rows are the wgmma M: at least 64 (the FP8 form: 128 halves its waits per row)

@@ -8,7 +8,7 @@ import torch
 
 from engine import quant as Q
 
-_, fp4_tiles, moe = interpreted("_formats", "fp4_tiles", "moe")
+_, fp4_tiles, moe_gemv, moe = interpreted("_formats", "fp4_tiles", "moe_gemv", "moe")
 
 
 def _rel(a, b):
@@ -136,11 +136,11 @@ def test_gemv_path_prefetch(gen, t, iters, every_byte):
 
 
 def test_gemv_split():
-    assert moe._gemv_split(640, 128, 1) == (128, 1, 5)  # release gate/up: 640 words, 5 K splits
-    assert moe._gemv_split(288, 64, 3) == (32, 3, 3)  # release down: 288 = 9 x 32 words
-    assert moe._gemv_split(288, 32, 4) == (32, 3, 3)  # 4 steps do not divide 9: 3
-    assert moe._gemv_split(16, 128, 2) == (16, 1, 1)
-    assert moe._gemv_split(16, 2, 8) == (4, 4, 1)  # a step holds at least one scale group's 4 words
+    assert moe_gemv._gemv_split(640, 128, 1) == (128, 1, 5)  # release gate/up: 640 words, 5 K splits
+    assert moe_gemv._gemv_split(288, 64, 3) == (32, 3, 3)  # release down: 288 = 9 x 32 words
+    assert moe_gemv._gemv_split(288, 32, 4) == (32, 3, 3)  # 4 steps do not divide 9: 3
+    assert moe_gemv._gemv_split(16, 128, 2) == (16, 1, 1)
+    assert moe_gemv._gemv_split(16, 2, 8) == (4, 4, 1)  # a step holds at least one scale group's 4 words
 
 
 def test_gemv_path_every_fp4_byte(gen):

@@ -16,7 +16,7 @@ from engine.model.moe import routed_experts
 from engine.ops.reference import ReferenceOps
 from test_kernels_moe import _case, _rel
 
-_formats, fp4_tiles, moe_f8, moe = interpreted("_formats", "fp4_tiles", "moe_f8", "moe")
+_formats, fp4_tiles, moe_f8, _, moe = interpreted("_formats", "fp4_tiles", "moe_f8", "moe_gemv", "moe")
 
 
 @triton.jit
