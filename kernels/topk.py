@@ -226,7 +226,8 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
             cand = tl.reshape(cand, (GPP * GB,))
             n_c = tl.sum(cand.to(tl.int32), axis=0)
             if n_c > 0:
-                slot = tl.atomic_add(cnt_ptr + row, n_c) + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
+                slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") + tl.cumsum(cand.to(tl.int32), axis=0) - 1
                 ok2 = cand & (slot < CAP)
                 tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (GPP * GB,)), mask=ok2)
                 tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (GPP * GB,)), mask=ok2)
