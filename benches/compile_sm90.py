@@ -234,6 +234,9 @@ def cases():
                                                                 num_stages=3, hidden="reference")),
             ("MoE prefill, folded scales", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                    num_stages=3, bf16_decode="fold", hidden="reference")),
+            ("MoE prefill, folded scales, 64 x 64 tiles, gate/up capped at 168 registers", experts(
+                256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
+                hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0)),
             ("MoE decode step, folded scales", experts(64, block_m=16, block_n=64, bf16_decode="fold",
                                                        hidden="reference")),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),

@@ -138,25 +138,36 @@ def test_gpu_query_blocks_fill_the_score_budget(monkeypatch):
     assert TritonOps._query_rows(gpu, 3000, 512) == 21 * 512  # 2^25 / (3000 x 512) = 21.8 -> whole blocks
 
 
-def test_split_tiles_knob_reaches_the_prefill_experts_only(tmp_path, monkeypatch):
-    """moe_split_tiles: a prefill's routed experts (more than four pairs an expert: the 64-token blocks' width)
-    are launched with split_m=128; without the knob, or at a few pairs, they are not. The picks do not move."""
+def test_tile_knobs_reach_the_prefill_experts_only(tmp_path, monkeypatch):
+    """moe_split_tiles, moe_narrow_down, moe_narrow_gate_up: a prefill's routed experts (more than four pairs an
+    expert: the 64-token blocks' width) are launched with the knob's tiles; without it, or at a few pairs, with
+    none. The picks do not move."""
     import kernels.dispatch as dispatch
 
     seen = []
     reference, triton_version = dispatch._PAIRS["moe_fp4"]
 
     def recorded(*args, **kwargs):
-        seen.append((args[7].numel(), args[1].shape[0], kwargs.get("split_m")))
+        seen.append((args[7].numel(), args[1].shape[0], {k: kwargs.get(k) for k in TILES}))
         return reference(*args, **kwargs)
 
     monkeypatch.setitem(dispatch._PAIRS, "moe_fp4", (recorded, triton_version))
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
     out = {}
-    for knob in ("0", "1"):
+    for spec, launch in KNOB_TILES.items():
         seen.clear()
-        out[knob] = run(lambda model: model.ops.set_knobs(f"moe_split_tiles={knob}"))
-        assert seen and all(split == (128 if knob == "1" and pairs > 4 * experts else None)
-                            for pairs, experts, split in seen), seen
+        out[spec] = run(lambda model: model.ops.set_knobs(spec))
+        assert seen and all(tiles == {**dict.fromkeys(TILES), **(launch if pairs > 4 * experts else {})}
+                            for pairs, experts, tiles in seen), (spec, seen)
         assert any(pairs > 4 * experts for pairs, experts, _ in seen)
-    _assert_same_picks(out["0"], out["1"])
+    for spec in KNOB_TILES:
+        _assert_same_picks(out["moe_split_tiles=0"], out[spec])
+
+
+TILES = ("split_m", "block_n", "maxnreg", "down_block_n", "down_maxnreg")
+# each tile knob and the launch options it gives a prefill's grouped GEMMs
+KNOB_TILES = {"moe_split_tiles=0": {}, "moe_split_tiles=1": {"split_m": 128},
+              "moe_narrow_down=1": {"down_block_n": 64},
+              "moe_narrow_gate_up=1": {"block_n": 64, "maxnreg": 168, "down_block_n": 128, "down_maxnreg": 0},
+              "moe_narrow_gate_up=1,moe_narrow_down=1": {"block_n": 64, "maxnreg": 168, "down_block_n": 64,
+                                                         "down_maxnreg": 0}}

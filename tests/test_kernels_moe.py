@@ -174,6 +174,21 @@ def test_split_tiles_take_the_crowded_experts_in_bigger_token_blocks(gen, hidden
         moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, split_m=16)
 
 
+@pytest.mark.parametrize("hidden", [None, "reference"])
+def test_down_tiles_apart_from_the_gate_up_tiles(gen, hidden):
+    """down_block_n: the down GEMM in tiles of its own width (narrower or wider than the gate/up GEMM's), with
+    and without split tiles; every pair once, against the float64 reference. down_maxnreg and maxnreg are launch
+    options the interpreter ignores: here they only must be accepted."""
+    args = _case(gen, 13, e=4, k=2)
+    want = moe.moe_fp4_reference(*args, hidden=hidden)
+    for tiles in (dict(block_n=32, down_block_n=64, maxnreg=168, down_maxnreg=0), dict(block_n=64, down_block_n=32),
+                  dict(block_n=64, down_block_n=32, split_m=32)):
+        got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, hidden=hidden, **tiles)
+        assert _rel(want, got) < 1e-5, (tiles, gen.initial_seed())
+    with pytest.raises(ValueError, match="split_m"):  # 16 x 16 / 32 = 8 down rows a split tile: too few
+        moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, down_block_n=16, split_m=32)
+
+
 def test_no_limit_and_both_paths_agree(gen):
     args = _case(gen, 2)
     args = ((args[0].float() * 4).to(torch.bfloat16), *args[1:])  # well past the clamps

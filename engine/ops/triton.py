@@ -121,9 +121,15 @@ class TritonOps(PointwiseKernels):
     # tile decoded once for up to 128 tokens; sm_90 SASS 393 instructions a K step against 621 for the same MMA
     # work. Off: not timed (the unsplit 128-token tile lost, 10.6 vs 9.66 ms in run 18b)
     moe_split_tiles = False
+    # a prefill's grouped GEMMs in 64 x 64 tiles, for more programs an SM (sm_90: down 178 -> 101 registers, 2 -> 4
+    # programs; gate/up capped at 168 registers without spills, 2 -> 3) at 27% / 11% more instructions a weight.
+    # Off: not timed (one 8-warp program an SM, its phases aligned by its barriers, lost 1.9x to two 4-warp ones)
+    moe_narrow_down = False
+    moe_narrow_gate_up = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
-             "mhc_f32_stream", "f32_tf32x3", "ties_branch_free", "moe_split_tiles")
+             "mhc_f32_stream", "f32_tf32x3", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
+             "moe_narrow_gate_up")
 
     def __init__(self, base, weights, device, act_quant: bool = True, compute: bool = True,
                  capture_layer: int | None = None):
@@ -515,8 +521,13 @@ class TritonOps(PointwiseKernels):
                     "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
             if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
-            if self.moe_split_tiles and not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:
-                form["split_m"] = 128
+            if not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:  # a prefill's widths: the tile knobs
+                if self.moe_split_tiles:
+                    form["split_m"] = 128
+                if self.moe_narrow_gate_up:
+                    form.update(block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0)
+                if self.moe_narrow_down:
+                    form["down_block_n"] = 64
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
