@@ -212,7 +212,9 @@ def cases():
         return lambda: mhc.mhc_triton(*args, **({"bf16_values": True} if wide else {}))
 
     return [("quantizers", quantizers), ("fp8 linear 128x5120x8192", linear(128)),
-            ("fp8 linear 64x5120x8192", linear(64)), ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
+            ("fp8 linear 64x5120x8192", linear(64)),
+            ("fp8 linear cuBLAS form's weight values 5120x8192", linear(128, mma="cublas")),
+            ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
             ("sparse attention decode b64", attention(64)),

@@ -22,8 +22,13 @@ def case_linear(bw, mm):
     bf16 = dict(mma="bf16")
     prefill_cfgs = [dict(), bf16, dict(bf16, num_stages=3),  # the FP8 form; bf16 128 x 256 x 64, 8 warps
                     dict(bf16, block_n=128), dict(bf16, block_n=128, block_k=128, num_stages=3),
-                    dict(bf16, block_m=256, block_n=128, num_stages=3), dict(bf16, block_m=64)]
-    for m_, n_, k_, what in ((4096, 5120, 8192, "wo_b"), (64, 5120, 8192, "wo_b"), (64, 32768, 1280, "wq_b"),
+                    dict(bf16, block_m=256, block_n=128, num_stages=3), dict(bf16, block_m=64),
+                    dict(mma="cublas")]  # the weight's bf16 values made for the call, cuBLAS (TritonOps.linear_cublas)
+    # the layer's other prefill products: the bf16 form (its default since run 18) against the cuBLAS form
+    other_prefill = [bf16, dict(mma="cublas")]
+    for m_, n_, k_, what in ((4096, 5120, 8192, "wo_b"), (4096, 32768, 1280, "wq_b"), (4096, 1280, 5120, "wq_a"),
+                             (4096, 2304, 5120, "shared expert w1"), (4096, 512, 5120, "wkv"),
+                             (64, 5120, 8192, "wo_b"), (64, 32768, 1280, "wq_b"),
                              (64, 1280, 5120, "wq_a"), (64, 2304, 5120, "shared expert w1")):
         x = torch.randn(m_, k_, device=DEV).bfloat16()
         w = (torch.randn(n_, k_, device=DEV) * 30).to(torch.float8_e4m3fn)
@@ -37,7 +42,7 @@ def case_linear(bw, mm):
         want = eager()
         small = m_ <= 64
         cfg, t, r = sweep(f"linear_cfgs_{m_}x{n_}x{k_}", f"linear {m_}x{n_}x{k_}",
-                          decode_cfgs if small else prefill_cfgs,
+                          decode_cfgs if small else prefill_cfgs if what == "wo_b" else other_prefill,
                           lambda **c: fp8_linear.fp8_linear_triton(x, w, ws, **c), lambda out: rel(want, out),
                           valid=lambda r: r < 1e-2, graph=small, rep=100)
         if small:

@@ -10,6 +10,9 @@ Two forms (`mma`):
   E4M3 round trip (E4M3 value * 2^e is a bf16), the weight tile decoded in registers from its bytes to bf16
   with its block scale folded in, one bf16 dot per BK (64 or 128) of K into the float32 accumulator. Every
   product is exact and sums are float32, as in the FP8 form; the weight stays in its FP8 bytes.
+- "cublas" (a prefill's widths): the bf16 form's products by cuBLAS: the weight's exact bf16 values made for the
+  call (`fp8_weight_bf16`, one launch; transient, the stored bytes stay the weight) and one bf16 GEMM with float32
+  sums, its output rounded to bf16 by cuBLAS. The same values and roundings as the bf16 form, another order of sums.
 Decode-sized products (<= 64 rows) split K over more programs (`fp8_linear_plan`) and add the float32
 partials in a fixed order.
 """
@@ -213,6 +216,49 @@ def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
 
 
 @triton.jit
+def _weight_bf16_kernel(w_ptr, s_ptr, out_ptr, N, K, BR: tl.constexpr, DT: tl.constexpr):
+    """Program (row block, 64-wide K block): the weight's values E4M3 * 2^(s - 127) as bf16, in the MMA K order of
+    x_values_bf16 (in_mma_k_order); a scale byte past BF16_MAX_SCALE_BYTE gives NaN, as in the bf16 form."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    k = tl.program_id(1) * 64 + tl.arange(0, 64)
+    rm = rows < N
+    byte = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], mask=rm[:, None], other=0)
+    sbyte = tl.load(s_ptr + (rows // 32)[:, None] * (K // 32) + tl.program_id(1) * 2 + tl.arange(0, 2)[None, :],
+                    mask=rm[:, None], other=127)
+    v = in_mma_k_order(e4m3_scaled_operand(byte, sbyte.to(tl.int32), 64, DT), 64)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], v.to(tl.bfloat16), mask=rm[:, None])
+
+
+def fp8_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The dequantized weight [N, K] as bf16 (exact), each 64 block of K in the MMA K order (x_values_bf16's), one
+    launch; K a multiple of 64, scale bytes up to BF16_MAX_SCALE_BYTE (past it: NaN, see bf16_form_fits)."""
+    n, k = w.shape
+    if k % 64 or w_scale.shape != (-(-n // 32), k // 32):
+        raise ValueError(f"FP8 weight {tuple(w.shape)} with scales {tuple(w_scale.shape)}: K must be a multiple of "
+                         "64 and the scales [ceil(N/32), K/32]")
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
+    if n:
+        _weight_bf16_kernel[(triton.cdiv(n, 32), k // 64)](w.contiguous().view(torch.uint8),
+                                                          w_scale.contiguous().view(torch.uint8), out, n, k, BR=32,
+                                                          DT=dot_dtype())
+    return out
+
+
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> bf16 [M, N] for bf16 a, b: float32 sums of the exact products, rounded to bf16 once
+    (cuBLAS on the GPU, with its bf16 partial reductions off for the call)."""
+    if not a.is_cuda:
+        return (a.float() @ b.float().t()).bfloat16()
+    cuda = torch.backends.cuda.matmul
+    reduced = cuda.allow_bf16_reduced_precision_reduction
+    cuda.allow_bf16_reduced_precision_reduction = False
+    try:
+        return a @ b.t()
+    finally:
+        cuda.allow_bf16_reduced_precision_reduction = reduced
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """c = bf16(sum of the float32 partials [SPLITS, MN]), added in split order (deterministic); a float32 c
     holds those bf16 values."""
@@ -257,11 +303,17 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
     `fp8_linear_plan` (num_warps: 8 for 128 x 128 tiles, 4 for the 64-row tiles of a decode step).
     mma: "fp8" (the FP8 tensor-core form, 32 of K per step) or "bf16" (bf16 products of the exact values,
     block_k of K per step (64 where it does not divide K, a multiple of 64); weight scale bytes above
-    BF16_MAX_SCALE_BYTE give NaN, see `bf16_form_fits`). x_values (bf16 form): `x_values_bf16(x)` made
+    BF16_MAX_SCALE_BYTE give NaN, see `bf16_form_fits`), or "cublas" (the bf16 form's products through
+    `fp8_weight_bf16` and `bf16_gemm`; the launch knobs do not apply). x_values (bf16 form): `x_values_bf16(x)` made
     already, for linears that share an input (the attention's wq_a and wkv, the shared expert's w1 and w3)."""
     m, n, k = _check(x, w, w_scale)
-    if mma not in ("fp8", "bf16"):
-        raise ValueError(f"FP8 linear: unknown mma form {mma!r} (fp8 or bf16)")
+    if mma not in ("fp8", "bf16", "cublas"):
+        raise ValueError(f"FP8 linear: unknown mma form {mma!r} (fp8, bf16 or cublas)")
+    if x_values is not None and (x_values.shape != x.shape or x_values.dtype != torch.bfloat16):
+        raise ValueError(f"FP8 linear: x_values {tuple(x_values.shape)} {x_values.dtype} are not x's bf16 values")
+    if mma == "cublas":  # K's multiple of 64 checked by fp8_weight_bf16
+        y = bf16_gemm(x_values_bf16(x) if x_values is None else x_values, fp8_weight_bf16(w, w_scale))
+        return y.float() if float_out else y
     bf16 = mma == "bf16"
     if bf16 and (block_k not in (64, 128, 256) or k % 64):
         raise ValueError(f"FP8 linear, bf16 form: block_k {block_k} is not 64, 128 or 256, or K = {k} is not a "
@@ -277,8 +329,6 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
     if bf16:
-        if x_values is not None and (x_values.shape != x.shape or x_values.dtype != torch.bfloat16):
-            raise ValueError(f"FP8 linear: x_values {tuple(x_values.shape)} {x_values.dtype} are not x's bf16 values")
         _fp8_linear_bf16_kernel[grid](x_values_bf16(x) if x_values is None else x_values.contiguous(),
                                       w.contiguous().view(torch.uint8),
                                       w_scale.contiguous().view(torch.uint8), part, m, n, k, steps, BM=bm, BN=bn,

@@ -18,8 +18,8 @@ from engine.run.probes import ProbeRequest  # noqa: E402
 from engine_helpers import IdentityTokenizer, random_ids, tiny_config, write_tiny_checkpoint  # noqa: E402
 
 
-def _tiny_prefill(tmp_path, monkeypatch, on_break_ties):
-    """A 64-token prefill of the tiny model on the kernel ops (the kernels' references standing in), every
+def _tiny_prefill(tmp_path, monkeypatch, on_break_ties, tokens: int = 64):
+    """A 64-token (or `tokens`) prefill of the tiny model on the kernel ops (the kernels' references standing in), every
     break_ties call shown to on_break_ties(args) first -> run(configure): each picking layer's (top-k, tied)
     for a fresh model that configure(model) set up."""
     import engine.ops.triton as kernel_ops
@@ -28,7 +28,7 @@ def _tiny_prefill(tmp_path, monkeypatch, on_break_ties):
     monkeypatch.setattr(kernel_ops, "interpreter_active", lambda: False)
     cfg = tiny_config()
     weights = CheckpointWeights(CheckpointReader(write_tiny_checkpoint(tmp_path, seed=5, n_shards=1), cfg))
-    ids = random_ids(cfg, 64, seed=4)
+    ids = random_ids(cfg, tokens, seed=4)
     real = ReferenceOps.break_ties
     monkeypatch.setattr(ReferenceOps, "break_ties", lambda self, *a: (on_break_ties(a), real(self, *a))[1])
 
@@ -171,3 +171,29 @@ KNOB_TILES = {"moe_split_tiles=0": {}, "moe_split_tiles=1": {"split_m": 128},
               "moe_narrow_gate_up=1": {"block_n": 64, "maxnreg": 168, "down_block_n": 128, "down_maxnreg": 0},
               "moe_narrow_gate_up=1,moe_narrow_down=1": {"block_n": 64, "maxnreg": 168, "down_block_n": 64,
                                                          "down_maxnreg": 0}}
+
+
+def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
+    """linear_cublas: the FP8 linears that take the bf16 form at a prefill's rows (past 64) go to its cuBLAS form;
+    without the knob none do. The picks do not move (the same products; the references stand in here)."""
+    import kernels.dispatch as dispatch
+
+    seen = []
+    reference, triton_version = dispatch._PAIRS["fp8_linear"]
+
+    def recorded(*args, **kwargs):
+        seen.append((args[0].shape[0], kwargs.get("mma")))
+        return reference(*args, **kwargs)
+
+    monkeypatch.setitem(dispatch._PAIRS, "fp8_linear", (recorded, triton_version))
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None, tokens=96)  # past a decode step's 64 rows
+    out, calls = {}, {}
+    for knob in ("0", "1"):
+        seen.clear()
+        out[knob] = run(lambda model: model.ops.set_knobs(f"linear_cublas={knob}"))
+        calls[knob] = list(seen)
+    assert any(rows > 64 and mma == "bf16" for rows, mma in calls["0"]), calls["0"]
+    assert "cublas" not in {mma for _, mma in calls["0"]}
+    # call by call: the bf16 form at a prefill's rows becomes the cuBLAS form, every other call stays as it was
+    assert calls["1"] == [(rows, "cublas" if rows > 64 and mma == "bf16" else mma) for rows, mma in calls["0"]]
+    _assert_same_picks(out["0"], out["1"])

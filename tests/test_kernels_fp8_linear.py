@@ -49,6 +49,35 @@ def test_bf16_form_matches_the_reference_and_the_fp8_form(poisoned, gen, m, n, k
     assert ((fo - want).abs() <= torch.maximum(step, torch.full_like(step, tiny))).all(), gen.initial_seed()
 
 
+@pytest.mark.parametrize("m,n,k", [(70, 100, 192), (1, 64, 128)])
+def test_cublas_form_takes_the_bf16_forms_values(poisoned, gen, m, n, k):
+    """mma="cublas": the weight's bf16 values in x_values' K order and one bf16 GEMM: the float64 reference's
+    bf16 values to within one bf16 step, as the bf16 form is; float_out holds those bf16 values."""
+    x, w, ws = _inputs(gen, m, n, k)
+    want = fp8_linear.fp8_linear_reference(x, w, ws, float_out=True)
+    got = fp8_linear.fp8_linear_triton(x, w, ws, mma="cublas")
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    fo = fp8_linear.fp8_linear_triton(x, w, ws, mma="cublas", float_out=True, x_values=fp8_linear.x_values_bf16(x))
+    assert fo.dtype == torch.float32 and torch.equal(fo, got.float())
+    tiny = 1e-5 * want.abs().max().item()
+    step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(tiny))) - 7)
+    assert ((fo - want).abs() <= torch.maximum(step, torch.full_like(step, tiny))).all(), gen.initial_seed()
+    assert _rel(want, fo) <= _rel(want, fp8_linear.fp8_linear_triton(x, w, ws, mma="bf16", float_out=True)) * 1.5 + 1e-7
+
+
+def test_weight_bf16_values_in_mma_k_order(poisoned, gen):
+    """fp8_weight_bf16: every weight value exactly (E4M3 times its block's 2^(s - 127)), 64 blocks of K in the MMA K
+    order x_values_bf16 uses (the NaN past the bf16 range is the GPU decode's: test_bf16_decode_on_the_gpu)."""
+    _, w, ws = _inputs(gen, 1, 40, 128)
+    got = fp8_linear.fp8_weight_bf16(w, ws)
+    m = torch.arange(64)
+    pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)
+    idx = (torch.arange(2)[:, None] * 64 + pos[None, :]).flatten()
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float()[:, idx], Q.dequantize_fp8_weight(w, ws).float())
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fp8_linear.fp8_weight_bf16(w[:, :96], ws[:, :3])
+
+
 def test_x_values_are_the_round_trip_in_mma_k_order(poisoned, gen):
     x = torch.randn(3, 256, generator=gen).to(torch.bfloat16) * 100
     got = fp8_linear.x_values_bf16(x)
@@ -64,6 +93,8 @@ def test_bf16_form_rejects_what_it_cannot_take(gen):
     x, w, ws = _inputs(gen, 4, 32, 96)  # K = 96: not a multiple of 64
     with pytest.raises(ValueError, match="multiple of 64"):
         fp8_linear.fp8_linear_triton(x, w, ws, mma="bf16")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fp8_linear.fp8_linear_triton(x, w, ws, mma="cublas")
     with pytest.raises(ValueError, match="mma form"):
         fp8_linear.fp8_linear_triton(x, w, ws, mma="fp16")
     assert fp8_linear.bf16_form_fits(ws)
@@ -101,17 +132,27 @@ for cfg in (dict(), dict(block_k=128), dict(split_k=1)):
     differ = got != want
     assert differ.float().mean() < 1e-3, cfg
     assert ((got - want).abs() <= 2.0 ** -7 * want.abs() + 1e-5 * want.abs().max()).all(), cfg
+# the cuBLAS form: the same weight values (every byte, exact), one bf16 GEMM of float32 sums
+wb = fp8_linear.fp8_weight_bf16(w.cuda(), ws.cuda().view(torch.float8_e8m0fnu)).cpu()
+pos = torch.tensor([((c >> 2) & 3) * 16 + ((c >> 1) & 1) * 8 + (c >> 4) * 2 + (c & 1) for c in range(64)])
+idx = (torch.arange(k // 64)[:, None] * 64 + pos[None, :]).flatten()
+assert torch.equal(wb.float()[:, idx], Q.dequantize_fp8_weight(w, ws.view(torch.float8_e8m0fnu)).float())
+got = fp8_linear.fp8_linear_triton(x.cuda(), w.cuda(), ws.cuda().view(torch.float8_e8m0fnu), mma="cublas",
+                                   float_out=True).cpu()
+assert (got != want).float().mean() < 1e-3
+assert ((got - want).abs() <= 2.0 ** -7 * want.abs() + 1e-5 * want.abs().max()).all()
 ws[1, 0] = 135
-bad = fp8_linear.fp8_linear_triton(x.cuda(), w.cuda(), ws.cuda().view(torch.float8_e8m0fnu), mma="bf16").cpu()
-assert torch.isnan(bad[:, 32:64]).all() and not torch.isnan(bad[:, :32]).any()
+for form in ("bf16", "cublas"):
+    bad = fp8_linear.fp8_linear_triton(x.cuda(), w.cuda(), ws.cuda().view(torch.float8_e8m0fnu), mma=form).cpu()
+    assert torch.isnan(bad[:, 32:64]).all() and not torch.isnan(bad[:, :32]).any(), form
 """
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 decode's PTX needs a GPU")
 def test_bf16_decode_on_the_gpu(gen):
     """Every E4M3 byte (subnormals, both zeros) at scale bytes 3 (the exact form's floor) to 134 (its
-    ceiling): the reference's values; a scale byte above 134 gives NaN in its block's columns, not a wrong
-    number. In a fresh process: compiled kernels, where this module's are the interpreter's."""
+    ceiling): the reference's values, in the bf16 form and the cuBLAS form (its weight values exact); a scale
+    byte above 134 gives NaN in its block's columns, not a wrong number, in both. In a fresh process: compiled kernels, where this module's are the interpreter's."""
     import os
     import subprocess
     import sys

@@ -1,0 +1,73 @@
+"""The kernel ops' tuning knobs: engine/ops/triton.py TritonOps' choices among its kernels' forms, each a boolean
+with its default and the measurement that set it (H200 runs: notes/kernels.md). Benches flip them by name
+(`set_knobs`, `benches/release_layer.py --ops / --ab`); the model never does."""
+
+from __future__ import annotations
+
+
+class KernelKnobs:
+    # the routed experts on FP8 tensor cores (kernels/moe_f8.py) at the widths where that form pays
+    # (kernels/moe.py fp8_form_pays): the same numerics, sums inside each 32-group at the FP8 MMA's precision
+    moe_fp8_mma = False
+    # the decode step's FP8 linears with K >= 4096 and N >= 2048 on the kernel's bf16 form too (H200 run 18d:
+    # 64 x 5120 x 8192 31.7 us against 43.2 for the FP8 form's best, 64 x 2304 x 5120 15.3 against 16.6;
+    # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a, against 18c) 30-42 us
+    # faster a layer with it (Full m=1 3.518 -> 3.476 ms, 2.9x its HBM floor at 4.04 TB/s)
+    linear_bf16_decode = True
+    # sparse attention: force the two passes (kernels/sparse_attn_decode.py) on every call where its int32
+    # offsets reach the caches, and their bf16x2 form wherever they run, with the kernels' other launch options
+    # at their defaults. The wrapper's own defaults already take the two passes' bf16x2 form for the prefill
+    # and decode batches of 16+ tokens, with the launch options the H200 liked best (run 24a); these knobs
+    # are for A/B runs, as is attn_one_pass: the one-pass kernel's layouts (the default before run 24a)
+    attn_two_pass = False
+    attn_bf16x2 = False
+    attn_one_pass = False
+    # the routed experts' grouped GEMMs with each scale folded into the decode's one bf16x2 multiply
+    # (kernels/fp4_tiles.py fp4_decoded_folded), for a layer whose expert scales all fit it (checked once a
+    # layer): H200 run 24a, 4K prefill in the engine's hidden-state form 10.13 ms against 10.37, the 64-token
+    # decode step 2.62 against 2.66 ms
+    moe_fold = True
+    # the fused mHC on the float32 stream as it is (bf16 values read from float32, outputs stored so; not timed
+    # yet, see _mhc); off: the measured form before it (a bf16 copy of the stream in, float32 copies out)
+    mhc_f32_stream = True
+    # the prefill's float32 GEMMs (the router's gate, the compressor's projections) on tensor cores at float32
+    # accuracy (kernels/f32_gemm.py, tf32x3) instead of cuBLAS's CUDA-core sgemm (0.33 ms for the gate at 4K
+    # tokens, run 18c); float32 sums in another order than cuBLAS's, as accurate (run 24a: the gate 255 us
+    # against cuBLAS's 337, the compressor's 559 against 852; 2.6e-7 from float64 against 3.9e-7 / 7.4e-7)
+    f32_tf32x3 = True
+    # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
+    # keeping theirs: the form a graph capture takes) instead of reading back which rows tie, the prefill's one
+    # host read a Full layer. H200 run 25b against 25a: the Full layers' captured prefill the same GPU time
+    # (20.47 / 20.28 / 20.49 ms against 20.49 / 20.29 / 20.55), the eager prefill 21.8 against 21.7-23.5 ms
+    ties_branch_free = True
+    # a prefill's experts with more than 64 pairs in 128-token x 64-row tiles (kernels/moe.py split_m): each weight
+    # tile decoded once for up to 128 tokens; sm_90 SASS 393 instructions a K step against 621 for the same MMA
+    # work. Off: not timed (the unsplit 128-token tile lost, 10.6 vs 9.66 ms in run 18b)
+    moe_split_tiles = False
+    # a prefill's grouped GEMMs in 64 x 64 tiles, for more programs an SM (sm_90: down 178 -> 101 registers, 2 -> 4
+    # programs; gate/up capped at 168 registers without spills, 2 -> 3) at 27% / 11% more instructions a weight.
+    # Off: not timed (one 8-warp program an SM, its phases aligned by its barriers, lost 1.9x to two 4-warp ones)
+    moe_narrow_down = False
+    moe_narrow_gate_up = False
+    # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
+    # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
+    # order. Off: not timed (the bf16 form: 460 TFLOP/s at 4096 x 5120 x 8192; cuBLAS bf16: ~800 on the H200)
+    linear_cublas = False
+    # booleans a bench may set by name (set_knobs)
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
+             "mhc_f32_stream", "f32_tf32x3", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
+             "moe_narrow_gate_up", "linear_cublas")
+
+    def set_knobs(self, spec: str) -> dict:
+        """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""
+        knobs = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, _, text = item.partition("=")
+            if name not in self.KNOBS:
+                raise ValueError(f"unknown kernel-ops knob {name!r}; the knobs: {', '.join(self.KNOBS)}")
+            if text not in ("0", "1"):
+                raise ValueError(f"knob {name}: {text!r} is not 0 or 1")
+            knobs[name] = text == "1"
+        for name, value in knobs.items():  # all or nothing: a refused spec sets none
+            setattr(self, name, value)
+        return knobs
