@@ -81,11 +81,7 @@ def _gemv_rows_prefetch(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_fir
             scbn = scale_words(sb_ptr, soff, kw_first + (it + 1) * BKW, BKW, nmask)
         acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
         wd, sc, wdb, scb, kw, woff = wdn, scn, wdbn, scbn, kwn, woff + BKW
-    if TWO:
-        return tl.sum(acc, axis=1), tl.sum(accb, axis=1)
-    else:
-        y = tl.sum(acc, axis=1)
-        return y, y
+    return _row_sums(acc, accb, TWO)
 
 
 @triton.jit
@@ -110,10 +106,16 @@ def _gemv_rows(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, rows, rmask, kw_first, KDIM:
         else:
             wdb, scb = wd, sc
         acc, accb = _gemv_step(wd, sc, wdb, scb, v_ptr, kw, acc, accb, KW, SPLIT_LAYOUT, TWO)
+    return _row_sums(acc, accb, TWO)
+
+
+@triton.jit
+def _row_sums(acc, accb, TWO: tl.constexpr):
+    """The GEMV's per-lane partials [BR, BKW] summed per row: (W x, Wb x), or (W x, W x) without a second weight."""
+    y = tl.sum(acc, axis=1)
     if TWO:
-        return tl.sum(acc, axis=1), tl.sum(accb, axis=1)
+        return y, tl.sum(accb, axis=1)
     else:
-        y = tl.sum(acc, axis=1)
         return y, y
 
 
