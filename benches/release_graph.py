@@ -224,6 +224,36 @@ def loop_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def later_passes(run_pass, ops, args, pass_s: float | None, deadline: float, device, loop=None) -> dict:
+    """The passes after the timed ones, each while the deadline leaves time for it (pass_s: a warm pass's seconds;
+    None: there was no warm pass, so none runs): the host syncs (a pass of their own: the first pass's include
+    weight uploads and compiles, and sync debug mode's warnings are host work inside a timed span: run 24b's
+    listed SWA + Engram prefill read 55.8 ms against 24.7 ms of profiled GPU span), the profile (--profile),
+    each phase as a CUDA graph (--graph: a pass each, the decode's after an eager prefill), the knob A/B
+    (--ab), the engine's own decode loop (--decode-loop: loop() runs it). run_pass(**kw): one of
+    release_layer.py's passes (`run_role`). -> {"syncs", "profiles", "graphs", "ab", "loop"}."""
+    out = {"syncs": {}, "profiles": {}, "graphs": {}, "ab": [], "loop": {}}
+    if pass_s is None:
+        return out
+
+    def time_for(passes: float) -> bool:
+        return time.perf_counter() + pass_s * passes < deadline
+
+    if device.type == "cuda" and time_for(1):
+        run_pass(syncs=out["syncs"])
+    if args.profile and time_for(3):
+        run_pass(profiles=out["profiles"])
+    for phase in ("decode", "prefill") if args.graph else ():
+        if time_for(2):
+            out["graphs"][phase] = {}
+            run_pass(profiles=out["profiles"] if args.profile else None, graphs={phase: out["graphs"][phase]})
+    if args.ab and time_for(4 * (len(args.ab) + 1)):
+        out["ab"] = knob_ab(ops, args.ab, lambda graphs=None: run_pass(graphs=graphs))
+    if args.decode_loop and loop is not None and time_for(4):
+        out["loop"] = loop()
+    return out
+
+
 def knob_ab(ops, variants: list[str], run_pass) -> list[dict]:
     """A role's figures under each kernel-ops knob spec ("" first: the defaults, the baseline of the same run):
     a pass for the variant's compiles, then each phase captured as a graph where possible, else timed eagerly on

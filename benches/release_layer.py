@@ -45,7 +45,7 @@ RELEASE_CONFIG = ROOT / "assets" / "configs" / "v41-flash.json"  # the release i
 ROLES = ("swa", "swa_engram", "full_m2", "reuse", "full_m1", "reindex")
 TITLES = {"swa": "SWA-only", "swa_engram": "SWA + Engram", "full_m2": "Full m=2", "reuse": "Reuse",
           "full_m1": "Full m=1 (candidate pool)", "reindex": "Reindex"}
-from benches.release_graph import (GOAL_RATIO, decode_loop, graph_phase, graph_row, knob_ab,  # noqa: E402
+from benches.release_graph import (GOAL_RATIO, decode_loop, graph_phase, graph_row, later_passes,  # noqa: E402
                                    listed_host_syncs, profiled, stream_inputs, table)
 
 
@@ -392,7 +392,7 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
     role = role_plan(cfg)[layer]
     layers = chain(cfg, layer)
     gen_s = sum(gen.add_layer(L) for L in layers)
-    passes, times, first_pass, syncs = [], [], None, {}
+    passes, times = [], []
     for attempt in range(args.passes):
         started = time.perf_counter()
         got = run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, outputs=args.graph)
@@ -401,33 +401,15 @@ def bench_role(key, layer, model, gen, weights, cfg, args, rates, device, deadli
         times.append(took)
         passes.append(got)
         if attempt == 0:
-            first_pass = took
             # a warm pass takes well under a second (0.05 s measured); the first one compiles (~80 s)
             if attempt + 1 < args.passes and time.perf_counter() + min(took, 10.0) > deadline:
                 break  # no time for a warm pass: report the first (compiles included)
     got = passes[-1]
     warm = len(passes) > 1
-    # the host syncs on a pass of their own after the timed ones (the first pass's include weight uploads and
-    # compiles; sync debug mode's warnings are host work inside a timed span: run 24b's listed SWA + Engram
-    # prefill read 55.8 ms against 24.7 ms of profiled GPU span)
-    if warm and device.type == "cuda" and time.perf_counter() + times[-1] < deadline:
-        run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, syncs=syncs)
-    profiles: dict = {}
-    if args.profile and warm and time.perf_counter() + times[-1] * 3 < deadline:
-        run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, profiles)
-    graphs: dict = {}
-    for phase in ("decode", "prefill") if args.graph else ():  # a pass each: the decode's after an eager prefill
-        if warm and time.perf_counter() + times[-1] * 2 < deadline:
-            graphs[phase] = {}
-            run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail,
-                     profiles if args.profile else None, graphs={phase: graphs[phase]})
-    ab = []
-    if args.ab and warm and time.perf_counter() + times[-1] * 4 * (len(args.ab) + 1) < deadline:
-        ab = knob_ab(model.ops, args.ab, lambda graphs=None: run_role(model, cfg, layers, args.tokens, args.decode,
-                                                                       device, args.detail, graphs=graphs))
-    loop: dict = {}
-    if args.decode_loop and warm and time.perf_counter() + times[-1] * 4 < deadline:
-        loop = decode_loop(model, cfg, layers, args.tokens, args.decode_loop, device)
+    extra = later_passes(lambda **kw: run_role(model, cfg, layers, args.tokens, args.decode, device, args.detail, **kw),
+                         model.ops, args, times[-1] if warm else None, deadline, device,
+                         loop=lambda: decode_loop(model, cfg, layers, args.tokens, args.decode_loop, device))
+    syncs, profiles, graphs, ab, loop = (extra[k] for k in ("syncs", "profiles", "graphs", "ab", "loop"))
     rows = []
     for phase in ("prefill", "decode"):
         if phase == "prefill":
