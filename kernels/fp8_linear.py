@@ -185,6 +185,15 @@ def e4m3_scaled_operand(byte, sbyte, BK: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(b_rows, s_rows, nm, k0, BK: tl.constexpr, DT: tl.constexpr):
+    """The weight's K columns [k0, k0 + BK) of the rows at b_rows (their E4M3 bytes) and s_rows (their 32x32 blocks'
+    E8M0 bytes), masked by nm: exact DT values in the MMA K order (`in_mma_k_order`, x_values_bf16's)."""
+    b = tl.load(b_rows + (k0 + tl.arange(0, BK))[None, :], mask=nm[:, None], other=0)
+    sb = tl.load(s_rows + (k0 // 32 + tl.arange(0, BK // 32))[None, :], mask=nm[:, None], other=127)
+    return in_mma_k_order(e4m3_scaled_operand(b, sb.to(tl.int32), BK, DT), BK)
+
+
+@triton.jit
 def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
                             GROUP: tl.constexpr, PARTIAL: tl.constexpr):
@@ -198,20 +207,15 @@ def _fp8_linear_bf16_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS,
     mm = rm < M
     nm = rn < N
     kk = tl.arange(0, BK)
-    kblk = tl.arange(0, BK // 32)
-    ks = K // 32
     split = tl.program_id(1)
     a_rows = a_ptr + rm[:, None].to(tl.int64) * K
     b_rows = b_ptr + rn[:, None].to(tl.int64) * K
-    s_rows = bs_ptr + (rn // 32)[:, None] * ks
+    s_rows = bs_ptr + (rn // 32)[:, None] * (K // 32)
     acc = tl.zeros([BN, BM], tl.float32)
     for kb in range(split * STEPS, tl.minimum(K // BK, (split + 1) * STEPS)):
         k0 = kb * BK
         a = tl.load(a_rows + (k0 + kk)[None, :], mask=mm[:, None], other=0.0)
-        b = tl.load(b_rows + (k0 + kk)[None, :], mask=nm[:, None], other=0)
-        sb = tl.load(s_rows + (k0 // 32 + kblk)[None, :], mask=nm[:, None], other=127)
-        w = in_mma_k_order(e4m3_scaled_operand(b, sb.to(tl.int32), BK, DT), BK)
-        acc = tl.dot(w, tl.trans(a.to(DT)), acc)
+        acc = tl.dot(_weight_tile(b_rows, s_rows, nm, k0, BK, DT), tl.trans(a.to(DT)), acc)
     _store_tile(tl.trans(acc), c_ptr, rm, rn, M, N, PARTIAL)
 
 
@@ -220,13 +224,11 @@ def _weight_bf16_kernel(w_ptr, s_ptr, out_ptr, N, K, BR: tl.constexpr, DT: tl.co
     """Program (row block, 64-wide K block): the weight's values E4M3 * 2^(s - 127) as bf16, in the MMA K order of
     x_values_bf16 (in_mma_k_order); a scale byte past BF16_MAX_SCALE_BYTE gives NaN, as in the bf16 form."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    k = tl.program_id(1) * 64 + tl.arange(0, 64)
+    k0 = tl.program_id(1) * 64
     rm = rows < N
-    byte = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], mask=rm[:, None], other=0)
-    sbyte = tl.load(s_ptr + (rows // 32)[:, None] * (K // 32) + tl.program_id(1) * 2 + tl.arange(0, 2)[None, :],
-                    mask=rm[:, None], other=127)
-    v = in_mma_k_order(e4m3_scaled_operand(byte, sbyte.to(tl.int32), 64, DT), 64)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], v.to(tl.bfloat16), mask=rm[:, None])
+    v = _weight_tile(w_ptr + rows.to(tl.int64)[:, None] * K, s_ptr + (rows // 32)[:, None] * (K // 32), rm, k0, 64, DT)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + (k0 + tl.arange(0, 64))[None, :], v.to(tl.bfloat16),
+             mask=rm[:, None])
 
 
 def fp8_weight_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,14 @@ def _rel(a, b):
     return ((a - b).norm() / a.norm()).item()
 
 
+def _mma_k_index(k: int) -> torch.Tensor:
+    """Where memory column c of a K-wide row lands in the MMA K order of each 64 block (in_mma_k_order): idx[c]."""
+    m = torch.arange(64)
+    pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)
+    assert sorted(pos.tolist()) == list(range(64))
+    return (torch.arange(k // 64)[:, None] * 64 + pos[None, :]).flatten()
+
+
 def _inputs(gen, m, n, k):
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]).to(torch.bfloat16)
     w, ws = Q.quantize_fp8_weight(torch.randn(n, k, generator=gen) * torch.logspace(-3, 0, n)[:, None])
@@ -70,9 +78,7 @@ def test_weight_bf16_values_in_mma_k_order(poisoned, gen):
     order x_values_bf16 uses (the NaN past the bf16 range is the GPU decode's: test_bf16_decode_on_the_gpu)."""
     _, w, ws = _inputs(gen, 1, 40, 128)
     got = fp8_linear.fp8_weight_bf16(w, ws)
-    m = torch.arange(64)
-    pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)
-    idx = (torch.arange(2)[:, None] * 64 + pos[None, :]).flatten()
+    idx = _mma_k_index(128)
     assert got.dtype == torch.bfloat16 and torch.equal(got.float()[:, idx], Q.dequantize_fp8_weight(w, ws).float())
     with pytest.raises(ValueError, match="multiple of 64"):
         fp8_linear.fp8_weight_bf16(w[:, :96], ws[:, :3])
@@ -82,10 +88,7 @@ def test_x_values_are_the_round_trip_in_mma_k_order(poisoned, gen):
     x = torch.randn(3, 256, generator=gen).to(torch.bfloat16) * 100
     got = fp8_linear.x_values_bf16(x)
     want = Q.dequantize_fp8(*Q.quantize_fp8(x)).float()
-    m = torch.arange(64)
-    pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)  # the MMA K order (in_mma_k_order)
-    assert sorted(pos.tolist()) == list(range(64))
-    idx = (torch.arange(4)[:, None] * 64 + pos[None, :]).flatten()  # memory column c lands at idx[c]
+    idx = _mma_k_index(256)  # memory column c lands at idx[c]
     assert got.dtype == torch.bfloat16 and torch.equal(got.float()[:, idx], want)
 
 
