@@ -102,7 +102,9 @@ def test_acknowledged_saves_survive_an_abrupt_stop_of_the_scripts_server():
     server is stopped abruptly (SIGQUIT: immediate shutdown, no checkpoint); after a restart every save
     is there. While it is down a save fails with a clear message and the store recovers afterwards."""
     _pg_bin("postgres")
-    port = 55400 + os.getpid() % 90
+    # a port of its own, never the suite's shared server's (55432, tests/pg_fixture.py): the script reuses a server
+    # already answering on its port, so with pid % 90 == 32 this test got the shared one and found no postmaster.pid
+    port = 55440 + os.getpid() % 50
     pgdir = tempfile.mkdtemp(prefix="explorer-pg-rel-", dir="/tmp")
     env = {**os.environ, "EXPLORER_PG_PORT": str(port), "EXPLORER_PG_DIR": pgdir, "EXPLORER_PG_DB": "durability"}
     try:
