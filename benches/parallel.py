@@ -249,7 +249,7 @@ def rank_main(args) -> dict | None:
     from engine.serve.parallel import Parallel
     from engine.serve.service import EngineService, follow, make_server
 
-    parallel = Parallel.from_env("gloo" if args.smoke else args.backend)
+    parallel = Parallel.from_env("gloo" if args.smoke else args.backend, share_gpus=args.share_gpus)
     if parallel is None:
         raise SystemExit("run under torchrun, or with --nproc N (or --smoke)")
     torch.manual_seed(0)
@@ -305,6 +305,7 @@ def rank_main(args) -> dict | None:
                            "of_fp8_roofline": round(work["roofline_fp8_s"] / t, 4) if t else None})
         report = {"device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                   "world": parallel.world, "tokens": args.tokens, "n_layers": cfg.n_layers, "smoke": args.smoke,
+                  "share_gpus": args.share_gpus,
                   "prompt_s": round(prompt_s, 3), "layers": layers, "memory": memory,
                   "ops": type(engine.model.ops).__name__,
                   "json_layers": len(result.layers)}
@@ -421,6 +422,8 @@ def main(argv=None) -> int:
                    help="the Triton kernel ops on each rank's stored shard (auto: on CUDA)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the 256-token warm-up run")
     p.add_argument("--smoke", action="store_true", help="tiny config, gloo on the CPU (2 ranks unless --nproc)")
+    p.add_argument("--share-gpus", action="store_true", help="ranks share the GPUs (rank r on GPU r %% count, "
+                   "gloo collectives): the kernel path of several ranks checked on one GPU; its times say nothing")
     p.add_argument("--out", help="write the report as JSON here")
     p.add_argument("--roofline", type=int, metavar="WORLD", help="only print the release roofline per layer for "
                    "WORLD GPUs (no run, no GPU needed)")
@@ -437,7 +440,7 @@ def main(argv=None) -> int:
             _emit(report, args)
         return 0
     import torch.multiprocessing as mp
-    world = args.nproc or (2 if args.smoke else torch.cuda.device_count())
+    world = args.nproc or (2 if args.smoke or args.share_gpus else torch.cuda.device_count())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -11,7 +11,9 @@
 # the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels; NCU_PAIRS="case:kernel ..."
 # picks them; NCU_EXTRA adds ncu options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
 # NCU_EXTRA="--nvtx --nvtx-include attn_decode_default/" for the decode default's launch).
-# KERNELS_ARGS="--only attn,moe" narrows the kernels step. gputests: the GPU-only tests (decode graphs, the
+# KERNELS_ARGS="--only attn,moe" narrows the kernels step. parallel: benches/parallel.py's ranks sharing
+# the one GPU (--share-gpus, gloo; PARALLEL_ARGS, default 2 ranks, 4 layers, 4,096 tokens): the parallel
+# engine on the kernel path where no two GPUs are lent, its times meaningless. gputests: the GPU-only tests (decode graphs, the
 # bf16 decodes' PTX), a pytest process per file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,9 @@ for step in "$@"; do
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
     kernels) timeout "${KERNELS_LIMIT:-220}" python3 benches/kernels.py ${KERNELS_ARGS:-} --out "$R" > "$R/kernels.log" 2>&1 ;;
     release) timeout "${RELEASE_LIMIT:-150}" python3 benches/release_layer.py ${RELEASE_ARGS:-} --out "$R" --budget-s "$(( ${RELEASE_LIMIT:-150} - 40 ))" > "$R/release.log" 2>&1 ;;
+    parallel) timeout "${PARALLEL_LIMIT:-240}" python3 benches/parallel.py --share-gpus --kernels on \
+              ${PARALLEL_ARGS:---nproc 2 --layers 4 --tokens 4096} --out "$R/parallel-share-gpu.json" \
+              > "$R/parallel.log" 2>&1; rc=$?; cp "$R/parallel.log" "$R/parallel-share-gpu.md"; (exit $rc) ;;
     profile) # Nsight Compute: the first launch of each kernel, one bench case per ncu run (-c counts launches
       # across every kernel the filter matches, so one run with -c 8 saw only the first case's kernel)
       for pair in ${NCU_PAIRS:-mhc:_mhc_main_kernel attn:_sparse_attn_t_kernel indexer:_indexer_kernel \
@@ -60,9 +65,14 @@ for step in "$@"; do
       cp "$R/ncu.txt" "$R/ncu-report.md" ;;
     gputests) # the GPU-only tests, each file in a pytest process of its own (the interpreter tests set
       # TRITON_INTERPRET=1 at import, which would make a GPU test in the same process run interpreted)
+      # GPUTESTS_ONLY="fp8_linear glue" keeps the entries whose text holds one of the words
       for t in tests/test_decode_graphs.py "tests/test_kernels_sparse_attn.py -k on_the_gpu" \
                "tests/test_kernels_fp8_linear.py -k on_the_gpu" "tests/test_kernels_moe.py -k on_the_gpu" \
                tests/test_kernels_glue_on_the_gpu.py; do
+        if [ -n "${GPUTESTS_ONLY:-}" ]; then
+          keep=0; for w in $GPUTESTS_ONLY; do case "$t" in *"$w"*) keep=1 ;; esac; done
+          [ "$keep" = 1 ] || continue
+        fi
         timeout "${GPUTESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider $t >> "$R/gputests.log" 2>&1
         echo "$t exit $?" >> "$R/gputests.log"
       done

@@ -196,6 +196,20 @@ def test_a_model_that_does_not_split_says_which_count():
     check_splittable(tiny_config(), 2)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
+def test_ranks_sharing_gpus_without_one_say_so(monkeypatch):
+    """--share-gpus (several ranks on one GPU, gloo collectives) on a machine without a GPU fails with a
+    sentence before joining any group; NCCL is refused for it by name."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ParallelError, match="needs a GPU; none is visible"):
+        Parallel.from_env(share_gpus=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ParallelError, match="through gloo, not nccl"):
+        Parallel.from_env("nccl", share_gpus=True)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("kernels", ["auto", "on"])
 def test_bench_smoke_runs_the_multi_gpu_script_on_two_cpu_processes(tmp_path, kernels):
     """benches/parallel.py --smoke: generated release-format shards, all layers timed, memory per rank,

@@ -52,22 +52,30 @@ class Parallel:
 
     # -- set-up ------------------------------------------------------------------------------------
     @classmethod
-    def from_env(cls, backend: str | None = None) -> "Parallel | None":
+    def from_env(cls, backend: str | None = None, share_gpus: bool = False) -> "Parallel | None":
         """Join the group torchrun described in the environment (RANK, WORLD_SIZE, LOCAL_RANK,
-        MASTER_ADDR/PORT). None when WORLD_SIZE is absent or 1: the single-process engine."""
+        MASTER_ADDR/PORT). None when WORLD_SIZE is absent or 1: the single-process engine.
+        share_gpus: more ranks than GPUs, rank r on GPU r % count, collectives through gloo (NCCL takes
+        one rank a GPU): the parallel engine's GPU path checked where one GPU is lent, not timed."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return None
         rank = int(os.environ["RANK"])
         local = int(os.environ.get("LOCAL_RANK", rank))
-        cuda = torch.cuda.is_available() and backend != "gloo"
+        if share_gpus:
+            if not torch.cuda.is_available():
+                raise ParallelError("sharing GPUs between ranks needs a GPU; none is visible to this process")
+            if backend not in (None, "gloo"):
+                raise ParallelError(f"ranks sharing a GPU talk through gloo, not {backend} (NCCL takes one rank a GPU)")
+            backend, local = "gloo", local % torch.cuda.device_count()
+        cuda = torch.cuda.is_available() and (backend != "gloo" or share_gpus)
         if cuda:
             torch.cuda.set_device(local)
             device = torch.device("cuda", local)
         else:
             device = torch.device("cpu")
         if not dist.is_initialized():
-            kwargs = {"device_id": device} if cuda else {}
+            kwargs = {"device_id": device} if cuda and not share_gpus else {}
             dist.init_process_group(backend or ("nccl" if cuda else "gloo"), rank=rank, world_size=world, **kwargs)
         return cls(rank, world, device)
 
@@ -122,8 +130,8 @@ class Parallel:
     def broadcast(self, obj=None):
         """Rank 0's object on every rank (pickled; requests of the service)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group,
-                                   device=self.device if self.device.type == "cuda" else None)
+        nccl = self.device.type == "cuda" and dist.get_backend(self.group) == "nccl"
+        dist.broadcast_object_list(box, src=0, group=self.group, device=self.device if nccl else None)
         return box[0]
 
     def gather_objects(self, obj) -> list:
