@@ -161,16 +161,20 @@ def test_tile_knobs_reach_the_prefill_experts_only(tmp_path, monkeypatch):
                             for pairs, experts, tiles in seen), (spec, seen)
         assert any(pairs > 4 * experts for pairs, experts, _ in seen)
     for spec in KNOB_TILES:
-        _assert_same_picks(out["moe_split_tiles=0"], out[spec])
+        _assert_same_picks(out[NO_TILES], out[spec])
 
 
 TILES = ("split_m", "block_n", "maxnreg", "down_block_n", "down_maxnreg")
-# each tile knob and the launch options it gives a prefill's grouped GEMMs
-KNOB_TILES = {"moe_split_tiles=0": {}, "moe_split_tiles=1": {"split_m": 128},
-              "moe_narrow_down=1": {"down_block_n": 64},
-              "moe_narrow_gate_up=1": {"block_n": 64, "maxnreg": 168, "down_block_n": 128, "down_maxnreg": 0},
-              "moe_narrow_gate_up=1,moe_narrow_down=1": {"block_n": 64, "maxnreg": 168, "down_block_n": 64,
-                                                         "down_maxnreg": 0}}
+NO_TILES = "moe_split_tiles=0,moe_narrow_gate_up=0,moe_narrow_down=0"
+# each tile knob setting and the launch options it gives a prefill's grouped GEMMs (the split tiles in place of
+# the narrow ones: together they spill)
+KNOB_TILES = {NO_TILES: {},
+              "moe_split_tiles=1": {"split_m": 128},
+              "moe_narrow_gate_up=0,moe_narrow_down=1": {"down_block_n": 64},
+              "moe_narrow_gate_up=1,moe_narrow_down=0": {"block_n": 64, "maxnreg": 168, "down_block_n": 128,
+                                                         "down_maxnreg": 0},
+              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": {"block_n": 64, "maxnreg": 168,
+                                                                           "down_block_n": 64, "down_maxnreg": 0}}
 
 
 def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):

@@ -171,8 +171,8 @@ def test_stored_weights_keep_no_float_copy_and_feed_the_fp8_kernel():
 
 def test_gemm_of_takes_the_bf16_form_where_linear_would(monkeypatch):
     """The Engram's wkv by name: above a decode step's rows (K whole 64 blocks, scales in range) the FP8 kernel
-    runs in its bf16 form with a float32 output, as `linear` does; at 64 rows of a narrow product, the FP8 form.
-    Both equal the float64 product to bf16 rounding."""
+    runs in its bf16 form with a float32 output, as `linear` does (its products on cuBLAS by default, knob
+    linear_cublas); at 64 rows of a narrow product, the FP8 form. All equal the float64 product to bf16 rounding."""
     import torch
     from engine import quant
     from engine.ops import ops_for
@@ -193,7 +193,9 @@ def test_gemm_of_takes_the_bf16_form_where_linear_would(monkeypatch):
 
     monkeypatch.setattr(ops, "_kernel", spy)
     value = quant.dequantize_fp8_weight(q, s, 32).double()
-    for rows, form in ((65, {"mma": "bf16"}), (64, {})):
+    assert ops.linear_cublas
+    for rows, form, cublas in ((65, {"mma": "cublas"}, True), (65, {"mma": "bf16"}, False), (64, {}, True)):
+        ops.linear_cublas = cublas
         x = quant.fp8_roundtrip(torch.randn(rows, 128, generator=g), 32)
         got = ops.gemm_of(x, lambda: pytest.fail("the float weight was fetched"), name)
         assert seen.pop() == {"float_out": True, **form} and got.dtype == torch.float32

@@ -42,17 +42,21 @@ class KernelKnobs:
     ties_branch_free = True
     # a prefill's experts with more than 64 pairs in 128-token x 64-row tiles (kernels/moe.py split_m): each weight
     # tile decoded once for up to 128 tokens; sm_90 SASS 393 instructions a K step against 621 for the same MMA
-    # work. Off: not timed (the unsplit 128-token tile lost, 10.6 vs 9.66 ms in run 18b)
+    # work. Takes the place of the narrow tiles below where both are on (together they spill: 360 B at the 168
+    # cap). Off: run 26b (H100, graphs) -2.6% / -1.8% a Reuse / Full m=1 prefill, against -2.8% / -2.5% narrow
     moe_split_tiles = False
     # a prefill's grouped GEMMs in 64 x 64 tiles, for more programs an SM (sm_90: down 178 -> 101 registers, 2 -> 4
     # programs; gate/up capped at 168 registers without spills, 2 -> 3) at 27% / 11% more instructions a weight.
-    # Off: not timed (one 8-warp program an SM, its phases aligned by its barriers, lost 1.9x to two 4-warp ones)
-    moe_narrow_down = False
-    moe_narrow_gate_up = False
+    # Run 26b (H100, the layer's prefill as a graph): both on 16.33 / 18.53 ms against 16.80 / 18.99 for Reuse /
+    # Full m=1 (the down's alone: -0.7% / -0.4%); the kernel bench's engine form 8.47 ms against 8.81
+    moe_narrow_down = True
+    moe_narrow_gate_up = True
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
-    # order. Off: not timed (the bf16 form: 460 TFLOP/s at 4096 x 5120 x 8192; cuBLAS bf16: ~800 on the H200)
-    linear_cublas = False
+    # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
+    # 225, shared w1 181 / 311, wkv 87 / 136); the layer's prefill graph 15.99 / 18.19 ms against 16.80 / 18.99
+    # (Reuse / Full m=1); every E4M3 byte exact on the GPU (run 26a)
+    linear_cublas = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
              "mhc_f32_stream", "f32_tf32x3", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
