@@ -13,8 +13,8 @@
 # NCU_EXTRA="--nvtx --nvtx-include attn_decode_default/" for the decode default's launch).
 # KERNELS_ARGS="--only attn,moe" narrows the kernels step. parallel: benches/parallel.py's ranks sharing
 # the one GPU (--share-gpus, gloo; PARALLEL_ARGS, default 2 ranks, 4 layers, 4,096 tokens): the parallel
-# engine on the kernel path where no two GPUs are lent, its times meaningless. gputests: the GPU-only tests (decode graphs, the
-# bf16 decodes' PTX), a pytest process per file.
+# engine on the kernel path where no two GPUs are lent, its times meaningless. gputests: the GPU-only tests
+# (decode graphs, the bf16 decodes' PTX), a pytest process per file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder that comes back}"
