@@ -141,7 +141,8 @@ e, inter, dim, k = 8, 256, 512, 6
 w1, s1 = Q.quantize_fp4(torch.randn(e, inter, dim, generator=g) * 0.05, 32, "e8m0")
 w3, s3 = Q.quantize_fp4(torch.randn(e, inter, dim, generator=g) * 0.05, 32, "e8m0")
 w2, s2 = Q.quantize_fp4(torch.randn(e, dim, inter, generator=g) * 0.05, 32, "e8m0")
-for t, cfg in ((200, dict(block_m=64, block_n=128)), (40, dict(block_m=16, block_n=64)), (200, dict(block_m=64, block_n=128, bf16_decode="fold")),
+for t, cfg in ((200, dict(block_m=64, block_n=128)), (40, dict(block_m=16, block_n=64)),
+               (200, dict(block_m=64, block_n=128, bf16_decode="fold")),
                (200, dict(block_m=64, block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0, bf16_decode="fold"))):
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     tw = torch.softmax(torch.randn(t, k, generator=g), -1)
