@@ -118,7 +118,10 @@ def case_moe(bw, mm):
             # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4, gate/up 2 -> 3)
             dict(engine_form, bf16_decode="fold", down_block_n=64),
             dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0),
-            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)],
+            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0),
+            # the engine's default since run 26b with split tiles beside it (moe_split_tiles on top of it)
+            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0,
+                 split_m=128, split_n=64, split_maxnreg=0)],
             lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out), rep=50)
     except Exception as ex:  # noqa: BLE001
         LOG["errors"].append(f"moe engine hidden: {ex!r}"[:400])

@@ -56,12 +56,13 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                       swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None,
                       x_on_grid: bool = False, bf16_decode=None, split_m=None, block_n=None, maxnreg=None,
-                      down_block_n=None, down_maxnreg=None):
+                      down_block_n=None, down_maxnreg=None, split_n=None, split_maxnreg=None):
     """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
     `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute (x rounded
     to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds). bf16_decode, split_m, block_n,
-    maxnreg, down_*: the kernel's weight decode, tiles and launches, the same values in every form (ignored here)."""
-    del bf16_decode, split_m, block_n, maxnreg, down_block_n, down_maxnreg
+    maxnreg, down_*, split_*: the kernel's weight decode, tiles and launches, the same values in every form (ignored
+    here)."""
+    del bf16_decode, split_m, block_n, maxnreg, down_block_n, down_maxnreg, split_n, split_maxnreg
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     hidden = _hidden(hidden, fp8_mma)
     if hidden is not None:
@@ -273,7 +274,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
                    x_on_grid: bool = False, split_m: int | None = None, down_block_n: int | None = None,
-                   down_maxnreg: int | None = None):
+                   down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -300,7 +301,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     split_m (the bf16 grouped GEMM): an expert with more than block_m pairs in tiles of split_m tokens x
     block_n * block_m / split_m weight rows (the same MMA area), the others as before: its weight tiles decoded once
     for up to split_m tokens (a 4K prefill's experts hold ~64 pairs, Poisson: about half need two 64-token
-    blocks). Two launches a GEMM, over the same sorted pairs.
+    blocks). Two launches a GEMM, over the same sorted pairs. split_n, split_maxnreg: the split tiles' weight rows
+    (both GEMMs) and register cap (0: none), in place of the same MMA area and the other tiles' caps: 128 x 64 split
+    tiles beside narrow 64 x 64 ones (whose same-area split tiles, 128 x 32 under their cap, spill).
     down_block_n, down_maxnreg: the down GEMM's weight rows a tile and register cap (default: block_n's, maxnreg's):
     its 64 x 64 tiles take 101 registers on sm_90, 4 programs an SM, where 64 x 128 takes 178, 2."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
@@ -343,18 +346,24 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                                  swiglu_limit, block_m=block_m, block_n=block_n, block_k=bk, group_m=group_m,
                                  num_warps=num_warps, num_stages=num_stages, interpreted=dt != tl.bfloat16,
                                  launch_options=register_cap(maxnreg), bf16_acts=hidden == "reference")
+    down_cap = maxnreg if down_maxnreg is None else down_maxnreg
     if split_m is None:
         order, *blocks = moe_align(topk_ids, e, block_m)
-        tiles = [(blocks, block_m, block_n, down_block_n)]
+        tiles = [(blocks, block_m, block_n, down_block_n, maxnreg, down_cap)]
     else:
-        split_n, down_split_n = block_n * block_m // split_m, down_block_n * block_m // split_m
-        if (split_m <= block_m or min(split_n, down_split_n) < 16 or (block_n * block_m) % split_m
-                or (down_block_n * block_m) % split_m or (fp8_hidden and split_n % 32)):
-            raise ValueError(f"split_m {split_m}: more tokens than block_m {block_m}, and {block_n} (down "
-                             f"{down_block_n}) x {block_m} / split_m weight rows at least 16 (whole 32-row groups for "
-                             "the hidden state)")
+        if split_n is None:
+            if (block_n * block_m) % split_m or (down_block_n * block_m) % split_m:
+                raise ValueError(f"split_m {split_m}: {block_n} (down {down_block_n}) x {block_m} weight rows must "
+                                 "divide by it (the split tiles' same MMA area)")
+            up_n, down_n = block_n * block_m // split_m, down_block_n * block_m // split_m
+        else:
+            up_n = down_n = split_n
+        if split_m <= block_m or min(up_n, down_n) < 16 or (fp8_hidden and up_n % 32):
+            raise ValueError(f"split_m {split_m}: more tokens than block_m {block_m}, and {up_n} (down {down_n}) "
+                             "weight rows a split tile, at least 16 (whole 32-row groups for the hidden state)")
+        caps = (maxnreg, down_cap) if split_maxnreg is None else (split_maxnreg or None,) * 2
         order, small, big = moe_align(topk_ids, e, block_m, split_m)
-        tiles = [(small, block_m, block_n, down_block_n), (big, split_m, split_n, down_split_n)]
+        tiles = [(small, block_m, block_n, down_block_n, maxnreg, down_cap), (big, split_m, up_n, down_n, *caps)]
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
@@ -364,14 +373,13 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     bd = form if dt == tl.bfloat16 and not sc else 0  # the interpreter's dots run in float32
     shared = dict(DIM=dim, INTER=inter, TOPK=k, BK=bk, DT=dt, GROUP_M=group_m, BD=bd, SC=sc, FH=fp8_hidden,
                   RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages)
-    for (bexp, bbeg, bend), bm, bn, _ in tiles:
+    for (bexp, bbeg, bend), bm, bn, _, cap, _ in tiles:
         nbm = bexp.numel()
         _moe_gate_up_kernel[(nbm * triton.cdiv(inter, bn),)](
             xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, tw, float(swiglu_limit), nbm, BM=bm, BN=bn, **shared,
-            **register_cap(maxnreg))
-    for (bexp, bbeg, bend), bm, _, bn in tiles:
+            **register_cap(cap))
+    for (bexp, bbeg, bend), bm, _, bn, _, cap in tiles:
         nbm = bexp.numel()
         _moe_down_kernel[(nbm * triton.cdiv(dim, bn),)](
-            h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm, BM=bm, BN=bn, **shared,
-            **register_cap(maxnreg if down_maxnreg is None else down_maxnreg))
+            h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm, BM=bm, BN=bn, **shared, **register_cap(cap))
     return out

@@ -164,17 +164,18 @@ def test_tile_knobs_reach_the_prefill_experts_only(tmp_path, monkeypatch):
         _assert_same_picks(out[NO_TILES], out[spec])
 
 
-TILES = ("split_m", "block_n", "maxnreg", "down_block_n", "down_maxnreg")
+TILES = ("split_m", "block_n", "maxnreg", "down_block_n", "down_maxnreg", "split_n", "split_maxnreg")
 NO_TILES = "moe_split_tiles=0,moe_narrow_gate_up=0,moe_narrow_down=0"
-# each tile knob setting and the launch options it gives a prefill's grouped GEMMs (the split tiles in place of
-# the narrow ones: together they spill)
+NARROW = {"block_n": 64, "maxnreg": 168, "down_block_n": 64, "down_maxnreg": 0}
+# each tile knob setting and the launch options it gives a prefill's grouped GEMMs (split tiles beside narrow ones
+# in rows of their own, uncapped: the same area's spill under the cap)
 KNOB_TILES = {NO_TILES: {},
-              "moe_split_tiles=1": {"split_m": 128},
+              "moe_split_tiles=1,moe_narrow_gate_up=0,moe_narrow_down=0": {"split_m": 128},
+              "moe_split_tiles=1": {**NARROW, "split_m": 128, "split_n": 64, "split_maxnreg": 0},
               "moe_narrow_gate_up=0,moe_narrow_down=1": {"down_block_n": 64},
               "moe_narrow_gate_up=1,moe_narrow_down=0": {"block_n": 64, "maxnreg": 168, "down_block_n": 128,
                                                          "down_maxnreg": 0},
-              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": {"block_n": 64, "maxnreg": 168,
-                                                                           "down_block_n": 64, "down_maxnreg": 0}}
+              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": NARROW}
 
 
 def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):

@@ -156,15 +156,21 @@ def test_grouped_path(gen, block_k, group_m):
     assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
 
 
+def _crowded_case(gen):
+    """20 tokens, top-3 of 5 experts: experts 0 and 1 take every token (20 pairs each), the others a few or none."""
+    x, w1, s1, w3, s3, w2, s2, _, tw = _case(gen, 20, e=5, k=3)
+    ids = torch.stack([torch.tensor([0, 1, 2 + int(i) % 3]) for i in torch.randint(0, 9, (20,), generator=gen)])
+    return x, w1, s1, w3, s3, w2, s2, ids.to(torch.int32), tw
+
+
 @pytest.mark.parametrize("hidden", [None, "reference"])
 def test_split_tiles_take_the_crowded_experts_in_bigger_token_blocks(gen, hidden):
     """split_m: experts with more than block_m pairs run in split_m-token tiles of fewer weight rows, the others
     as before; every pair computed once (against the float64 reference), with and without the engine's hidden
     state. Skewed routing: experts 0 and 1 take every token (20 pairs each, past the 16-pair block), the others
     a few pairs or none."""
-    x, w1, s1, w3, s3, w2, s2, _, tw = _case(gen, 20, e=5, k=3)
-    ids = torch.stack([torch.tensor([0, 1, 2 + int(i) % 3]) for i in torch.randint(0, 9, (20,), generator=gen)])
-    args = (x, w1, s1, w3, s3, w2, s2, ids.to(torch.int32), tw)
+    args = _crowded_case(gen)
+    ids = args[7]
     got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, hidden=hidden, split_m=32)
     assert _rel(moe.moe_fp4_reference(*args, hidden=hidden), got) < 1e-5, gen.initial_seed()
     order, small, big = moe.moe_align(ids, 5, 16, 32)
@@ -187,6 +193,39 @@ def test_down_tiles_apart_from_the_gate_up_tiles(gen, hidden):
         assert _rel(want, got) < 1e-5, (tiles, gen.initial_seed())
     with pytest.raises(ValueError, match="split_m"):  # 16 x 16 / 32 = 8 down rows a split tile: too few
         moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, down_block_n=16, split_m=32)
+
+
+class _Launches:
+    """A kernel whose launches are recorded: (BM, BN, the register cap) each."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append((kwargs["BM"], kwargs["BN"], kwargs.get("maxnreg")))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("hidden", [None, "reference"])
+def test_split_tiles_of_their_own_rows_and_cap(gen, hidden, monkeypatch):
+    """split_n, split_maxnreg: the split tiles in rows and a register cap of their own beside narrow capped tiles
+    (the same-area split tiles of a narrow tile are too few rows); every pair once, against float64, and each
+    launch with the tiles and cap asked for (experts 0 and 1 crowded, the others not)."""
+    args = _crowded_case(gen)
+    want = moe.moe_fp4_reference(*args, hidden=hidden)
+    up, down = _Launches(moe._moe_gate_up_kernel), _Launches(moe._moe_down_kernel)
+    monkeypatch.setattr(moe, "_moe_gate_up_kernel", up)
+    monkeypatch.setattr(moe, "_moe_down_kernel", down)
+    got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=32, maxnreg=168, down_block_n=32,
+                             down_maxnreg=0, split_m=32, split_n=64, split_maxnreg=0, hidden=hidden)
+    assert _rel(want, got) < 1e-5, gen.initial_seed()
+    assert up.seen == [(16, 32, 168), (32, 64, None)] and down.seen == [(16, 32, None), (32, 64, None)]
+    for rows in (8, 48 if hidden else 8):  # too few rows; the hidden state's whole 32-row groups
+        with pytest.raises(ValueError, match="split_m"):
+            moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=32, split_m=32, split_n=rows,
+                               hidden=hidden)
 
 
 def test_no_limit_and_both_paths_agree(gen):

@@ -42,8 +42,9 @@ class KernelKnobs:
     ties_branch_free = True
     # a prefill's experts with more than 64 pairs in 128-token x 64-row tiles (kernels/moe.py split_m): each weight
     # tile decoded once for up to 128 tokens; sm_90 SASS 393 instructions a K step against 621 for the same MMA
-    # work. Takes the place of the narrow tiles below where both are on (together they spill: 360 B at the 168
-    # cap). Off: run 26b (H100, graphs) -2.6% / -1.8% a Reuse / Full m=1 prefill, against -2.8% / -2.5% narrow
+    # work. Beside the narrow tiles below, 128 x 64 split tiles without the register cap (the same area's 128 x 32
+    # spill 360 B under it; not timed together). Off: run 26b (H100, graphs) -2.6% / -1.8% a Reuse / Full m=1
+    # prefill alone, against -2.8% / -2.5% for the narrow tiles
     moe_split_tiles = False
     # a prefill's grouped GEMMs in 64 x 64 tiles, for more programs an SM (sm_90: down 178 -> 101 registers, 2 -> 4
     # programs; gate/up capped at 168 registers without spills, 2 -> 3) at 27% / 11% more instructions a weight.

@@ -467,13 +467,14 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
             if not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:  # a prefill's widths: the tile knobs
-                if self.moe_split_tiles:  # in place of the narrow tiles: together they spill
+                if self.moe_narrow_gate_up:
+                    form.update(block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0)
+                if self.moe_narrow_down:
+                    form["down_block_n"] = 64
+                if self.moe_split_tiles:
                     form["split_m"] = 128
-                else:
-                    if self.moe_narrow_gate_up:
-                        form.update(block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0)
-                    if self.moe_narrow_down:
-                        form["down_block_n"] = 64
+                    if "down_block_n" in form:  # beside narrow tiles: 128 x 64 split tiles, uncapped (the same
+                        form.update(split_n=64, split_maxnreg=0)  # area's 128 x 32 spill under the cap)
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
