@@ -111,6 +111,7 @@ def case_moe(bw, mm):
     # 3.6 (sm_90 compile), 64 x 64 tiles do not (220 registers). Logged only (its own rounding of the hidden
     # state: the check against the bf16 form's eager output is a distance, not a verdict)
     engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
+    narrow = dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)
     try:
         sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", [
             engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
@@ -118,10 +119,9 @@ def case_moe(bw, mm):
             # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4, gate/up 2 -> 3)
             dict(engine_form, bf16_decode="fold", down_block_n=64),
             dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0),
-            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0),
+            narrow,
             # the engine's default since run 26b with split tiles beside it (moe_split_tiles on top of it)
-            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0,
-                 split_m=128, split_n=64, split_maxnreg=0)],
+            dict(narrow, split_m=128, split_n=64, split_maxnreg=0)],
             lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out), rep=50)
     except Exception as ex:  # noqa: BLE001
         LOG["errors"].append(f"moe engine hidden: {ex!r}"[:400])

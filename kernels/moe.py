@@ -361,7 +361,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         if split_m <= block_m or min(up_n, down_n) < 16 or (fp8_hidden and up_n % 32):
             raise ValueError(f"split_m {split_m}: more tokens than block_m {block_m}, and {up_n} (down {down_n}) "
                              "weight rows a split tile, at least 16 (whole 32-row groups for the hidden state)")
-        caps = (maxnreg, down_cap) if split_maxnreg is None else (split_maxnreg or None,) * 2
+        caps = (maxnreg, down_cap) if split_maxnreg is None else (split_maxnreg,) * 2
         order, small, big = moe_align(topk_ids, e, block_m, split_m)
         tiles = [(small, block_m, block_n, down_block_n, maxnreg, down_cap), (big, split_m, up_n, down_n, *caps)]
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
