@@ -280,23 +280,33 @@ def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):
     return (xn, col, *mhc.sinkhorn_split_reference(m, scale, base))
 
 
+# the engine's float32 stream at 4K tokens (sm_90 compile, triton 3.6): its default (BD 32, 2 stages); BD 16 in
+# 4 / 5 stages, 4 warps, orient "tokens": 201 / 205 registers, 116 / 148 KB, 3 / 4 chunks of 20 KB in flight
+MHC_WIDE_CFGS = [{}, {"orient": "tokens", "block_d": 16, "num_stages": 4, "num_warps": 4, "waves": 2},
+                 {"orient": "tokens", "block_d": 16, "num_stages": 5, "num_warps": 4, "waves": 1}]
+
+
 def case_mhc(bw, mm, tokens=(4096, 64, 1)):
     """Sweeps the launch shapes that compile on triton 3.6 within the H200's shared memory (64x64 tiles
     in 2 stages, 64x32 in 3, 32x32 tiles two programs per SM, the second finishing launch); the row takes
-    the fastest at fn cut in 3 bf16 pieces (the tested accuracy), 2-piece rows are logged only."""
+    the fastest at fn cut in 3 bf16 pieces (the tested accuracy); at 4K also the engine's float32 stream."""
     dim = 5120
-    # run 4 candidates, orient="tokens" (tokens as the MMA's M, fn pieces as B; sm_90 compile on triton
-    # 3.7: 64x32 tiles in 2 stages = 125 regs / 90 KB, i.e. 2 blocks per SM, so waves 2 = 256 programs)
+    # run 4 swept orient="tokens" at 2-3 stages (2 blocks an SM at BD 32 / 2 stages): 217-296 us against the
+    # default's 208, and BD 32 203 us. The default's ttgir (triton 3.6) shows why no shape of that sweep moved:
+    # its stream tiles (X's four and y) have ONE buffer at 2 stages, refilled only after the chunk's math, so a
+    # block's loads never overlap its compute (~40 KB in flight an SM, then none); 3 stages give 2 buffers,
+    # i.e. one 20 KB chunk ahead. These shapes keep 3-7 chunks in flight: the fn pieces as the small B
+    # operand (tokens as M) leave the shared memory to the stream tiles (sm_90 compile, triton 3.6: BD 16 /
+    # 5 stages / 4 warps 146 registers, 108 KB: 2 blocks an SM, 8 chunks of 10 KB in flight)
     tok = {"orient": "tokens"}
-    sweep = {4096: [{}, {"block_d": 32}, {"token_block": 32, "num_stages": 2, "waves": 2},
-                    {"token_block": 32, "block_d": 64, "num_stages": 2}, {"finish": "launch"},
-                    tok, {**tok, "block_d": 32, "num_stages": 2, "waves": 2},
-                    {**tok, "block_d": 32, "num_stages": 2, "waves": 4},
-                    {**tok, "block_d": 32, "num_stages": 2, "waves": 1},
-                    {**tok, "block_d": 32, "num_stages": 3},
-                    {**tok, "token_block": 128, "block_d": 32, "num_stages": 2},
-                    {**tok, "token_block": 32, "block_d": 32, "num_stages": 3, "waves": 2},
-                    {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "num_warps": 4}],
+    sweep = {4096: [{}, {**tok, "block_d": 16, "num_stages": 5, "num_warps": 4, "waves": 2},
+                    {**tok, "block_d": 16, "num_stages": 4, "num_warps": 4, "waves": 2},
+                    {**tok, "block_d": 16, "num_stages": 8, "num_warps": 4},
+                    {**tok, "block_d": 16, "num_stages": 6, "num_warps": 4},
+                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 8},
+                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 4},
+                    {**tok, "token_block": 128, "block_d": 16, "num_stages": 5, "num_warps": 8, "waves": 1},
+                    {"block_d": 32}],
              # 1 token (8.1 us in run 2, its default only): one warp a program keeps the finishing
              # program's Sinkhorn reductions inside a warp (shuffles, no barriers)
              # (H200 run 15: default, finish "launch", waves 1 / 2: 8.1 / 9.2 / 8.1 / 8.1 us; the warp
@@ -308,8 +318,7 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
              # 64-token 26.1; finish "launch" 40.9 (now 32-token blocks)
              64: [{}, {"token_block": 16}, {"token_block": 64}, {"waves": 0.5}, {"waves": 2}, {"block_d": 64},
                   {"token_block": 8}, {**tok, "block_d": 32, "num_stages": 2}]}
-    logged_only = {4096: [{"split": 2}, {"token_block": 32, "num_stages": 2, "waves": 2, "split": 2},
-                          {**tok, "block_d": 32, "num_stages": 2, "waves": 2, "split": 2}], 1: [], 64: []}
+    logged_only = {4096: [], 1: [], 64: []}  # run 4 logged split 2 (2 bf16 pieces of fn): 188.5 us
     for tq, goal in ((1, 8), (64, "-"), (4096, 135)):  # the quickest compiles first: a cut-off run keeps them
         if tq not in tokens:
             continue
@@ -352,6 +361,19 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
         byt = tq * (4 * dim * 2 * 2 + dim * 2 * 2) + fn.numel() * 4
         row(f"fused mHC (update+collapse+mixes+Sinkhorn), {tq} token{'s' if tq > 1 else ''}", t,
             byt / bw * 1e6, "HBM", f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, chk, goal)
+        if tq == 4096:  # the engine's form (knob mhc_f32_stream): float32 streams of bf16 values, twice the bytes
+            wargs = (x.float(), fn, scale, base, pre_prev, y.float(), post_old, comb_old)
+            for cfg in MHC_WIDE_CFGS:
+                try:
+                    got = mhc.mhc_triton(*wargs, bf16_values=True, **cfg)
+                    chk = "rel " + "/".join(f"{rel(a, b):.0e}" for a, b in zip(want, got))
+                    t_w = bench(lambda: mhc.mhc_triton(*wargs, bf16_values=True, **cfg))
+                    LOG.setdefault("mhc_wide_cfgs_4096", {})[str(cfg)] = (t_w, chk)
+                    print(f"[sweep] mhc 4096 float32 stream {cfg}: {t_w:.1f} us, {2 * byt / t_w / 1e6:.2f} TB/s "
+                          f"({chk})", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    LOG["errors"].append(f"mhc 4096 float32 stream cfg {cfg}: {e!r}"[:400])
+                    print(f"[sweep] mhc 4096 float32 stream {cfg}: failed {e!r}"[:300], flush=True)
 
 
 def main():

@@ -47,6 +47,8 @@ SHAPES = [
     (70, 128, {"token_block": 64, "split_k": 2, "orient": "tokens"}, (64, True, 2)),
     (40, 128, {"token_block": 32, "split_k": 4, "block_d": 32, "orient": "tokens"}, (32, True, 4)),
     (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch", "orient": "tokens"}, (16, True, 2)),
+    # 16-wide chunks (the 4K bench's deep-pipeline shapes: a 64-wide K a dot, 8 chunks over 2 splits)
+    (70, 128, {"token_block": 64, "split_k": 2, "block_d": 16, "orient": "tokens"}, (64, True, 2)),
 ]
 
 
@@ -119,7 +121,8 @@ def test_bf16_stream_update_is_stored_rounded(poisoned, gen):
 
 
 @pytest.mark.parametrize("t,dim,kw", [(20, 64, {"token_block": 16, "split_k": 1}), (3, 64, {"split_k": 1}),
-                                      (1, 128, {}), (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch"})])
+                                      (1, 128, {}), (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch"}),
+                                      (70, 128, {"token_block": 64, "split_k": 2, "block_d": 16, "orient": "tokens"})])
 @pytest.mark.parametrize("with_post", [False, True])
 def test_float32_stream_of_bf16_values_is_the_bf16_stream(poisoned, gen, t, dim, kw, with_post):
     """bf16_values: the stream (and y) as float32 tensors of bf16 values, read as they are: every output the
