@@ -280,10 +280,10 @@ def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):
     return (xn, col, *mhc.sinkhorn_split_reference(m, scale, base))
 
 
-# the engine's float32 stream at 4K tokens (sm_90 compile, triton 3.6): its default (BD 32, 2 stages); BD 16 in
-# 4 / 5 stages, 4 warps, orient "tokens": 201 / 205 registers, 116 / 148 KB, 3 / 4 chunks of 20 KB in flight
-MHC_WIDE_CFGS = [{}, {"orient": "tokens", "block_d": 16, "num_stages": 4, "num_warps": 4, "waves": 2},
-                 {"orient": "tokens", "block_d": 16, "num_stages": 5, "num_warps": 4, "waves": 1}]
+# the engine's float32 stream at 4K tokens. Run 27a (H100): its default (BD 32, 3 stages, 8 warps) 348 us, BD 16 in
+# 4 / 5 stages on 4 warps, orient "tokens", 475 / 462. Now 16 warps (sm_90, triton 3.6: 100-128 registers, no spills)
+MHC_WIDE_CFGS = [{}, {"num_warps": 16}, {"orient": "tokens", "block_d": 32, "num_stages": 3, "num_warps": 16},
+                 {"orient": "tokens", "block_d": 16, "num_stages": 4, "num_warps": 16}]
 
 
 def case_mhc(bw, mm, tokens=(4096, 64, 1)):
@@ -292,21 +292,17 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
     the fastest at fn cut in 3 bf16 pieces (the tested accuracy); at 4K also the engine's float32 stream."""
     dim = 5120
     # run 4 swept orient="tokens" at 2-3 stages (2 blocks an SM at BD 32 / 2 stages): 217-296 us against the
-    # default's 208, and BD 32 203 us. The default's ttgir (triton 3.6) shows why no shape of that sweep moved:
-    # its stream tiles (X's four and y) have ONE buffer at 2 stages, refilled only after the chunk's math, so a
-    # block's loads never overlap its compute (~40 KB in flight an SM, then none); 3 stages give 2 buffers,
-    # i.e. one 20 KB chunk ahead. These shapes keep 3-7 chunks in flight: the fn pieces as the small B
-    # operand (tokens as M) leave the shared memory to the stream tiles (sm_90 compile, triton 3.6: BD 16 /
-    # 5 stages / 4 warps 146 registers, 108 KB: 2 blocks an SM, 8 chunks of 10 KB in flight)
+    # default's 208 (H200), BD 32 203. The default's stream tiles have one buffer at 2 stages (ttgir, triton 3.6),
+    # refilled after the chunk's math; run 27a (H100) gave the tiles 3-7 buffers: default 247.5 us, orient "tokens"
+    # BD 16 in 4-8 stages on 4 warps 296-313 (2 blocks an SM or 1), BD 32 / 4 stages 281 on 4 warps and 231.5 on 8,
+    # 128-token blocks 299, BD 32 239. Deeper pipelines did not pay and more warps did: the loop is issue-latency
+    # bound (~1,000 instructions a 64 x 64 chunk, two warps a scheduler), so 16 warps a block now (sm_90, triton
+    # 3.6: 99-126 registers, no spills, 139-205 KB: one block of 16 warps an SM)
     tok = {"orient": "tokens"}
-    sweep = {4096: [{}, {**tok, "block_d": 16, "num_stages": 5, "num_warps": 4, "waves": 2},
-                    {**tok, "block_d": 16, "num_stages": 4, "num_warps": 4, "waves": 2},
-                    {**tok, "block_d": 16, "num_stages": 8, "num_warps": 4},
-                    {**tok, "block_d": 16, "num_stages": 6, "num_warps": 4},
-                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 8},
-                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 4},
-                    {**tok, "token_block": 128, "block_d": 16, "num_stages": 5, "num_warps": 8, "waves": 1},
-                    {"block_d": 32}],
+    sweep = {4096: [{}, {**tok, "block_d": 32, "num_stages": 4, "num_warps": 8},
+                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 16},
+                    {**tok, "block_d": 32, "num_stages": 3, "num_warps": 16},
+                    {"block_d": 32, "num_stages": 3, "num_warps": 16}, {"num_warps": 16}],
              # 1 token (8.1 us in run 2, its default only): one warp a program keeps the finishing
              # program's Sinkhorn reductions inside a warp (shuffles, no barriers)
              # (H200 run 15: default, finish "launch", waves 1 / 2: 8.1 / 9.2 / 8.1 / 8.1 us; the warp

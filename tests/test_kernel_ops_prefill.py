@@ -168,12 +168,12 @@ TILES = ("split_m", "block_n", "maxnreg", "down_block_n", "down_maxnreg", "split
 NO_TILES = "moe_split_tiles=0,moe_narrow_gate_up=0,moe_narrow_down=0"
 NARROW = {"block_n": 64, "maxnreg": 168, "down_block_n": 64, "down_maxnreg": 0}
 # each tile knob setting and the launch options it gives a prefill's grouped GEMMs (split tiles beside narrow ones
-# in rows of their own, uncapped: the same area's spill under the cap)
+# in rows of their own, uncapped: the same area's spill under the cap); "moe_split_tiles=1" alone: the defaults
 KNOB_TILES = {NO_TILES: {},
               "moe_split_tiles=1,moe_narrow_gate_up=0,moe_narrow_down=0": {"split_m": 128},
               "moe_split_tiles=1": {**NARROW, "split_m": 128, "split_n": 64, "split_maxnreg": 0},
-              "moe_narrow_gate_up=0,moe_narrow_down=1": {"down_block_n": 64},
-              "moe_narrow_gate_up=1,moe_narrow_down=0": {"block_n": 64, "maxnreg": 168, "down_block_n": 128,
+              "moe_split_tiles=0,moe_narrow_gate_up=0,moe_narrow_down=1": {"down_block_n": 64},
+              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=0": {"block_n": 64, "maxnreg": 168, "down_block_n": 128,
                                                          "down_maxnreg": 0},
               "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": NARROW}
 

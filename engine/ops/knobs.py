@@ -43,9 +43,10 @@ class KernelKnobs:
     # a prefill's experts with more than 64 pairs in 128-token x 64-row tiles (kernels/moe.py split_m): each weight
     # tile decoded once for up to 128 tokens; sm_90 SASS 393 instructions a K step against 621 for the same MMA
     # work. Beside the narrow tiles below, 128 x 64 split tiles without the register cap (the same area's 128 x 32
-    # spill 360 B under it; not timed together). Off: run 26b (H100, graphs) -2.6% / -1.8% a Reuse / Full m=1
-    # prefill alone, against -2.8% / -2.5% for the narrow tiles
-    moe_split_tiles = False
+    # spill 360 B under it). Run 27b (H100, the layer's prefill as a graph, on top of the narrow tiles and cuBLAS
+    # linears): 15.26 / 17.50 ms against 15.44 / 17.70 for Reuse / Full m=1 (-1.2% / -1.1%; decode steps +1.8% /
+    # -0.2%, which no knob here reaches); the kernel bench's engine form 8.27 ms against 8.48 (narrow alone)
+    moe_split_tiles = True
     # a prefill's grouped GEMMs in 64 x 64 tiles, for more programs an SM (sm_90: down 178 -> 101 registers, 2 -> 4
     # programs; gate/up capped at 168 registers without spills, 2 -> 3) at 27% / 11% more instructions a weight.
     # Run 26b (H100, the layer's prefill as a graph): both on 16.33 / 18.53 ms against 16.80 / 18.99 for Reuse /
