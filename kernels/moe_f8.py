@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import cast_rne, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_rounded, e4m3_value, pow2_scale_up
+from kernels._formats import bf16_rne_bits, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_rounded, e4m3_value, pow2_scale_up
 
 
 @triton.jit
@@ -92,9 +92,10 @@ def act_group(a_ptr, s_ptr, rows64, kg, KDIM: tl.constexpr, DT: tl.constexpr, AS
 
 @triton.jit
 def act(v, RB: tl.constexpr):
-    """An activation as the numerics store it: rounded to bf16 (RB: `reference`) or kept (`fp32`)."""
+    """An activation as the numerics store it: rounded to bf16 (RB: `reference`) or kept (`fp32`); the bit form
+    (see `bf16_rne_bits`)."""
     if RB:
-        return cast_rne(v, tl.bfloat16).to(tl.float32)
+        return bf16_rne_bits(v).to(tl.float32)
     else:
         return v
 

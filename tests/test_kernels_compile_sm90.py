@@ -99,3 +99,42 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         assert int(r[9]) <= counter, (r[0], r[1], r[9])
     assert any(r[0] == "MoE decode 1 token, the engine's hidden state" and r[1] == "_gemv_down_kernel" for r in rows)
     assert re.search(r"triton \d", table)
+
+
+# cast_rne compiled for sm_90: the native round-to-nearest-even cast (cvt.rn), not the interpreter's bit form
+CAST_PTX = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import driver
+from benches import compile_sm90 as bench
+driver.set_active(bench.Sm90Driver())
+from kernels._formats import bf16_rne_bits, cast_rne
+
+@triton.jit
+def cast(x_ptr, y_ptr, BITS: tl.constexpr):
+    i = tl.arange(0, 256)
+    v = tl.load(x_ptr + i)
+    tl.store(y_ptr + i, bf16_rne_bits(v) if BITS else cast_rne(v, tl.bfloat16))
+
+for bits in (0, 1):
+    k = cast.run(torch.empty(256), torch.empty(256, dtype=torch.bfloat16), BITS=bits, grid=(1,), warmup=True)
+    print("PTX", bits, "cvt.rn.bf16" in k.asm["ptx"], "32767" in k.asm["ptx"])
+"""
+
+
+@pytest.mark.skipif(PTXAS is None or not PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_compiled_bf16_rounding_is_the_native_cast(tmp_path):
+    """Compiled, cast_rne is one cvt.rn a value (the bit form cost the mHC's chunk loop 1,426 SASS instructions
+    against 1,019); the bit form stays for the interpreter (test_kernels_mhc checks it against torch's rounding)
+    and the MoE's epilogues."""
+    script = tmp_path / "cast_ptx.py"  # a file: Triton reads a jit function's source
+    script.write_text(CAST_PTX)
+    run = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, cwd=REPO,
+                         env=env_without_interpreter(), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = {line.split()[1]: line.split()[2:] for line in run.stdout.splitlines() if line.startswith("PTX")}
+    # both end in a cvt.rn (the bit form's of a value already rounded); only the bit form adds 0x7FFF
+    assert found == {"0": ["True", "False"], "1": ["True", "True"]}, run.stdout[-2000:]
