@@ -295,9 +295,9 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
     # default's 208 (H200), BD 32 203. The default's stream tiles have one buffer at 2 stages (ttgir, triton 3.6),
     # refilled after the chunk's math; run 27a (H100) gave the tiles 3-7 buffers: default 247.5 us, orient "tokens"
     # BD 16 in 4-8 stages on 4 warps 296-313 (2 blocks an SM or 1), BD 32 / 4 stages 281 on 4 warps and 231.5 on 8,
-    # 128-token blocks 299, BD 32 239. Deeper pipelines did not pay and more warps did: the loop is issue-latency
-    # bound (~1,000 instructions a 64 x 64 chunk, two warps a scheduler), so 16 warps a block now (sm_90, triton
-    # 3.6: 99-126 registers, no spills, 139-205 KB: one block of 16 warps an SM)
+    # 128-token blocks 299, BD 32 239. Deeper pipelines did not pay and more warps did: the loop is issue-bound
+    # (1,426 SASS instructions a 64 x 64 chunk then, two warps a scheduler; 1,019 since cast_rne compiles to the
+    # native cast), so 16 warps a block too (sm_90, triton 3.6: 99-126 registers, no spills, one block an SM)
     tok = {"orient": "tokens"}
     sweep = {4096: [{}, {**tok, "block_d": 32, "num_stages": 4, "num_warps": 8},
                     {**tok, "block_d": 32, "num_stages": 4, "num_warps": 16},
