@@ -282,8 +282,7 @@ def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):
 
 # the engine's float32 stream at 4K tokens. Run 27a (H100): its default (BD 32, 3 stages, 8 warps) 348 us, BD 16 in
 # 4 / 5 stages on 4 warps, orient "tokens", 475 / 462. Now 16 warps (sm_90, triton 3.6: 100-128 registers, no spills)
-MHC_WIDE_CFGS = [{}, {"num_warps": 16}, {"orient": "tokens", "block_d": 32, "num_stages": 3, "num_warps": 16},
-                 {"orient": "tokens", "block_d": 16, "num_stages": 4, "num_warps": 16}]
+MHC_WIDE_CFGS = [{}, {"num_warps": 16}]
 
 
 def case_mhc(bw, mm, tokens=(4096, 64, 1)):
@@ -300,9 +299,7 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
     # native cast), so 16 warps a block too (sm_90, triton 3.6: 99-126 registers, no spills, one block an SM)
     tok = {"orient": "tokens"}
     sweep = {4096: [{}, {**tok, "block_d": 32, "num_stages": 4, "num_warps": 8},
-                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 16},
-                    {**tok, "block_d": 32, "num_stages": 3, "num_warps": 16},
-                    {"block_d": 32, "num_stages": 3, "num_warps": 16}, {"num_warps": 16}],
+                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 16}, {"num_warps": 16}],
              # 1 token (8.1 us in run 2, its default only): one warp a program keeps the finishing
              # program's Sinkhorn reductions inside a warp (shuffles, no barriers)
              # (H200 run 15: default, finish "launch", waves 1 / 2: 8.1 / 9.2 / 8.1 / 8.1 us; the warp
