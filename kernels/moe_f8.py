@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import bf16_rne_bits, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_rounded, e4m3_value, pow2_scale_up
+from kernels._formats import (bf16_rne_bits, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_rounded, e4m3_value,
+                              pow2_scale_up)
 
 
 @triton.jit

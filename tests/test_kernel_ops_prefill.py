@@ -173,8 +173,8 @@ KNOB_TILES = {NO_TILES: {},
               "moe_split_tiles=1,moe_narrow_gate_up=0,moe_narrow_down=0": {"split_m": 128},
               "moe_split_tiles=1": {**NARROW, "split_m": 128, "split_n": 64, "split_maxnreg": 0},
               "moe_split_tiles=0,moe_narrow_gate_up=0,moe_narrow_down=1": {"down_block_n": 64},
-              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=0": {"block_n": 64, "maxnreg": 168, "down_block_n": 128,
-                                                         "down_maxnreg": 0},
+              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=0": {"block_n": 64, "maxnreg": 168,
+                                                                           "down_block_n": 128, "down_maxnreg": 0},
               "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": NARROW}
 
 

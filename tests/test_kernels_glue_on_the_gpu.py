@@ -43,8 +43,9 @@ def test_mhc_float32_stream_and_bf16_stream_against_float64():
     """The fused mHC on the bf16 stream and on the float32 stream of bf16 values (its bf16 3-piece dots over 32-wide
     chunks of d, the bf16 stream's over wider ones), at one token, a decode step and a prefill, with and without
     the update: each against the float64 reference (the CPU's). The update within one bf16 step (plus float32
-    rounding of its terms), the collapse so against the collapse of the stream the kernel stored; pre, post and comb, float32 from sums of 20,480 products in another
-    order (H200 run 25: not bit for bit between the two forms at 64 tokens), within 1e-4 of float64's on that stream."""
+    rounding of its terms), the collapse so against the collapse of the stream the kernel stored; pre, post and
+    comb, float32 from sums of 20,480 products in another order (H200 run 25: not bit for bit between the two forms
+    at 64 tokens), within 1e-4 of float64's on that stream."""
     _run(CHECKS + """
 from kernels import mhc
 dim = 5120

@@ -47,7 +47,7 @@ SHAPES = [
     (70, 128, {"token_block": 64, "split_k": 2, "orient": "tokens"}, (64, True, 2)),
     (40, 128, {"token_block": 32, "split_k": 4, "block_d": 32, "orient": "tokens"}, (32, True, 4)),
     (40, 128, {"token_block": 16, "split_k": 3, "finish": "launch", "orient": "tokens"}, (16, True, 2)),
-    # 16-wide chunks (the 4K bench's deep-pipeline shapes: a 64-wide K a dot, 8 chunks over 2 splits)
+    # 16-wide chunks (run 27a's deep-pipeline shapes: a 64-wide K a dot, 8 chunks over 2 splits)
     (70, 128, {"token_block": 64, "split_k": 2, "block_d": 16, "orient": "tokens"}, (64, True, 2)),
 ]
 
