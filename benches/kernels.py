@@ -324,19 +324,27 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
         comb_old = torch.softmax(torch.randn(tq, 4, 4, device=DEV), -1)
         args = (x, fn, scale, base, pre_prev, y, post_old, comb_old)
         want = mhc_eager(*args)
+
+        def timed(label, call, graph=False):
+            """One configuration: (us, its errors against the eager outputs, their text), or None where it
+            failed (logged)."""
+            try:
+                errs = [rel(a, b) for a, b in zip(want, call())]
+                return bench(call, graph=graph), errs, "rel " + "/".join(f"{e:.0e}" for e in errs)
+            except Exception as e:  # noqa: BLE001
+                LOG["errors"].append(f"{label}: {e!r}"[:400])
+                print(f"[sweep] {label}: failed {e!r}"[:300], flush=True)
+                return None
+
         times, bad = {}, set()
         for cfg in sweep[tq] + logged_only[tq]:
-            try:
-                got = mhc.mhc_triton(*args, **cfg)
-                errs = [rel(a, b) for a, b in zip(want, got)]
-                chk = "rel " + "/".join(f"{e:.0e}" for e in errs)
-                times[str(cfg)] = (bench(lambda: mhc.mhc_triton(*args, **cfg), graph=tq <= 64), chk)
-                if not max(errs) < 1e-3:  # logged, never the row's pick
-                    bad.add(str(cfg))
-                print(f"[sweep] mhc {tq} {cfg}: {times[str(cfg)][0]:.1f} us ({chk})", flush=True)
-            except Exception as e:  # noqa: BLE001
-                LOG["errors"].append(f"mhc {tq} cfg {cfg}: {e!r}"[:400])
-                print(f"[sweep] mhc {tq} {cfg}: failed {e!r}"[:300], flush=True)
+            res = timed(f"mhc {tq} {cfg}", lambda: mhc.mhc_triton(*args, **cfg), graph=tq <= 64)
+            if res is None:
+                continue
+            times[str(cfg)] = (res[0], res[2])
+            if not max(res[1]) < 1e-3:  # logged, never the row's pick
+                bad.add(str(cfg))
+            print(f"[sweep] mhc {tq} {cfg}: {res[0]:.1f} us ({res[2]})", flush=True)
         LOG[f"mhc_cfgs_{tq}"] = times
         if tq == 64:  # in a decode step its inputs come cold from HBM (the MoE has swept L2): 41-44 us there
             flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
@@ -357,16 +365,11 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
         if tq == 4096:  # the engine's form (knob mhc_f32_stream): float32 streams of bf16 values, twice the bytes
             wargs = (x.float(), fn, scale, base, pre_prev, y.float(), post_old, comb_old)
             for cfg in MHC_WIDE_CFGS:
-                try:
-                    got = mhc.mhc_triton(*wargs, bf16_values=True, **cfg)
-                    chk = "rel " + "/".join(f"{rel(a, b):.0e}" for a, b in zip(want, got))
-                    t_w = bench(lambda: mhc.mhc_triton(*wargs, bf16_values=True, **cfg))
-                    LOG.setdefault("mhc_wide_cfgs_4096", {})[str(cfg)] = (t_w, chk)
-                    print(f"[sweep] mhc 4096 float32 stream {cfg}: {t_w:.1f} us, {2 * byt / t_w / 1e6:.2f} TB/s "
-                          f"({chk})", flush=True)
-                except Exception as e:  # noqa: BLE001
-                    LOG["errors"].append(f"mhc 4096 float32 stream cfg {cfg}: {e!r}"[:400])
-                    print(f"[sweep] mhc 4096 float32 stream {cfg}: failed {e!r}"[:300], flush=True)
+                res = timed(f"mhc 4096 float32 stream {cfg}", lambda: mhc.mhc_triton(*wargs, bf16_values=True, **cfg))
+                if res is not None:
+                    LOG.setdefault("mhc_wide_cfgs_4096", {})[str(cfg)] = (res[0], res[2])
+                    print(f"[sweep] mhc 4096 float32 stream {cfg}: {res[0]:.1f} us, {2 * byt / res[0] / 1e6:.2f} "
+                          f"TB/s ({res[2]})", flush=True)
 
 
 def main():

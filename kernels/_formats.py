@@ -197,8 +197,13 @@ def e2m1_code(v):
     return code | (sign << 3)
 
 
-# whether this module's jit functions run in Triton's interpreter (tests/interpreted.py reloads it so)
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+def interpreted() -> bool:
+    """Whether Triton runs the kernels in its interpreter (TRITON_INTERPRET=1), as set now."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# the same, for this module's jit functions (fixed at import: tests/interpreted.py reloads the module so)
+_INTERPRETED = tl.constexpr(interpreted())
 
 
 @triton.jit
@@ -261,8 +266,7 @@ def sm_count(device) -> int:
 def dot_dtype():
     """Operand type for tl.dot: bf16 on the GPU; float32 under TRITON_INTERPRET=1, whose bf16 dot is
     wrong (seen with triton 3.7.1: a 16x16 bf16 product off by 1e10)."""
-    import os
-    return tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else tl.bfloat16
+    return tl.float32 if interpreted() else tl.bfloat16
 
 
 # -- the Hopper MMA K order (a dot's K order is free as long as both operands share it) ---------------

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import (E2M1_AS_E4M3_PTX, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_value, e8m0_value,
-                             fp4_value, register_cap, sm_count)
+                             fp4_value, interpreted, register_cap, sm_count)
 from kernels.topk import _pow2, default_groups, select_from_maxima, topk_positions_reference
 
 
@@ -322,11 +322,6 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                 tl.store(max_ptr + t.to(tl.int64) * n_groups + g0 // GM, gmax, mask=t_mask)
 
 
-def _interpreted() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
             block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
             prefetch_keys=None, maxnreg=None, key_fold=False):
@@ -335,7 +330,7 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
         raise ValueError(f"indexer kernel takes D in (32, 64, 128) and a power-of-two head count, got {d}, {h}")
     dev = q_packed.device
-    interp = _interpreted()
+    interp = interpreted()
     decode = t < 16
     bt = block_t or (1 if decode else max(1, 128 // h))
     bt = max(bt, 16 // h)  # the dot's N is at least 16

@@ -388,11 +388,6 @@ def _select_code(select: str) -> int:
     return codes[select]
 
 
-def _interpreted() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int | None = None,
                        bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
                        num_warps: int | None = None, select: str | None = None,

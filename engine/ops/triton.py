@@ -473,8 +473,9 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     form["down_block_n"] = 64
                 if self.moe_split_tiles:
                     form["split_m"] = 128
-                    if self.moe_narrow_gate_up or self.moe_narrow_down:  # beside narrow tiles: 128 x 64 split
-                        form.update(split_n=64, split_maxnreg=0)  # tiles, uncapped (the same area's spill under the cap)
+                    # beside narrow tiles, 128 x 64 split tiles, uncapped (the same area's spill under the cap)
+                    if self.moe_narrow_gate_up or self.moe_narrow_down:
+                        form.update(split_n=64, split_maxnreg=0)
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
