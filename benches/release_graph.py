@@ -43,7 +43,10 @@ def profiled(reports: dict | None, phase: str, device):
     from torch.profiler import ProfilerActivity, profile
     from engine.profiling import profile_report
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    # shapes and Python frames for the copy table (GPU only: under the interpreter every kernel's Python
+    # would be recorded, past 24 GB for the tiny config's layer)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=cuda,
+                 with_stack=cuda) as prof:
         yield
     reports[phase] = profile_report(prof, cuda)
 

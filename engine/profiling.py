@@ -3,6 +3,8 @@ step (engine/train/loop.py) and the release-size layer bench (benches/release_la
 
 from __future__ import annotations
 
+import re
+
 
 def busy_time(spans: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
@@ -63,6 +65,51 @@ def _gap_table(gaps: list[dict], idle_us: float) -> list[str]:
     return lines
 
 
+def _where(event, roots: tuple[str, ...]) -> str:
+    """The two innermost frames of files under the path prefixes `roots` above an op (`with_stack` profiles
+    record the Python frames as the op's ancestors, named by their paths from sys.path and the line where
+    the function starts), as path:function; "-" without them."""
+    frames, pattern = [], re.compile(rf"^((?:{'|'.join(map(re.escape, roots))})[\w./]*\.py)\(\d+\): (\S+)")
+    while event is not None and len(frames) < 2:
+        m = pattern.search(event.name)
+        if m:
+            frames.append(f"{m.group(1)}:{m.group(2)}")
+        event = event.cpu_parent
+    return " < ".join(frames) or "-"
+
+
+def copy_rows(events, cuda: bool, top: int = 20, roots: tuple[str, ...] = ("engine/", "kernels/", "benches/")) -> list[dict]:
+    """Every tensor copy of a profile (`aten::copy_`: a `.to`, `.float()`, `.contiguous()`, a slice
+    assignment), grouped by source and destination dtype, shape and the project's frames that made it,
+    the most GPU (or CPU) time first: the glue a fused kernel or a kept dtype could drop. Dtypes and
+    shapes need `record_shapes`, frames `with_stack`."""
+    key = "device_time_total" if cuda else "cpu_time_total"
+    rows: dict[tuple, dict] = {}
+    for e in events:
+        if _on_gpu(e) or e.name != "aten::copy_":
+            continue
+        shapes, dtypes = getattr(e, "input_shapes", None) or [], getattr(e, "input_dtypes", None) or []
+        what = (f"{_short(dtypes[1])} -> {_short(dtypes[0])}" if len(dtypes) >= 2 else "?") + \
+            (" " + "x".join(map(str, shapes[1])) if len(shapes) >= 2 and shapes[1] else "")
+        where = _where(e, roots)
+        row = rows.setdefault((what, where), {"copy": what, "where": where, "calls": 0, "us": 0.0})
+        row["calls"] += 1
+        row["us"] += getattr(e, key)
+    return sorted(rows.values(), key=lambda r: -r["us"])[:top]
+
+
+def _short(dtype: str) -> str:
+    return {"c10::BFloat16": "bf16", "float": "f32", "c10::Half": "f16", "long int": "i64", "int": "i32",
+            "unsigned char": "u8", "c10::Float8_e4m3fn": "e4m3"}.get(dtype, dtype)
+
+
+def _copy_table(rows: list[dict], cuda: bool) -> list[str]:
+    unit = "GPU" if cuda else "CPU"
+    lines = ["", f"copies (aten::copy_) by source -> destination dtype, shape and caller, by {unit} time", "",
+             f"| copy | where | calls | {unit} ms |", "|---|---|---|---|"]
+    return lines + [f"| {r['copy']} | {r['where']} | {r['calls']} | {r['us'] / 1e3:.3f} |" for r in rows]
+
+
 def profile_report(prof, cuda: bool) -> dict:
     """Tables of one profiled step: named parts and autograd nodes by the kernel time launched inside
     them, kernels by name, ops by their own time; the kernels' total, their count, and the GPU's busy
@@ -94,6 +141,7 @@ def profile_report(prof, cuda: bool) -> dict:
         for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]:
             lines.append(f"| {name[:110]} | {n} | {us / 1e3:.1f} | {us / n:.1f} |")
         lines += _gap_table(idle_gaps(kernels, [e for e in prof.events() if not _on_gpu(e)]), span - busy)
+        lines += _copy_table(copy_rows(prof.events(), cuda), cuda)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     lines += ["", averages.table(sort_by=key, row_limit=40)]
     if cuda:  # where the host's time goes (launch-bound stretches, synchronizing calls)

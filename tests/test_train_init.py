@@ -159,3 +159,31 @@ def test_idle_gaps_name_the_kernels_around_them_and_the_host_ops_inside():
     assert [(g["us"], g["before"], g["after"]) for g in gaps] == [(240, "b", "c"), (50, "a", "b")]
     assert gaps[0]["host"] == [("aten::nonzero", 235), ("cudaStreamSynchronize", 230), ("cudaLaunchKernel", 4)]
     assert gaps[1]["host"] == [("aten::nonzero", 50), ("cudaStreamSynchronize", 50)]
+
+
+def _copies(x):
+    """Three copies for the profile below: f32 -> bf16, bf16 -> f32 (64 x 32), a transpose made contiguous."""
+    y = x.bfloat16().float()
+    return y.t().contiguous()
+
+
+def test_copy_rows_name_each_copy_by_dtypes_shape_and_caller():
+    """The release-layer profile's copy table: one row per (source -> destination dtype and shape, caller's
+    frame), counted once however the copy was asked for (`.to`, `.contiguous`), its time summed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.profiling import copy_rows
+
+    x = torch.randn(64, 32)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        for _ in range(3):
+            _copies(x)
+    rows = copy_rows(prof.events(), cuda=False, roots=("tests/", "test_"))  # the frame's path from sys.path
+    callers = {r["copy"]: [f.rsplit(":", 1)[1] for f in r["where"].split(" < ")] for r in rows}
+    mine = "test_copy_rows_name_each_copy_by_dtypes_shape_and_caller"
+    assert callers == {"f32 -> bf16 64x32": ["_copies", mine], "bf16 -> f32 64x32": ["_copies", mine],
+                       "f32 -> f32 32x64": ["_copies", mine]}
+    assert all(f.split(":")[0].endswith("test_train_init.py") for r in rows for f in r["where"].split(" < "))
+    assert all(r["calls"] == 3 and r["us"] > 0 for r in rows)
+    assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
+    assert {r["where"] for r in copy_rows(prof.events(), cuda=False)} == {"-"}  # no engine/kernels/benches frame
