@@ -202,3 +202,39 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
     # call by call: the bf16 form at a prefill's rows becomes the cuBLAS form, every other call stays as it was
     assert calls["1"] == [(rows, "cublas" if rows > 64 and mma == "bf16" else mma) for rows, mma in calls["0"]]
     _assert_same_picks(out["0"], out["1"])
+
+
+def test_queries_stay_bf16_from_their_gemm_through_the_attention(tmp_path, monkeypatch):
+    """`narrow`: under the `reference` numerics the kernel ops keep the query GEMM's bf16 output (no widening
+    copy, none narrowing it again for the attention); the same values as the float32 form, so every layer's
+    attention output and picks are bit for bit those of a model whose linears all widen."""
+    from engine.ops.triton import TritonOps
+
+    seen = []  # (q's dtype, the attention's output) per call
+    real_attention = TritonOps.sparse_attention
+
+    def attention(self, layer, q, *args):
+        out = real_attention(self, layer, q, *args)
+        seen.append((q.dtype, out.float()))
+        return out
+    monkeypatch.setattr(TritonOps, "sparse_attention", attention)
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
+    models = []
+
+    def widen(model):
+        linear = model.linear
+        model.linear = lambda x, base, narrow=False: linear(x, base)
+        model.reset()
+
+    narrow_picks = run(models.append)
+    narrow_seen, seen[:] = seen[:], []
+    wide_picks = run(widen)
+    assert narrow_seen and {d for d, _ in narrow_seen} == {torch.bfloat16} and {d for d, _ in seen} == {torch.float32}
+    assert len(seen) == len(narrow_seen) and all(torch.equal(a, b) for (_, a), (_, b) in zip(narrow_seen, seen))
+    _assert_same_picks(narrow_picks, wide_picks)
+
+    model = models[0]
+    x = torch.randn(40, model.cfg.q_lora_rank, generator=torch.Generator().manual_seed(5)).bfloat16().float()
+    narrow, wide = (model.ops.linear(x, "layers.0.attn.wq_b", model.weights, True, model._rounded, narrow=n)
+                    for n in (True, False))
+    assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32 and torch.equal(narrow.float(), wide)

@@ -113,7 +113,8 @@ def _worker(ckpt: str, part: str) -> dict:
     finally:
         AD.sparse_attn_two_pass = two_pass
     # the reference's own sensitivity to the kernels' output precision: its linears rounded to bf16
-    bf16 = lambda lin: (lambda x, base: lin(x, base).to(torch.bfloat16).float() if base is not None else lin(x, base))
+    bf16 = lambda lin: (lambda x, base, **kw: lin(x, base, **kw).to(torch.bfloat16).float() if base is not None
+                        else lin(x, base))
     logits, topk, _, _ = forward(False, bf16)
     out["bf16_reference"] = against_ref(logits, topk)
     # the hooks hand the kernels the engine's own operands: the kernels' references on the captured

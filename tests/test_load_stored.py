@@ -58,7 +58,7 @@ def rel(a, b) -> float:
 def bf16_linears(engine: Engine) -> Engine:
     """The CPU route with its linear outputs rounded to bf16 (tests/test_kernel_path.py's noise yardstick)."""
     linear = engine.model.linear
-    engine.model.linear = lambda x, base: linear(x, base).to(torch.bfloat16).float() if base is not None \
+    engine.model.linear = lambda x, base, **kw: linear(x, base, **kw).to(torch.bfloat16).float() if base is not None \
         else linear(x, base)
     engine.model.reset()
     return engine

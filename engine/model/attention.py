@@ -455,10 +455,11 @@ class Attention:
         return self.parallel.local(self.cfg.n_heads, "heads"), self.parallel.local(self.cfg.o_groups, "groups")
 
     def queries(self, x: torch.Tensor, positions: torch.Tensor):
-        """The query side: the normalized q_a (qr, which the indexer reads too) and the rotated heads [T, H, hd]."""
+        """The query side: the normalized q_a (qr, which the indexer reads too) and the rotated heads [T, H, hd]
+        (bf16 where the ops keep the GEMM's bf16 output: the RoPE and the attention take it as it is)."""
         cfg = self.cfg
         qr = self.ops.rms_norm(self.linear(x, "attn.wq_a"), self.w("attn.q_norm.weight"), cfg.norm_eps)
-        q = self.linear(qr, "attn.wq_b").view(-1, self._local_heads()[0], cfg.head_dim)
+        q = self.linear(qr, "attn.wq_b", narrow=True).view(-1, self._local_heads()[0], cfg.head_dim)
         return qr, self.ops.rotate(q, positions, self.freqs)
 
     def window_entries(self, x: torch.Tensor, positions: torch.Tensor, keep_bytes: bool = False):
@@ -565,5 +566,5 @@ class Attention:
         if self.indexer is not None and self.indexer.runners is not None:
             probe["runner_ups"], probe["runner_up_scores"] = self.indexer.runners
         visible = (positions + 1).div(self.ratio, rounding_mode="floor")
-        probe["selection_recall"] = selection_recall(q * self.cfg.head_dim ** -0.5, global_kv, visible, idx,
+        probe["selection_recall"] = selection_recall(q.float() * self.cfg.head_dim ** -0.5, global_kv, visible, idx,
                                                      self.parallel, self.cfg.n_heads)

@@ -22,7 +22,7 @@ class Block:
         L = role.layer
         self.cfg, self.layer, self.get, self.ops = cfg, L, get, ops
         self.attn = Attention(cfg, role, LayerWeights(get, f"layers.{L}."),
-                              lambda x, n: linear(x, f"layers.{L}.{n}"), ops, parallel)
+                              lambda x, n, **kw: linear(x, f"layers.{L}.{n}", **kw), ops, parallel)
         self.ffn = MoE(cfg, L, get, linear, ops, parallel)
         self.hc = MHC(cfg, L, get, ops)
         self.engram = engram  # engine/model/engram.py Engram, or None

@@ -52,13 +52,14 @@ class Model:
     def get(self, name: str) -> torch.Tensor:
         return self.weights.get(name)
 
-    def linear(self, x: torch.Tensor, base: str | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, base: str | None, narrow: bool = False) -> torch.Tensor:
         """y = x W^T for the weight `base.weight`; activations entering an FP8/FP4 GEMM are
         quantized to E4M3 with an E8M0 scale per 32, as the release's kernels do.
-        base None: only that activation rounding (for the routed experts' batched GEMMs)."""
+        base None: only that activation rounding (for the routed experts' batched GEMMs). narrow: the
+        caller takes a bf16 y of the same values where the ops make one (Fp32Ops.linear)."""
         if base is None:
             return self._rounded(x) if self.act_quant and self.quantized_experts else x.float()
-        return self.ops.linear(x, base, self.weights, self.act_quant, self._rounded)
+        return self.ops.linear(x, base, self.weights, self.act_quant, self._rounded, narrow=narrow)
 
     def _rounded(self, x: torch.Tensor) -> torch.Tensor:
         """x as an FP8 GEMM's input sees it. Attention and the MoE feed one activation to two or

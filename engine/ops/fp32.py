@@ -31,9 +31,12 @@ class Fp32Ops:
     kernels = False  # engine/ops/triton.py: True where Triton kernels compute the hot spots
 
     # -- the hot spots a kernel may take (engine/ops/triton.py overrides them) ------------------
-    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input,
+               narrow: bool = False) -> torch.Tensor:
         """y = x W^T for the weight `base.weight` of a weight source; an FP8/FP4 weight's input is
-        `round_input(x)` (E4M3 with an E8M0 scale per 32, as the release's kernels quantize it)."""
+        `round_input(x)` (E4M3 with an E8M0 scale per 32, as the release's kernels quantize it). narrow: the
+        caller takes y as a bf16 tensor of the same values where an op makes it so (TritonOps under the
+        `reference` numerics: no widening copy); float32 here."""
         name = base + ".weight"
         w = weights.get(name)
         if act_quant and weights.stored_dtype(name) in QUANTIZED:

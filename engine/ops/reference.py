@@ -99,7 +99,8 @@ class ReferenceOps(Fp32Ops):
         return to_bf16(x)
 
     # the GEMM's and the norm's fresh outputs rounded in place (no second float32 tensor), as act rounds them
-    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input,
+               narrow: bool = False) -> torch.Tensor:
         name = base + ".weight"
         w = weights.get(name)
         if act_quant and weights.stored_dtype(name) in QUANTIZED:

@@ -189,9 +189,11 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         return self._experts[key]
 
     # -- the ops ------------------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input):
+    def linear(self, x: torch.Tensor, base: str, weights, act_quant: bool, round_input, narrow: bool = False):
         """An FP8 block-scaled weight: y = x W^T on its stored bytes (x quantized to E4M3 per 32 by the
-        kernel, as in the reference); any other weight, or activation rounding off: the base op."""
+        kernel, as in the reference); any other weight, or activation rounding off: the base op. narrow (under
+        the `reference` numerics): y as the kernel's bf16 tensor, the same values (the queries of a 4K prefill:
+        no 0.8 GB widening after the GEMM, and none narrowing them again for the attention)."""
         parts = base.split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
         raw = self._fp8_weight(base) if self.act_quant and self.active(layer) else None
@@ -203,7 +205,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                 # bf16 values stored as float32 by the kernel (as _bf16_act keeps a bf16 output), no widening copy
                 form = ({"mma": self._bf16_mma(x2.shape[0]), "x_values": self._x_values(x, x2)}
                         if self._bf16_form(base, x2.shape[0]) else {})
-                return self._kernel("fp8_linear")(*args, float_out=True, **form).view(*x.shape[:-1], -1)
+                return self._kernel("fp8_linear")(*args, float_out=not (narrow and self._bf16_stream),
+                                                  **form).view(*x.shape[:-1], -1)
         return self.base.linear(x, base, weights, act_quant, round_input)
 
     def _x_values(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
