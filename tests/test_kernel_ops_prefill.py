@@ -204,20 +204,27 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
     _assert_same_picks(out["0"], out["1"])
 
 
-def test_queries_stay_bf16_from_their_gemm_through_the_attention(tmp_path, monkeypatch):
-    """`narrow`: under the `reference` numerics the kernel ops keep the query GEMM's bf16 output (no widening
-    copy, none narrowing it again for the attention); the same values as the float32 form, so every layer's
-    attention output and picks are bit for bit those of a model whose linears all widen."""
+def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch):
+    """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
+    bf16 (the queries through the RoPE to the attention; the shared expert's w1 and w3 into the SwiGLU, w2 into
+    the sum): no widening copies, and none narrowing the queries again. The same values as the float32 form,
+    so every layer's attention output, shared-expert sum and picks are bit for bit those of a model whose linears
+    all widen."""
     from engine.ops.triton import TritonOps
 
-    seen = []  # (q's dtype, the attention's output) per call
-    real_attention = TritonOps.sparse_attention
+    seen = []  # (op, its inputs' dtypes, its output) per call
 
-    def attention(self, layer, q, *args):
-        out = real_attention(self, layer, q, *args)
-        seen.append((q.dtype, out.float()))
-        return out
-    monkeypatch.setattr(TritonOps, "sparse_attention", attention)
+    def watch(name):
+        real = getattr(TritonOps, name)
+        operands = {"sparse_attention": lambda a: a[1:2], "swiglu": lambda a: a[:2], "add": lambda a: a[1:2]}[name]
+
+        def op(self, *args):
+            out = real(self, *args)
+            seen.append((name, tuple(t.dtype for t in operands(args)), out.float()))
+            return out
+        monkeypatch.setattr(TritonOps, name, op)
+    for name in ("sparse_attention", "swiglu", "add"):
+        watch(name)
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
     models = []
 
@@ -229,8 +236,11 @@ def test_queries_stay_bf16_from_their_gemm_through_the_attention(tmp_path, monke
     narrow_picks = run(models.append)
     narrow_seen, seen[:] = seen[:], []
     wide_picks = run(widen)
-    assert narrow_seen and {d for d, _ in narrow_seen} == {torch.bfloat16} and {d for d, _ in seen} == {torch.float32}
-    assert len(seen) == len(narrow_seen) and all(torch.equal(a, b) for (_, a), (_, b) in zip(narrow_seen, seen))
+    assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add"}
+    assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
+    assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
+    assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(narrow_seen, seen))
     _assert_same_picks(narrow_picks, wide_picks)
 
     model = models[0]

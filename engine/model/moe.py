@@ -118,8 +118,9 @@ class MoE:
             y = self.parallel.all_reduce(ops.routed_experts(cfg, self.layer, self.prefix, x, experts, weights,
                                                             self.get, linear, owned))
         shared = self.prefix + "shared_experts."
-        h = ops.swiglu(linear(x, shared + "w1"), linear(x, shared + "w3"), cfg.swiglu_limit)
-        y = ops.add(y, linear(h, shared + "w2"))
+        # narrow: the kernel ops' SwiGLU and sum read the GEMMs' bf16 outputs as they are (no widening copies)
+        h = ops.swiglu(linear(x, shared + "w1", narrow=True), linear(x, shared + "w3", narrow=True), cfg.swiglu_limit)
+        y = ops.add(y, linear(h, shared + "w2", narrow=True))
         if probe is not None:
             probe["experts"], probe["weights"], probe["scores"] = experts, weights, scores
         return y
