@@ -281,10 +281,9 @@ def mhc_eager(x, fn, scale, base, pre_prev, y, post_old, comb_old):
 
 
 # the engine's float32 stream at 4K tokens. Run 27a (H100): its default (BD 32, 3 stages, 8 warps) 348 us, BD 16 in
-# 4 / 5 stages on 4 warps, orient "tokens", 475 / 462. Now 16 warps (sm_90, triton 3.6: 100-128 registers, no spills),
-# and 32 x 32 tiles in 2 stages, two blocks an SM (116 registers, 94 KB of shared memory) over 2 d splits
-MHC_TWO_PER_SM = {"token_block": 32, "block_d": 32, "num_stages": 2, "waves": 2}
-MHC_WIDE_CFGS = [{}, {"num_warps": 16}, MHC_TWO_PER_SM]
+# 4 / 5 stages on 4 warps, orient "tokens", 475 / 462; run 29b (H100, the native cast): default 343.8, 32 x 32 tiles
+# two blocks an SM (116 registers, 94 KB) 354.8. Now 16 warps (sm_90, triton 3.6: 100-128 registers, no spills)
+MHC_WIDE_CFGS = [{}, {"num_warps": 16}]
 
 
 def case_mhc(bw, mm, tokens=(4096, 64, 1)):
@@ -298,13 +297,12 @@ def case_mhc(bw, mm, tokens=(4096, 64, 1)):
     # BD 16 in 4-8 stages on 4 warps 296-313 (2 blocks an SM or 1), BD 32 / 4 stages 281 on 4 warps and 231.5 on 8,
     # 128-token blocks 299, BD 32 239. Deeper pipelines did not pay and more warps did. The loop's SASS (a 64 x 64
     # chunk: 1,426 instructions then, 1,019 since cast_rne compiles to the native cast) x 8 warps x 40 chunks, one
-    # block an SM, filled 28% of the SM's issue slots at 208 us: latency, two warps a scheduler, more than issue.
-    # So 16 warps a block (99-126 registers, no spills), and 32 x 32 tiles two blocks an SM (121 registers, 84 KB)
-    # over 2 and 4 d splits
+    # block an SM, filled 28% of the SM's issue slots at 208 us. Run 29a/29b (H100, the native cast): default 219.6 us,
+    # 16 warps 228.1, orient "tokens" BD 32 / 4 stages on 8 warps 232.5 and on 16 431.0; 32 x 32 tiles two blocks an
+    # SM (121 registers, 84 KB: four warps a scheduler) 286.8. Neither more warps nor more blocks pay now: not latency
+    # at two warps a scheduler either
     tok = {"orient": "tokens"}
-    sweep = {4096: [{}, {**tok, "block_d": 32, "num_stages": 4, "num_warps": 8},
-                    {**tok, "block_d": 32, "num_stages": 4, "num_warps": 16}, {"num_warps": 16},
-                    MHC_TWO_PER_SM, {**MHC_TWO_PER_SM, "waves": 4}],
+    sweep = {4096: [{}, {**tok, "block_d": 32, "num_stages": 4, "num_warps": 8}, {"num_warps": 16}],
              # 1 token (8.1 us in run 2, its default only): one warp a program keeps the finishing
              # program's Sinkhorn reductions inside a warp (shuffles, no barriers)
              # (H200 run 15: default, finish "launch", waves 1 / 2: 8.1 / 9.2 / 8.1 / 8.1 us; the warp
