@@ -19,15 +19,13 @@ partials in a fixed order.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import (bf16_output, dot_dtype, e4m3_value, e8m0_bf16_factor, e8m0_bytes_at_most,
-                              e8m0_value, in_mma_k_order, sm_count)
+                              e8m0_value, in_mma_k_order, interpreted, sm_count)
 from kernels.quant import fp8_groups, quantize_fp8_triton
 
 # the bf16 form folds 2^(s - 127) into the weight's bf16 value as one factor 2^(s - 7) (_formats.e8m0_bf16_factor
@@ -321,7 +319,7 @@ def fp8_linear_triton(x, w, w_scale, block_m: int = 128, block_n: int | None = N
         raise ValueError(f"FP8 linear, bf16 form: block_k {block_k} is not 64, 128 or 256, or K = {k} is not a "
                          "multiple of 64")
     if native is None:
-        native = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        native = x.is_cuda and not interpreted()
     out = torch.empty(m, n, dtype=torch.float32 if float_out else torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
