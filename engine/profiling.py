@@ -65,25 +65,27 @@ def _gap_table(gaps: list[dict], idle_us: float) -> list[str]:
     return lines
 
 
-def _where(event, roots: tuple[str, ...]) -> str:
-    """The two innermost frames of files under the path prefixes `roots` above an op (`with_stack` profiles
-    record the Python frames as the op's ancestors, named by their paths from sys.path and the line where
-    the function starts), as path:function; "-" without them."""
-    frames, pattern = [], re.compile(rf"^((?:{'|'.join(map(re.escape, roots))})[\w./]*\.py)\(\d+\): (\S+)")
+def _where(event, frame: re.Pattern) -> str:
+    """The two innermost Python frames above an op that `frame` matches (`with_stack` profiles record the
+    frames as the op's ancestors, named by their paths from sys.path and the line where the function starts),
+    as path:function; "-" without them."""
+    frames = []
     while event is not None and len(frames) < 2:
-        m = pattern.search(event.name)
+        m = frame.search(event.name)
         if m:
             frames.append(f"{m.group(1)}:{m.group(2)}")
         event = event.cpu_parent
     return " < ".join(frames) or "-"
 
 
-def copy_rows(events, cuda: bool, top: int = 20, roots: tuple[str, ...] = ("engine/", "kernels/", "benches/")) -> list[dict]:
+def copy_rows(events, cuda: bool, top: int = 20,
+              roots: tuple[str, ...] = ("engine/", "kernels/", "benches/")) -> list[dict]:
     """Every tensor copy of a profile (`aten::copy_`: a `.to`, `.float()`, `.contiguous()`, a slice
-    assignment), grouped by source and destination dtype, shape and the project's frames that made it,
-    the most GPU (or CPU) time first: the glue a fused kernel or a kept dtype could drop. Dtypes and
-    shapes need `record_shapes`, frames `with_stack`."""
+    assignment), grouped by source and destination dtype, shape and the frames of files under the path
+    prefixes `roots` that made it, the most GPU (or CPU) time first: the glue a fused kernel or a kept dtype
+    could drop. Dtypes and shapes need `record_shapes`, frames `with_stack`."""
     key = "device_time_total" if cuda else "cpu_time_total"
+    frame = re.compile(rf"^((?:{'|'.join(map(re.escape, roots))})[\w./]*\.py)\(\d+\): (\S+)")
     rows: dict[tuple, dict] = {}
     for e in events:
         if _on_gpu(e) or e.name != "aten::copy_":
@@ -91,7 +93,7 @@ def copy_rows(events, cuda: bool, top: int = 20, roots: tuple[str, ...] = ("engi
         shapes, dtypes = getattr(e, "input_shapes", None) or [], getattr(e, "input_dtypes", None) or []
         what = (f"{_short(dtypes[1])} -> {_short(dtypes[0])}" if len(dtypes) >= 2 else "?") + \
             (" " + "x".join(map(str, shapes[1])) if len(shapes) >= 2 and shapes[1] else "")
-        where = _where(e, roots)
+        where = _where(e, frame)
         row = rows.setdefault((what, where), {"copy": what, "where": where, "calls": 0, "us": 0.0})
         row["calls"] += 1
         row["us"] += getattr(e, key)
