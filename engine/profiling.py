@@ -67,30 +67,47 @@ def _gap_table(gaps: list[dict], idle_us: float) -> list[str]:
 
 def _where(event, frame: re.Pattern) -> str:
     """The two innermost Python frames above an op that `frame` matches (`with_stack` profiles record the
-    frames as the op's ancestors, named by their paths from sys.path and the line where the function starts),
-    as path:function; "-" without them."""
-    frames = []
+    frames as the op's ancestors, named by their paths from sys.path and the line where the function starts;
+    some versions also keep them as the op's own stack), as path:function; "-" without them."""
+    frames, op = [], event
     while event is not None and len(frames) < 2:
         m = frame.search(event.name)
         if m:
             frames.append(f"{m.group(1)}:{m.group(2)}")
         event = event.cpu_parent
+    for entry in getattr(op, "stack", None) or []:
+        m = frame.search(entry)
+        if m and len(frames) < 2:
+            frames.append(f"{m.group(1)}:{m.group(2)}")
     return " < ".join(frames) or "-"
 
 
-def copy_rows(events, cuda: bool, top: int = 20,
-              roots: tuple[str, ...] = ("engine/", "kernels/", "benches/")) -> list[dict]:
+def kineto_dtypes(prof) -> dict[int, list[str]]:
+    """Each copy's input dtypes by event id, read from the profiler's raw events: the events of torch
+    builds before 2.13 carry shapes but no dtypes (the device's 2.11 left run 30a's copy table without them)."""
+    try:
+        raw = prof.profiler.kineto_results.events()
+    except AttributeError:
+        return {}
+    return {k.correlation_id(): list(k.dtypes()) for k in raw if k.name() == "aten::copy_"}
+
+
+def copy_rows(events, cuda: bool, top: int = 20, roots: tuple[str, ...] = ("engine/", "kernels/", "benches/"),
+              dtypes_by_id: dict[int, list[str]] | None = None) -> list[dict]:
     """Every tensor copy of a profile (`aten::copy_`: a `.to`, `.float()`, `.contiguous()`, a slice
     assignment), grouped by source and destination dtype, shape and the frames of files under the path
     prefixes `roots` that made it, the most GPU (or CPU) time first: the glue a fused kernel or a kept dtype
-    could drop. Dtypes and shapes need `record_shapes`, frames `with_stack`."""
+    could drop. Dtypes and shapes need `record_shapes`, frames `with_stack`; `dtypes_by_id` (`kineto_dtypes`)
+    stands in for events without dtypes."""
     key = "device_time_total" if cuda else "cpu_time_total"
-    frame = re.compile(rf"^((?:{'|'.join(map(re.escape, roots))})[\w./]*\.py)\(\d+\): (\S+)")
+    # a frame's path is relative to its sys.path entry, or absolute where none holds it
+    frame = re.compile(rf"(?:^|/)((?:{'|'.join(map(re.escape, roots))})[\w./]*\.py)\(\d+\): (\S+)")
     rows: dict[tuple, dict] = {}
     for e in events:
         if _on_gpu(e) or e.name != "aten::copy_":
             continue
-        shapes, dtypes = getattr(e, "input_shapes", None) or [], getattr(e, "input_dtypes", None) or []
+        shapes = getattr(e, "input_shapes", None) or []
+        dtypes = getattr(e, "input_dtypes", None) or (dtypes_by_id or {}).get(e.id, [])
         what = (f"{_short(dtypes[1])} -> {_short(dtypes[0])}" if len(dtypes) >= 2 else "?") + \
             (" " + "x".join(map(str, shapes[1])) if len(shapes) >= 2 and shapes[1] else "")
         where = _where(e, frame)
@@ -105,9 +122,10 @@ def _short(dtype: str) -> str:
             "unsigned char": "u8", "c10::Float8_e4m3fn": "e4m3"}.get(dtype, dtype)
 
 
-def _copy_table(rows: list[dict], cuda: bool) -> list[str]:
+def _copy_table(rows: list[dict], cuda: bool, frames: int) -> list[str]:
     unit = "GPU" if cuda else "CPU"
-    lines = ["", f"copies (aten::copy_) by source -> destination dtype, shape and caller, by {unit} time", "",
+    lines = ["", f"copies (aten::copy_) by source -> destination dtype, shape and caller, by {unit} time "
+             f"({frames} Python frames recorded)", "",
              f"| copy | where | calls | {unit} ms |", "|---|---|---|---|"]
     return lines + [f"| {r['copy']} | {r['where']} | {r['calls']} | {r['us'] / 1e3:.3f} |" for r in rows]
 
@@ -143,7 +161,8 @@ def profile_report(prof, cuda: bool) -> dict:
         for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]:
             lines.append(f"| {name[:110]} | {n} | {us / 1e3:.1f} | {us / n:.1f} |")
         lines += _gap_table(idle_gaps(kernels, [e for e in prof.events() if not _on_gpu(e)]), span - busy)
-        lines += _copy_table(copy_rows(prof.events(), cuda), cuda)
+        frames = sum(1 for e in prof.events() if ".py(" in e.name)
+        lines += _copy_table(copy_rows(prof.events(), cuda, dtypes_by_id=kineto_dtypes(prof)), cuda, frames)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     lines += ["", averages.table(sort_by=key, row_limit=40)]
     if cuda:  # where the host's time goes (launch-bound stretches, synchronizing calls)

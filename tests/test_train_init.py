@@ -172,7 +172,7 @@ def test_copy_rows_name_each_copy_by_dtypes_shape_and_caller():
     frame), counted once however the copy was asked for (`.to`, `.contiguous`), its time summed."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.profiling import copy_rows
+    from engine.profiling import copy_rows, kineto_dtypes
 
     x = torch.randn(64, 32)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
@@ -187,3 +187,27 @@ def test_copy_rows_name_each_copy_by_dtypes_shape_and_caller():
     assert all(r["calls"] == 3 and r["us"] > 0 for r in rows)
     assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
     assert {r["where"] for r in copy_rows(prof.events(), cuda=False)} == {"-"}  # no engine/kernels/benches frame
+
+    # torch before 2.13 records no dtypes on the events: the raw events' stand in, giving the same rows
+    copies = [e for e in prof.events() if e.name == "aten::copy_"]
+    for e in copies:
+        e.input_dtypes = []
+    assert copy_rows(prof.events(), cuda=False, roots=("tests/", "test_")) != rows
+    assert copy_rows(prof.events(), cuda=False, roots=("tests/", "test_"), dtypes_by_id=kineto_dtypes(prof)) == rows
+
+
+def test_copy_rows_read_absolute_frame_paths_and_an_ops_own_stack():
+    """A frame outside every sys.path entry is named by its absolute path; where the frames are the op's own
+    stack rather than its ancestors, they name the caller the same way."""
+    from types import SimpleNamespace as Event
+
+    from engine.profiling import copy_rows
+
+    caller = Event(name="/srv/repo/engine/model/attention.py(88): forward", cpu_parent=None, device_type=None)
+    op = dict(name="aten::copy_", input_shapes=[[4, 8], [4, 8], []], input_dtypes=["c10::BFloat16", "float", "Scalar"],
+              device_type=None)
+    by_parent = Event(**op, cpu_parent=caller, id=1, cpu_time_total=5.0, stack=[])
+    by_stack = Event(**op, cpu_parent=None, id=2, cpu_time_total=3.0,
+                     stack=["/srv/repo/engine/model/attention.py(88): forward", "x.py(1): g"])
+    rows = copy_rows([by_parent, by_stack], cuda=False)
+    assert rows == [{"copy": "f32 -> bf16 4x8", "where": "engine/model/attention.py:forward", "calls": 2, "us": 8.0}]
