@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels")
 
 
-def _run(code: str) -> None:
-    run = subprocess.run([sys.executable, "-c", "import torch\ng = torch.Generator().manual_seed(23)\n" + code],
+def _run(code: str, hang_s: int = 120) -> None:
+    """`code` in a fresh process; past `hang_s` it prints every thread's stack and exits (a hung compile or
+    kernel fails with where it hung: runs 29a and 30a's device steps timed out in this file with no output)."""
+    head = f"import faulthandler, torch\nfaulthandler.dump_traceback_later({hang_s}, exit=True)\n"
+    run = subprocess.run([sys.executable, "-c", head + "g = torch.Generator().manual_seed(23)\n" + code],
                          env=env_without_interpreter(), capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
 
