@@ -206,10 +206,10 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
 
 def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch):
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
-    bf16 (the queries through the RoPE to the attention; the shared expert's w1 and w3 into the SwiGLU, w2 into
-    the sum): no widening copies, and none narrowing the queries again. The same values as the float32 form,
-    so every layer's attention output, shared-expert sum and picks are bit for bit those of a model whose linears
-    all widen."""
+    bf16 (the queries through the RoPE to the attention; the grouped wo_a into wo_b's linear; the shared expert's
+    w1 and w3 into the SwiGLU, w2 into the sum): no widening copies, and none narrowing the queries again. The
+    same values as the float32 form, so every layer's attention output, wo_b output, shared-expert sum and picks
+    are bit for bit those of a model whose GEMMs all widen."""
     from engine.ops.triton import TritonOps
 
     seen = []  # (op, its inputs' dtypes, its output) per call
@@ -225,18 +225,27 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
         monkeypatch.setattr(TritonOps, name, op)
     for name in ("sparse_attention", "swiglu", "add"):
         watch(name)
+    real_linear = TritonOps.linear
+
+    def linear(self, x, base, *args, **kw):
+        out = real_linear(self, x, base, *args, **kw)
+        if base.endswith("attn.wo_b"):
+            seen.append(("wo_b", (x.dtype,), out.float()))
+        return out
+    monkeypatch.setattr(TritonOps, "linear", linear)
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
     models = []
 
     def widen(model):
-        linear = model.linear
+        linear, grouped_out = model.linear, model.ops.grouped_out
         model.linear = lambda x, base, narrow=False: linear(x, base)
+        model.ops.grouped_out = lambda o, wo_a, name="", narrow=False: grouped_out(o, wo_a, name)
         model.reset()
 
     narrow_picks = run(models.append)
     narrow_seen, seen[:] = seen[:], []
     wide_picks = run(widen)
-    assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add"}
+    assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b"}
     assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
     assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
     assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]

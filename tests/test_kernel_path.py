@@ -258,8 +258,9 @@ def grouped_out_on_kept_bf16(cfg, weights) -> dict:
     for L in range(cfg.n_layers):
         name = f"layers.{L}.attn.wo_a"
         w = weights.get(name + ".weight")
-        got = ops.grouped_out(o, never, name)
-        same.append(torch.equal(got, ref.grouped_out(o, lambda: w.view(cfg.o_groups, cfg.o_lora_rank, -1), name)))
+        got, narrow = ops.grouped_out(o, never, name), ops.grouped_out(o, never, name, narrow=True)
+        same.append(torch.equal(got, ref.grouped_out(o, lambda: w.view(cfg.o_groups, cfg.o_lora_rank, -1), name))
+                    and narrow.dtype == torch.bfloat16 and narrow.is_contiguous() and torch.equal(narrow.float(), got))
         exact.append(torch.equal(ops._bf16_weight(name).float(), w))
     return {"same_bits": all(same), "kept_exact": all(exact), "asked": len(asked), "layers": cfg.n_layers}
 

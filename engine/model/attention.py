@@ -498,7 +498,7 @@ class Attention:
         # dequantization of 33.5M values per step cost ~0.15 ms of a 64-token decode step, H200)
         o = self.ops.grouped_out(o.reshape(-1, groups, n_heads // groups * cfg.head_dim),
                                  lambda: self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1),
-                                 self.w.prefix + "attn.wo_a")
+                                 self.w.prefix + "attn.wo_a", narrow=True)
         return self.linear(o.flatten(1), "attn.wo_b")
 
     def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:

@@ -118,9 +118,10 @@ class Fp32Ops:
         """RoPE on the last len(freqs)*2 dims (engine/model/rope.py), stored as an activation."""
         return self.act(rotate(x, positions, freqs, inverse))
 
-    def grouped_out(self, o: torch.Tensor, wo_a, name: str = "") -> torch.Tensor:
+    def grouped_out(self, o: torch.Tensor, wo_a, name: str = "", narrow: bool = False) -> torch.Tensor:
         """The grouped output projection: o [T, g, d] x wo_a() [g, r, d] -> [T, g, r]. wo_a: the weight's
-        float value on demand (ops on stored bytes do not ask); name: its stored base name."""
+        float value on demand (ops on stored bytes do not ask); name: its stored base name. narrow: as
+        `linear`'s (its consumer, wo_b's linear, takes bf16 as it is); ignored here."""
         return self.act(torch.einsum("tgd,grd->tgr", o, wo_a()))
 
     def break_ties(self, scores, ranking, visible, n: int, k: int, idx, picked, tied):

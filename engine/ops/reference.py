@@ -127,8 +127,9 @@ class ReferenceOps(Fp32Ops):
 
     # the reference's bf16 GEMMs run as torch bf16 GEMMs here too (the same kernel, the same bits; an fp32
     # sum rounded to bf16 differs from it in rare last bits, enough to move picks downstream)
-    def grouped_out(self, o: torch.Tensor, wo_a, name: str = "") -> torch.Tensor:
-        """o [T, g, d] x wo_a() [g, r, d] -> [T, g, r], the reference's bf16 einsum (values bf16 already)."""
+    def grouped_out(self, o: torch.Tensor, wo_a, name: str = "", narrow: bool = False) -> torch.Tensor:
+        """o [T, g, d] x wo_a() [g, r, d] -> [T, g, r], the reference's bf16 einsum (values bf16 already);
+        narrow ignored (float32 out)."""
         return torch.einsum("tgd,grd->tgr", o.bfloat16(), wo_a().bfloat16()).float()
 
     def bf16_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
