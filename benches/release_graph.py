@@ -44,9 +44,11 @@ def profiled(reports: dict | None, phase: str, device):
     from engine.profiling import profile_report
     cuda = device.type == "cuda"
     # shapes and Python frames for the copy table (GPU only: under the interpreter every kernel's Python
-    # would be recorded, past 24 GB for the tiny config's layer)
+    # would be recorded, past 24 GB for the tiny config's layer); the verbose config because the device's
+    # torch 2.11 kept no frame with with_stack alone (run 30d's table: "0 Python frames recorded")
+    from torch._C._profiler import _ExperimentalConfig
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=cuda,
-                 with_stack=cuda) as prof:
+                 with_stack=cuda, experimental_config=_ExperimentalConfig(verbose=cuda)) as prof:
         yield
     reports[phase] = profile_report(prof, cuda)
 
