@@ -126,19 +126,22 @@ def quantize_fp8_triton(x: torch.Tensor, block: int = 32):
     return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
 
 
-def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """engine.quant.fp8_roundtrip: x as an E4M3 store (E8M0 per `block`) and load leave it, float32."""
-    return Q.fp8_roundtrip(x, block)
+def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = False) -> torch.Tensor:
+    """engine.quant.fp8_roundtrip: x as an E4M3 store (E8M0 per `block`) and load leave it, float32
+    (bf16_out: bf16, the same values)."""
+    y = Q.fp8_roundtrip(x, block)
+    return y.bfloat16() if bf16_out else y
 
 
-def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = False) -> torch.Tensor:
     """The quantizer's codes and scales turned back into values in the same launch (the engine's form takes
-    ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too."""
+    ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too. bf16_out:
+    stored bf16, the same values (an E4M3 value times a power of two within float32's range is a bf16)."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"last dimension {k} is not a multiple of the FP8 group {block}")
-    xc = x.float().contiguous()
-    y = torch.empty_like(xc)
+    xc = x.contiguous()  # widened as the kernel loads it
+    y = torch.empty(xc.shape, dtype=torch.bfloat16 if bf16_out else torch.float32, device=xc.device)
     n_groups = xc.numel() // block
     if n_groups:
         bg = 64

@@ -111,7 +111,7 @@ def test_kernel_ops_on_rank_slices_add_up_to_the_whole(checkpoint):
     experts = torch.stack([torch.randperm(n, generator=g)[: cfg.experts_of(3)[1]] for _ in range(9)])
     weights = torch.rand(experts.shape, generator=g)
     moe = lambda ops, owned: ops.routed_experts(cfg, layer, f"layers.{layer}.ffn.", x, experts, weights, None,
-                                                lambda v, _: v.float(), owned).double()
+                                                lambda v, _, narrow=False: v.float(), owned).double()
     shares = [moe(ops, ops.weights.parallel.split(n, "routed experts")) for ops in ranks]
     assert sum(ops.calls["moe_fp4"] for ops in ranks) == 2  # the kernel ran on each rank's experts
     torch.testing.assert_close(shares[0] + shares[1], moe(whole, None), rtol=1e-5, atol=1e-6)

@@ -206,10 +206,11 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
 
 def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch):
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
-    bf16 (the queries through the RoPE to the attention; the grouped wo_a into wo_b's linear; the shared expert's
-    w1 and w3 into the SwiGLU, w2 into the sum): no widening copies, and none narrowing the queries again. The
-    same values as the float32 form, so every layer's attention output, wo_b output, shared-expert sum and picks
-    are bit for bit those of a model whose GEMMs all widen."""
+    bf16 (the queries through the RoPE to the attention; the grouped wo_a into wo_b's linear, wo_b into the mHC
+    update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the routed experts' E4M3 round trip
+    into their kernel): no widening copies, and none narrowing again. The same values as the float32 form, so
+    every layer's attention output, wo_b output, mHC update, shared-expert sum, expert output and picks are bit
+    for bit those of a model whose GEMMs and round trips all widen."""
     from engine.ops.triton import TritonOps
 
     seen = []  # (op, its inputs' dtypes, its output) per call
@@ -225,6 +226,21 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
         monkeypatch.setattr(TritonOps, name, op)
     for name in ("sparse_attention", "swiglu", "add"):
         watch(name)
+    real_mhc_ffn, real_experts = TritonOps.mhc_ffn, TritonOps.routed_experts
+
+    def mhc_ffn(self, layer, x, update, *args):
+        out = real_mhc_ffn(self, layer, x, update, *args)
+        seen.append(("mhc_ffn", (update[0].dtype,), torch.cat([out[0].flatten(), out[1].flatten()])))
+        return out
+
+    def routed_experts(self, cfg, layer, prefix, x, experts, weights, get, linear, owned=None):
+        def watched(v, base, **kw):
+            y = linear(v, base, **kw)
+            seen.append(("experts' input", (y.dtype,), y.float()))
+            return y
+        return real_experts(self, cfg, layer, prefix, x, experts, weights, get, watched, owned)
+    monkeypatch.setattr(TritonOps, "mhc_ffn", mhc_ffn)
+    monkeypatch.setattr(TritonOps, "routed_experts", routed_experts)
     real_linear = TritonOps.linear
 
     def linear(self, x, base, *args, **kw):
@@ -238,14 +254,15 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
 
     def widen(model):
         linear, grouped_out = model.linear, model.ops.grouped_out
-        model.linear = lambda x, base, narrow=False: linear(x, base)
+        model.linear = lambda x, base, narrow=False: linear(x, base)  # the blocks below take it
         model.ops.grouped_out = lambda o, wo_a, name="", narrow=False: grouped_out(o, wo_a, name)
         model.reset()
 
     narrow_picks = run(models.append)
     narrow_seen, seen[:] = seen[:], []
     wide_picks = run(widen)
-    assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b"}
+    assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b", "mhc_ffn",
+                                               "experts' input"}
     assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
     assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
     assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]

@@ -52,6 +52,13 @@ def test_fp8_quantizer_bit_exact(poisoned, gen):
     rt = quant.fp8_roundtrip_triton(x.view(7, 4, 128), 32)
     assert rt.shape == (7, 4, 128) and torch.equal(rt.view(7, 512), Q.dequantize_fp8(qa, sa, 32))
     assert torch.equal(rt, Q.fp8_roundtrip(x.view(7, 4, 128), 32))
+    # stored bf16 (the routed experts' input): the same values, none rounded (an E4M3 value times a power of two
+    # is a bf16), across the rows' 12 decades; and from a bf16 input, as from its float32 widening
+    narrow = quant.fp8_roundtrip_triton(x.view(7, 4, 128), 32, bf16_out=True)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), rt)
+    assert torch.equal(quant.fp8_roundtrip_reference(x.view(7, 4, 128), 32, bf16_out=True), narrow)
+    xb = x.bfloat16()
+    assert torch.equal(quant.fp8_roundtrip_triton(xb, 32), Q.fp8_roundtrip(xb.float(), 32))
 
 
 # -- top-k ---------------------------------------------------------------------------------------

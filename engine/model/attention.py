@@ -499,7 +499,9 @@ class Attention:
         o = self.ops.grouped_out(o.reshape(-1, groups, n_heads // groups * cfg.head_dim),
                                  lambda: self.w("attn.wo_a.weight").view(groups, cfg.o_lora_rank, -1),
                                  self.w.prefix + "attn.wo_a", narrow=True)
-        return self.linear(o.flatten(1), "attn.wo_b")
+        # narrow: its one consumer, the mHC update, reads a bf16 y as it is (the parallel engine's all-reduce
+        # widens its partial sums, bf16 values either way)
+        return self.linear(o.flatten(1), "attn.wo_b", narrow=True)
 
     def publish(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """A Full layer's global KV and index keys for x [T, dim] (normalized input) at `positions`,

@@ -463,7 +463,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else 3e38  # the reference clamps only for a positive limit
             ids = experts if owned is None else torch.where((experts >= owned[0]) & (experts < owned[1]),
                                                             experts - owned[0], -1)  # -1: another rank's
-            args = (linear(x, None).to(torch.bfloat16).contiguous(), *raw, ids.to(torch.int32).contiguous(),
+            args = (linear(x, None, narrow=True).to(torch.bfloat16).contiguous(), *raw, ids.to(torch.int32).contiguous(),
                     weights.float().contiguous())
             # the wrapped numerics' hidden state (w * h in E4M3 per 32; `reference`: bf16 gate, up, w * h and
             # expert outputs), in either form
@@ -510,8 +510,10 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         # rate). The knob off: the stream handed over as a bf16 copy (what runs 15-20 timed)
         wide = self._bf16_stream and self.mhc_f32_stream
         stream = torch.bfloat16 if self._bf16_stream and not wide else torch.float32
+        # a narrowed y (the attention's wo_b) as it is: the kernel widens what it loads
+        y = None if y is None else (y if y.dtype == torch.bfloat16 else y.to(stream)).contiguous()
         args = (x.to(stream).contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
-                None if y is None else y.to(stream).contiguous(), post_old, comb_old)
+                y, post_old, comb_old)
         kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters, **({"bf16_values": True} if wide else {})}
         self._record(layer, "mhc", case, args, kwargs)
         if not self.compute:
@@ -542,6 +544,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         fused = self._mhc(layer, "FFN mixes + attention update", x, fn, scale, base, a_pre, (y, a_post, a_comb),
                           hc_eps, norm_eps, iters)
         if fused is None:
+            update = (y.float(), a_pre, a_post, a_comb)  # the wrapped numerics' float32 (y narrowed by wo_b's linear)
             return self.base.mhc_ffn(layer, x, update, fn, scale, base, hc, iters, hc_eps, norm_eps)
         x1, ffn_in, pre, post, comb = fused  # the attention's post/comb update fused with the FFN's collapse + mixes
         return x1, ffn_in, pre, post, comb
