@@ -125,7 +125,7 @@ def _short(dtype: str) -> str:
 def _copy_table(rows: list[dict], cuda: bool, frames: int) -> list[str]:
     unit = "GPU" if cuda else "CPU"
     lines = ["", f"copies (aten::copy_) by source -> destination dtype, shape and caller, by {unit} time "
-             f"({frames} Python frames recorded)", "",
+             f"({frames} events with Python frames: frame events, or ops carrying their stack)", "",
              f"| copy | where | calls | {unit} ms |", "|---|---|---|---|"]
     return lines + [f"| {r['copy']} | {r['where']} | {r['calls']} | {r['us'] / 1e3:.3f} |" for r in rows]
 
@@ -161,7 +161,9 @@ def profile_report(prof, cuda: bool) -> dict:
         for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]:
             lines.append(f"| {name[:110]} | {n} | {us / 1e3:.1f} | {us / n:.1f} |")
         lines += _gap_table(idle_gaps(kernels, [e for e in prof.events() if not _on_gpu(e)]), span - busy)
-        frames = sum(1 for e in prof.events() if ".py(" in e.name)
+        # torch 2.13 records frames as events of their own; 2.11 (the device's), under the verbose config, as each
+        # op's stack (run 30e's table: callers named, no frame event)
+        frames = sum(1 for e in prof.events() if ".py(" in e.name or getattr(e, "stack", None))
         lines += _copy_table(copy_rows(prof.events(), cuda, dtypes_by_id=kineto_dtypes(prof)), cuda, frames)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     lines += ["", averages.table(sort_by=key, row_limit=40)]
