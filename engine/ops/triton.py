@@ -463,8 +463,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else 3e38  # the reference clamps only for a positive limit
             ids = experts if owned is None else torch.where((experts >= owned[0]) & (experts < owned[1]),
                                                             experts - owned[0], -1)  # -1: another rank's
-            args = (linear(x, None, narrow=True).to(torch.bfloat16).contiguous(), *raw, ids.to(torch.int32).contiguous(),
-                    weights.float().contiguous())
+            xq = linear(x, None, narrow=True).to(torch.bfloat16).contiguous()  # bf16 already where the ops narrow
+            args = (xq, *raw, ids.to(torch.int32).contiguous(), weights.float().contiguous())
             # the wrapped numerics' hidden state (w * h in E4M3 per 32; `reference`: bf16 gate, up, w * h and
             # expert outputs), in either form
             from kernels.moe import fp8_form_pays, token_block
