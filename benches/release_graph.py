@@ -163,6 +163,8 @@ def stream_inputs(model, cfg, n: int, device, seed: int):
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(5, cfg.vocab_size, (n,), device=device, generator=g)
     x0 = model.ops.act(torch.randn(n, cfg.hc_mult, cfg.dim, device=device, generator=g))
+    if getattr(model.ops, "_narrow_stream", False):  # knob stream_bf16: the stream as a model's later layers get it
+        x0 = x0.bfloat16()
     return ids, x0, torch.full((n, cfg.hc_mult), 1.0 / cfg.hc_mult, device=device)
 
 

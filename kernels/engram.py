@@ -40,12 +40,13 @@ def _check(x, kv, q_weight, k_weight, token_mask):
     return t, hc, d
 
 
-def engram_mix_reference(x, kv, q_weight, k_weight, eps: float, token_mask=None, round_bf16: bool = False):
-    """The engine's op (float32 torch), rounded to bf16 values if asked."""
+def engram_mix_reference(x, kv, q_weight, k_weight, eps: float, token_mask=None, round_bf16: bool = False,
+                         bf16_out: bool = False):
+    """The engine's op (float32 torch), rounded to bf16 values if asked (bf16_out: stored bf16)."""
     from engine.model.engram import engram_mix
     _check(x, kv, q_weight, k_weight, token_mask)
     out = engram_mix(x.float(), kv, q_weight, k_weight, eps, token_mask)
-    return out.bfloat16().float() if round_bf16 else out
+    return out.bfloat16() if bf16_out else out.bfloat16().float() if round_bf16 else out
 
 
 @triton.jit
@@ -72,13 +73,14 @@ def _engram_mix_kernel(x_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr, eps, in
 
 
 def engram_mix_triton(x, kv, q_weight, k_weight, eps: float, token_mask=None, round_bf16: bool = False,
-                      num_warps: int | None = None):
-    """See the module docstring; one launch of T x hc programs."""
+                      num_warps: int | None = None, bf16_out: bool = False):
+    """See the module docstring; one launch of T x hc programs. bf16_out: the rounded stream stored bf16
+    (x may be bf16 too: the kernel widens what it loads)."""
     from engine.model.engram import GATE_CLAMP
     t, hc, d = _check(x, kv, q_weight, k_weight, token_mask)
     if d > MAX_WIDTH:
         raise ValueError(f"Engram mix: rows of {d} pass the kernel's {MAX_WIDTH}")
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.bfloat16 if bf16_out else torch.float32, device=x.device)
     if t == 0:
         return out
     bd = triton.next_power_of_2(d)
@@ -86,5 +88,5 @@ def engram_mix_triton(x, kv, q_weight, k_weight, eps: float, token_mask=None, ro
     _engram_mix_kernel[(t * hc,)](
         x.contiguous(), kv.contiguous(), q_weight.float().contiguous(), k_weight.float().contiguous(), mask, out,
         float(eps), float(d) ** -0.5, GATE_CLAMP, HC=hc, D=d, BD=bd, HAS_MASK=token_mask is not None,
-        ROUND=round_bf16, num_warps=num_warps or max(1, min(8, bd // 512)))
+        ROUND=round_bf16 or bf16_out, num_warps=num_warps or max(1, min(8, bd // 512)))
     return out

@@ -539,11 +539,13 @@ def mhc_triton(x, fn, scale, base, pre_prev, y=None, post_old=None, comb_old=Non
 
 # -- the stream update alone (the FFN's, which no later collapse in the same block fuses) -------------
 
-def mhc_expand_reference(y, residual, post, comb):
+def mhc_expand_reference(y, residual, post, comb, bf16_out: bool = False):
     """engine/ops/reference.py ReferenceOps.expand: X'[j] = sum_i comb[i, j] X[i] + post[j] y in float32, in
-    that order, rounded to bf16 values. y [T, dim], residual [T, 4, dim], post [T, 4], comb [T, 4, 4]."""
+    that order, rounded to bf16 values (bf16_out: stored bf16). y [T, dim], residual [T, 4, dim], post [T, 4],
+    comb [T, 4, 4]."""
     from engine.ops.reference import expand_in_order
-    return expand_in_order(y.float(), residual.float(), post.float(), comb.float())
+    out = expand_in_order(y.float(), residual.float(), post.float(), comb.float())
+    return out.bfloat16() if bf16_out else out
 
 
 @triton.jit
@@ -552,30 +554,32 @@ def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, DIM: tl.constexpr,
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     m = d < DIM
     yv = tl.load(y_ptr + t * DIM + d, mask=m, other=0.0)
-    x0 = tl.load(r_ptr + (t * 4) * DIM + d, mask=m, other=0.0)
-    x1 = tl.load(r_ptr + (t * 4 + 1) * DIM + d, mask=m, other=0.0)
-    x2 = tl.load(r_ptr + (t * 4 + 2) * DIM + d, mask=m, other=0.0)
-    x3 = tl.load(r_ptr + (t * 4 + 3) * DIM + d, mask=m, other=0.0)
+    x0 = tl.load(r_ptr + (t * 4) * DIM + d, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(r_ptr + (t * 4 + 1) * DIM + d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(r_ptr + (t * 4 + 2) * DIM + d, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(r_ptr + (t * 4 + 3) * DIM + d, mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(4):
         c = comb_ptr + t * 16 + j
         v = tl.load(c) * x0 + tl.load(c + 4) * x1  # the reference's order (launched without FMA fusion)
         v = v + tl.load(c + 8) * x2
         v = v + tl.load(c + 12) * x3
         v = v + tl.load(post_ptr + t * 4 + j) * yv
-        tl.store(out_ptr + (t * 4 + j) * DIM + d, cast_rne(v, tl.bfloat16).to(tl.float32), mask=m)
+        tl.store(out_ptr + (t * 4 + j) * DIM + d, cast_rne(v, tl.bfloat16).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def mhc_expand_triton(y, residual, post, comb, block_d: int = 1024):
+def mhc_expand_triton(y, residual, post, comb, block_d: int = 1024, bf16_out: bool = False):
     """mhc_expand_reference in one launch: one read of y and the 4 copies, one write of the 4 new ones,
-    bit for bit the reference's float32 operations (no FMA contraction: `enable_fp_fusion=False`)."""
+    bit for bit the reference's float32 operations (no FMA contraction: `enable_fp_fusion=False`). A bf16
+    residual is read as it is, and bf16_out stores the new copies bf16 (their values are bf16 already)."""
     t, hc, dim = residual.shape
     if hc != 4 or tuple(y.shape) != (t, dim) or tuple(post.shape) != (t, 4) or tuple(comb.shape) != (t, 4, 4):
         raise ValueError(f"expand: residual [T, 4, dim], y [T, dim], post [T, 4], comb [T, 4, 4]; got "
                          f"{tuple(residual.shape)}, {tuple(y.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
-    out = torch.empty(t, 4, dim, dtype=torch.float32, device=residual.device)
+    out = torch.empty(t, 4, dim, dtype=torch.bfloat16 if bf16_out else torch.float32, device=residual.device)
     if t:
         bd = min(block_d, triton.next_power_of_2(dim))
-        _expand_kernel[(t, triton.cdiv(dim, bd))](y.float().contiguous(), residual.float().contiguous(),
+        rc = residual if residual.dtype == torch.bfloat16 else residual.float()
+        _expand_kernel[(t, triton.cdiv(dim, bd))](y.float().contiguous(), rc.contiguous(),
                                                   post.float().contiguous(), comb.float().contiguous(), out,
                                                   DIM=dim, BD=bd, num_warps=4, enable_fp_fusion=False)
     return out

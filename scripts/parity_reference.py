@@ -40,8 +40,13 @@ DEFAULT_PROMPT = ROOT / "assets" / "prompts" / "04_long_incident_review.txt"
 # -- one side's capture: {"topk": {L: [T, k]}, "tied": {L: [T, k] | None}, "experts": {L: [T, k]},
 #    "mhc": {L: {"attn"|"ffn": {"pre", "post", "comb"}}}, "logits": [T, vocab]}
 
-def engine_capture(checkpoint: str, ids: list[int], numerics: str, device: str, kernels) -> dict:
+def engine_capture(checkpoint: str, ids: list[int], numerics: str, device: str, kernels, knobs: str = "") -> dict:
+    """knobs: the kernel ops' tuning knobs ("name=value,...", engine/ops/knobs.py), e.g. stream_bf16=1."""
     engine = api.load(checkpoint, numerics=numerics, device=device, kernels=kernels, threads=1)
+    if knobs:
+        if not kernels:
+            raise SystemExit("--ops: knobs of the kernel ops, which run only with --device cuda")
+        engine.model.ops.set_knobs(knobs)
     started = time.perf_counter()
     result = engine.run(ids, logits=True)
     seconds = time.perf_counter() - started
@@ -52,7 +57,8 @@ def engine_capture(checkpoint: str, ids: list[int], numerics: str, device: str, 
             "experts": {L: lr.routing["experts"] for L, lr in result.layers.items()},
             "mhc": {L: lr.mhc for L, lr in result.layers.items()},
             "logits": result.logits, "seconds": seconds,
-            "label": f"engine ({device}, {numerics} numerics{', kernels' if kernels else ''})"}
+            "label": f"engine ({device}, {numerics} numerics{', kernels' if kernels else ''}"
+                     f"{', ' + knobs if knobs else ''})"}
 
 
 def official_capture(reference_dir: str, checkpoint: str, ids: list[int]) -> dict:
@@ -214,6 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--against", default="official", choices=("official", "engine-cpu"),
                    help="B side: the official reference code, or the engine's CPU reference numerics")
     p.add_argument("--reference-dir", default="/tmp/ref", help="folder holding the package deepseek_v41")
+    p.add_argument("--ops", default="", help="the kernel ops' knobs on the engine side, e.g. stream_bf16=1")
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--json", dest="json_out", help="also write the per-layer rows as JSON here")
     args = p.parse_args(argv)
@@ -223,7 +230,7 @@ def main(argv=None) -> int:
     if len(ids) < args.tokens:
         print(f"note: the prompt has only {len(ids)} tokens", file=sys.stderr)
     kernels = True if args.device.startswith("cuda") else False
-    a = engine_capture(args.checkpoint, ids, args.numerics, args.device, kernels)
+    a = engine_capture(args.checkpoint, ids, args.numerics, args.device, kernels, args.ops)
     b = (official_capture(args.reference_dir, args.checkpoint, ids) if args.against == "official"
          else engine_capture(args.checkpoint, ids, "reference", "cpu", False))
     rows = compare(a, b)

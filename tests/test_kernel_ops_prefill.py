@@ -274,3 +274,53 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
     narrow, wide = (model.ops.linear(x, "layers.0.attn.wq_b", model.weights, True, model._rounded, narrow=n)
                     for n in (True, False))
     assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32 and torch.equal(narrow.float(), wide)
+
+
+def test_bf16_stream_knob_stores_the_stream_bf16_with_the_same_results(tmp_path, monkeypatch):
+    """Knob stream_bf16: the residual stream stored bf16 between the kernels that write it (the mHC's update, the
+    FFN's stream update, the Engram) and read as such by the mHC's bf16-stream form. Under `reference` every
+    value of the stream is bf16 already, so a prefill and two decode steps give the float32 stream's logits,
+    picks and residual norms bit for bit (the kernels' references standing in: their mixes sum in float64 from
+    the same values either way), while the stream between blocks is bf16."""
+    import engine.ops.triton as kernel_ops
+    from engine.ops.triton import TritonOps
+
+    monkeypatch.setattr(kernel_ops, "interpreter_active", lambda: False)
+    cfg = tiny_config()
+    weights = CheckpointWeights(CheckpointReader(write_tiny_checkpoint(tmp_path, seed=5, n_shards=1), cfg))
+    ids = random_ids(cfg, 48, seed=4)
+    streams = []  # (op, the dtype it stored) for each stream update, mHC update and Engram
+
+    def watch(name):
+        real = getattr(TritonOps, name)
+
+        def op(self, *args, **kwargs):
+            out = real(self, *args, **kwargs)
+            streams.append((name, (out[0] if name == "mhc_ffn" else out).dtype))  # mhc_ffn: the updated stream
+            return out
+        monkeypatch.setattr(TritonOps, name, op)
+    for name in ("expand", "engram_mix", "mhc_ffn"):
+        watch(name)
+
+    def run(knob: int):
+        model = Model(cfg, weights, IdentityTokenizer(cfg.engram_compressed_vocab_size), numerics="reference",
+                      kernels=True)
+        assert model.ops.set_knobs(f"stream_bf16={knob}") == {"stream_bf16": bool(knob)}
+        steps = []
+        for chunk in (ids[:40], ids[40:41], ids[41:42]):  # a prefill, then two decode steps
+            collect = {}
+            logits = model.forward(chunk, probes=ProbeRequest(kinds={"topk", "mhc"}), collect=collect)
+            steps.append((logits, {L: (c.get("topk"), c["residual_norms"]) for L, c in collect.items()}))
+        return steps
+
+    wide = run(0)
+    wide_streams, streams[:] = set(streams), []
+    narrow = run(1)
+    assert wide_streams == {(name, torch.float32) for name in ("expand", "engram_mix", "mhc_ffn")}
+    assert set(streams) == {(name, torch.bfloat16) for name in ("expand", "engram_mix", "mhc_ffn")}
+    for (lw, pw), (ln, pn) in zip(wide, narrow):
+        assert torch.equal(lw, ln)
+        assert pw.keys() == pn.keys() and pw
+        for layer, (picks, norms) in pw.items():
+            assert (picks is None) == (pn[layer][0] is None) and (picks is None or torch.equal(picks, pn[layer][0]))
+            assert norms.dtype == pn[layer][1].dtype == torch.float32 and torch.equal(norms, pn[layer][1]), layer

@@ -56,6 +56,11 @@ def test_against_the_float64_loop_and_the_engines_rounding(t, hc, d):
         differ = got_r != want_r
         assert differ.float().mean() < 1e-2, gen.initial_seed()
         assert ((got_r - want_r).abs()[differ] <= want_r.abs()[differ] * 2.0**-7).all()
+        # the stream stored bf16 (knob stream_bf16): a bf16 x in, the rounded values stored bf16
+        narrow = engram.engram_mix_triton(x.bfloat16(), kv, qw, kw, 1e-6, m, round_bf16=True, bf16_out=True)
+        assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), got_r)
+        want_n = engram.engram_mix_reference(x.bfloat16(), kv, qw, kw, 1e-6, m, round_bf16=True, bf16_out=True)
+        assert want_n.dtype == torch.bfloat16 and torch.equal(want_n.float(), want_r)
     # a masked token's copies come out as they went in, bit for bit
     got = engram.engram_mix_triton(x, kv, qw, kw, 1e-6, mask)
     assert torch.equal(got[~mask], x[~mask])

@@ -231,5 +231,9 @@ def test_expand_is_the_reference_update_bit_for_bit(gen, t, dim, block_d):
     assert got.dtype == torch.float32 and torch.equal(got, want)
     exact = torch.einsum("tij,tid->tjd", comb.double(), residual.double()) + post.double()[..., None] * y.double()[:, None]
     assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6).all()
+    # the stream stored bf16 (knob stream_bf16): read and written as bf16, the same values
+    narrow = mhc.mhc_expand_triton(y, residual.bfloat16(), post, comb, block_d=block_d, bf16_out=True)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), got)
+    assert torch.equal(mhc.mhc_expand_reference(y, residual.bfloat16(), post, comb, bf16_out=True), narrow)
     with pytest.raises(ValueError, match="expand"):
         mhc.mhc_expand_triton(y, residual[:, :3], post, comb)

@@ -200,7 +200,7 @@ class Model:
                                    pieces=self.graphs if T <= DECODE_ROWS and gate is None else None)
             if want:
                 probe["time_s"] = time.perf_counter() - started
-                probe["residual_norms"] = x.detach().norm(dim=-1)
+                probe["residual_norms"] = x.detach().float().norm(dim=-1)  # float32 where the ops store bf16
                 collect[L] = probe
         y = self.ops.rms_norm(self.ops.collapse(x, pre), self.get("norm.weight"), cfg.norm_eps)
         logits = y @ self.get("head.weight").float().t()

@@ -30,6 +30,13 @@ class KernelKnobs:
     # the fused mHC on the float32 stream as it is (bf16 values read from float32, outputs stored so; not timed
     # yet, see _mhc); off: the measured form before it (a bf16 copy of the stream in, float32 copies out)
     mhc_f32_stream = True
+    # the residual stream stored bf16 between the kernels that write and read it (the mHC's update, the stream
+    # update, the Engram; under `reference` every value in it is bf16 already): the mHC in its bf16-stream form
+    # and the stream update move half the bytes (4K prefill, H100 run 29a: the mHC 219.6 us against 343.8 on the
+    # float32 stream; ~0.35-0.4 ms a layer predicted). Its mixes' float32 sums run in another order than the
+    # float32 stream's (within 1e-4 of float64, the glue test), so picks may move where scores tie closely:
+    # off until a GPU run times it beside its parity
+    stream_bf16 = False
     # the prefill's float32 GEMMs (the router's gate, the compressor's projections) on tensor cores at float32
     # accuracy (kernels/f32_gemm.py, tf32x3) instead of cuBLAS's CUDA-core sgemm (0.33 ms for the gate at 4K
     # tokens, run 18c); float32 sums in another order than cuBLAS's, as accurate (run 24a: the gate 255 us
@@ -62,7 +69,7 @@ class KernelKnobs:
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
              "mhc_f32_stream", "f32_tf32x3", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
-             "moe_narrow_gate_up", "linear_cublas")
+             "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

@@ -51,7 +51,7 @@ from .. import quant as Q
 from .kernel_path import (KernelPathError, checkpoint_backed, decide, enable_interpreter,  # noqa: F401 (names
                           interpreter_active, shards_stored_bytes, triton_importable)  # callers take from here)
 from .knobs import KernelKnobs
-from .triton_pointwise import PointwiseKernels
+from .triton_pointwise import PointwiseKernels, wide
 
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: fewer heads are zero-padded for attention and the indexer
 
@@ -508,26 +508,29 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         # us a decode step in float32 dots, 25 us in the bf16 bench); no bf16 copy of the stream before it and no
         # float32 copy of its outputs after (a 4K-token prefill: ~2 GB a layer of copies, ~0.5 ms at the copy
         # rate). The knob off: the stream handed over as a bf16 copy (what runs 15-20 timed)
-        wide = self._bf16_stream and self.mhc_f32_stream
-        stream = torch.bfloat16 if self._bf16_stream and not wide else torch.float32
+        f32_stream = self._bf16_stream and self.mhc_f32_stream and not self._narrow_stream
+        stream = torch.bfloat16 if self._bf16_stream and not f32_stream else torch.float32
         # a narrowed y (the attention's wo_b) as it is: the kernel widens what it loads
         y = None if y is None else (y if y.dtype == torch.bfloat16 else y.to(stream)).contiguous()
         args = (x.to(stream).contiguous(), fn.float(), scale.float(), base.float(), pre_prev.float().contiguous(),
                 y, post_old, comb_old)
-        kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters, **({"bf16_values": True} if wide else {})}
+        kwargs = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters,
+                  **({"bf16_values": True} if f32_stream else {})}
         self._record(layer, "mhc", case, args, kwargs)
         if not self.compute:
             return None
         x1, collapsed, *mixes = self._kernel("mhc")(*args, **kwargs)
-        if not wide:  # bf16 outputs (or fp32 numerics' own): as `act` stores them
-            x1, collapsed = None if x1 is None else self._bf16_act(x1), self._bf16_act(collapsed)
+        if not f32_stream:  # bf16 outputs (or fp32 numerics' own): as `act` stores them, the stream kept bf16
+            # where knob stream_bf16 asks
+            x1 = x1 if x1 is None or self._narrow_stream else self._bf16_act(x1)
+            collapsed = self._bf16_act(collapsed)
         return x1, collapsed, *mixes
 
     def mhc_attention(self, layer: int, x, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float,
                       norm_eps: float):
         fused = self._mhc(layer, "attention mixes", x, fn, scale, base, pre_prev, None, hc_eps, norm_eps, iters)
         if fused is None:
-            return self.base.mhc_attention(layer, x, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps)
+            return self.base.mhc_attention(layer, wide(x), pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps)
         _, attn_in, pre, post, comb = fused  # one launch: collapse + mixes, stored as `act` stores them
         return attn_in, pre, post, comb
 
@@ -536,8 +539,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         bit the `reference` numerics' float32 sums (kernels/mhc.py mhc_expand), where they take ~11 launches
         over the 4 copies; other numerics, or other than 4 copies: theirs."""
         if not (self.compute and self._bf16_stream) or residual.shape[1] != 4:
-            return self.base.expand(y, residual, post, comb)
-        return self._kernel("mhc_expand")(y, residual, post, comb)
+            return self.base.expand(y, wide(residual), post, comb)
+        return self._kernel("mhc_expand")(y, residual, post, comb, bf16_out=self._narrow_stream)
 
     def mhc_ffn(self, layer: int, x, update, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
         y, a_pre, a_post, a_comb = update
@@ -545,6 +548,6 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                           hc_eps, norm_eps, iters)
         if fused is None:
             update = (y.float(), a_pre, a_post, a_comb)  # the wrapped numerics' float32 (y narrowed by wo_b's linear)
-            return self.base.mhc_ffn(layer, x, update, fn, scale, base, hc, iters, hc_eps, norm_eps)
+            return self.base.mhc_ffn(layer, wide(x), update, fn, scale, base, hc, iters, hc_eps, norm_eps)
         x1, ffn_in, pre, post, comb = fused  # the attention's post/comb update fused with the FFN's collapse + mixes
         return x1, ffn_in, pre, post, comb

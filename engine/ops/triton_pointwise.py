@@ -8,7 +8,21 @@ from __future__ import annotations
 import torch
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x as the wrapped numerics take it: a bf16-stored stream (knob stream_bf16) widened to float32."""
+    return x.float() if x.dtype == torch.bfloat16 else x
+
+
 class PointwiseKernels:
+    @property
+    def _narrow_stream(self) -> bool:
+        """Knob stream_bf16 under the `reference` numerics: the residual stream stored bf16 by its kernels."""
+        return self.compute and self._bf16_stream and self.stream_bf16
+
+    def collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The wrapped numerics' collapse (the head's, a CED replay's) on the stream as float32."""
+        return self.base.collapse(wide(x), pre)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """One kernel (kernels/rmsnorm.py) where the wrapped numerics take seven launches: float32, its
         output bf16-rounded in the kernel for `reference` numerics (what their `act` stores)."""
@@ -46,8 +60,9 @@ class PointwiseKernels:
         numerics take ~20 launches over float32 temporaries (~3 ms of a 4,096-token prefill, run 18c)."""
         from kernels.engram import MAX_WIDTH
         if not self.compute or x.dim() != 3 or x.shape[-1] > MAX_WIDTH:
-            return self.base.engram_mix(x, kv, q_weight, k_weight, eps, token_mask)
-        return self._kernel("engram_mix")(x, kv, q_weight, k_weight, eps, token_mask, round_bf16=self._bf16_stream)
+            return self.base.engram_mix(wide(x), kv, q_weight, k_weight, eps, token_mask)
+        return self._kernel("engram_mix")(x, kv, q_weight, k_weight, eps, token_mask, round_bf16=self._bf16_stream,
+                                          bf16_out=self._narrow_stream)
 
     def fp8_roundtrip(self, x: torch.Tensor, block: int = 32, narrow: bool = False) -> torch.Tensor:
         """The E4M3 round trip in one launch (kernels/quant.py), bit for bit the wrapped op's (~20 launches:
