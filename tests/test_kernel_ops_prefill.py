@@ -206,9 +206,9 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
 
 def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch):
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
-    bf16 (the queries through the RoPE to the attention; the grouped wo_a into wo_b's linear, wo_b into the mHC
-    update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the routed experts' E4M3 round trip
-    into their kernel): no widening copies, and none narrowing again. The same values as the float32 form, so
+    bf16 (the queries through the RoPE to the attention; wq_a and wkv into their RMSNorms; the grouped wo_a into
+    wo_b's linear, wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the
+    routed experts' E4M3 round trip into their kernel): no widening copies, and none narrowing again. The same values as the float32 form, so
     every layer's attention output, wo_b output, mHC update, shared-expert sum, expert output and picks are bit
     for bit those of a model whose GEMMs and round trips all widen."""
     from engine.ops.triton import TritonOps
@@ -247,6 +247,8 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
         out = real_linear(self, x, base, *args, **kw)
         if base.endswith("attn.wo_b"):
             seen.append(("wo_b", (x.dtype,), out.float()))
+        elif base.endswith(("attn.wq_a", "attn.wkv")):  # into their RMSNorms, which read bf16 as it is
+            seen.append(("norm input", (out.dtype,), out.float()))
         return out
     monkeypatch.setattr(TritonOps, "linear", linear)
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
@@ -262,7 +264,7 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
     narrow_seen, seen[:] = seen[:], []
     wide_picks = run(widen)
     assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b", "mhc_ffn",
-                                               "experts' input"}
+                                               "experts' input", "norm input"}
     assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
     assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
     assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]
