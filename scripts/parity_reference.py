@@ -44,8 +44,6 @@ def engine_capture(checkpoint: str, ids: list[int], numerics: str, device: str, 
     """knobs: the kernel ops' tuning knobs ("name=value,...", engine/ops/knobs.py), e.g. stream_bf16=1."""
     engine = api.load(checkpoint, numerics=numerics, device=device, kernels=kernels, threads=1)
     if knobs:
-        if not kernels:
-            raise SystemExit("--ops: knobs of the kernel ops, which run only with --device cuda")
         engine.model.ops.set_knobs(knobs)
     started = time.perf_counter()
     result = engine.run(ids, logits=True)
@@ -224,6 +222,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--json", dest="json_out", help="also write the per-layer rows as JSON here")
     args = p.parse_args(argv)
+    if args.ops and not args.device.startswith("cuda"):  # before any checkpoint is read
+        p.error("--ops: knobs of the kernel ops, which run only with --device cuda")
     text = Path(args.prompt_file).read_text()
     tok = api.load(args.checkpoint, threads=1).tokenizer
     ids = tok.encode(text, add_bos=True)[: args.tokens]

@@ -208,7 +208,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                         if self._bf16_form(base, x2.shape[0]) else {})
                 return self._kernel("fp8_linear")(*args, float_out=not (narrow and self._bf16_stream),
                                                   **form).view(*x.shape[:-1], -1)
-        return self.base.linear(x.float() if x.dtype == torch.bfloat16 else x, base, weights, act_quant, round_input)
+        return self.base.linear(wide(x), base, weights, act_quant, round_input)
 
     def _x_values(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
         """The bf16 form's E4M3-rounded input values for x, made once for linears that share it (wq_a and wkv,
@@ -547,7 +547,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         fused = self._mhc(layer, "FFN mixes + attention update", x, fn, scale, base, a_pre, (y, a_post, a_comb),
                           hc_eps, norm_eps, iters)
         if fused is None:
-            update = (y.float(), a_pre, a_post, a_comb)  # the wrapped numerics' float32 (y narrowed by wo_b's linear)
+            update = (wide(y), a_pre, a_post, a_comb)  # the wrapped numerics' float32 (y narrowed by wo_b's linear)
             return self.base.mhc_ffn(layer, wide(x), update, fn, scale, base, hc, iters, hc_eps, norm_eps)
         x1, ffn_in, pre, post, comb = fused  # the attention's post/comb update fused with the FFN's collapse + mixes
         return x1, ffn_in, pre, post, comb

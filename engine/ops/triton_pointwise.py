@@ -9,7 +9,8 @@ import torch
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
-    """x as the wrapped numerics take it: a bf16-stored stream (knob stream_bf16) widened to float32."""
+    """x as the wrapped numerics take it: a bf16 tensor the kernel ops handed on (a narrowed GEMM output, the
+    stream under knob stream_bf16) widened to float32, anything else as it is."""
     return x.float() if x.dtype == torch.bfloat16 else x
 
 
