@@ -8,7 +8,13 @@ another order than cuBLAS's (as any other float32 GEMM's), so a top-6 routing ne
 (`f32_tf32x3`), on: 1.3x / 1.5x faster than cuBLAS float32 on the H200 (run 24a), 2.6e-7 from float64 where cuBLAS
 is 3.9e-7 / 7.4e-7.
 
-x [M, K], w [N, K] float32 -> float32 [M, N].
+`precision="bf16"`, for operands whose values are all bf16 (the `reference` numerics' activations; the gate's and the
+compressor's BF16-stored weights): one bf16 MMA a step instead of three TF32 ones. A product of two bf16 values is
+exact in float32, as tf32x3's is (its lo pieces are zero for such operands), with float32 accumulation: the same
+values as tf32x3 but for the order of float32 sums. Operands with other values would be rounded to bf16: the
+caller's contract, not checked here.
+
+x [M, K], w [N, K] float32 (bf16 too under precision "bf16") -> float32 [M, N].
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._formats import dot_dtype
 from kernels.fp8_linear import _tile_rows
 
 
@@ -33,7 +40,7 @@ def f32_gemm_reference(x, w, **_launch):
 
 @triton.jit
 def _f32_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP: tl.constexpr, PREC: tl.constexpr):
+                     GROUP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     rm, rn = _tile_rows(M, N, BM, BN, GROUP)  # GROUP row blocks sweep the N blocks together (L2 reuse)
     rk = tl.arange(0, BK)
     xp = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
@@ -43,29 +50,35 @@ def _f32_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, BM: tl.constexpr, BN: tl.co
         kmask = (k0 + rk) < K
         a = tl.load(xp + k0, mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
         b = tl.load(wp + k0, mask=(rn < N)[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        if PREC == "bf16":  # bf16 values by contract: the cast is exact (DT: bf16 but under the interpreter)
+            acc = tl.dot(a.to(DT), tl.trans(b.to(DT)), acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 def f32_gemm_triton(x, w, block_m: int = 64, block_n: int | None = None, block_k: int | None = None,
                     num_warps: int = 4, num_stages: int | None = None, precision: str = "tf32x3"):
     """See the module docstring; one launch of ceil(M / block_m) x ceil(N / block_n) programs. None picks the
-    H200's best by N (run 24a, 4,096 x 5,120 in, against cuBLAS float32): 64 x 64 x 32 tiles, 3 stages up to
-    N = 512 (the gate, N 384: 255 us against 310 for 64 x 128 and 337 for cuBLAS), 64 x 128 x 64, 2 stages
-    above (the compressor, N 1,024: 559 us against 614 and 852)."""
+    H200's best by N for tf32x3 (run 24a, 4,096 x 5,120 in, against cuBLAS float32): 64 x 64 x 32 tiles, 3 stages
+    up to N = 512 (the gate, N 384: 255 us against 310 for 64 x 128 and 337 for cuBLAS), 64 x 128 x 64, 2 stages
+    above (the compressor, N 1,024: 559 us against 614 and 852); 64 x 128 x 64 in 3 stages for bf16 (untimed)."""
     _check(x, w)
-    if precision not in ("tf32x3", "ieee"):
-        raise ValueError(f"float32 GEMM: precision {precision!r} is not tf32x3 or ieee")
-    x, w = x.float().contiguous(), w.float().contiguous()
+    if precision not in ("tf32x3", "ieee", "bf16"):
+        raise ValueError(f"float32 GEMM: precision {precision!r} is not tf32x3, ieee or bf16")
+    if precision == "bf16":  # float32 or bf16 tensors as they are, cast in the kernel
+        x, w = x.contiguous(), w.contiguous()
+    else:
+        x, w = x.float().contiguous(), w.float().contiguous()
     m, k = x.shape
     n = w.shape[0]
-    narrow = n <= 512
+    narrow = n <= 512 and precision != "bf16"
     block_n = block_n or (64 if narrow else 128)
     block_k = block_k or (32 if narrow else 64)
-    num_stages = num_stages or (3 if narrow else 2)
+    num_stages = num_stages or (3 if narrow or precision == "bf16" else 2)
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m and n:
         grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
         _f32_gemm_kernel[grid](x, w, out, m, n, k, BM=block_m, BN=block_n, BK=block_k, GROUP=8, PREC=precision,
-                               num_warps=num_warps, num_stages=num_stages)
+                               DT=dot_dtype(), num_warps=num_warps, num_stages=num_stages)
     return out

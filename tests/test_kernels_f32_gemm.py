@@ -21,6 +21,23 @@ def test_against_a_float64_product(m, n, k, cfg):
     assert torch.allclose(got, f32_gemm.f32_gemm_reference(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m, n, k, x_dtype, cfg", [(300, 384, 512, torch.float32, {}),
+                                                    (70, 50, 200, torch.bfloat16, {"block_k": 64}),
+                                                    (129, 130, 96, torch.float32, {"block_m": 128, "block_n": 64})])
+def test_bf16_form_on_bf16_values_is_a_float32_gemm(m, n, k, x_dtype, cfg):
+    """precision="bf16" on operands holding bf16 values (x as float32 or bf16, w bf16): exact products, float32
+    sums, so within a float32 GEMM's bound of the float64 product; and tf32x3 within that of it."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16().to(x_dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    got = f32_gemm.f32_gemm_triton(x, w, precision="bf16", **cfg)
+    want = x.double() @ w.double().t()
+    bound = k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got.double() - want).abs() <= bound).all()
+    assert ((got.double() - f32_gemm.f32_gemm_triton(x.float(), w.float(), **cfg).double()).abs() <= 2 * bound).all()
+
+
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="do not fit"):
         f32_gemm.f32_gemm_triton(torch.zeros(4, 8), torch.zeros(3, 7))
@@ -31,7 +48,8 @@ def test_shapes_are_checked():
 
 def test_the_knob_sends_prefill_widths_to_the_kernel(monkeypatch):
     """TritonOps.f32_linear: with f32_tf32x3 (the default) a prefill's float32 GEMM is the kernel's, above the
-    decode widths (which keep their K-split batched GEMM); off, the wrapped op's."""
+    decode widths (which keep their K-split batched GEMM), in its bf16 form where the weight holds bf16 values
+    under `reference` (f32_bf16); off, the wrapped op's."""
     import engine.ops.triton as kernel_ops
     from engine.ops import ops_for
 
@@ -43,5 +61,16 @@ def test_the_knob_sends_prefill_widths_to_the_kernel(monkeypatch):
     assert ops.calls["f32_gemm"] == 1 and torch.allclose(got, x @ w.t(), rtol=1e-5, atol=1e-4)
     ops.f32_linear(x[:64], w)  # a decode step's width: the K-split form, not the kernel
     assert ops.calls["f32_gemm"] == 1
+    assert ops.calls["f32_gemm_bf16"] == 0  # w's values are not all bf16: tf32x3
+    w16 = w.bfloat16().float()  # a BF16-stored weight, as the gate's is: the bf16 form (knob f32_bf16)
+    assert torch.allclose(ops.f32_linear(x.bfloat16().float(), w16), x.bfloat16().float() @ w16.t(), rtol=1e-5,
+                          atol=1e-4)
+    assert ops.calls["f32_gemm"] == 2 and ops.calls["f32_gemm_bf16"] == 1
+    ops.set_knobs("f32_bf16=0")
+    ops.f32_linear(x, w16)
+    assert ops.calls["f32_gemm"] == 3 and ops.calls["f32_gemm_bf16"] == 1
+    fp32 = kernel_ops.TritonOps(ops_for("fp32"), type("W", (), {"reader": None})(), "cpu")
+    fp32.f32_linear(x, w16)  # activations not bf16 values under fp32: tf32x3
+    assert fp32.calls["f32_gemm"] == 1 and fp32.calls["f32_gemm_bf16"] == 0
     ops.set_knobs("f32_tf32x3=0")
-    assert torch.equal(ops.f32_linear(x, w), x @ w.t()) and ops.calls["f32_gemm"] == 1
+    assert torch.equal(ops.f32_linear(x, w), x @ w.t()) and ops.calls["f32_gemm"] == 3

@@ -42,6 +42,11 @@ class KernelKnobs:
     # tokens, run 18c); float32 sums in another order than cuBLAS's, as accurate (run 24a: the gate 255 us
     # against cuBLAS's 337, the compressor's 559 against 852; 2.6e-7 from float64 against 3.9e-7 / 7.4e-7)
     f32_tf32x3 = True
+    # those GEMMs in one bf16 MMA a step instead of tf32x3's three, where both operands hold bf16 values (under
+    # `reference` the activations do; the gate's and compressor's weights are stored BF16, checked once a weight):
+    # products exact either way (tf32x3's lo pieces are zero for them), float32 sums in the tiles' order. Predicted
+    # (H100 run 30f: the gate 248 us, Full m=2's three 1.1 ms, at tf32x3) ~4x less MMA work
+    f32_bf16 = True
     # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
     # keeping theirs: the form a graph capture takes) instead of reading back which rows tie, the prefill's one
     # host read a Full layer. H200 run 25b against 25a: the Full layers' captured prefill the same GPU time
@@ -68,7 +73,7 @@ class KernelKnobs:
     linear_cublas = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
-             "mhc_f32_stream", "f32_tf32x3", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
+             "mhc_f32_stream", "f32_tf32x3", "f32_bf16", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
 
     def set_knobs(self, spec: str) -> dict:
