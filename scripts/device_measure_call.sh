@@ -7,7 +7,7 @@
 # The release step's first pass compiles every kernel (~60 s per role's first layer on the H200): give it
 # a call of its own, e.g. RELEASE_LIMIT=480 bash scripts/device_measure_call.sh release
 # Steps: parity (kernel path vs CPU reference numerics, 1,000 tokens; PARITY_ARGS="--ops stream_bf16=1" sets
-# knobs), ced (prefill timing),
+# knobs, PARITY_NAME names its files, parity-gpu by default), ced (prefill timing),
 # kernels (benches/kernels.py), release (benches/release_layer.py; RELEASE_ARGS="--graph --profile" adds
 # the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels; NCU_PAIRS="case:kernel ..."
 # picks them; NCU_EXTRA adds ncu options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
@@ -50,7 +50,8 @@ for step in "$@"; do
   start=$(date +%s)
   case "$step" in
     parity) timeout "${PARITY_LIMIT:-90}" python3 scripts/parity_reference.py --against engine-cpu --device cuda --tokens 1000 ${PARITY_ARGS:-} \
-              --out "$R/parity-gpu.md" --json "$R/parity-gpu.json" > "$R/parity.log" 2>&1 ;;
+              --out "$R/${PARITY_NAME:-parity-gpu}.md" --json "$R/${PARITY_NAME:-parity-gpu}.json" \
+              > "$R/${PARITY_NAME:-parity-gpu}.log" 2>&1 ;;
     ced) timeout 240 python3 benches/ced_prefill.py --device cuda --tokens 1024 4096 8000 --prompts 1 --repeat 5 \
               --timing-only --out "$R/ced-prefill-h200.json" > "$R/ced.log" 2>&1 ;;
     kernels) timeout "${KERNELS_LIMIT:-220}" python3 benches/kernels.py ${KERNELS_ARGS:-} --out "$R" > "$R/kernels.log" 2>&1 ;;
