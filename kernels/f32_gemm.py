@@ -8,13 +8,14 @@ another order than cuBLAS's (as any other float32 GEMM's), so a top-6 routing ne
 (`f32_tf32x3`), on: 1.3x / 1.5x faster than cuBLAS float32 on the H200 (run 24a), 2.6e-7 from float64 where cuBLAS
 is 3.9e-7 / 7.4e-7.
 
-`precision="bf16"`, for operands whose values are all bf16 (the `reference` numerics' activations; the gate's and the
-compressor's BF16-stored weights): one bf16 MMA a step instead of three TF32 ones. A product of two bf16 values is
-exact in float32, as tf32x3's is (its lo pieces are zero for such operands), with float32 accumulation: the same
-values as tf32x3 but for the order of float32 sums. Operands with other values would be rounded to bf16: the
-caller's contract, not checked here.
+For operands whose values are all bf16 (the `reference` numerics' activations; the gate's and the compressor's
+BF16-stored weights) tf32x3's lo pieces are zero, so one pass gives its products (exact in float32):
+`precision="tf32"`, one TF32 MMA a step, tf32x3's products and accumulation at a third of its MMA work; and
+`precision="bf16"`, one bf16 MMA a step (half a TF32 one's operand bytes), whose float32 sums keep fewer bits on
+sm_90 (H100 run 31a: 5.6e-6 from float64 where tf32x3 is 2.4e-7 on the same operands). Operands with other values
+would be rounded: the caller's contract, not checked here.
 
-x [M, K], w [N, K] float32 (bf16 too under precision "bf16") -> float32 [M, N].
+x [M, K], w [N, K] float32 (bf16 too under the one-pass forms) -> float32 [M, N].
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def _f32_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, BM: tl.constexpr, BN: tl.co
         b = tl.load(wp + k0, mask=(rn < N)[:, None] & kmask[None, :], other=0.0)
         if PREC == "bf16":  # bf16 values by contract: the cast is exact (DT: bf16 but under the interpreter)
             acc = tl.dot(a.to(DT), tl.trans(b.to(DT)), acc)
+        elif PREC == "tf32":  # bf16 values by contract: TF32 holds them
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="tf32")
         else:
             acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
@@ -62,20 +65,22 @@ def f32_gemm_triton(x, w, block_m: int = 64, block_n: int | None = None, block_k
     """See the module docstring; one launch of ceil(M / block_m) x ceil(N / block_n) programs. None picks the
     H200's best by N for tf32x3 (run 24a, 4,096 x 5,120 in, against cuBLAS float32): 64 x 64 x 32 tiles, 3 stages
     up to N = 512 (the gate, N 384: 255 us against 310 for 64 x 128 and 337 for cuBLAS), 64 x 128 x 64, 2 stages
-    above (the compressor, N 1,024: 559 us against 614 and 852); 64 x 128 x 64 in 3 stages for bf16 (untimed)."""
+    above (the compressor, N 1,024: 559 us against 614 and 852); the one-pass forms 64 x 128 tiles in 3 stages, K 32
+    (tf32) or 64 (bf16)."""
     _check(x, w)
-    if precision not in ("tf32x3", "ieee", "bf16"):
-        raise ValueError(f"float32 GEMM: precision {precision!r} is not tf32x3, ieee or bf16")
-    if precision == "bf16":  # float32 or bf16 tensors as they are, cast in the kernel
+    if precision not in ("tf32x3", "ieee", "tf32", "bf16"):
+        raise ValueError(f"float32 GEMM: precision {precision!r} is not tf32x3, ieee, tf32 or bf16")
+    one_pass = precision in ("tf32", "bf16")
+    if one_pass:  # float32 or bf16 tensors as they are, cast in the kernel
         x, w = x.contiguous(), w.contiguous()
     else:
         x, w = x.float().contiguous(), w.float().contiguous()
     m, k = x.shape
     n = w.shape[0]
-    narrow = n <= 512 and precision != "bf16"
+    narrow = n <= 512 and not one_pass
     block_n = block_n or (64 if narrow else 128)
-    block_k = block_k or (32 if narrow else 64)
-    num_stages = num_stages or (3 if narrow or precision == "bf16" else 2)
+    block_k = block_k or (32 if narrow or precision == "tf32" else 64)
+    num_stages = num_stages or (3 if narrow or one_pass else 2)
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m and n:
         grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)

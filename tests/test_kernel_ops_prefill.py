@@ -328,11 +328,11 @@ def test_bf16_stream_knob_stores_the_stream_bf16_with_the_same_results(tmp_path,
             assert norms.dtype == pn[layer][1].dtype == torch.float32 and torch.equal(norms, pn[layer][1]), layer
 
 
-def test_float32_gemms_of_bf16_operands_take_the_bf16_form(tmp_path, monkeypatch):
-    """f32_bf16: under `reference` a prefill's float32 GEMMs (the router's gate, a Full m=2 layer's compressor)
-    get operands that all hold bf16 values (the activations as `reference` stores them, the BF16-stored
-    weights), so each takes the kernel's bf16 form, whose products are then exact; a weight with other values,
-    or the knob off, keeps tf32x3."""
+def test_float32_gemms_of_bf16_operands_take_one_pass(tmp_path, monkeypatch):
+    """f32_one_pass: under `reference` a prefill's float32 GEMMs (the router's gate, a Full m=2 layer's
+    compressor) get operands that all hold bf16 values (the activations as `reference` stores them, the
+    BF16-stored weights), so each takes the kernel's one-pass TF32 form, whose products are then tf32x3's,
+    exact; the knob off keeps tf32x3."""
     import kernels.dispatch as dispatch
 
     seen = []  # (w's rows, x exact in bf16, w exact in bf16, precision) per kernel call
@@ -348,12 +348,12 @@ def test_float32_gemms_of_bf16_operands_take_the_bf16_form(tmp_path, monkeypatch
     out, calls = {}, {}
     for knob in ("0", "1"):
         seen.clear()
-        out[knob] = run(lambda model: model.ops.set_knobs(f"f32_bf16={knob}"))
+        out[knob] = run(lambda model: model.ops.set_knobs(f"f32_one_pass={knob}"))
         calls[knob] = list(seen)
     cfg = tiny_config()
     widths = {rows for rows, *_ in calls["1"]}
     assert {cfg.n_routed_experts, cfg.head_dim} <= widths  # the gate's and the compressor's
     assert [rows for rows, *_ in calls["0"]] == [rows for rows, *_ in calls["1"]]
-    assert all(c[1:] == (True, True, "bf16") for c in calls["1"]), calls["1"]
+    assert all(c[1:] == (True, True, "tf32") for c in calls["1"]), calls["1"]
     assert {c[3] for c in calls["0"]} == {"tf32x3"}
     _assert_same_picks(out["0"], out["1"])

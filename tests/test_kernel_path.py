@@ -521,18 +521,18 @@ def test_bf16_linear_keeps_one_bf16_copy_per_weight():
 
     g = torch.Generator().manual_seed(12)
     ops = TritonOps.__new__(TritonOps)
-    ops.base, ops.compute, ops._bf16_of = ReferenceOps(), True, {}
+    ops.base, ops.compute, ops._of_weight = ReferenceOps(), True, {}
     x, w = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g)
     want = ReferenceOps().bf16_linear(x, w)
     assert torch.equal(ops.bf16_linear(x, w), want) and torch.equal(ops.bf16_linear(x, w), want)
-    assert len(ops._bf16_of) == 1
-    copy = ops._bf16_of[id(w)][1]
+    assert len(ops._of_weight) == 1
+    copy = ops._of_weight[id(w)][1]["bf16 copy"]
     ops.bf16_linear(x, w)
-    assert ops._bf16_of[id(w)][1] is copy  # kept, not remade
+    assert ops._of_weight[id(w)][1]["bf16 copy"] is copy  # kept, not remade
     key = id(w)
     del w
     gc.collect()
-    assert key not in ops._bf16_of  # the copy went with the weight
+    assert key not in ops._of_weight  # the copy went with the weight
     w2 = torch.randn(32, 64, generator=g)  # may reuse the id: the dead weight's copy must not be used
     assert torch.equal(ops.bf16_linear(x, w2), ReferenceOps().bf16_linear(x, w2))
 

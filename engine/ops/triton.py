@@ -60,6 +60,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _bf16_valued(w: torch.Tensor) -> bool:
+    """Whether every value of w is a bf16 (a host read)."""
+    return bool(torch.equal(w.bfloat16().float(), w.float()))
+
+
 def _k_splits(kdim: int, most: int = 16, least_width: int = 256) -> int:
     """K splits for TritonOps.f32_linear: the most (a power of two, up to `most`) that divide K into slices
     of at least `least_width`."""
@@ -101,7 +106,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         self._fold_fits: dict[str, bool] = {}  # experts' prefix -> whether their scales suit the folded decode
         self._experts: dict[str, tuple | None] = {}
         self._bf16: dict[str, torch.Tensor | None] = {}
-        self._bf16_of: dict[int, tuple] = {}  # id(float weight) -> (a weak reference to it, its bf16 copy)
+        self._of_weight: dict[int, tuple] = {}  # id(float weight) -> (a weak reference to it, {what: made of it})
         self._x_memo: list[tuple] = []  # (linear input, its version, its bf16 form values): the last two
 
     def __getattr__(self, name):  # every op the kernels do not take is the wrapped numerics'
@@ -243,38 +248,35 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         compressor and indexer projections: three weight conversions a decode step)."""
         if not (self.compute and self._bf16_stream):
             return self.base.bf16_linear(x, w)
-        return (x.bfloat16() @ self._bf16_copy(w)[1].t()).float()
+        return (x.bfloat16() @ self._of(w, "bf16 copy", torch.Tensor.bfloat16).t()).float()
 
-    def _bf16_copy(self, w: torch.Tensor) -> list:
-        """[a weak reference to w, w's bf16 copy, whether it holds w's values exactly (None: not asked yet)],
-        made once while w lives."""
-        held = self._bf16_of.get(id(w))
+    def _of(self, w: torch.Tensor, what: str, make):
+        """make(w), made once while w lives and kept under `what` (a bf16 copy, whether its values are all bf16)."""
+        held = self._of_weight.get(id(w))
         if held is None or held[0]() is not w:
-            held = self._bf16_of[id(w)] = [weakref.ref(w), w.bfloat16(), None]
-            weakref.finalize(w, self._bf16_of.pop, id(w), None)  # the copy goes with the weight
-        return held
-
-    def _bf16_exact(self, w: torch.Tensor) -> torch.Tensor | None:
-        """w's bf16 copy if every value of w is a bf16 (a BF16-stored weight; checked once a weight: a host
-        sync), else None."""
-        held = self._bf16_copy(w)
-        if held[2] is None:
-            held[2] = bool(torch.equal(held[1].float(), w.float()))
-        return held[1] if held[2] else None
+            held = self._of_weight[id(w)] = (weakref.ref(w), {})
+            weakref.finalize(w, self._of_weight.pop, id(w), None)  # what was made goes with the weight
+        if what not in held[1]:
+            held[1][what] = make(w)
+        return held[1][what]
 
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The float32 x @ w^T: at a prefill's widths on the tf32x3 kernel (knob f32_tf32x3), in its bf16 form where
-        both operands hold bf16 values (knob f32_bf16: the same products, exact); at decode widths
+        """The float32 x @ w^T: at a prefill's widths on the tf32x3 kernel (knob f32_tf32x3), in one TF32 pass where
+        both operands hold bf16 values (knob f32_one_pass: the same exact products); at decode widths
         (x [M <= 256, K]) as a K-split batched GEMM and a sum over the splits: cuBLAS tiles the plain GEMM into
         too few programs there (the compressor's [64, 5120] x [5120, 512]: 21 us + a 5 us split-K pass each on
         the H200, for 10 MB); float32 sums in another order."""
         m, kdim = x.shape if x.dim() == 2 else (0, 0)
         if self.compute and self.f32_tf32x3 and m > 256:  # a prefill's: the tensor-core form, if asked
-            # bf16 operands (knob f32_bf16): `reference` stores every activation as bf16 values
-            w16 = self._bf16_exact(w) if self.f32_bf16 and self._bf16_stream else None
-            if w16 is not None:
-                self.calls["f32_gemm_bf16"] += 1
-                return self._kernel("f32_gemm")(x, w16, precision="bf16")
+            # operands of bf16 values (knob f32_one_pass): `reference` stores every activation so; a BF16-stored
+            # weight's values are (checked once a weight: a host sync)
+            if self.f32_one_pass and self._bf16_stream and self._of(w, "bf16 values", _bf16_valued):
+                if self.f32_one_pass_bf16:
+                    self.calls["f32_gemm_bf16"] += 1
+                    return self._kernel("f32_gemm")(x, self._of(w, "bf16 copy", torch.Tensor.bfloat16),
+                                                    precision="bf16")
+                self.calls["f32_gemm_tf32"] += 1
+                return self._kernel("f32_gemm")(x, w, precision="tf32")
             return self._kernel("f32_gemm")(x, w)
         splits = _k_splits(kdim)
         if not self.compute or not 0 < m <= 256 or splits == 1:
