@@ -59,6 +59,7 @@ def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):
 
     monkeypatch.setattr(T, "checkpoint_backed", lambda weights: True)
     ops = T.TritonOps(ops_for("reference"), type("W", (), {"reader": None})(), "cpu")
+    ops.set_knobs("stream_bf16=0")  # the float32 stream this knob is about
     g = torch.Generator().manual_seed(2)
     t, dim = 5, 32
     x, y = torch.randn(t, 4, dim, generator=g).bfloat16().float(), torch.randn(t, dim, generator=g).bfloat16().float()
