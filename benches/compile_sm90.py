@@ -262,8 +262,6 @@ def cases():
                 1e-6, torch.ones(4096, dtype=torch.bool), round_bf16=True)),
             ("float32 GEMM (tf32x3), the router 4096 x 384 x 5120", lambda: f32_gemm.f32_gemm_triton(
                 torch.randn(4096, 5120), torch.randn(384, 5120))),
-            ("float32 GEMM, one TF32 pass, the router 4096 x 384 x 5120", lambda: f32_gemm.f32_gemm_triton(
-                torch.randn(4096, 5120), torch.randn(384, 5120), precision="tf32")),
             ("float32 GEMM, one bf16 pass, the router 4096 x 384 x 5120", lambda: f32_gemm.f32_gemm_triton(
                 torch.randn(4096, 5120), torch.randn(384, 5120).bfloat16(), precision="bf16")),
             ("shared expert SwiGLU 4096 x 2304", lambda: elementwise.swiglu_triton(

@@ -176,12 +176,10 @@ def case_f32(bw, mm):
     """The prefill's float32 GEMMs (the router's gate 4096 x 384 x 5120; a compressor's projection 4096 x 1024 x
     5120) on tensor cores at float32 accuracy (kernels/f32_gemm.py, TritonOps knob f32_tf32x3), against cuBLAS's
     float32 GEMM in the same run (the engine's form: CUDA-core sgemm, 0.33 ms for the gate in run 18c); then the
-    one-pass forms on operands holding bf16 values (the engine's under `reference`, knob f32_one_pass), tf32x3
-    beside them on the same operands."""
+    bf16 pass on operands holding bf16 values (the engine's under `reference`, knob f32_one_pass), its steps
+    promoted to float32 or not, tf32x3 beside it on the same operands."""
     cfgs = [{}, dict(block_m=128, block_n=128, num_warps=8), dict(block_k=16), dict(block_k=64, num_stages=2),
             dict(block_m=64, block_n=64), dict(num_stages=4)]
-    cfgs_tf32 = [{}, dict(block_m=128, block_n=128, num_warps=8), dict(block_n=64), dict(block_k=64, num_stages=2),
-                 dict(num_stages=4), dict(block_m=64, block_n=64, block_k=32, num_stages=3, num_warps=4)]
     cfgs_bf16 = [{}, dict(block_m=128, block_n=128, num_warps=8), dict(block_m=128, block_n=64, num_warps=4),
                  dict(block_n=64), dict(block_k=128, num_stages=2), dict(num_stages=4), dict(block_n=256, num_warps=8)]
     for m_, n_, k_, what in ((4096, 384, 5120, "router gate"), (4096, 1024, 5120, "compressor")):
@@ -195,18 +193,21 @@ def case_f32(bw, mm):
         row(f"float32 GEMM {m_}x{n_}x{k_} ({what}, tf32x3)", t, flops / mm * 1e6, "bf16 MMA",
             f"{flops / t / 1e6:.0f} TFLOP/s; cfg {cfg}; cuBLAS float32 {te:.1f} us, rel {rel(want, x @ w.t()):.1e}",
             te, f"rel {r:.1e}", "-")
-        # the engine's operands under `reference` (knob f32_one_pass): x float32 of bf16 values, the weight too
-        # (a bf16 copy for the bf16 pass), each one-pass form against tf32x3 on the same operands
+        # the engine's operands under `reference` (knob f32_one_pass): x float32 of bf16 values, the weight's bf16
+        # copy; the bf16 pass with each step promoted to float32 (the engine's) and in the MMA's own sums, against
+        # tf32x3 on the same operands
         x16, w16 = x.bfloat16().float(), w.bfloat16()
         want16, w16f = (x16.double() @ w16.double().t()).float(), w16.float()
         three = f32_gemm.f32_gemm_triton(x16, w16f)
         t3 = bench(lambda: f32_gemm.f32_gemm_triton(x16, w16f), rep=50)
-        for prec, wp, cfgs_p in (("tf32", w16f, cfgs_tf32), ("bf16", w16, cfgs_bf16)):
-            cfg, t, r = sweep(f"f32_gemm_{prec}_cfgs_{m_}x{n_}x{k_}", f"f32 gemm {prec} {what}", cfgs_p,
-                              lambda **c: f32_gemm.f32_gemm_triton(x16, wp, precision=prec, **c),
+        for promote in (True, False):
+            cfg, t, r = sweep(f"f32_gemm_bf16_promote{int(promote)}_cfgs_{m_}x{n_}x{k_}",
+                              f"f32 gemm bf16 promote={promote} {what}", cfgs_bf16,
+                              lambda **c: f32_gemm.f32_gemm_triton(x16, w16, precision="bf16", promote=promote, **c),
                               lambda out: rel(want16, out), valid=lambda r: r < 1e-5, rep=50)
-            one = f32_gemm.f32_gemm_triton(x16, wp, precision=prec, **cfg)
-            row(f"float32 GEMM {m_}x{n_}x{k_} ({what}, bf16-valued operands, one {prec} pass)", t, flops / mm * 1e6,
-                "bf16 MMA", f"{flops / t / 1e6:.0f} TFLOP/s; cfg {cfg}; tf32x3 on the same operands {t3:.1f} us, "
-                f"rel {rel(want16, three):.1e}; max |one pass - tf32x3| {(one - three).abs().max().item():.1e}",
+            one = f32_gemm.f32_gemm_triton(x16, w16, precision="bf16", promote=promote, **cfg)
+            how = "each step promoted to float32" if promote else "the MMA's own sums"
+            row(f"float32 GEMM {m_}x{n_}x{k_} ({what}, bf16-valued operands, one bf16 pass, {how})", t,
+                flops / mm * 1e6, "bf16 MMA", f"{flops / t / 1e6:.0f} TFLOP/s; cfg {cfg}; tf32x3 on the same operands "
+                f"{t3:.1f} us, rel {rel(want16, three):.1e}; max |bf16 pass - tf32x3| {(one - three).abs().max():.1e}",
                 t3, f"rel {r:.1e}", "-")

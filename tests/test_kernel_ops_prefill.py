@@ -331,8 +331,8 @@ def test_bf16_stream_knob_stores_the_stream_bf16_with_the_same_results(tmp_path,
 def test_float32_gemms_of_bf16_operands_take_one_pass(tmp_path, monkeypatch):
     """f32_one_pass: under `reference` a prefill's float32 GEMMs (the router's gate, a Full m=2 layer's
     compressor) get operands that all hold bf16 values (the activations as `reference` stores them, the
-    BF16-stored weights), so each takes the kernel's one-pass TF32 form, whose products are then tf32x3's,
-    exact; the knob off keeps tf32x3."""
+    BF16-stored weights), so each takes the kernel's one bf16 pass, whose products are then tf32x3's, exact;
+    the knob off keeps tf32x3."""
     import kernels.dispatch as dispatch
 
     seen = []  # (w's rows, x exact in bf16, w exact in bf16, precision) per kernel call
@@ -354,6 +354,6 @@ def test_float32_gemms_of_bf16_operands_take_one_pass(tmp_path, monkeypatch):
     widths = {rows for rows, *_ in calls["1"]}
     assert {cfg.n_routed_experts, cfg.head_dim} <= widths  # the gate's and the compressor's
     assert [rows for rows, *_ in calls["0"]] == [rows for rows, *_ in calls["1"]]
-    assert all(c[1:] == (True, True, "tf32") for c in calls["1"]), calls["1"]
+    assert all(c[1:] == (True, True, "bf16") for c in calls["1"]), calls["1"]
     assert {c[3] for c in calls["0"]} == {"tf32x3"}
     _assert_same_picks(out["0"], out["1"])

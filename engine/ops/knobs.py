@@ -45,15 +45,14 @@ class KernelKnobs:
     # tokens, run 18c); float32 sums in another order than cuBLAS's, as accurate (run 24a: the gate 255 us
     # against cuBLAS's 337, the compressor's 559 against 852; 2.6e-7 from float64 against 3.9e-7 / 7.4e-7)
     f32_tf32x3 = True
-    # those GEMMs in one TF32 pass instead of tf32x3's three where both operands hold bf16 values (under
-    # `reference` the activations do; the gate's and compressor's weights are stored BF16, checked once a weight):
-    # tf32x3's lo pieces are zero for such operands, so its products, exact, and its float32 accumulation.
-    # f32_one_pass_bf16: that pass as one bf16 MMA instead (H100 run 31a, the gate 4096 x 384 x 5120: 68.6 us
-    # against tf32x3's 249, the compressor's 4096 x 1024: 126.6 against 551; but 5.6e-6 from float64 against
-    # tf32x3's 2.4e-7 on the same operands: sm_90's bf16 MMA keeps fewer bits in its sums); in the layer's
-    # prefill graph -0.18 ms a layer, -0.80 on Full m=2 (three GEMMs), parity as before (routing 0.9681 / 0.9443)
+    # those GEMMs in one bf16 MMA pass instead of tf32x3's three TF32 ones where both operands hold bf16 values
+    # (under `reference` the activations do; the gate's and compressor's weights are stored BF16, checked once a
+    # weight): tf32x3's lo pieces are zero for such operands, so the same products, exact; each K step's sum
+    # added in float32 on the CUDA cores (kernels/f32_gemm.py `promote`: the MMA's own accumulation keeps fewer
+    # bits). H100 run 31b without `promote`: the gate 4096 x 384 x 5120 67.9 us against tf32x3's 252.8, the
+    # compressor's 4096 x 1024 126.8 against 548.4; the layer's prefill graph -0.18 ms a layer, -0.8 on Full m=2
+    # (three such GEMMs); parity as before (31a: routing 0.9681 / 0.9443)
     f32_one_pass = True
-    f32_one_pass_bf16 = False
     # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
     # keeping theirs: the form a graph capture takes) instead of reading back which rows tie, the prefill's one
     # host read a Full layer. H200 run 25b against 25a: the Full layers' captured prefill the same GPU time
@@ -80,8 +79,7 @@ class KernelKnobs:
     linear_cublas = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
-             "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "f32_one_pass_bf16",
-             "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
+             "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
 
     def set_knobs(self, spec: str) -> dict:

@@ -261,7 +261,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         return held[1][what]
 
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The float32 x @ w^T: at a prefill's widths on the tf32x3 kernel (knob f32_tf32x3), in one TF32 pass where
+        """The float32 x @ w^T: at a prefill's widths on the tf32x3 kernel (knob f32_tf32x3), in one bf16 pass where
         both operands hold bf16 values (knob f32_one_pass: the same exact products); at decode widths
         (x [M <= 256, K]) as a K-split batched GEMM and a sum over the splits: cuBLAS tiles the plain GEMM into
         too few programs there (the compressor's [64, 5120] x [5120, 512]: 21 us + a 5 us split-K pass each on
@@ -271,12 +271,9 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             # operands of bf16 values (knob f32_one_pass): `reference` stores every activation so; a BF16-stored
             # weight's values are (checked once a weight: a host sync)
             if self.f32_one_pass and self._bf16_stream and self._of(w, "bf16 values", _bf16_valued):
-                if self.f32_one_pass_bf16:
-                    self.calls["f32_gemm_bf16"] += 1
-                    return self._kernel("f32_gemm")(x, self._of(w, "bf16 copy", torch.Tensor.bfloat16),
-                                                    precision="bf16")
-                self.calls["f32_gemm_tf32"] += 1
-                return self._kernel("f32_gemm")(x, w, precision="tf32")
+                self.calls["f32_gemm_bf16"] += 1
+                return self._kernel("f32_gemm")(x, self._of(w, "bf16 copy", torch.Tensor.bfloat16),
+                                                precision="bf16")
             return self._kernel("f32_gemm")(x, w)
         splits = _k_splits(kdim)
         if not self.compute or not 0 < m <= 256 or splits == 1:
