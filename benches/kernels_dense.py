@@ -181,7 +181,8 @@ def case_f32(bw, mm):
     cfgs = [{}, dict(block_m=128, block_n=128, num_warps=8), dict(block_k=16), dict(block_k=64, num_stages=2),
             dict(block_m=64, block_n=64), dict(num_stages=4)]
     cfgs_bf16 = [{}, dict(block_m=128, block_n=128, num_warps=8), dict(block_m=128, block_n=64, num_warps=4),
-                 dict(block_n=64), dict(block_k=128, num_stages=2), dict(num_stages=4), dict(block_n=256, num_warps=8)]
+                 dict(block_n=64), dict(block_k=128, num_stages=2), dict(num_stages=4), dict(block_n=256, num_warps=8),
+                 dict(block_k=32, num_stages=4)]
     for m_, n_, k_, what in ((4096, 384, 5120, "router gate"), (4096, 1024, 5120, "compressor")):
         x, w = torch.randn(m_, k_, device=DEV), torch.randn(n_, k_, device=DEV) / k_ ** 0.5
         want = (x.double() @ w.double().t()).float()

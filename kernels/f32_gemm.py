@@ -14,7 +14,8 @@ BF16-stored weights) tf32x3's lo pieces are zero and one pass gives its products
 products into its accumulator (H100 run 31b, 4096 x 384 x 5120 on bf16 values: one bf16 pass accumulating in the
 MMA 5.6e-6 from float64, one TF32 pass 9.4e-6, tf32x3 2.4e-7), so each K step's product goes into a fresh
 accumulator and is added to the running sum on the CUDA cores (`promote`, on by default; off: the MMA's own
-accumulation, for the bench). Operands with other values would be rounded: the caller's contract, not checked.
+accumulation, for the bench). tf32x3 owes its accuracy to the same: Triton's lowering adds each step's three
+products to the running sum with a float32 add (its sm_90 TTGIR), so its MMA sums span one K step. Operands with other values would be rounded: the caller's contract, not checked.
 
 x [M, K], w [N, K] float32 (bf16 too under precision "bf16") -> float32 [M, N].
 """
@@ -41,7 +42,7 @@ def f32_gemm_reference(x, w, **_launch):
 
 
 @triton.jit
-def _f32_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _f32_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, one, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PROMOTE: tl.constexpr):
     rm, rn = _tile_rows(M, N, BM, BN, GROUP)  # GROUP row blocks sweep the N blocks together (L2 reuse)
     rk = tl.arange(0, BK)
@@ -53,8 +54,9 @@ def _f32_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, BM: tl.constexpr, BN: tl.co
         a = tl.load(xp + k0, mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
         b = tl.load(wp + k0, mask=(rn < N)[:, None] & kmask[None, :], other=0.0)
         if PREC == "bf16":  # bf16 values by contract: the cast is exact (DT: bf16 but under the interpreter)
-            if PROMOTE:  # the step's sum in the MMA, the running sum in float32 on the CUDA cores
-                acc += tl.dot(a.to(DT), tl.trans(b.to(DT)))
+            if PROMOTE:  # the step's sum in the MMA, the running sum in float32 on the CUDA cores; times a
+                # runtime 1.0, or the compiler folds the add back into the MMA's accumulator (seen on triton 3.7)
+                acc += tl.dot(a.to(DT), tl.trans(b.to(DT))) * one
             else:
                 acc = tl.dot(a.to(DT), tl.trans(b.to(DT)), acc)
         else:
@@ -87,6 +89,6 @@ def f32_gemm_triton(x, w, block_m: int = 64, block_n: int | None = None, block_k
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m and n:
         grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-        _f32_gemm_kernel[grid](x, w, out, m, n, k, BM=block_m, BN=block_n, BK=block_k, GROUP=8, PREC=precision,
+        _f32_gemm_kernel[grid](x, w, out, m, n, k, 1.0, BM=block_m, BN=block_n, BK=block_k, GROUP=8, PREC=precision,
                                DT=dot_dtype(), PROMOTE=promote, num_warps=num_warps, num_stages=num_stages)
     return out
