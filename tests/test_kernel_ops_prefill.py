@@ -283,7 +283,8 @@ def test_bf16_stream_knob_stores_the_stream_bf16_with_the_same_results(tmp_path,
     FFN's stream update, the Engram) and read as such by the mHC's bf16-stream form. Under `reference` every
     value of the stream is bf16 already, so a prefill and two decode steps give the float32 stream's logits,
     picks and residual norms bit for bit (the kernels' references standing in: their mixes sum in float64 from
-    the same values either way), while the stream between blocks is bf16."""
+    the same values either way), while the stream between blocks is bf16, and so are the collapses handed to the
+    RMSNorms (which read bf16 as it is)."""
     import engine.ops.triton as kernel_ops
     from engine.ops.triton import TritonOps
 
@@ -298,10 +299,15 @@ def test_bf16_stream_knob_stores_the_stream_bf16_with_the_same_results(tmp_path,
 
         def op(self, *args, **kwargs):
             out = real(self, *args, **kwargs)
-            streams.append((name, (out[0] if name == "mhc_ffn" else out).dtype))  # mhc_ffn: the updated stream
+            if name == "mhc_ffn":  # the updated stream, and the collapse handed to the FFN's RMSNorm
+                streams.extend([(name, out[0].dtype), ("ffn input", out[1].dtype)])
+            elif name == "mhc_attention":  # the collapse handed to the attention's RMSNorm
+                streams.append(("attention input", out[0].dtype))
+            else:
+                streams.append((name, out.dtype))
             return out
         monkeypatch.setattr(TritonOps, name, op)
-    for name in ("expand", "engram_mix", "mhc_ffn"):
+    for name in ("expand", "engram_mix", "mhc_ffn", "mhc_attention"):
         watch(name)
 
     def run(knob: int):
@@ -318,8 +324,9 @@ def test_bf16_stream_knob_stores_the_stream_bf16_with_the_same_results(tmp_path,
     wide = run(0)
     wide_streams, streams[:] = set(streams), []
     narrow = run(1)
-    assert wide_streams == {(name, torch.float32) for name in ("expand", "engram_mix", "mhc_ffn")}
-    assert set(streams) == {(name, torch.bfloat16) for name in ("expand", "engram_mix", "mhc_ffn")}
+    written = ("expand", "engram_mix", "mhc_ffn", "ffn input", "attention input")
+    assert wide_streams == {(name, torch.float32) for name in written}
+    assert set(streams) == {(name, torch.bfloat16) for name in written}
     for (lw, pw), (ln, pn) in zip(wide, narrow):
         assert torch.equal(lw, ln)
         assert pw.keys() == pn.keys() and pw

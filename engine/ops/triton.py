@@ -539,9 +539,10 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             return None
         x1, collapsed, *mixes = self._kernel("mhc")(*args, **kwargs)
         if not f32_stream:  # bf16 outputs (or fp32 numerics' own): as `act` stores them, the stream kept bf16
-            # where knob stream_bf16 asks
+            # where knob stream_bf16 asks, and then the collapse too: its one reader is an RMSNorm, which widens
+            # what it loads (H100 run 31d: two 66-us widening copies a 4K prefill)
             x1 = x1 if x1 is None or self._narrow_stream else self._bf16_act(x1)
-            collapsed = self._bf16_act(collapsed)
+            collapsed = collapsed if self._narrow_stream else self._bf16_act(collapsed)
         return x1, collapsed, *mixes
 
     def mhc_attention(self, layer: int, x, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float,
