@@ -30,11 +30,11 @@ MAX_WIDTH = 16384  # the longest row one program holds in registers
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                       round_bf16: bool = False) -> torch.Tensor:
-    """engine/ops/fp32.py's rms_norm (float32), rounded to bf16 values if asked."""
+                       round_bf16: bool = False, out_dtype: torch.dtype = torch.float32, **_launch) -> torch.Tensor:
+    """engine/ops/fp32.py's rms_norm (float32), rounded to bf16 values if asked (or stored bf16)."""
     from engine.ops.fp32 import rms_norm
     y = rms_norm(x, weight, eps)
-    return y.bfloat16().float() if round_bf16 else y
+    return y.to(out_dtype) if out_dtype == torch.bfloat16 else y.bfloat16().float() if round_bf16 else y
 
 
 @triton.jit

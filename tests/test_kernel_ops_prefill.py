@@ -206,8 +206,8 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
 
 def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch):
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
-    bf16 (the queries through the RoPE to the attention; wq_a and wkv into their RMSNorms; the grouped wo_a into
-    wo_b's linear, wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the
+    bf16 (the queries through the RoPE to the attention; wq_a and wkv into their RMSNorms; a block's input norms
+    into the attention's and the FFN's GEMMs; the grouped wo_a into wo_b's linear, wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the
     routed experts' E4M3 round trip into their kernel): no widening copies, and none narrowing again. The same values as the float32 form, so
     every layer's attention output, wo_b output, mHC update, shared-expert sum, expert output and picks are bit
     for bit those of a model whose GEMMs and round trips all widen."""
@@ -251,6 +251,14 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
             seen.append(("norm input", (out.dtype,), out.float()))
         return out
     monkeypatch.setattr(TritonOps, "linear", linear)
+    real_norm, norms_narrow = TritonOps.rms_norm, [True]
+
+    def rms_norm(self, x, weight, eps, narrow=False):
+        out = real_norm(self, x, weight, eps, narrow and norms_narrow[0])
+        if narrow:  # a block's input norm: its readers are the attention's and the FFN's GEMMs
+            seen.append(("block norm", (out.dtype,), out.float()))
+        return out
+    monkeypatch.setattr(TritonOps, "rms_norm", rms_norm)
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
     models = []
 
@@ -258,13 +266,14 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
         linear, grouped_out = model.linear, model.ops.grouped_out
         model.linear = lambda x, base, narrow=False: linear(x, base)  # the blocks below take it
         model.ops.grouped_out = lambda o, wo_a, name="", narrow=False: grouped_out(o, wo_a, name)
+        norms_narrow[0] = False
         model.reset()
 
     narrow_picks = run(models.append)
     narrow_seen, seen[:] = seen[:], []
     wide_picks = run(widen)
     assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b", "mhc_ffn",
-                                               "experts' input", "norm input"}
+                                               "experts' input", "norm input", "block norm"}
     assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
     assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
     assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]

@@ -28,7 +28,9 @@ class Block:
         self.engram = engram  # engine/model/engram.py Engram, or None
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.get(f"layers.{self.layer}.{name}.weight"), self.cfg.norm_eps)
+        """The sub-layer's input norm; narrow: the kernel ops may hand it on as bf16 (every reader of a block's
+        normalized input widens what it loads, or takes bf16)."""
+        return self.ops.rms_norm(x, self.get(f"layers.{self.layer}.{name}.weight"), self.cfg.norm_eps, narrow=True)
 
     def mix_in(self, x: torch.Tensor, pre: torch.Tensor):
         """The attention's side of the mHC: the stream collapsed and normalized -> (the attention's input

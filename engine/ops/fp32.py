@@ -97,7 +97,8 @@ class Fp32Ops:
         """An activation as it is stored between two ops."""
         return x
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, narrow: bool = False):
+        """narrow ignored (float32 out)."""
         return self.act(rms_norm(x, weight, eps))
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

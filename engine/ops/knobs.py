@@ -38,7 +38,7 @@ class KernelKnobs:
     # mHC's older float32-stream form, 343.8 us, where mhc_f32_stream's 256 was the right baseline); the GPU
     # parity beside the defaults': routing 0.9679 / 0.9445 against 0.9681 / 0.9443, Jaccard 0.9324 / 0.9114
     # against 0.9334 / 0.9114, logits rel L2 4.66e-2 against 4.55e-2, top-1 0.925 against 0.917 (the spread of
-    # a sum order)
+    # a sum order). With the collapse kept bf16 too (run 31e): Reuse 13.90 -> 13.73 ms
     stream_bf16 = True
     # the prefill's float32 GEMMs (the router's gate, the compressor's projections) on tensor cores at float32
     # accuracy (kernels/f32_gemm.py, tf32x3) instead of cuBLAS's CUDA-core sgemm (0.33 ms for the gate at 4K
@@ -49,9 +49,9 @@ class KernelKnobs:
     # (under `reference` the activations do; the gate's and compressor's weights are stored BF16, checked once a
     # weight): tf32x3's lo pieces are zero for such operands, so the same products, exact; each K step's sum
     # added in float32 on the CUDA cores (kernels/f32_gemm.py `promote`: the MMA's own accumulation keeps fewer
-    # bits). H100 run 31b without `promote`: the gate 4096 x 384 x 5120 67.9 us against tf32x3's 252.8, the
-    # compressor's 4096 x 1024 126.8 against 548.4; the layer's prefill graph -0.18 ms a layer, -0.8 on Full m=2
-    # (three such GEMMs); parity as before (31a: routing 0.9681 / 0.9443)
+    # bits). H100 run 31d: the gate 4096 x 384 x 5120 71.7 us against tf32x3's 249.4, 1.8e-7 from float64
+    # against 2.4e-7; the compressor's 4096 x 1024 137.4 against 547.2; the layer's prefill graph -0.19 ms a layer
+    # (Reuse 14.08 -> 13.90), -0.87 on Full m=2 (three such GEMMs); parity as before (31d: routing 0.9681 / 0.9445)
     f32_one_pass = True
     # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
     # keeping theirs: the form a graph capture takes) instead of reading back which rows tie, the prefill's one

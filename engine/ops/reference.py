@@ -107,7 +107,8 @@ class ReferenceOps(Fp32Ops):
             return to_bf16_(self.gemm(round_input(x), w))
         return to_bf16_(x.float() @ w.t())
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, narrow: bool = False):
+        """narrow ignored (float32 out)."""
         return to_bf16_(rms_norm(x, weight, eps))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):

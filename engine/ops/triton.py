@@ -504,7 +504,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
-        return self.base.routed_experts(cfg, layer, prefix, x, experts, weights, get, linear, owned)
+        return self.base.routed_experts(cfg, layer, prefix, wide(x), experts, weights, get, linear, owned)
 
     def _fold_ok(self, prefix: str, raw) -> bool:
         """Whether every expert scale of `prefix` suits the folded decode (a host read, once a layer)."""

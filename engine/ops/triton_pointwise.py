@@ -24,12 +24,16 @@ class PointwiseKernels:
         """The wrapped numerics' collapse (the head's, a CED replay's) on the stream as float32."""
         return self.base.collapse(wide(x), pre)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, narrow: bool = False):
         """One kernel (kernels/rmsnorm.py) where the wrapped numerics take seven launches: float32, its
-        output bf16-rounded in the kernel for `reference` numerics (what their `act` stores)."""
+        output bf16-rounded in the kernel for `reference` numerics (what their `act` stores); narrow (a caller
+        whose readers take bf16): those values stored bf16 (H100 run 31e: the five FP8 linears' input pass,
+        the experts' round trip and the gate read a block's normalized input at the copy rate)."""
         from kernels.rmsnorm import MAX_WIDTH
         if not self.compute or x.shape[-1] > MAX_WIDTH:
             return self.base.rms_norm(x, weight, eps)
+        if narrow and self._bf16_stream:
+            return self._kernel("rms_norm")(x, weight, eps, True, out_dtype=torch.bfloat16)
         return self._kernel("rms_norm")(x, weight, eps, self._bf16_stream)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
