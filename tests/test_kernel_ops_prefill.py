@@ -207,7 +207,7 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
 def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch):
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
     bf16 (the queries through the RoPE to the attention; wq_a and wkv into their RMSNorms; a block's input norms
-    into the attention's and the FFN's GEMMs; the grouped wo_a into wo_b's linear, wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the
+    into the attention's and the FFN's GEMMs; the Engram's wkv into its mix; the grouped wo_a into wo_b's linear, wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the
     routed experts' E4M3 round trip into their kernel): no widening copies, and none narrowing again. The same values as the float32 form, so
     every layer's attention output, wo_b output, mHC update, shared-expert sum, expert output and picks are bit
     for bit those of a model whose GEMMs and round trips all widen."""
@@ -259,13 +259,21 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
             seen.append(("block norm", (out.dtype,), out.float()))
         return out
     monkeypatch.setattr(TritonOps, "rms_norm", rms_norm)
+    real_engram_mix = TritonOps.engram_mix
+
+    def engram_mix(self, x, kv, *args):  # kv: the Engram's wkv GEMM (gemm_of)
+        out = real_engram_mix(self, x, kv, *args)
+        seen.append(("engram kv", (kv.dtype,), out.float()))
+        return out
+    monkeypatch.setattr(TritonOps, "engram_mix", engram_mix)
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
     models = []
 
     def widen(model):
-        linear, grouped_out = model.linear, model.ops.grouped_out
+        linear, grouped_out, gemm_of = model.linear, model.ops.grouped_out, model.ops.gemm_of
         model.linear = lambda x, base, narrow=False: linear(x, base)  # the blocks below take it
         model.ops.grouped_out = lambda o, wo_a, name="", narrow=False: grouped_out(o, wo_a, name)
+        model.ops.gemm_of = lambda x, fetch, name: gemm_of(x, fetch, name).float()
         norms_narrow[0] = False
         model.reset()
 
@@ -273,7 +281,7 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
     narrow_seen, seen[:] = seen[:], []
     wide_picks = run(widen)
     assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b", "mhc_ffn",
-                                               "experts' input", "norm input", "block norm"}
+                                               "experts' input", "norm input", "block norm", "engram kv"}
     assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
     assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
     assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]

@@ -65,7 +65,7 @@ class PointwiseKernels:
         numerics take ~20 launches over float32 temporaries (~3 ms of a 4,096-token prefill, run 18c)."""
         from kernels.engram import MAX_WIDTH
         if not self.compute or x.dim() != 3 or x.shape[-1] > MAX_WIDTH:
-            return self.base.engram_mix(wide(x), kv, q_weight, k_weight, eps, token_mask)
+            return self.base.engram_mix(wide(x), wide(kv), q_weight, k_weight, eps, token_mask)
         return self._kernel("engram_mix")(x, kv, q_weight, k_weight, eps, token_mask, round_bf16=self._bf16_stream,
                                           bf16_out=self._narrow_stream)
 
