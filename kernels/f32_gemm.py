@@ -15,7 +15,8 @@ products into its accumulator (H100 run 31b, 4096 x 384 x 5120 on bf16 values: o
 MMA 5.6e-6 from float64, one TF32 pass 9.4e-6, tf32x3 2.4e-7), so each K step's product goes into a fresh
 accumulator and is added to the running sum on the CUDA cores (`promote`, on by default; off: the MMA's own
 accumulation, for the bench). tf32x3 owes its accuracy to the same: Triton's lowering adds each step's three
-products to the running sum with a float32 add (its sm_90 TTGIR), so its MMA sums span one K step. Operands with other values would be rounded: the caller's contract, not checked.
+products to the running sum with a float32 add (its sm_90 TTGIR), so its MMA sums span one K step. Operands
+with other values would be rounded: the caller's contract, not checked.
 
 x [M, K], w [N, K] float32 (bf16 too under precision "bf16") -> float32 [M, N].
 """

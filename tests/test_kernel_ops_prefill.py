@@ -207,10 +207,11 @@ def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):
 def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch):
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
     bf16 (the queries through the RoPE to the attention; wq_a and wkv into their RMSNorms; a block's input norms
-    into the attention's and the FFN's GEMMs; the Engram's wkv into its mix; the grouped wo_a into wo_b's linear, wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the
-    routed experts' E4M3 round trip into their kernel): no widening copies, and none narrowing again. The same values as the float32 form, so
-    every layer's attention output, wo_b output, mHC update, shared-expert sum, expert output and picks are bit
-    for bit those of a model whose GEMMs and round trips all widen."""
+    into the attention's and the FFN's GEMMs; the Engram's wkv into its mix; the grouped wo_a into wo_b's linear,
+    wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the routed experts'
+    E4M3 round trip into their kernel): no widening copies, and none narrowing again. The same values as the
+    float32 form, so every layer's attention output, wo_b output, mHC update, shared-expert sum, expert output,
+    Engram mix and picks are bit for bit those of a model whose GEMMs and round trips all widen."""
     from engine.ops.triton import TritonOps
 
     seen = []  # (op, its inputs' dtypes, its output) per call
