@@ -149,7 +149,7 @@ def rand_fp4(shape, block, kind="e8m0"):
 
 def cases():
     """(name, thunk) at the release's widths (benches/kernels.py's shapes, fewer rows)."""
-    from kernels import (elementwise, engram, f32_gemm, fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope,
+    from kernels import (elementwise, engram, f32_gemm, fp8_linear, indexer, mhc, moe, quant, rmsnorm, rope, router,
                          sinkhorn, sparse_attn, sparse_attn_train, ties, topk)
 
     def quantizers():
@@ -264,6 +264,7 @@ def cases():
                 torch.randn(4096, 5120), torch.randn(384, 5120))),
             ("float32 GEMM, one bf16 pass, the router 4096 x 384 x 5120", lambda: f32_gemm.f32_gemm_triton(
                 torch.randn(4096, 5120), torch.randn(384, 5120).bfloat16(), precision="bf16")),
+            ("the router's top-6 of 384, 4096 tokens", lambda: router.route_topk_triton(torch.randn(4096, 384), 6)),
             ("shared expert SwiGLU 4096 x 2304", lambda: elementwise.swiglu_triton(
                 torch.randn(4096, 2304), torch.randn(4096, 2304), 10.0, round_bf16=True)),
             ("shared expert sum 4096 x 5120", lambda: elementwise.add_triton(

@@ -24,7 +24,8 @@ from engine import quant as Q  # noqa: E402
 from kernels import indexer, mhc, sparse_attn, topk  # noqa: E402
 
 from benches.kernel_bench import DEV, LOG, bench, ceilings, fp4_dev, kernel_breakdown, rand_fp4, rel, row, sweep  # noqa: E402
-from benches.kernels_dense import case_engram, case_f32, case_linear, case_norm, case_quant  # noqa: E402
+from benches.kernels_dense import (case_engram, case_f32, case_linear, case_norm, case_quant,  # noqa: E402
+                                   case_router)
 from benches.kernels_moe import case_moe  # noqa: E402
 
 dec_scores = None
@@ -388,7 +389,7 @@ def main():
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
                  attn_decode=case_attn_decode,
                  indexer=case_indexer, topk=case_topk, moe=case_moe, linear=case_linear, norm=case_norm,
-                 engram=case_engram, f32=case_f32)
+                 engram=case_engram, f32=case_f32, router=case_router)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import quant as Q
-from kernels import engram, f32_gemm, fp8_linear, quant, rmsnorm
+from kernels import engram, f32_gemm, fp8_linear, quant, rmsnorm, router
 
 from benches.kernel_bench import DEV, LOG, bench, rel, row, sweep
 
@@ -212,3 +212,20 @@ def case_f32(bw, mm):
                 flops / mm * 1e6, "bf16 MMA", f"{flops / t / 1e6:.0f} TFLOP/s; cfg {cfg}; tf32x3 on the same operands "
                 f"{t3:.1f} us, rel {rel(want16, three):.1e}; max |bf16 pass - tf32x3| {(one - three).abs().max():.1e}",
                 t3, f"rel {r:.1e}", "-")
+
+
+def case_router(bw, mm):
+    """The router's top-6 of 384 biased scores (kernels/router.py, TritonOps knob router_topk) at a 4K prefill's and
+    a 64-token decode step's rows, against torch.topk (the engine's form: one sbtopk launch, 81 us at 4K tokens in
+    H100 run 31f's layer profile) in the same run; the picks must be torch's (random rows: no ties)."""
+    for t in (4096, 64):
+        biased = torch.randn(t, 384, device=DEV)
+        want = biased.topk(6, dim=-1).indices
+        cfg, us, same = sweep(f"route_topk_cfgs_{t}", f"router top-6 {t}", [{}, dict(block_t=8), dict(block_t=32),
+                                                                        dict(block_t=16, num_warps=8)],
+                              lambda **c: router.route_topk_triton(biased, 6, **c),
+                              lambda out: bool(torch.equal(out, want)), valid=bool)
+        te = bench(lambda: biased.topk(6, dim=-1).indices)
+        byt = biased.numel() * 4 + t * 6 * 8
+        row(f"router top-6 of 384, {t} tokens", us, byt / bw * 1e6, "HBM", f"cfg {cfg}; torch.topk {te:.1f} us",
+            te, f"picks equal to torch.topk: {same}", "-")

@@ -20,6 +20,7 @@ from kernels import moe as _moe
 from kernels import quant as _q
 from kernels import rmsnorm as _rms
 from kernels import rope as _rope
+from kernels import router as _router
 from kernels import sparse_attn as _attn
 from kernels import ties as _ties
 from kernels import topk as _topk
@@ -43,6 +44,7 @@ _PAIRS = {
     "swiglu": (_ew.swiglu_reference, _ew.swiglu_triton),
     "add": (_ew.add_reference, _ew.add_triton),
     "f32_gemm": (_f32.f32_gemm_reference, _f32.f32_gemm_triton),
+    "route_topk": (_router.route_topk_reference, _router.route_topk_triton),
 }
 
 
@@ -113,6 +115,10 @@ def add(*args, **kwargs):
 
 def f32_gemm(*args, **kwargs):
     return _call("f32_gemm", *args, **kwargs)
+
+
+def route_topk(*args, **kwargs):
+    return _call("route_topk", *args, **kwargs)
 
 
 def engram_mix(*args, **kwargs):

@@ -14,9 +14,10 @@ from ..config import ModelConfig
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor | None,
           image_mask: torch.Tensor | None, topk: int, route_scale: float, score_func: str = "sqrtsoftplus",
-          project=None):
+          project=None, pick=None):
     """x: [T, dim] -> (scores [T, E], experts [T, k], weights [T, k]); project(x, w): the float32 x @ w^T
-    (engine/ops f32_linear; None: the plain product)."""
+    (engine/ops f32_linear; None: the plain product); pick(biased, k): the k best experts per token, highest
+    first (engine/ops route_topk; None: torch.topk)."""
     logits = x.float() @ gate_w.float().t() if project is None else project(x, gate_w)
     if score_func == "softmax":
         scores = logits.softmax(-1)
@@ -27,7 +28,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: to
     b = bias.float().expand_as(scores)
     if image_mask is not None and bias_vl is not None:
         b = torch.where(image_mask[:, None], bias_vl.float()[None, :], b)
-    experts = (scores + b).topk(topk, dim=-1).indices
+    experts = (scores + b).topk(topk, dim=-1).indices if pick is None else pick(scores + b, topk)
     weights = scores.gather(1, experts)
     if topk > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -84,15 +85,16 @@ class Gate:
     top-k chosen on score + bias (bias_vl at image positions), and the chosen scores renormalized and
     scaled by route_scale. The bias only steers the choice; the weights are the plain scores."""
 
-    def __init__(self, cfg: ModelConfig, prefix: str, get, n_active: int, project=None):
-        self.cfg, self.prefix, self.get, self.n_active, self.project = cfg, prefix, get, n_active, project
+    def __init__(self, cfg: ModelConfig, prefix: str, get, n_active: int, project=None, pick=None):
+        self.cfg, self.prefix, self.get, self.n_active = cfg, prefix, get, n_active
+        self.project, self.pick = project, pick
 
     def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None):
         """x [T, dim] -> (scores [T, E], experts [T, k], weights [T, k])."""
         cfg, p = self.cfg, self.prefix
         bias_vl = self.get(p + "gate.bias_vl") if image_mask is not None else None
         return route(x, self.get(p + "gate.weight"), self.get(p + "gate.bias"), bias_vl, image_mask, self.n_active,
-                     cfg.route_scale, cfg.score_func, self.project)
+                     cfg.route_scale, cfg.score_func, self.project, self.pick)
 
 
 class MoE:
@@ -105,7 +107,8 @@ class MoE:
         self.cfg, self.layer, self.get, self.linear, self.parallel, self.ops = cfg, layer, get, linear, parallel, ops
         self.prefix = f"layers.{layer}.ffn." if layer < cfg.n_layers else f"mtp.{layer - cfg.n_layers}.ffn."
         self.n_routed, n_active = cfg.experts_of(layer)
-        self.gate = Gate(cfg, self.prefix, get, n_active, ops.f32_linear)  # a float32 GEMM in the reference
+        # the gate a float32 GEMM in the reference; the choice on the kernel ops' top-k where they take it
+        self.gate = Gate(cfg, self.prefix, get, n_active, ops.f32_linear, ops.route_topk)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, probe: dict | None) -> torch.Tensor:
         """x [T, dim] (normalized) -> [T, dim]; probe (a dict, or None) receives the routing."""

@@ -154,6 +154,10 @@ class Fp32Ops:
         """E4M3 bytes and E8M0 scales per `block` (engine.quant.quantize_fp8): a cache's stored form."""
         return quant.quantize_fp8(x, block)
 
+    def route_topk(self, biased: torch.Tensor, k: int) -> torch.Tensor:
+        """The router's choice: the k highest biased scores' experts per token, highest first (torch.topk)."""
+        return biased.topk(k, dim=-1).indices
+
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w^T in float32, a GEMM the reference runs so (a Full m > 1 layer's compressor projections)."""
         return x.float() @ w.float().t()

@@ -53,6 +53,10 @@ class KernelKnobs:
     # against 2.4e-7; the compressor's 4096 x 1024 137.4 against 547.2; the layer's prefill graph -0.19 ms a layer
     # (Reuse 14.08 -> 13.90), -0.87 on Full m=2 (three such GEMMs); parity as before (31d: routing 0.9681 / 0.9445)
     f32_one_pass = True
+    # the router's top-k of the biased scores in one kernel (kernels/router.py) instead of torch.topk, whose one
+    # sbtopk launch took 81 us of a 4K prefill on [4096, 384] (H100 run 31f); the same picks (ties: the lower
+    # expert first, which torch leaves unspecified). Untimed: off until a GPU run times it
+    router_topk = False
     # the indexer's ties broken in the branch-free form (every row re-picked on the full width, the untied
     # keeping theirs: the form a graph capture takes) instead of reading back which rows tie, the prefill's one
     # host read a Full layer. H200 run 25b against 25a: the Full layers' captured prefill the same GPU time
@@ -79,7 +83,8 @@ class KernelKnobs:
     linear_cublas = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
-             "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
+             "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
+             "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
 
     def set_knobs(self, spec: str) -> dict:

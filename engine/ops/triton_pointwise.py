@@ -36,6 +36,14 @@ class PointwiseKernels:
             return self._kernel("rms_norm")(x, weight, eps, True, out_dtype=torch.bfloat16)
         return self._kernel("rms_norm")(x, weight, eps, self._bf16_stream)
 
+    def route_topk(self, biased: torch.Tensor, k: int) -> torch.Tensor:
+        """The router's choice in one launch (kernels/router.py, knob router_topk) where a row fits one program;
+        else the wrapped numerics' torch.topk."""
+        if not (self.compute and self.router_topk) or biased.dim() != 2 or not 0 < k <= min(biased.shape[1], 32) \
+                or biased.shape[1] > 4096:
+            return self.base.route_topk(biased, k)
+        return self._kernel("route_topk")(biased, k)
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):
         """RoPE in one kernel (kernels/rope.py) on the wrapped `reference` numerics' own table, where their
         form takes ~8 launches (a decode step rotates 3-6 tensors); other numerics: theirs. In place: the
