@@ -171,8 +171,10 @@ def test_stored_weights_keep_no_float_copy_and_feed_the_fp8_kernel():
 
 def test_gemm_of_takes_the_bf16_form_where_linear_would(monkeypatch):
     """The Engram's wkv by name: above a decode step's rows (K whole 64 blocks, scales in range) the FP8 kernel
-    runs in its bf16 form with a float32 output, as `linear` does (its products on cuBLAS by default, knob
-    linear_cublas); at 64 rows of a narrow product, the FP8 form. All equal the float64 product to bf16 rounding."""
+    runs in its bf16 form, as `linear` does (its products on cuBLAS by default, knob linear_cublas); at 64 rows of
+    a narrow product, the FP8 form. Under `reference` the output is the kernel's bf16 tensor (its one reader, the
+    Engram's mix, widens what it loads); under fp32 numerics float32. All equal the float64 product to bf16
+    rounding."""
     import torch
     from engine import quant
     from engine.ops import ops_for
@@ -198,10 +200,15 @@ def test_gemm_of_takes_the_bf16_form_where_linear_would(monkeypatch):
         ops.linear_cublas = cublas
         x = quant.fp8_roundtrip(torch.randn(rows, 128, generator=g), 32)
         got = ops.gemm_of(x, lambda: pytest.fail("the float weight was fetched"), name)
-        assert seen.pop() == {"float_out": True, **form} and got.dtype == torch.float32
-        assert torch.equal(got, got.bfloat16().float())  # bf16 values
+        assert seen.pop() == {"float_out": False, **form} and got.dtype == torch.bfloat16
         want = x.double() @ value.t()
         assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-12).all()
+    fp32 = TritonOps(ops_for("fp32"), StoredWeights(reader=TensorReader({name: q, "layers.1.engram.wkv.scale": s})),
+                     "cpu")
+    monkeypatch.setattr(fp32, "_kernel", spy)
+    got = fp32.gemm_of(x, lambda: pytest.fail("the float weight was fetched"), name)
+    assert seen.pop() == {"float_out": True} and got.dtype == torch.float32
+    assert torch.equal(got, got.bfloat16().float())  # bf16 values
 
 
 def test_profile_pass_writes_a_section_per_phase(tmp_path):
