@@ -235,12 +235,13 @@ def cast_rne(v, ty: tl.constexpr):
 
 @triton.jit
 def bf16_output(v, out_ptr):
-    """float32 v as a bf16 output stores it: bf16 (the cast), or (a float32 output: what the reference
-    numerics keep) its bf16 value, rounded to nearest even by cast_rne."""
+    """float32 v as a bf16 output stores it, rounded to nearest even by cast_rne: bf16, or (a float32 output: what
+    the reference numerics keep) its bf16 value. (The interpreter's plain cast rounds otherwise, so a bf16 output
+    interpreted drifted from the float32 one by up to a step.)"""
     if out_ptr.dtype.element_ty == tl.float32:
         return cast_rne(v, tl.bfloat16).to(tl.float32)
     else:
-        return v.to(tl.bfloat16)
+        return cast_rne(v, tl.bfloat16)
 
 
 def register_cap(maxnreg: int | None) -> dict:
