@@ -1,5 +1,5 @@
-"""The engine's kernel ops (engine/ops/triton.py) and their parity checks (engine/run/parity.py) on the CPU, with the Triton kernels under the
-interpreter, on a tiny written checkpoint.
+"""The engine's kernel ops (engine/ops/triton.py) and their parity checks (engine/run/parity.py) on the CPU, with the
+Triton kernels under the interpreter, on a tiny written checkpoint.
 
 The interpreter must be on before triton is imported, so the kernel runs happen in subprocesses
 (this file run as a script, its two halves at once: the interpreted kernels are slow and the test

@@ -11,8 +11,8 @@ class KernelKnobs:
     moe_fp8_mma = False
     # the decode step's FP8 linears with K >= 4096 and N >= 2048 on the kernel's bf16 form too (H200 run 18d:
     # 64 x 5120 x 8192 31.7 us against 43.2 for the FP8 form's best, 64 x 2304 x 5120 15.3 against 16.6;
-    # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a, against 18c) 30-42 us
-    # faster a layer with it (Full m=1 3.518 -> 3.476 ms, 2.9x its HBM floor at 4.04 TB/s)
+    # 64 x 1280 x 5120 and 64 x 32768 x 1280 slower); the release layer's graphed decode step (run 19a, against 18c)
+    # 30-42 us faster a layer with it (Full m=1 3.518 -> 3.476 ms, 2.9x its HBM floor at 4.04 TB/s)
     linear_bf16_decode = True
     # sparse attention: force the two passes (kernels/sparse_attn_decode.py) on every call where its int32
     # offsets reach the caches, and their bf16x2 form wherever they run, with the kernels' other launch options

@@ -145,7 +145,8 @@ class ReferenceOps(Fp32Ops):
         reference slices them: ~1.2-1.6x one GEMM, where a batched GEMM of the partials and separate
         adds cost 2-6x (memory traffic)."""
         acc = x.new_zeros(x.shape[0], w.shape[0])  # [M, N]
-        for xs, ws in zip(x.split(GEMM_BLOCK_K, dim=1), w.t().split(GEMM_BLOCK_K, dim=0)):  # the same views, fewer calls
+        # the same views, fewer calls
+        for xs, ws in zip(x.split(GEMM_BLOCK_K, dim=1), w.t().split(GEMM_BLOCK_K, dim=0)):
             acc.addmm_(xs, ws)
         return acc
 
