@@ -12,12 +12,17 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 
 
+def top_experts(biased: torch.Tensor, k: int) -> torch.Tensor:
+    """The router's choice: each token's k highest biased scores' experts, highest first (torch.topk)."""
+    return biased.topk(k, dim=-1).indices
+
+
 def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor | None,
           image_mask: torch.Tensor | None, topk: int, route_scale: float, score_func: str = "sqrtsoftplus",
           project=None, pick=None):
     """x: [T, dim] -> (scores [T, E], experts [T, k], weights [T, k]); project(x, w): the float32 x @ w^T
     (engine/ops f32_linear; None: the plain product); pick(biased, k): the k best experts per token, highest
-    first (engine/ops route_topk; None: torch.topk)."""
+    first (engine/ops route_topk; None: top_experts)."""
     logits = x.float() @ gate_w.float().t() if project is None else project(x, gate_w)
     if score_func == "softmax":
         scores = logits.softmax(-1)
@@ -28,7 +33,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, bias_vl: to
     b = bias.float().expand_as(scores)
     if image_mask is not None and bias_vl is not None:
         b = torch.where(image_mask[:, None], bias_vl.float()[None, :], b)
-    experts = (scores + b).topk(topk, dim=-1).indices if pick is None else pick(scores + b, topk)
+    experts = (pick or top_experts)(scores + b, topk)
     weights = scores.gather(1, experts)
     if topk > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

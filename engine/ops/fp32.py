@@ -6,6 +6,7 @@ import torch
 
 from .. import quant
 from ..model import mhc
+from ..model.moe import top_experts
 from ..model.rope import rotate
 
 NEG_INF = float("-inf")
@@ -155,8 +156,8 @@ class Fp32Ops:
         return quant.quantize_fp8(x, block)
 
     def route_topk(self, biased: torch.Tensor, k: int) -> torch.Tensor:
-        """The router's choice: the k highest biased scores' experts per token, highest first (torch.topk)."""
-        return biased.topk(k, dim=-1).indices
+        """The router's choice (engine/model/moe.py top_experts)."""
+        return top_experts(biased, k)
 
     def f32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w^T in float32, a GEMM the reference runs so (a Full m > 1 layer's compressor projections)."""

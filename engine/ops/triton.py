@@ -60,11 +60,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _bf16_valued(w: torch.Tensor) -> bool:
-    """Whether every value of w is a bf16 (a host read)."""
-    return bool(torch.equal(w.bfloat16().float(), w.float()))
-
-
 def _k_splits(kdim: int, most: int = 16, least_width: int = 256) -> int:
     """K splits for TritonOps.f32_linear: the most (a power of two, up to `most`) that divide K into slices
     of at least `least_width`."""
@@ -270,10 +265,10 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         if self.compute and self.f32_tf32x3 and m > 256:  # a prefill's: the tensor-core form, if asked
             # operands of bf16 values (knob f32_one_pass): `reference` stores every activation so; a BF16-stored
             # weight's values are (checked once a weight: a host sync)
-            if self.f32_one_pass and self._bf16_stream and self._of(w, "bf16 values", _bf16_valued):
+            w16 = self._of(w, "bf16 copy", torch.Tensor.bfloat16) if self.f32_one_pass and self._bf16_stream else None
+            if w16 is not None and self._of(w, "bf16 values", lambda w: bool(torch.equal(w16.float(), w.float()))):
                 self.calls["f32_gemm_bf16"] += 1
-                return self._kernel("f32_gemm")(x, self._of(w, "bf16 copy", torch.Tensor.bfloat16),
-                                                precision="bf16")
+                return self._kernel("f32_gemm")(x, w16, precision="bf16")
             return self._kernel("f32_gemm")(x, w)
         splits = _k_splits(kdim)
         if not self.compute or not 0 < m <= 256 or splits == 1:
