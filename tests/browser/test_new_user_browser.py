@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from harness import ARTIFACTS, REPO, hover_chart, streamlit_server
 
@@ -105,6 +106,28 @@ def _plan_point(page, layer: int):
     return page.locator(".st-key-plan_chart .js-plotly-plot .scatterlayer .trace").last.locator(".point").nth(layer)
 
 
+def _enter_prompt(page, text: str, committed: str) -> None:
+    """Types `text` into the prompt box, commits it (the box commits on blur) and clicks Run.
+
+    A fill that lands while a rerun is still repainting the sidebar can be overwritten by the server's
+    value (seen once in a loaded CI run), so the commit is checked through the URL (`committed`, a JS
+    predicate) and typed again, at most twice more, before Run is clicked."""
+    box = page.locator(".st-key-prompt_text textarea")
+    for attempt in range(3):
+        box.fill(text)
+        box.blur()
+        try:
+            page.wait_for_function(committed, timeout=WAIT // 3)
+            break
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
+            _idle(page)
+    _idle(page)
+    page.locator(".st-key-run_btn button").first.click()
+    _idle(page)
+
+
 def _no_traceback(page, errors) -> None:
     assert not page.locator("[data-testid=stException]").count(), "the page shows a traceback"
     assert not errors, errors
@@ -173,10 +196,7 @@ def test_config_link_keeps_source_prompt_and_dspark_stage(plain_server, browser)
     page.goto(url + "/?source=config&layer=2&tab=full_m2")
     page.wait_for_selector(".st-key-plan_chart .js-plotly-plot .scatterlayer .point", timeout=WAIT)
     _idle(page)
-    prompt = page.locator(".st-key-prompt_text textarea")
-    prompt.fill("Paris is the capital of")
-    page.locator(".st-key-run_btn button").first.click()                      # item 10: a Run button
-    page.wait_for_function("() => location.search.includes('prompt=Paris')", timeout=WAIT)
+    _enter_prompt(page, "Paris is the capital of", "() => location.search.includes('prompt=Paris')")  # item 10: Run
     # item 10: the Sample box no longer names a sample
     page.wait_for_function("() => document.querySelector('.st-key-sample input').value === '(your own prompt)'",
                            timeout=WAIT)
@@ -202,16 +222,13 @@ def test_config_link_keeps_source_prompt_and_dspark_stage(plain_server, browser)
     assert not page2.locator("text=is not a layer").count()
     # a long prompt survives a reload through a server-side draft
     long = "The quick brown fox jumps over the lazy dog. " * 450          # ~20,000 characters
-    page2.locator(".st-key-prompt_text textarea").fill(long)
-    page2.locator(".st-key-run_btn button").first.click()
-    page2.wait_for_function("() => /draft=[0-9a-f]{20}/.test(location.search)", timeout=WAIT)
+    _enter_prompt(page2, long, "() => /draft=[0-9a-f]{20}/.test(location.search)")
     page2.reload()
     page2.wait_for_selector(".st-key-prompt_text textarea", timeout=WAIT)
     _idle(page2)
     assert page2.locator(".st-key-prompt_text textarea").input_value() == long
     # item 10: an empty prompt says so
-    page2.locator(".st-key-prompt_text textarea").fill("")
-    page2.locator(".st-key-run_btn button").first.click()
+    _enter_prompt(page2, "", "() => !/[?&](prompt|draft)=/.test(location.search)")
     page2.locator("[data-testid=stSidebar] >> text=Empty prompt").wait_for(timeout=WAIT)
     assert not page2.locator("[data-testid=stSidebar] >> text=0 tokens").count()
     _no_traceback(page2, errors)
