@@ -36,6 +36,7 @@ import triton.language as tl
 from engine import quant as Q
 from kernels import moe_f8, moe_gemv
 from kernels._formats import dot_dtype, register_cap
+from kernels.quant import fp8_roundtrip_triton
 from kernels.fp4_tiles import (decode_form, fp4_bytes_folded, fp4_decoded, fp4_decoded_folded, fp4_dot_scaled,
                                fp4_tile, fp4_words, nib_order, nib_position)
 
@@ -313,10 +314,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     fp8_hidden = hidden is not None
     if fp8_mma:  # the FP8 form has no GEMV: grouped at every width
         gemv_max_pairs = 0
-    if fp8_hidden and not fp8_mma and not x_on_grid:  # x on the E4M3-per-32 grid, as the reference's GEMM
-        # sees it (the FP8 form quantizes x itself)
-        from kernels.quant import fp8_roundtrip_triton
-        x = fp8_roundtrip_triton(x, 32).to(torch.bfloat16)
+    # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the FP8 form quantizes x itself); the grouped
+    # GEMM's round trip stores in the decoders' nibble order below, at no extra pass
+    round_x = fp8_hidden and not fp8_mma and not x_on_grid
     if dim % 32 or inter % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
     u8 = torch.uint8
@@ -325,7 +325,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     tw = topk_weights.float().contiguous()
     if p <= gemv_max_pairs:
         return moe_gemv.moe_gemv(
-            x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden, block_n=gemv_block_n,
+            fp8_roundtrip_triton(x, 32, bf16_out=True) if round_x else x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden, block_n=gemv_block_n,
             block_kw=gemv_block_kw, iters=gemv_iters, down_block_n=gemv_down_block_n,
             down_block_kw=gemv_down_block_kw, down_iters=gemv_down_iters, num_warps=gemv_num_warps,
             down_num_warps=gemv_down_num_warps, prefetch=gemv_prefetch)
@@ -367,7 +367,10 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
-    xp = x.contiguous() if sc else nib_order(x.contiguous())
+    if round_x:
+        xp = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=not sc)
+    else:
+        xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words
         w1w, w3w, w2w = (w.contiguous().view(u8) for w in (w1, w3, w2))
     bd = form if dt == tl.bfloat16 and not sc else 0  # the interpreter's dots run in float32

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import e2m1_code, e4m3_code, e4m3_value, fp4_value, pow2_scale_up
+from kernels.fp4_tiles import nib_order
 
 
 def quantize_fp4_reference(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):
@@ -86,8 +87,11 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
 
 
 @triton.jit
-def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
+def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr):
     code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    if NIB:  # index A + 4 half of each 8-group stored at 2 A + half (fp4_tiles.nib_order)
+        i = offs % 8
+        offs = offs - i + 2 * (i % 4) + i // 4
     tl.store(y_ptr + offs, e4m3_value(code) * scale[:, None], mask=gmask[:, None])
 
 
@@ -126,24 +130,32 @@ def quantize_fp8_triton(x: torch.Tensor, block: int = 32):
     return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
 
 
-def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = False) -> torch.Tensor:
+def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
+                            nib: bool = False) -> torch.Tensor:
     """engine.quant.fp8_roundtrip: x as an E4M3 store (E8M0 per `block`) and load leave it, float32
-    (bf16_out: bf16, the same values)."""
+    (bf16_out: bf16, the same values; nib: the last dimension in the FP4 decoders' order, fp4_tiles.nib_order)."""
     y = Q.fp8_roundtrip(x, block)
-    return y.bfloat16() if bf16_out else y
+    y = y.bfloat16() if bf16_out else y
+    return nib_order(y.reshape(-1, y.shape[-1])).view(y.shape) if nib else y
 
 
-def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = False) -> torch.Tensor:
+def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
+                         nib: bool = False) -> torch.Tensor:
     """The quantizer's codes and scales turned back into values in the same launch (the engine's form takes
     ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too. bf16_out:
-    stored bf16, the same values (an E4M3 value times a power of two within float32's range is a bf16)."""
+    stored bf16, the same values (an E4M3 value times a power of two within float32's range is a bf16). nib:
+    stored in the FP4 decoders' order inside each 8-group (fp4_tiles.nib_order), for the MoE's grouped GEMM:
+    the permutation rides on the store's addresses, where a separate nib_order was a 58 us copy of a 4K
+    prefill's expert input (H100 run 31f)."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"last dimension {k} is not a multiple of the FP8 group {block}")
+    if nib and block % 8:
+        raise ValueError(f"the nibble order permutes inside 8-groups: the FP8 group {block} must hold whole ones")
     xc = x.contiguous()  # widened as the kernel loads it
     y = torch.empty(xc.shape, dtype=torch.bfloat16 if bf16_out else torch.float32, device=xc.device)
     n_groups = xc.numel() // block
     if n_groups:
         bg = 64
-        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg)
+        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg, NIB=nib)
     return y

@@ -119,16 +119,21 @@ def test_bf16_form_with_the_engines_hidden_state(gen, t, block_m, block_n, block
 
 
 @pytest.mark.parametrize("t", [1, 13])
-def test_x_on_grid_skips_only_an_exact_round_trip(gen, t):
-    """x_on_grid (the engine's x, already rounded by linear(x, None)): the bf16 form skips its x round trip;
-    on x on that grid the result is bit for bit the round trip's (GEMV at 1 token, grouped at 13), and off
-    it the skip shows (so the flag really skips)."""
+def test_x_on_grid_skips_only_an_exact_round_trip(gen, t, monkeypatch):
+    """x_on_grid (x already on the E4M3-per-32 grid): the bf16 form skips its x round trip; on x on that grid
+    the result is bit for bit the round trip's (GEMV at 1 token, grouped at 13), and off it the skip shows (so
+    the flag really skips). The kernel's own round trip (the engine's x) gives the same result, and in the
+    grouped GEMM it stores the decoders' nibble order itself: no separate nib_order pass."""
     x, *rest = _case(gen, t, e=4, k=2)
     on_grid = Q.fp8_roundtrip(x.float(), 32).to(torch.bfloat16)
     knobs = dict(hidden="reference", block_m=16, block_n=32, gemv_block_kw=4, gemv_down_block_kw=4)
     want = moe.moe_fp4_triton(on_grid, *rest, **knobs)
     assert torch.equal(moe.moe_fp4_triton(on_grid, *rest, x_on_grid=True, **knobs), want)
-    assert not torch.equal(moe.moe_fp4_triton(x, *rest, x_on_grid=True, **knobs), moe.moe_fp4_triton(x, *rest, **knobs))
+    skipped = moe.moe_fp4_triton(x, *rest, x_on_grid=True, **knobs)
+    monkeypatch.setattr(moe, "nib_order", lambda a: pytest.fail("a nib_order copy beside the round trip"))
+    assert torch.equal(moe.moe_fp4_triton(x, *rest, **knobs), want)
+    assert torch.equal(moe.moe_fp4_triton(x.float(), *rest, **knobs), want)
+    assert not torch.equal(skipped, want)
 
 
 def test_fp8_form_is_the_engines_routed_experts(gen):

@@ -59,6 +59,13 @@ def test_fp8_quantizer_bit_exact(poisoned, gen):
     assert torch.equal(quant.fp8_roundtrip_reference(x.view(7, 4, 128), 32, bf16_out=True), narrow)
     xb = x.bfloat16()
     assert torch.equal(quant.fp8_roundtrip_triton(xb, 32), Q.fp8_roundtrip(xb.float(), 32))
+    # in the FP4 decoders' nibble order (the MoE's grouped GEMM input): position 2 A + h of each 8-group holds
+    # value A + 4 h, written out by hand here, not through fp4_tiles.nib_order
+    nib = quant.fp8_roundtrip_triton(x, 32, bf16_out=True, nib=True)
+    by_hand = torch.stack([narrow.view(7, 512)[:, g + a + 4 * h] for g in range(0, 512, 8) for a in range(4)
+                           for h in range(2)], dim=1)
+    assert torch.equal(nib, by_hand) and not torch.equal(nib, narrow.view(7, 512))
+    assert torch.equal(quant.fp8_roundtrip_reference(x, 32, bf16_out=True, nib=True), nib)
 
 
 # -- top-k ---------------------------------------------------------------------------------------

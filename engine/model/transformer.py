@@ -56,21 +56,21 @@ class Model:
         """y = x W^T for the weight `base.weight`; activations entering an FP8/FP4 GEMM are
         quantized to E4M3 with an E8M0 scale per 32, as the release's kernels do.
         base None: only that activation rounding (for the routed experts' batched GEMMs). narrow: the
-        caller takes a bf16 y of the same values where the ops make one (Fp32Ops.linear, fp8_roundtrip)."""
+        caller takes a bf16 y of the same values where the ops make one (Fp32Ops.linear)."""
         if base is None:
-            return self._rounded(x, narrow) if self.act_quant and self.quantized_experts else x.float()
+            return self._rounded(x) if self.act_quant and self.quantized_experts else x.float()
         return self.ops.linear(x, base, self.weights, self.act_quant, self._rounded, narrow=narrow)
 
-    def _rounded(self, x: torch.Tensor, narrow: bool = False) -> torch.Tensor:
-        """x as an FP8 GEMM's input sees it (narrow: as `linear`'s). Attention and the MoE feed one activation
-        to two or three GEMMs, so the last two inputs are remembered (per thread: engine/run/pipeline.py); the
-        memo holds them, so an identical object is the same tensor (the engine never writes into one)."""
+    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x as an FP8 GEMM's input sees it. Attention and the MoE feed one activation to two or three GEMMs,
+        so the last two inputs are remembered (per thread: engine/run/pipeline.py); the memo holds them, so an
+        identical object is the same tensor (the engine never writes into one)."""
         memo = self._rounding_memo.__dict__.setdefault("items", [])
-        for seen, was_narrow, rounded in memo:
-            if seen is x and was_narrow == narrow:
+        for seen, rounded in memo:
+            if seen is x:
                 return rounded
-        rounded = self.ops.fp8_roundtrip(x, 32, narrow=narrow)
-        memo.insert(0, (x, narrow, rounded))
+        rounded = self.ops.fp8_roundtrip(x, 32)
+        memo.insert(0, (x, rounded))
         del memo[2:]
         return rounded
 

@@ -142,9 +142,8 @@ class Fp32Ops:
         from ..model.attention import select_candidate_blocks
         return select_candidate_blocks(scores, visible, n_blocks, block)
 
-    def fp8_roundtrip(self, x: torch.Tensor, block: int = 32, narrow: bool = False) -> torch.Tensor:
-        """x as an E4M3 store (E8M0 per `block`) and load leave it (engine.quant.fp8_roundtrip), float32
-        (narrow, as `linear`'s: ignored here)."""
+    def fp8_roundtrip(self, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+        """x as an E4M3 store (E8M0 per `block`) and load leave it (engine.quant.fp8_roundtrip), float32."""
         return quant.fp8_roundtrip(x, block)
 
     def quantize_fp4_with_values(self, x: torch.Tensor, block: int, scale_kind: str = "e8m0"):

@@ -470,22 +470,23 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         return qp, qs, w, vis, kp2
 
     def routed_experts(self, cfg, layer: int, prefix: str, x, experts, weights, get, linear, owned=None):
-        """The routed experts from the raw packed FP4 weights: x [T, dim] (rounded for the expert GEMM by
-        `linear(x, None)`), experts/weights [T, k] -> [T, dim] fp32; the base op when not stored so."""
+        """The routed experts from the raw packed FP4 weights: x [T, dim] (rounded for the expert GEMM by the
+        kernel, as the base op's `linear(x, None)` does), experts/weights [T, k] -> [T, dim] fp32; the base op
+        when not stored so."""
         n_experts = cfg.experts_of(layer)[0]
         raw = self._expert_weights(prefix, n_experts, owned) if self.active(layer) else None
         if raw is not None:
             limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else 3e38  # the reference clamps only for a positive limit
             ids = experts if owned is None else torch.where((experts >= owned[0]) & (experts < owned[1]),
                                                             experts - owned[0], -1)  # -1: another rank's
-            xq = linear(x, None, narrow=True).to(torch.bfloat16).contiguous()  # bf16 already where the ops narrow
-            args = (xq, *raw, ids.to(torch.int32).contiguous(), weights.float().contiguous())
+            # the kernel rounds x to the E4M3-per-32 grid itself (as linear(x, None) does), storing the grouped
+            # GEMM's copy in its decoders' nibble order in the same pass (no 58 us nib_order copy at 4K tokens)
+            args = (x.contiguous(), *raw, ids.to(torch.int32).contiguous(), weights.float().contiguous())
             # the wrapped numerics' hidden state (w * h in E4M3 per 32; `reference`: bf16 gate, up, w * h and
             # expert outputs), in either form
             from kernels.moe import fp8_form_pays, token_block
             fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
-            form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8,
-                    "x_on_grid": self.act_quant}  # linear(x, None) rounded x to the E4M3-per-32 grid
+            form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8}
             if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
             if not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:  # a prefill's widths: the tile knobs

@@ -77,14 +77,13 @@ class PointwiseKernels:
         return self._kernel("engram_mix")(x, kv, q_weight, k_weight, eps, token_mask, round_bf16=self._bf16_stream,
                                           bf16_out=self._narrow_stream)
 
-    def fp8_roundtrip(self, x: torch.Tensor, block: int = 32, narrow: bool = False) -> torch.Tensor:
+    def fp8_roundtrip(self, x: torch.Tensor, block: int = 32) -> torch.Tensor:
         """The E4M3 round trip in one launch (kernels/quant.py), bit for bit the wrapped op's (~20 launches:
-        the MoE's input and the window keys, each decode step). narrow: stored bf16, the same values (exact: 4
-        significant bits, a float32 exponent), for the routed experts' kernel that reads bf16 (no 4K prefill's
-        44 us narrowing copy, H100 run 30e)."""
+        the window keys and the Engram table, each decode step; the routed experts' kernel rounds its input
+        itself, in the decoders' nibble order)."""
         if not self.compute or x.shape[-1] % block:
             return self.base.fp8_roundtrip(x, block)
-        return self._kernel("fp8_roundtrip")(x, block, bf16_out=narrow)
+        return self._kernel("fp8_roundtrip")(x, block)
 
     def tie_marks(self, scores: torch.Tensor, idx: torch.Tensor, picked: torch.Tensor):
         """The tie marks in one launch per block of rows (kernels/ties.py), the same values as the wrapped op's
