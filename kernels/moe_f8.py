@@ -238,8 +238,8 @@ def _down_f8_kernel(h8_ptr, hs_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_pt
 def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: float, *, block_m: int,
                block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, interpreted: bool,
                launch_options: dict, bf16_acts: bool = True):
-    """The two grouped FP8 GEMMs: x bf16 [T, dim] (values on the E4M3-per-32 grid: re-quantizing them is
-    exact), packed FP4 weights and E8M0 scales as in kernels/moe.py, tw float32 [T, k], aligned =
+    """The two grouped FP8 GEMMs: x bf16 or float32 [T, dim] (quantized here to E4M3 per 32, as the reference's
+    GEMM rounds it; exact where x is on that grid already), packed FP4 weights and E8M0 scales as in kernels/moe.py, tw float32 [T, k], aligned =
     moe_align(ids, E, block_m); bf16_acts: the `reference` numerics' bf16 roundings (else `fp32`'s).
     -> float32 [T, dim]."""
     from kernels.quant import quantize_fp8_triton
