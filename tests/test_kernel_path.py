@@ -571,3 +571,25 @@ if __name__ == "__main__":
     from triton_interp import speed_up   # tests/triton_interp.py: the same kernels, less interpreter overhead
     speed_up()
     print(json.dumps(_worker(sys.argv[1], sys.argv[2])))
+
+
+def test_index_queries_reach_the_quantizer_as_they_are():
+    """TritonOps._index_inputs: bf16 queries (the narrowed wq_b output) go to the FP4 quantizer as they are at 16
+    heads or more (no widening, no zero-width pad copy) and give the float32 route's bytes; fewer heads are
+    zero-padded to the dot's 16 rows."""
+    from engine.ops.triton import TritonOps, reference_fp4
+
+    ops = TritonOps.__new__(TritonOps)
+    ops.compute, ops.calls, ops.device, ops.capture_layer = True, Counter(), torch.device("cpu"), None
+    seen = []
+    ops._kernel = lambda name: (lambda x, *a: seen.append(x) or reference_fp4(x.float(), 32))
+    g = torch.Generator().manual_seed(13)
+    keys = (torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1))
+    for heads in (16, 4):
+        q = torch.randn(3, heads, 64, generator=g).bfloat16()
+        qp, qs, w, vis, _ = ops._index_inputs(2, q, torch.ones(3, heads), keys, torch.arange(3), None, 4, 2)
+        assert seen[-1].dtype == torch.bfloat16 and seen[-1].shape == (3, 16, 64) and w.shape == (3, 16)
+        assert (seen[-1].data_ptr() == q.data_ptr()) == (heads == 16)
+        assert seen[-1][:, heads:].eq(0).all() and torch.equal(seen[-1][:, :heads], q)
+        want_p, want_s = reference_fp4(torch.nn.functional.pad(q.float(), (0, 0, 0, 16 - heads)), 32)
+        assert torch.equal(qp, want_p) and torch.equal(qs.view(torch.uint8), want_s.view(torch.uint8))
