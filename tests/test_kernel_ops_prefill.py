@@ -208,10 +208,11 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
     bf16 (the queries through the RoPE to the attention; wq_a and wkv into their RMSNorms; a block's input norms
     into the attention's and the FFN's GEMMs; the Engram's wkv into its mix; the grouped wo_a into wo_b's linear,
-    wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the routed experts'
-    E4M3 round trip into their kernel): no widening copies, and none narrowing again. The same values as the
-    float32 form, so every layer's attention output, wo_b output, mHC update, shared-expert sum, expert output,
-    Engram mix and picks are bit for bit those of a model whose GEMMs and round trips all widen."""
+    wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the FFN norm into
+    the routed experts' kernel, which rounds it itself; the indexer's wq_b into its RoPE and FP4 quantizer): no
+    widening copies, and none narrowing again. The same values as the float32 form, so every layer's attention
+    output, wo_b output, mHC update, shared-expert sum, expert output, Engram mix, index queries and picks are bit
+    for bit those of a model whose GEMMs and norms all widen."""
     from engine.ops.triton import TritonOps
 
     seen = []  # (op, its inputs' dtypes, its output) per call
@@ -235,11 +236,8 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
         return out
 
     def routed_experts(self, cfg, layer, prefix, x, experts, weights, get, linear, owned=None):
-        def watched(v, base, **kw):
-            y = linear(v, base, **kw)
-            seen.append(("experts' input", (y.dtype,), y.float()))
-            return y
-        return real_experts(self, cfg, layer, prefix, x, experts, weights, get, watched, owned)
+        seen.append(("experts' input", (x.dtype,), x.float()))  # the block norm's, rounded by the kernel itself
+        return real_experts(self, cfg, layer, prefix, x, experts, weights, get, linear, owned)
     monkeypatch.setattr(TritonOps, "mhc_ffn", mhc_ffn)
     monkeypatch.setattr(TritonOps, "routed_experts", routed_experts)
     real_linear = TritonOps.linear
@@ -250,6 +248,8 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
             seen.append(("wo_b", (x.dtype,), out.float()))
         elif base.endswith(("attn.wq_a", "attn.wkv")):  # into their RMSNorms, which read bf16 as it is
             seen.append(("norm input", (out.dtype,), out.float()))
+        elif base.endswith("attn.indexer.wq_b"):  # into the in-place RoPE (hence the copy) and the FP4 quantizer
+            seen.append(("index queries", (out.dtype,), out.float().clone()))
         return out
     monkeypatch.setattr(TritonOps, "linear", linear)
     real_norm, norms_narrow = TritonOps.rms_norm, [True]
@@ -282,7 +282,8 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
     narrow_seen, seen[:] = seen[:], []
     wide_picks = run(widen)
     assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b", "mhc_ffn",
-                                               "experts' input", "norm input", "block norm", "engram kv"}
+                                               "experts' input", "norm input", "block norm", "engram kv",
+                                               "index queries"}
     assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
     assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
     assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]

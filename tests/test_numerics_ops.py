@@ -219,6 +219,10 @@ def test_reference_breaks_ties_as_torch_topk_over_the_full_row():
     assert torch.equal(got_idx[1], idx[1])  # an untied row keeps its picks
     same = FP32.break_ties(scores, scores, visible, 8, 2, idx, picked, tied)
     assert same[0] is idx  # fp32: the lower-position rule stands
+    # scores over the row's whole width (n = 5: narrowed, no -inf filled row): torch's top-k of that row
+    whole = REF.break_ties(scores, scores, visible, 5, 2, idx, picked, tied)
+    expected = scores[:1].bfloat16().topk(2, sorted=False).indices.sort().values[0]
+    assert whole[0][0].tolist() == expected.tolist() and torch.equal(whole[0][1], idx[1])
 
 
 def test_reference_pool_is_torch_topk_of_bf16_block_maxima():
@@ -232,6 +236,8 @@ def test_reference_pool_is_torch_topk_of_bf16_block_maxima():
     expected = torch.tensor([[b in chosen for b in (0, 0, 1, 1, 2, 2)]]) & (torch.arange(6) < 5)
     assert torch.equal(keep, expected)
     assert keep[0, 4] and not keep[0, 5]  # the newest visible block pinned; invisible entries out
+    # fewer scores than entries (the padded route): the same pool
+    assert torch.equal(REF.select_blocks(scores[:, :5], visible, 2, 2, 6), keep)
     # as many top blocks as blocks (or more): every block with a finite maximum, no top-k taken
     scores = torch.tensor([[2.0, 1.0, -math.inf, -math.inf, 1.0, 0.0, 3.0, 3.0]])
     for n_top in (4, 7):

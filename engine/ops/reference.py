@@ -206,9 +206,12 @@ class ReferenceOps(Fp32Ops):
     @staticmethod
     def _full_width_topk(scores, ranking, visible, n: int, k: int):
         """break_ties' picks for the rows given: (idx [R, k] sorted, -1 past visible; their ranking scores)."""
-        full = torch.full((scores.shape[0], n), NEG_INF, dtype=torch.bfloat16, device=scores.device)
         width = min(n, scores.shape[1])
-        full[:, :width] = scores[:, :width].to(torch.bfloat16)
+        if width == n:  # the whole width scored (a prefill's last block): one narrowing, no filled copy
+            full = scores[:, :n].to(torch.bfloat16)
+        else:
+            full = torch.full((scores.shape[0], n), NEG_INF, dtype=torch.bfloat16, device=scores.device)
+            full[:, :width] = scores[:, :width].to(torch.bfloat16)
         from ..model.attention import sorted_positions
         top = sorted_positions(full.topk(k, dim=-1, sorted=False).indices, n)[0]
         top = torch.where(top < visible[:, None], top, -1)
@@ -219,9 +222,12 @@ class ReferenceOps(Fp32Ops):
         """The pool as the reference picks it: torch's topk over the bf16 block maxima of the row's
         full width n (ties between blocks are its choice), the newest visible block pinned."""
         rows = scores.shape[0]
-        full = torch.full((rows, -(-n // block) * block), NEG_INF, device=scores.device)
-        full[:, :scores.shape[1]] = scores[:, :n]
-        block_max = full.view(rows, -1, block).amax(-1)  # [B, nb]
+        if scores.shape[1] >= n and n % block == 0:  # whole blocks scored: their maxima straight from the scores
+            block_max = scores[:, :n].reshape(rows, -1, block).amax(-1)  # [B, nb]
+        else:
+            full = torch.full((rows, -(-n // block) * block), NEG_INF, device=scores.device)
+            full[:, :scores.shape[1]] = scores[:, :n]
+            block_max = full.view(rows, -1, block).amax(-1)
         nb = block_max.shape[1]
         newest = (visible - 1).div(block, rounding_mode="floor")
         block_max = block_max.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None],
