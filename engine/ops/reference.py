@@ -238,8 +238,11 @@ class ReferenceOps(Fp32Ops):
             top = block_max.to(torch.bfloat16).topk(n_blocks, dim=-1)
             keep = torch.zeros(rows, nb, dtype=torch.bool, device=scores.device).scatter_(-1, top.indices,
                                                                                           top.values > NEG_INF)
-        entries = torch.arange(n, device=scores.device)
-        return keep.repeat_interleave(block, dim=-1)[:, :n] & (entries[None, :] < visible[:, None])
+        visible_now = torch.arange(n, device=scores.device)[None, :] < visible[:, None]
+        if n % block == 0:  # the pool's blocks masked in place (no [B, n] repeat of the block choice)
+            visible_now.view(rows, nb, block).logical_and_(keep[:, :, None])
+            return visible_now
+        return keep.repeat_interleave(block, dim=-1)[:, :n] & visible_now
 
     def index_scores(self, q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         B, H, D = q.shape

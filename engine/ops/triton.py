@@ -407,10 +407,11 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         if inputs is None:
             return self.base.index_topk(indexer, q, head_w, positions, src, shared)
         qp, qs, w, vis, kp2 = inputs
-        if role.candidate_source:
-            shared.candidates = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
         scores_fn, topk_fn = self._kernel("indexer_scores"), self._kernel("topk_positions")
         rows = self._query_rows(q.device, n, QUERY_BLOCK)
+        one_block = rows >= q.shape[0]  # a prefill's queries in one block: the pool is that block's, no copy
+        if role.candidate_source and not one_block:
+            shared.candidates = torch.zeros(q.shape[0], n, dtype=torch.bool, device=q.device)
         parts = []
         for a in range(0, q.shape[0], rows):
             b = slice(a, a + rows)
@@ -419,7 +420,11 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             if indexer.parallel is not None:  # this rank's index heads: a partial sum, before any top-k
                 scores = indexer.parallel.all_reduce(scores)
             if role.candidate_source:
-                shared.candidates[b] = self.select_blocks(scores, visible[b], cfg.candidate_topk_blocks, block, n)
+                chosen = self.select_blocks(scores, visible[b], cfg.candidate_topk_blocks, block, n)
+                if one_block:
+                    shared.candidates = chosen
+                else:
+                    shared.candidates[b] = chosen
             # the kernel ranks what `settle` would (a short pool topped up from outside it): no re-take
             ranking = indexer.ranking(scores, visible[b])
             sel = topk_fn(ranking, kp2, vis[b])[:, :k].long()
