@@ -324,8 +324,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
     tw = topk_weights.float().contiguous()
     if p <= gemv_max_pairs:
+        xg = fp8_roundtrip_triton(x, 32, bf16_out=True) if round_x else x
         return moe_gemv.moe_gemv(
-            fp8_roundtrip_triton(x, 32, bf16_out=True) if round_x else x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden, block_n=gemv_block_n,
+            xg, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden, block_n=gemv_block_n,
             block_kw=gemv_block_kw, iters=gemv_iters, down_block_n=gemv_down_block_n,
             down_block_kw=gemv_down_block_kw, down_iters=gemv_down_iters, num_warps=gemv_num_warps,
             down_num_warps=gemv_down_num_warps, prefetch=gemv_prefetch)

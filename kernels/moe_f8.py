@@ -239,9 +239,9 @@ def grouped_f8(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, tw, aligned, limit: 
                block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, interpreted: bool,
                launch_options: dict, bf16_acts: bool = True):
     """The two grouped FP8 GEMMs: x bf16 or float32 [T, dim] (quantized here to E4M3 per 32, as the reference's
-    GEMM rounds it; exact where x is on that grid already), packed FP4 weights and E8M0 scales as in kernels/moe.py, tw float32 [T, k], aligned =
-    moe_align(ids, E, block_m); bf16_acts: the `reference` numerics' bf16 roundings (else `fp32`'s).
-    -> float32 [T, dim]."""
+    GEMM rounds it; exact where x is on that grid already), packed FP4 weights and E8M0 scales as in
+    kernels/moe.py, tw float32 [T, k], aligned = moe_align(ids, E, block_m); bf16_acts: the `reference`
+    numerics' bf16 roundings (else `fp32`'s). -> float32 [T, dim]."""
     from kernels.quant import quantize_fp8_triton
     order, bexp, bbeg, bend = aligned
     t, dim = x.shape
