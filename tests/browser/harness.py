@@ -97,3 +97,33 @@ def hover_chart(page, chart: str, fx: float, fy: float, tries: int = 20) -> str:
                 pass
         page.wait_for_timeout(250)
     raise AssertionError(f"no hover box on {chart} after {tries} mouse moves")
+
+
+def page_idle(page, timeout: int = 120_000) -> None:
+    """Wait until Streamlit runs no script (its status widget gone), then half a second for the repaint."""
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
+    page.wait_for_timeout(500)
+
+
+def type_and_commit(page, box: str, text: str, committed: str | None = None, timeout: int = 120_000) -> None:
+    """Types `text` into the text box `box` (a selector) and commits it as a user would (the box commits on blur).
+
+    A fill that lands while a rerun is still repainting can be overwritten by the server's value (CI lost a typed
+    prompt that way once), so after the rerun the box must still hold the text, and `committed` (a JS predicate,
+    e.g. on the URL) must hold; if either does not, the text is typed again, at most twice more."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    field = page.locator(box)
+    for attempt in range(3):
+        field.fill(text)
+        field.blur()
+        try:
+            if committed:
+                page.wait_for_function(committed, timeout=timeout // 3)
+            page_idle(page, timeout)
+            if field.input_value() == text:
+                return
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
+    raise AssertionError(f"{box} did not keep the typed text after three tries")

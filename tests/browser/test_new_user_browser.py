@@ -13,9 +13,8 @@ import sys
 
 import numpy as np
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from harness import ARTIFACTS, REPO, hover_chart, streamlit_server
+from harness import ARTIFACTS, REPO, hover_chart, page_idle, streamlit_server, type_and_commit
 
 WIDTH, HEIGHT = 1600, 1000
 LONG_T = 7068        # the new user's 20,000-character prompt
@@ -92,8 +91,7 @@ def _page(browser, errors: list[str]):
 
 
 def _idle(page) -> None:
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=WAIT)
-    page.wait_for_timeout(500)
+    page_idle(page, WAIT)
 
 
 def _shot(page, name: str, full: bool = False) -> None:
@@ -107,23 +105,8 @@ def _plan_point(page, layer: int):
 
 
 def _enter_prompt(page, text: str, committed: str) -> None:
-    """Types `text` into the prompt box, commits it (the box commits on blur) and clicks Run.
-
-    A fill that lands while a rerun is still repainting the sidebar can be overwritten by the server's
-    value (seen once in a loaded CI run), so the commit is checked through the URL (`committed`, a JS
-    predicate) and typed again, at most twice more, before Run is clicked."""
-    box = page.locator(".st-key-prompt_text textarea")
-    for attempt in range(3):
-        box.fill(text)
-        box.blur()
-        try:
-            page.wait_for_function(committed, timeout=WAIT // 3)
-            break
-        except PlaywrightTimeout:
-            if attempt == 2:
-                raise
-            _idle(page)
-    _idle(page)
+    """Types `text` into the prompt box, commits it (checked through the URL: `committed`) and clicks Run."""
+    type_and_commit(page, ".st-key-prompt_text textarea", text, committed)
     page.locator(".st-key-run_btn button").first.click()
     _idle(page)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ARTIFACTS, streamlit_server
+from harness import ARTIFACTS, streamlit_server, type_and_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from explorer_synth import synthetic_layer, synthetic_run  # noqa: E402
@@ -135,8 +135,7 @@ def test_side_by_side_aligns_the_tokens_first(server, browser):
     text = page.locator(".st-key-prompt_text textarea").input_value()
     cut = text.index("\n") + 1
     page.locator(".st-key-cmp_mode").get_by_text("another prompt").click()
-    page.locator(".st-key-cmp_prompt textarea").fill(text[:cut] + "# a small edit\n" + text[cut:])
-    page.locator(".st-key-cmp_prompt textarea").press("Control+Enter")
+    type_and_commit(page, ".st-key-cmp_prompt textarea", text[:cut] + "# a small edit\n" + text[cut:])
     page.locator(".st-key-cmp_run button").click()
     page.wait_for_selector(".st-key-cmp_aligned", timeout=RUN_TIMEOUT)
     line = page.locator(".st-key-cmp_aligned").inner_text()

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from harness import ARTIFACTS, REPO, streamlit_server
+from harness import ARTIFACTS, REPO, page_idle, streamlit_server, type_and_commit
 
 LAYER = 29                 # a Reuse layer: its page shows layer 28's top-k, so two layers are stored
 RUN_TIMEOUT = 180_000      # ms: a CPU run of the tiny model on the sample prompt takes ~10-20 s
@@ -47,8 +47,7 @@ def server(tiny_checkpoint, tmp_path_factory):
 
 
 def _idle(page) -> None:
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=RUN_TIMEOUT)
-    page.wait_for_timeout(500)
+    page_idle(page, RUN_TIMEOUT)
 
 
 def _wait_views(page, layer: int) -> None:
@@ -134,9 +133,7 @@ def test_save_share_open_replay_compare(server, browser):
     # side by side with a second prompt at the same layer
     page.locator(".st-key-cmp_mode").get_by_text("another prompt").click()
     page.wait_for_selector(".st-key-cmp_prompt textarea", timeout=30_000)
-    page.locator(".st-key-cmp_prompt textarea").fill("The quick brown fox jumps over the lazy dog. " * 8)
-    page.locator(".st-key-cmp_prompt textarea").blur()
-    _idle(page)
+    type_and_commit(page, ".st-key-cmp_prompt textarea", "The quick brown fox jumps over the lazy dog. " * 8)
     page.get_by_role("button", name="Run prompt B").click()
     page.wait_for_selector(".st-key-cmp_routing .js-plotly-plot", timeout=RUN_TIMEOUT)
     page.wait_for_selector(".st-key-cmp_selections .js-plotly-plot", timeout=RUN_TIMEOUT)
