@@ -88,7 +88,7 @@ def _attention(cfg, layer, seed=0):
     role = role_plan(cfg)[layer]
     w = random_weights(cfg, seed)
     get = w.__getitem__
-    linear = lambda x, n: x.float() @ w[f"layers.{layer}.{n}.weight"].t()  # noqa: E731
+    linear = lambda x, n, narrow=False: x.float() @ w[f"layers.{layer}.{n}.weight"].t()  # noqa: E731 (as Model.linear)
     return Attention(cfg, role, LayerWeights(get, f"layers.{layer}."), linear, Fp32Ops()), w
 
 
