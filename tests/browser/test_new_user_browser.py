@@ -151,10 +151,10 @@ def test_long_prompt_no_comparison_unasked_webgl_when_asked_routing_hover_kv_lin
     summary = page.locator("text=/Selections differ at \\d+ of the 199 positions both runs have/").inner_text()
     assert "199" in summary
     assert page.locator(f"text=Positions 199-{LONG_T - 1} are only in A (not compared).").count()
-    # the page still answers promptly (the browser froze for 36-45 s before)
+    # the page still answers (the browser froze for 36-45 s before; 5 s leaves a loaded CI machine its slack)
     took = page.evaluate("() => new Promise(r => { const t = performance.now(); "
                          "requestAnimationFrame(() => r(performance.now() - t)); })")
-    assert took < 1000, took
+    assert took < 5000, took
     page.locator(".st-key-cmp_selections").scroll_into_view_if_needed()
     _shot(page, "1_long_prompt_comparison_webgl")
 
