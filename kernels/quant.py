@@ -12,7 +12,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import e2m1_code, e4m3_code, e4m3_value, fp4_value, pow2_scale_up
-from kernels.fp4_tiles import nib_order
+from kernels.fp4_tiles import nib_order, nib_position
 
 
 def quantize_fp4_reference(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):
@@ -89,9 +89,8 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
 @triton.jit
 def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr):
     code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
-    if NIB:  # index A + 4 half of each 8-group stored at 2 A + half (fp4_tiles.nib_order)
-        i = offs % 8
-        offs = offs - i + 2 * (i % 4) + i // 4
+    if NIB:  # stored in the FP4 decoders' order (fp4_tiles.nib_order); offs is a multiple of BLOCK plus the column
+        offs = nib_position(offs)
     tl.store(y_ptr + offs, e4m3_value(code) * scale[:, None], mask=gmask[:, None])
 
 

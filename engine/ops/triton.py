@@ -465,7 +465,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         # zero-width pad had been a 41 us copy, H100 run 31f)
         qf = (F.pad(q, (0, 0, 0, heads - hi)) if heads > hi else q).contiguous()
         self._record(layer, "quantize_fp4", "index queries (E8M0 / 32)", (qf, 32, "e8m0"))
-        qp, qs = self._kernel("quantize_fp4")(qf, 32, "e8m0") if self.compute else reference_fp4(qf.float(), 32)
+        qp, qs = self._kernel("quantize_fp4")(qf, 32, "e8m0") if self.compute else reference_fp4(qf, 32)
         w = F.pad(head_w.float(), (0, heads - hi)).contiguous()
         vis = visible.to(torch.int32).contiguous()
         kp2 = _pow2(k)  # the radix top-k takes a power of two; the padding slots are sliced off
