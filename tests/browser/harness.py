@@ -127,3 +127,29 @@ def type_and_commit(page, box: str, text: str, committed: str | None = None, tim
             if attempt == 2:
                 raise
     raise AssertionError(f"{box} did not keep the typed text after three tries")
+
+
+def choose(page, group: str, label: str, shows: str | None = None, timeout: int = 120_000) -> None:
+    """Clicks the option `label` of the radio group or checkbox `group` (a selector) and waits for its rerun.
+
+    Like a typed text, a click that lands while a rerun is still repainting can hit the element being replaced
+    and be lost (CI lost a radio click that way once). So afterwards the option must be checked and `shows` (a
+    selector of what the choice brings up) must appear; if not, the option is clicked again, at most twice more.
+    A checked option is never clicked again (that would clear a checkbox)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    option = page.locator(f"{group} label").filter(has=page.get_by_text(label, exact=True))
+    box = option.locator("input")
+    for attempt in range(3):
+        if not box.is_checked():
+            option.click()
+        try:
+            page_idle(page, timeout)
+            if box.is_checked():
+                if shows:
+                    page.wait_for_selector(shows, timeout=timeout // 3)
+                return
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
+    raise AssertionError(f"{label!r} of {group} did not stay checked after three clicks")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import ARTIFACTS, streamlit_server
+from harness import ARTIFACTS, choose, streamlit_server
 
 PLAN_LAYER = 24            # the first Reindex layer of the release
 
@@ -54,7 +54,7 @@ def test_click_plan_flips_diagram_and_tally(server, browser):
     page.screenshot(path=str(ARTIFACTS / "explorer_layer24_reindex.png"), full_page=False)
 
     # switch the tally to "active per generated token"
-    page.locator(".st-key-tally_pos").get_by_text("Active per generated token", exact=True).click()
+    choose(page, ".st-key-tally_pos", "Active per generated token")
     page.wait_for_function("() => location.search.includes('pos=decode')", timeout=30_000)
     page.wait_for_selector("[data-testid=stMetricValue] >> text=16.13B", timeout=30_000)
     page.wait_for_timeout(800)

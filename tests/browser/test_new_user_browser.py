@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import ARTIFACTS, REPO, hover_chart, page_idle, streamlit_server, type_and_commit
+from harness import ARTIFACTS, REPO, choose, hover_chart, page_idle, streamlit_server, type_and_commit
 
 WIDTH, HEIGHT = 1600, 1000
 LONG_T = 7068        # the new user's 20,000-character prompt
@@ -138,7 +138,7 @@ def test_long_prompt_no_comparison_unasked_webgl_when_asked_routing_hover_kv_lin
     assert page.locator(".st-key-cmp_mode input[type=radio]").first.is_checked()
     assert not page.locator(".st-key-cmp_selections").count() and not page.locator("text=differ at").count()
     # asked: the session, drawn with WebGL (no SVG marker per mark), the summary consistent
-    page.locator(".st-key-cmp_mode").get_by_text("a saved session").click()
+    choose(page, ".st-key-cmp_mode", "a saved session", shows=".st-key-cmp_session input")
     page.locator(".st-key-cmp_session input").click()
     page.keyboard.type("short prompt")
     page.keyboard.press("Enter")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ARTIFACTS, streamlit_server, type_and_commit
+from harness import ARTIFACTS, choose, streamlit_server, type_and_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from explorer_synth import synthetic_layer, synthetic_run  # noqa: E402
@@ -66,7 +66,7 @@ def test_release_tally_is_on_the_first_paint(server, browser):
         page.locator(".st-key-tally_chart .modebar-btn[data-title='Download plot as a PNG']").click()
     assert download.value.suggested_filename == "release-config_tally-total.png"
     _title_is_drawn(download.value.path().read_bytes())
-    page.locator(".st-key-tally_of").get_by_text("live model", exact=True).click()
+    choose(page, ".st-key-tally_of", "live model")
     page.wait_for_function("() => document.querySelector('.st-key-tally_chart .js-plotly-plot')?.layout?.title?.text"
                            " === 'Parameter tally, total · V4.1-Flash live small model'", timeout=60_000)
     page.close()
@@ -134,7 +134,7 @@ def test_side_by_side_aligns_the_tokens_first(server, browser):
     _views_drawn(page, 24)
     text = page.locator(".st-key-prompt_text textarea").input_value()
     cut = text.index("\n") + 1
-    page.locator(".st-key-cmp_mode").get_by_text("another prompt").click()
+    choose(page, ".st-key-cmp_mode", "another prompt", shows=".st-key-cmp_prompt textarea")
     type_and_commit(page, ".st-key-cmp_prompt textarea", text[:cut] + "# a small edit\n" + text[cut:])
     page.locator(".st-key-cmp_run button").click()
     page.wait_for_selector(".st-key-cmp_aligned", timeout=RUN_TIMEOUT)

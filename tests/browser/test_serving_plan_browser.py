@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import ARTIFACTS, streamlit_server
+from harness import ARTIFACTS, choose, streamlit_server
 
 LINK = "/?plan_open=true&plan_gpu=h200&plan_gpus=8&plan_tp=1&plan_ep=8&plan_dp=0&plan_batch=64&plan_ctx=131072"
 
@@ -35,7 +35,7 @@ def test_serving_plan_from_a_link(server, browser):
     page.screenshot(path=str(ARTIFACTS / "serving_plan.png"), full_page=False)
 
     # DP attention: each GPU holds 8 sequences instead of 64; the URL follows
-    page.locator(".st-key-plan_open").get_by_text("DP attention", exact=True).click()
+    choose(page, ".st-key-plan_open", "DP attention")
     page.wait_for_function("() => location.search.includes('plan_dp=1')", timeout=30_000)
     page.wait_for_selector(".st-key-plan_open >> text=8 sequence(s) decoding one token each", timeout=30_000)
     page.locator(".st-key-plan_open summary").first.evaluate("e => e.scrollIntoView({block: 'start'})")

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from harness import ARTIFACTS, REPO, page_idle, streamlit_server, type_and_commit
+from harness import ARTIFACTS, REPO, choose, page_idle, streamlit_server, type_and_commit
 
 LAYER = 29                 # a Reuse layer: its page shows layer 28's top-k, so two layers are stored
 RUN_TIMEOUT = 180_000      # ms: a CPU run of the tiny model on the sample prompt takes ~10-20 s
@@ -131,8 +131,7 @@ def test_save_share_open_replay_compare(server, browser):
     _shot(page, "sessions_replay_identical.png")
 
     # side by side with a second prompt at the same layer
-    page.locator(".st-key-cmp_mode").get_by_text("another prompt").click()
-    page.wait_for_selector(".st-key-cmp_prompt textarea", timeout=30_000)
+    choose(page, ".st-key-cmp_mode", "another prompt", shows=".st-key-cmp_prompt textarea")
     type_and_commit(page, ".st-key-cmp_prompt textarea", "The quick brown fox jumps over the lazy dog. " * 8)
     page.get_by_role("button", name="Run prompt B").click()
     page.wait_for_selector(".st-key-cmp_routing .js-plotly-plot", timeout=RUN_TIMEOUT)
