@@ -153,3 +153,21 @@ def choose(page, group: str, label: str, shows: str | None = None, timeout: int 
             if attempt == 2:
                 raise
     raise AssertionError(f"{label!r} of {group} did not stay checked after three clicks")
+
+
+def pick(page, box: str, text: str, shows: str, timeout: int = 120_000) -> None:
+    """Picks the option of the select box `box` (a selector) that `text` finds, by typing it as a user would, and
+    waits for `shows` (what the pick brings up); picked again, at most twice more, if it does not appear (a pick
+    made during a repaint can be lost, as a click can; picking the same option again changes nothing)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for attempt in range(3):
+        page.locator(f"{box} input").click()
+        page.keyboard.type(text)
+        page.keyboard.press("Enter")
+        try:
+            page.wait_for_selector(shows, timeout=timeout // 3)
+            return
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import ARTIFACTS, REPO, choose, hover_chart, page_idle, streamlit_server, type_and_commit
+from harness import ARTIFACTS, REPO, choose, hover_chart, page_idle, pick, streamlit_server, type_and_commit
 
 WIDTH, HEIGHT = 1600, 1000
 LONG_T = 7068        # the new user's 20,000-character prompt
@@ -139,10 +139,7 @@ def test_long_prompt_no_comparison_unasked_webgl_when_asked_routing_hover_kv_lin
     assert not page.locator(".st-key-cmp_selections").count() and not page.locator("text=differ at").count()
     # asked: the session, drawn with WebGL (no SVG marker per mark), the summary consistent
     choose(page, ".st-key-cmp_mode", "a saved session", shows=".st-key-cmp_session input")
-    page.locator(".st-key-cmp_session input").click()
-    page.keyboard.type("short prompt")
-    page.keyboard.press("Enter")
-    page.wait_for_selector(".st-key-cmp_selections .js-plotly-plot", timeout=WAIT)
+    pick(page, ".st-key-cmp_session", "short prompt", shows=".st-key-cmp_selections .js-plotly-plot", timeout=WAIT)
     _idle(page)
     types = page.evaluate("() => document.querySelector('.st-key-cmp_selections .js-plotly-plot')._fullData"
                           ".map(t => t.type)")
@@ -225,14 +222,11 @@ def test_bad_checkpoint_path_is_named_and_the_page_stays(plain_server, browser):
     ctx, page = _page(browser, errors)
     page.goto(url + "/?source=path")
     page.wait_for_selector(".st-key-ckpt_path input", timeout=WAIT)
-    field = page.locator(".st-key-ckpt_path input")
     for path, expected in ((str(folder / "ckpts" / "does-not-exist"), "No folder at"),
                            ("/etc/passwd", "reads checkpoints only under the allowed roots")):
-        field.fill(path)
-        field.press("Enter")
-        page.locator(f"[data-testid=stSidebar] [data-testid=stAlertContentError] >> text={expected}").wait_for(
-            timeout=WAIT)
-        _idle(page)
+        named = ("() => [...document.querySelectorAll('[data-testid=stSidebar] [data-testid=stAlertContentError]')]"
+                 f".some(e => e.innerText.includes({json.dumps(expected)}))")
+        type_and_commit(page, ".st-key-ckpt_path input", path, committed=named, timeout=WAIT)
         alerts = " ".join(page.locator("[data-testid=stSidebar] [data-testid=stAlertContentError]").all_inner_texts())
         assert "JSON" not in alerts and "root:" not in alerts
         # the rest of the page: plan, KV panel, sessions sidebar
