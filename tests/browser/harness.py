@@ -105,69 +105,70 @@ def page_idle(page, timeout: int = 120_000) -> None:
     page.wait_for_timeout(500)
 
 
-def type_and_commit(page, box: str, text: str, committed: str | None = None, timeout: int = 120_000) -> None:
-    """Types `text` into the text box `box` (a selector) and commits it as a user would (the box commits on blur).
+def _until_settled(act, settled, what: str, tries: int = 3) -> None:
+    """Does `act()`, then asks `settled()`; if it is false or Playwright times out, acts again, `tries` times in all.
 
-    A fill that lands while a rerun is still repainting can be overwritten by the server's value (CI lost a typed
-    prompt that way once), so after the rerun the box must still hold the text, and `committed` (a JS predicate,
-    e.g. on the URL) must hold; if either does not, the text is typed again, at most twice more."""
+    Under load an input that lands while a rerun is still repainting can be lost: a fill overwritten by the server's
+    value, a click on the element being replaced (CI lost a typed prompt and a radio click that way). A user would
+    just do it again; so do the tests, where doing it again changes nothing if the first one was not lost."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    field = page.locator(box)
-    for attempt in range(3):
-        field.fill(text)
-        field.blur()
+    for attempt in range(tries):
+        act()
         try:
-            if committed:
-                page.wait_for_function(committed, timeout=timeout // 3)
-            page_idle(page, timeout)
-            if field.input_value() == text:
+            if settled():
                 return
         except PlaywrightTimeout:
-            if attempt == 2:
+            if attempt == tries - 1:
                 raise
-    raise AssertionError(f"{box} did not keep the typed text after three tries")
+    raise AssertionError(f"{what} did not hold after {tries} tries")
+
+
+def type_and_commit(page, box: str, text: str, committed: str | None = None, timeout: int = 120_000) -> None:
+    """Types `text` into the text box `box` (a selector) and commits it as a user would (the box commits on blur);
+    settled when, after the rerun, the box still holds the text and `committed` (a JS predicate, e.g. on the URL)
+    holds."""
+    field = page.locator(box)
+
+    def act():
+        field.fill(text)
+        field.blur()
+
+    def settled():
+        if committed:
+            page.wait_for_function(committed, timeout=timeout // 3)
+        page_idle(page, timeout)
+        return field.input_value() == text
+
+    _until_settled(act, settled, f"the text typed into {box}")
 
 
 def choose(page, group: str, label: str, shows: str | None = None, timeout: int = 120_000) -> None:
-    """Clicks the option `label` of the radio group or checkbox `group` (a selector) and waits for its rerun.
-
-    Like a typed text, a click that lands while a rerun is still repainting can hit the element being replaced
-    and be lost (CI lost a radio click that way once). So afterwards the option must be checked and `shows` (a
-    selector of what the choice brings up) must appear; if not, the option is clicked again, at most twice more.
-    A checked option is never clicked again (that would clear a checkbox)."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
+    """Clicks the option `label` of the radio group or checkbox `group` (a selector); settled when, after the rerun,
+    the option is checked and `shows` (a selector of what the choice brings up) is there. A checked option is not
+    clicked again (that would clear a checkbox)."""
     option = page.locator(f"{group} label").filter(has=page.get_by_text(label, exact=True))
     box = option.locator("input")
-    for attempt in range(3):
+
+    def act():
         if not box.is_checked():
             option.click()
-        try:
-            page_idle(page, timeout)
-            if box.is_checked():
-                if shows:
-                    page.wait_for_selector(shows, timeout=timeout // 3)
-                return
-        except PlaywrightTimeout:
-            if attempt == 2:
-                raise
-    raise AssertionError(f"{label!r} of {group} did not stay checked after three clicks")
+
+    def settled():
+        page_idle(page, timeout)
+        if box.is_checked() and shows:
+            page.wait_for_selector(shows, timeout=timeout // 3)
+        return box.is_checked()
+
+    _until_settled(act, settled, f"{label!r} of {group}")
 
 
 def pick(page, box: str, text: str, shows: str, timeout: int = 120_000) -> None:
-    """Picks the option of the select box `box` (a selector) that `text` finds, by typing it as a user would, and
-    waits for `shows` (what the pick brings up); picked again, at most twice more, if it does not appear (a pick
-    made during a repaint can be lost, as a click can; picking the same option again changes nothing)."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    for attempt in range(3):
+    """Picks the option of the select box `box` (a selector) that typing `text` finds, as a user would; settled when
+    `shows` (what the pick brings up) is there (picking the same option again changes nothing)."""
+    def act():
         page.locator(f"{box} input").click()
         page.keyboard.type(text)
         page.keyboard.press("Enter")
-        try:
-            page.wait_for_selector(shows, timeout=timeout // 3)
-            return
-        except PlaywrightTimeout:
-            if attempt == 2:
-                raise
+
+    _until_settled(act, lambda: page.wait_for_selector(shows, timeout=timeout // 3) is not None, f"{text!r} in {box}")
