@@ -274,6 +274,9 @@ def cases():
             ("RoPE in place, 4096 x 64 x 512 (a prefill's queries)", lambda: rope.rope_triton(
                 torch.randn(4096, 64, 512), torch.zeros(4096, dtype=torch.long), torch.zeros(4096, 32, 2),
                 inplace=True)),
+            ("RoPE in place, 4096 x 64 x 512 bf16 (a prefill's narrowed queries)", lambda: rope.rope_triton(
+                torch.randn(4096, 64, 512, dtype=torch.bfloat16), torch.zeros(4096, dtype=torch.long),
+                torch.zeros(4096, 32, 2), inplace=True)),
             ("tie marks, 64 rows x 4096 entries", lambda: ties.tie_marks_triton(
                 torch.randn(64, 4096), torch.randint(0, 4096, (64, 512)), torch.randn(64, 512))),
             ("Sinkhorn forward (training)", lambda: sinkhorn.sinkhorn_forward(torch.randn(4096, 4, 4), 20, 1e-6)),

@@ -62,17 +62,18 @@ def _rope_slice_kernel(x_ptr, pos_ptr, tab_ptr, rows, per_token, D: tl.constexpr
     rmask = r < rows
     m = rmask[:, None] & (j < RD)[None, :]
     row = r.to(tl.int64)[:, None] * D + (D - RD)
+    # each pair read whole and split in registers (a gather of the pair's other half and the table's stride-2
+    # loads compiled to scalar loads and shared-memory shuffles)
     x = tl.load(x_ptr + row + j[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + row + (j ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)  # the pair's other half
+    re, im = tl.split(tl.reshape(x, (BR, BRD // 2, 2)))
     pos = tl.load(pos_ptr + r // per_token, mask=rmask, other=0).to(tl.int64)
-    at = tab_ptr + (pos[:, None] * (RD // 2) + (j // 2)[None, :]) * 2
-    c = tl.load(at, mask=m, other=1.0)
-    s = tl.load(at + 1, mask=m, other=0.0)
+    cs = tl.load(tab_ptr + pos[:, None] * RD + j[None, :], mask=m, other=0.0)
+    c, s = tl.split(tl.reshape(cs, (BR, BRD // 2, 2)))
     if CONJ:
         s = -s
-    even = x * c - xp * s  # as _rope_kernel computes them
-    odd = xp * s + x * c
-    y = cast_rne(tl.where(((j & 1) == 1)[None, :], odd, even), tl.bfloat16)
+    even = re * c - im * s  # the products and sums of _rope_kernel's
+    odd = re * s + im * c
+    y = cast_rne(tl.reshape(tl.join(even, odd), (BR, BRD)), tl.bfloat16)
     if x_ptr.dtype.element_ty == tl.float32:
         y = y.to(tl.float32)
     tl.store(x_ptr + row + j[None, :], y, mask=m)
