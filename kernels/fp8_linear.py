@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import (bf16_output, dot_dtype, e4m3_value, e8m0_bf16_factor, e8m0_bytes_at_most,
+from kernels._formats import (bf16_output, dot_dtype, e4m3_rounded, e4m3_value, e8m0_bf16_factor, e8m0_bytes_at_most,
                               e8m0_value, in_mma_k_order, interpreted, sm_count)
 from kernels.quant import fp8_groups, quantize_fp8_triton
 
@@ -119,10 +119,10 @@ def _x_values_bf16_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.co
     MMA K order (kernels/_formats.py in_mma_k_order). Exact: an E4M3 value (4 significant bits) times 2^e,
     e >= -22 (the quantizer's amax floor 1e-4), is a bf16 wherever it is a finite float32 (the same exponent
     range)."""
-    code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    v, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     # K rows are whole 64 blocks, so groups pair up; reordered in registers, stored whole (a scattered
     # store of the same values took 256 us at 4096 x 8192 on the H200)
-    v = in_mma_k_order(tl.reshape(e4m3_value(code) * scale[:, None], (BG // 2, 2 * BLOCK)), 2 * BLOCK)
+    v = in_mma_k_order(tl.reshape(e4m3_rounded(v) * scale[:, None], (BG // 2, 2 * BLOCK)), 2 * BLOCK)
     blk = tl.program_id(0) * (BG // 2) + tl.arange(0, BG // 2)
     tl.store(y_ptr + blk.to(tl.int64)[:, None] * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)[None, :], v.to(tl.bfloat16),
              mask=(blk < n_groups // 2)[:, None])

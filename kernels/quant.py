@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e2m1_code, e4m3_code, e4m3_value, fp4_value, pow2_scale_up
+from kernels._formats import e2m1_code, e4m3_code, e4m3_rounded, fp4_value, pow2_scale_up
 from kernels.fp4_tiles import nib_order, nib_position
 
 
@@ -66,7 +66,8 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, v_ptr, n_groups, BLOCK: tl.constexpr,
 
 @triton.jit
 def fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
-    """This program's BG groups of BLOCK values: (E4M3 codes int32 [BG, BLOCK], scales float32 [BG], offsets,
+    """This program's BG groups of BLOCK values: (the values over their scale, clamped to E4M3's range, float32
+    [BG, BLOCK] (e4m3_code makes them the codes, e4m3_rounded the codes' values), scales float32 [BG], offsets,
     group indices, group mask), as engine.quant.quantize_fp8 computes them."""
     g = tl.program_id(0) * BG + tl.arange(0, BG)
     gmask = g < n_groups
@@ -75,23 +76,26 @@ def fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
     x = tl.load(x_ptr + offs, mask=gmask[:, None], other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     scale = pow2_scale_up(amax, 1.0 / 448.0)
-    v = tl.minimum(tl.maximum(tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0), 448.0)
-    return e4m3_code(v), scale, offs, g, gmask
+    # x / scale as x times 1 / scale, one IEEE division a group, not a value: the scale is a power of two (or
+    # inf / 0), so its reciprocal is exact and each product is the quotient's own rounding, bit for bit
+    inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    return v, scale, offs, g, gmask
 
 
 @triton.jit
 def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr):
-    code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
-    tl.store(q_ptr + offs, code.to(tl.uint8), mask=gmask[:, None])
+    v, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    tl.store(q_ptr + offs, e4m3_code(v).to(tl.uint8), mask=gmask[:, None])
     tl.store(s_ptr + g, ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8), mask=gmask)
 
 
 @triton.jit
 def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr):
-    code, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
+    v, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     if NIB:  # stored in the FP4 decoders' order (fp4_tiles.nib_order); offs is a multiple of BLOCK plus the column
         offs = nib_position(offs)
-    tl.store(y_ptr + offs, e4m3_value(code) * scale[:, None], mask=gmask[:, None])
+    tl.store(y_ptr + offs, e4m3_rounded(v) * scale[:, None], mask=gmask[:, None])  # the codes' values, no byte
 
 
 def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):

@@ -86,10 +86,14 @@ def test_weight_bf16_values_in_mma_k_order(poisoned, gen):
 
 def test_x_values_are_the_round_trip_in_mma_k_order(poisoned, gen):
     x = torch.randn(3, 256, generator=gen).to(torch.bfloat16) * 100
+    x[1, 64:96] = -1e-12 * x[1, 64:96].abs()  # a group rounding to -0 beside its own largest value
+    x[1, 64] = 3.0
     got = fp8_linear.x_values_bf16(x)
     want = Q.dequantize_fp8(*Q.quantize_fp8(x)).float()
     idx = _mma_k_index(256)  # memory column c lands at idx[c]
     assert got.dtype == torch.bfloat16 and torch.equal(got.float()[:, idx], want)
+    assert torch.equal(got.float()[:, idx].view(torch.int32), want.view(torch.int32))  # the sign of zero too
+    assert (want.view(torch.int32) == -2 ** 31).sum() > 20
 
 
 def test_bf16_form_rejects_what_it_cannot_take(gen):

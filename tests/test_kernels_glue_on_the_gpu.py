@@ -125,6 +125,38 @@ assert torch.equal(elementwise.add_triton(a.cuda(), b.cuda(), round_bf16=True).c
 
 
 @on_gpu
+def test_fp8_quantizer_round_trip_and_x_values_bit_for_bit():
+    """The compiled E4M3-per-32 quantizer, its round trip (natural and nibble order) and the bf16 form's x values
+    against engine.quant on the CPU, bit for bit, the sign of zero too, across 60 decades: their x / scale is x
+    times the scale's reciprocal, the same rounding only where the GPU neither flushes nor fuses that product."""
+    _run("""
+from engine import quant as Q
+from kernels import fp8_linear, quant
+from kernels.fp4_tiles import nib_order
+x = torch.randn(12, 5120, generator=g) * torch.logspace(-30, 30, 12)[:, None]
+x[1, 32], x[1, 33:64] = 1.0, -1e-12
+x[2, :32] = 0
+x = x.bfloat16().float()
+codes, scales = Q.quantize_fp8(x, 32)
+qc, sc = quant.quantize_fp8_triton(x.cuda(), 32)
+assert torch.equal(qc.cpu().view(torch.uint8), codes.view(torch.uint8))
+assert torch.equal(sc.cpu().view(torch.uint8), scales.view(torch.uint8))
+want = Q.dequantize_fp8(codes, scales, 32)
+assert (want.view(torch.int32) == -2**31).sum() > 20   # negative zeros are among them
+assert torch.equal(quant.fp8_roundtrip_triton(x.cuda(), 32).cpu().view(torch.int32), want.view(torch.int32))
+narrow = quant.fp8_roundtrip_triton(x.cuda(), 32, bf16_out=True).cpu()
+assert torch.equal(narrow.float().view(torch.int32), want.view(torch.int32))
+nib = quant.fp8_roundtrip_triton(x.cuda(), 32, bf16_out=True, nib=True).cpu()
+assert torch.equal(nib.view(torch.int16), nib_order(narrow).view(torch.int16))
+m = torch.arange(64)   # memory column c of each 64 block lands at pos[c] (kernels/_formats.py in_mma_k_order)
+pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)
+idx = (torch.arange(5120 // 64)[:, None] * 64 + pos[None, :]).flatten()
+vals = fp8_linear.x_values_bf16(x.bfloat16().cuda()).cpu()
+assert torch.equal(vals.float()[:, idx].view(torch.int32), want.view(torch.int32))
+""")
+
+
+@on_gpu
 def test_fp8_linear_takes_the_rounded_input_it_is_given():
     _run("""
 from kernels import fp8_linear

@@ -45,12 +45,14 @@ def test_fp4_quantizer_bit_exact(poisoned, gen, block, kind):
 def test_fp8_quantizer_bit_exact(poisoned, gen):
     x = torch.randn(7, 512, generator=gen) * torch.logspace(-8, 4, 7)[:, None]
     x[0, :32] = 0
+    x[1, 32], x[1, 33:64] = 1.0, -1e-12  # negatives that round to -0 (the sign of zero kept, as torch's cast does)
     (qa, sa), (qb, sb) = quant.quantize_fp8_reference(x, 32), quant.quantize_fp8_triton(x, 32)
     assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)), gen.initial_seed()
     assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8)), gen.initial_seed()
     # the round trip in one launch: the dequantized bytes, bit for bit, and so the engine's fp8_roundtrip
     rt = quant.fp8_roundtrip_triton(x.view(7, 4, 128), 32)
     assert rt.shape == (7, 4, 128) and torch.equal(rt.view(7, 512), Q.dequantize_fp8(qa, sa, 32))
+    assert torch.equal(rt.view(7, 512).view(torch.int32), Q.dequantize_fp8(qa, sa, 32).view(torch.int32))  # bits
     assert torch.equal(rt, Q.fp8_roundtrip(x.view(7, 4, 128), 32))
     # stored bf16 (the routed experts' input): the same values, none rounded (an E4M3 value times a power of two
     # is a bf16), across the rows' 12 decades; and from a bf16 input, as from its float32 widening
