@@ -37,11 +37,14 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, v_ptr, n_groups, BLOCK: tl.constexpr,
     g = pid * BG + tl.arange(0, BG)  # [BG] group ids
     gmask = g < n_groups
     j = tl.arange(0, BLOCK // 2)
-    offs = g[:, None] * BLOCK + 2 * j[None, :]
+    k = tl.arange(0, BLOCK)
+    offs = g[:, None] * BLOCK + k[None, :]
     m2 = gmask[:, None]
-    x_even = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_ptr + offs + 1, mask=m2, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
+    # the group read whole and split into its even and odd values in registers (two stride-2 loads compiled to
+    # scalar loads)
+    x = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+    x_even, x_odd = tl.split(tl.reshape(x, (BG, BLOCK // 2, 2)))
+    amax = tl.max(tl.abs(x), axis=1)
     if E4M3_SCALE:
         # IEEE division (div_rn): Triton's plain fp32 '/' is approximate on the GPU and broke bit-exactness
         s_code = e4m3_code(tl.minimum(tl.div_rn(tl.maximum(amax, 6.0 * 0.001953125), tl.full(amax.shape, 6.0, tl.float32)), 448.0))
@@ -50,18 +53,22 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, v_ptr, n_groups, BLOCK: tl.constexpr,
         s_norm = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
         scale = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, s_norm)
         s_byte = s_code
+        sb = tl.broadcast_to(scale[:, None], x_even.shape)
+        lo = e2m1_code(tl.minimum(tl.maximum(tl.div_rn(x_even, sb), -6.0), 6.0))
+        hi = e2m1_code(tl.minimum(tl.maximum(tl.div_rn(x_odd, sb), -6.0), 6.0))
     else:
         scale = pow2_scale_up(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0)
         s_byte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
         s_byte = tl.where(s_byte == 0, 0, s_byte)
-    sb = tl.broadcast_to(scale[:, None], x_even.shape)
-    lo = e2m1_code(tl.minimum(tl.maximum(tl.div_rn(x_even, sb), -6.0), 6.0))
-    hi = e2m1_code(tl.minimum(tl.maximum(tl.div_rn(x_odd, sb), -6.0), 6.0))
+        # a power of two in 2^-126..2^126: its reciprocal is exact, so x times it is x / scale's own rounding
+        inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        lo = e2m1_code(tl.minimum(tl.maximum(x_even * inv, -6.0), 6.0))
+        hi = e2m1_code(tl.minimum(tl.maximum(x_odd * inv, -6.0), 6.0))
     tl.store(q_ptr + g[:, None] * (BLOCK // 2) + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m2)
     tl.store(s_ptr + g, s_byte.to(tl.uint8), mask=gmask)
     if VALUES:  # what loading the bytes gives back (exact: E2M1 value times an E8M0 / E4M3 scale)
-        tl.store(v_ptr + offs, fp4_value(lo) * sb, mask=m2)
-        tl.store(v_ptr + offs + 1, fp4_value(hi) * sb, mask=m2)
+        back = tl.join(fp4_value(lo), fp4_value(hi)) * scale[:, None, None]
+        tl.store(v_ptr + offs, tl.reshape(back, (BG, BLOCK)), mask=m2)
 
 
 @triton.jit

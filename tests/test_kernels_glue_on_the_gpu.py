@@ -125,10 +125,11 @@ assert torch.equal(elementwise.add_triton(a.cuda(), b.cuda(), round_bf16=True).c
 
 
 @on_gpu
-def test_fp8_quantizer_round_trip_and_x_values_bit_for_bit():
-    """The compiled E4M3-per-32 quantizer, its round trip (natural and nibble order) and the bf16 form's x values
-    against engine.quant on the CPU, bit for bit, the sign of zero too, across 60 decades: their x / scale is x
-    times the scale's reciprocal, the same rounding only where the GPU neither flushes nor fuses that product."""
+def test_quantizers_round_trip_and_x_values_bit_for_bit():
+    """The compiled E4M3-per-32 quantizer, its round trip (natural and nibble order), the bf16 form's x values and
+    the FP4 quantizer (both scale kinds, with the values) against engine.quant on the CPU, bit for bit, the sign of
+    zero too, across 60 decades: where the scale is a power of two they take x times its reciprocal for x / scale,
+    which is the quotient's own rounding, bit for bit, on a GPU that keeps every product's rounding."""
     _run("""
 from engine import quant as Q
 from kernels import fp8_linear, quant
@@ -153,6 +154,12 @@ pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)
 idx = (torch.arange(5120 // 64)[:, None] * 64 + pos[None, :]).flatten()
 vals = fp8_linear.x_values_bf16(x.bfloat16().cuda()).cpu()
 assert torch.equal(vals.float()[:, idx].view(torch.int32), want.view(torch.int32))
+for block, kind in ((32, "e8m0"), (16, "e4m3")):   # the FP4 quantizer: the index queries, the compressor's entries
+    packed, scales, values = Q.quantize_fp4_with_values(x, block, kind)
+    for xx in (x, x.bfloat16()):
+        q, s, v = (t.cpu() for t in quant.quantize_fp4_triton(xx.cuda(), block, kind, values=True))
+        assert torch.equal(q, packed) and torch.equal(s.view(torch.uint8), scales.view(torch.uint8)), kind
+        assert torch.equal(v.view(torch.int32), values.view(torch.int32)), kind
 """)
 
 
