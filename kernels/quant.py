@@ -73,9 +73,9 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, v_ptr, n_groups, BLOCK: tl.constexpr,
 
 @triton.jit
 def fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
-    """This program's BG groups of BLOCK values: (the values over their scale, clamped to E4M3's range, float32
-    [BG, BLOCK] (e4m3_code makes them the codes, e4m3_rounded the codes' values), scales float32 [BG], offsets,
-    group indices, group mask), as engine.quant.quantize_fp8 computes them."""
+    """This program's BG groups of BLOCK values, as engine.quant.quantize_fp8 computes them: the values over their
+    scale clamped to E4M3's range (float32 [BG, BLOCK]; e4m3_code makes them the codes, e4m3_rounded the codes'
+    values), the scales (float32 [BG]), offsets, group indices and group mask."""
     g = tl.program_id(0) * BG + tl.arange(0, BG)
     gmask = g < n_groups
     j = tl.arange(0, BLOCK)
