@@ -553,7 +553,7 @@ def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, DIM: tl.constexpr,
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     m = d < DIM
-    yv = tl.load(y_ptr + t * DIM + d, mask=m, other=0.0)
+    yv = tl.load(y_ptr + t * DIM + d, mask=m, other=0.0).to(tl.float32)
     x0 = tl.load(r_ptr + (t * 4) * DIM + d, mask=m, other=0.0).to(tl.float32)
     x1 = tl.load(r_ptr + (t * 4 + 1) * DIM + d, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(r_ptr + (t * 4 + 2) * DIM + d, mask=m, other=0.0).to(tl.float32)
@@ -569,7 +569,7 @@ def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, DIM: tl.constexpr,
 
 def mhc_expand_triton(y, residual, post, comb, block_d: int = 1024, bf16_out: bool = False):
     """mhc_expand_reference in one launch: one read of y and the 4 copies, one write of the 4 new ones,
-    bit for bit the reference's float32 operations (no FMA contraction: `enable_fp_fusion=False`). A bf16
+    bit for bit the reference's float32 operations (no FMA contraction: `enable_fp_fusion=False`). A bf16 y or
     residual is read as it is, and bf16_out stores the new copies bf16 (their values are bf16 already)."""
     t, hc, dim = residual.shape
     if hc != 4 or tuple(y.shape) != (t, dim) or tuple(post.shape) != (t, 4) or tuple(comb.shape) != (t, 4, 4):
@@ -579,7 +579,8 @@ def mhc_expand_triton(y, residual, post, comb, block_d: int = 1024, bf16_out: bo
     if t:
         bd = min(block_d, triton.next_power_of_2(dim))
         rc = residual if residual.dtype == torch.bfloat16 else residual.float()
-        _expand_kernel[(t, triton.cdiv(dim, bd))](y.float().contiguous(), rc.contiguous(),
+        yc = y if y.dtype == torch.bfloat16 else y.float()
+        _expand_kernel[(t, triton.cdiv(dim, bd))](yc.contiguous(), rc.contiguous(),
                                                   post.float().contiguous(), comb.float().contiguous(), out,
                                                   DIM=dim, BD=bd, num_warps=4, enable_fp_fusion=False)
     return out

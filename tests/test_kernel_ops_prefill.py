@@ -208,9 +208,9 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
     """`narrow`: under the `reference` numerics the kernel ops keep a GEMM's bf16 output where its consumer reads
     bf16 (the queries through the RoPE to the attention; wq_a and wkv into their RMSNorms; a block's input norms
     into the attention's and the FFN's GEMMs; the Engram's wkv into its mix; the grouped wo_a into wo_b's linear,
-    wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, w2 into the sum; the FFN norm into
-    the routed experts' kernel, which rounds it itself; the indexer's wq_b into its RoPE and FP4 quantizer): no
-    widening copies, and none narrowing again. The same values as the float32 form, so every layer's attention
+    wo_b into the mHC update; the shared expert's w1 and w3 into the SwiGLU, the SwiGLU into w2, w2 into the sum,
+    the sum into the FFN's stream update; the FFN norm into the routed experts' kernel, which rounds it itself;
+    the indexer's wq_b into its RoPE and FP4 quantizer): no widening copies, and none narrowing again. The same values as the float32 form, so every layer's attention
     output, wo_b output, mHC update, shared-expert sum, expert output, Engram mix, index queries and picks are bit
     for bit those of a model whose GEMMs and norms all widen."""
     from engine.ops.triton import TritonOps
@@ -250,6 +250,8 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
             seen.append(("norm input", (out.dtype,), out.float()))
         elif base.endswith("attn.indexer.wq_b"):  # into the in-place RoPE (hence the copy) and the FP4 quantizer
             seen.append(("index queries", (out.dtype,), out.float().clone()))
+        elif base.endswith("shared_experts.w2"):  # the SwiGLU's output, which the linear takes as it is
+            seen.append(("shared hidden", (x.dtype,), out.float()))
         return out
     monkeypatch.setattr(TritonOps, "linear", linear)
     real_norm, norms_narrow = TritonOps.rms_norm, [True]
@@ -267,6 +269,13 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
         seen.append(("engram kv", (kv.dtype,), out.float()))
         return out
     monkeypatch.setattr(TritonOps, "engram_mix", engram_mix)
+    real_expand = TritonOps.expand
+
+    def expand(self, y, residual, post, comb):  # y: the FFN's output, the shared-expert sum
+        out = real_expand(self, y, residual, post, comb)
+        seen.append(("FFN output", (y.dtype,), out.float()))
+        return out
+    monkeypatch.setattr(TritonOps, "expand", expand)
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
     models = []
 
@@ -275,6 +284,9 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
         model.linear = lambda x, base, narrow=False: linear(x, base)  # the blocks below take it
         model.ops.grouped_out = lambda o, wo_a, name="", narrow=False: grouped_out(o, wo_a, name)
         model.ops.gemm_of = lambda x, fetch, name: gemm_of(x, fetch, name).float()
+        swiglu, add = model.ops.swiglu, model.ops.add
+        model.ops.swiglu = lambda *args: swiglu(*args).float()
+        model.ops.add = lambda *args: add(*args).float()
         norms_narrow[0] = False
         model.reset()
 
@@ -283,7 +295,7 @@ def test_narrow_gemm_outputs_reach_their_consumers_as_bf16(tmp_path, monkeypatch
     wide_picks = run(widen)
     assert {n for n, _, _ in narrow_seen} == {"sparse_attention", "swiglu", "add", "wo_b", "mhc_ffn",
                                                "experts' input", "norm input", "block norm", "engram kv",
-                                               "index queries"}
+                                               "index queries", "shared hidden", "FFN output"}
     assert {d for _, dtypes, _ in narrow_seen for d in dtypes} == {torch.bfloat16}
     assert {d for _, dtypes, _ in seen for d in dtypes} == {torch.float32}
     assert [n for n, _, _ in seen] == [n for n, _, _ in narrow_seen]

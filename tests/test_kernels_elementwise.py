@@ -29,6 +29,10 @@ def test_swiglu_against_float64_and_the_engine(shape, limit):
     got_r = ew.swiglu_triton(gate, up, limit, round_bf16=True)
     want_r = ew.swiglu_reference(gate, up, limit, round_bf16=True)
     assert torch.equal(got_r.bfloat16().float(), got_r)
+    # stored bf16 (its reader, w2's linear, takes bf16): the same values, as the reference stores them
+    narrow = ew.swiglu_triton(gate, up, limit, round_bf16=True, bf16_out=True)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), got_r)
+    assert ew.swiglu_reference(gate, up, limit, bf16_out=True).dtype == torch.bfloat16
     differ = got_r != want_r
     assert differ.float().mean() < 1e-2 and ((got_r - want_r).abs()[differ] <= want_r.abs()[differ] * 2.0**-7).all()
 
@@ -39,6 +43,8 @@ def test_add_is_torchs_sum_bit_for_bit():
     assert torch.equal(ew.add_triton(a, b), a + b)
     assert torch.equal(ew.add_triton(a, b, round_bf16=True), (a + b).bfloat16().float())
     assert torch.equal(ew.add_triton(a.bfloat16(), b), a + b)  # bf16 in, float32 out
+    for out in (ew.add_triton(a, b, bf16_out=True), ew.add_reference(a, b, bf16_out=True)):  # bf16 out: rounded
+        assert out.dtype == torch.bfloat16 and torch.equal(out, (a + b).bfloat16())
     with pytest.raises(ValueError, match="differ"):
         ew.add_triton(a, b[:, :-1])
     assert ew.swiglu_triton(a[:0], b[:0], 1.0).shape == (0, 300)

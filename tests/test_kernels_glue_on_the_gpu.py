@@ -120,7 +120,10 @@ a, b = torch.randn(t, 2304, generator=g) * 8, torch.randn(t, 2304, generator=g) 
 got = elementwise.swiglu_triton(a.cuda(), b.cuda(), 10.0, round_bf16=True)
 want = swiglu(a.double(), b.double(), 10.0).bfloat16().double()
 step_check("swiglu", got, want, want.abs(), 2.0**-20)
+narrow = elementwise.swiglu_triton(a.cuda(), b.cuda(), 10.0, round_bf16=True, bf16_out=True)
+assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), got)
 assert torch.equal(elementwise.add_triton(a.cuda(), b.cuda(), round_bf16=True).cpu(), (a + b).bfloat16().float())
+assert torch.equal(elementwise.add_triton(a.cuda(), b.cuda(), bf16_out=True).cpu(), (a + b).bfloat16())
 """)
 
 

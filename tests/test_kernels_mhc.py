@@ -234,6 +234,9 @@ def test_expand_is_the_reference_update_bit_for_bit(gen, t, dim, block_d):
     # the stream stored bf16 (knob stream_bf16): read and written as bf16, the same values
     narrow = mhc.mhc_expand_triton(y, residual.bfloat16(), post, comb, block_d=block_d, bf16_out=True)
     assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), got)
+    # y stored bf16 too (the shared-expert sum under the bf16 stream): read as it is, the same values
+    assert torch.equal(mhc.mhc_expand_triton(y.bfloat16(), residual.bfloat16(), post, comb, block_d=block_d,
+                                             bf16_out=True), narrow)
     assert torch.equal(mhc.mhc_expand_reference(y, residual.bfloat16(), post, comb, bf16_out=True), narrow)
     with pytest.raises(ValueError, match="expand"):
         mhc.mhc_expand_triton(y, residual[:, :3], post, comb)

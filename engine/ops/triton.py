@@ -563,7 +563,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         bit the `reference` numerics' float32 sums (kernels/mhc.py mhc_expand), where they take ~11 launches
         over the 4 copies; other numerics, or other than 4 copies: theirs."""
         if not (self.compute and self._bf16_stream) or residual.shape[1] != 4:
-            return self.base.expand(y, wide(residual), post, comb)
+            return self.base.expand(wide(y), wide(residual), post, comb)
         return self._kernel("mhc_expand")(y, residual, post, comb, bf16_out=self._narrow_stream)
 
     def mhc_ffn(self, layer: int, x, update, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):

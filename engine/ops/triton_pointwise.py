@@ -57,16 +57,18 @@ class PointwiseKernels:
         return self._kernel("rope")(x, positions, table, inverse, inplace=True)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        """The shared expert's gated product in one launch (kernels/elementwise.py; the wrapped numerics: ~6)."""
+        """The shared expert's gated product in one launch (kernels/elementwise.py; the wrapped numerics: ~6);
+        stored bf16 under `reference` (its one reader, w2's linear, takes bf16 as it is)."""
         if not self.compute or gate.shape != up.shape:
             return self.base.swiglu(gate, up, limit)
-        return self._kernel("swiglu")(gate, up, limit, round_bf16=self._bf16_stream)
+        return self._kernel("swiglu")(gate, up, limit, round_bf16=self._bf16_stream, bf16_out=self._bf16_stream)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a + b in one launch, stored as `act` stores it (the wrapped numerics: a sum and two rounding copies)."""
+        """a + b in one launch, stored as `act` stores it (the wrapped numerics: a sum and two rounding copies);
+        stored bf16 with the bf16 stream (its one reader, the FFN's stream update, widens what it loads)."""
         if not self.compute or a.shape != b.shape:
             return self.base.add(a, b)
-        return self._kernel("add")(a, b, round_bf16=self._bf16_stream)
+        return self._kernel("add")(a, b, round_bf16=self._bf16_stream, bf16_out=self._narrow_stream)
 
     def engram_mix(self, x, kv, q_weight, k_weight, eps: float, token_mask=None) -> torch.Tensor:
         """The Engram's gated update in one launch (kernels/engram.py), stored as `act` stores it; the wrapped
