@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import quant as Q
+from moe_checks import close_but_one_token
 
 _, fp4_tiles, moe_gemv, moe = interpreted("_formats", "fp4_tiles", "moe_gemv", "moe")
 
@@ -163,6 +164,11 @@ def _crowded_case(gen):
     return x, w1, s1, w3, s3, w2, s2, ids.to(torch.int32), tw
 
 
+def _agrees(want, got, hidden) -> bool:
+    """Within 1e-5 of the float64 reference; with the engine's hidden state, but one token's rounding step."""
+    return close_but_one_token(want, got, 1e-5) if hidden else _rel(want, got) < 1e-5
+
+
 @pytest.mark.parametrize("hidden", [None, "reference"])
 def test_split_tiles_take_the_crowded_experts_in_bigger_token_blocks(gen, hidden):
     """split_m: experts with more than block_m pairs run in split_m-token tiles of fewer weight rows, the others
@@ -172,7 +178,7 @@ def test_split_tiles_take_the_crowded_experts_in_bigger_token_blocks(gen, hidden
     args = _crowded_case(gen)
     ids = args[7]
     got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, hidden=hidden, split_m=32)
-    assert _rel(moe.moe_fp4_reference(*args, hidden=hidden), got) < 1e-5, gen.initial_seed()
+    assert _agrees(moe.moe_fp4_reference(*args, hidden=hidden), got, hidden), gen.initial_seed()
     order, small, big = moe.moe_align(ids, 5, 16, 32)
     rows = {name: sorted(int(e) for e in blocks[0] if e >= 0) for name, blocks in (("small", small), ("big", big))}
     assert rows["big"] == [0, 1] and set(rows["small"]) <= {2, 3, 4}  # one 32-pair block each for 0 and 1
@@ -190,7 +196,7 @@ def test_down_tiles_apart_from_the_gate_up_tiles(gen, hidden):
     for tiles in (dict(block_n=32, down_block_n=64, maxnreg=168, down_maxnreg=0), dict(block_n=64, down_block_n=32),
                   dict(block_n=64, down_block_n=32, split_m=32)):
         got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, hidden=hidden, **tiles)
-        assert _rel(want, got) < 1e-5, (tiles, gen.initial_seed())
+        assert _agrees(want, got, hidden), (tiles, gen.initial_seed())
     with pytest.raises(ValueError, match="split_m"):  # 16 x 16 / 32 = 8 down rows a split tile: too few
         moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=64, down_block_n=16, split_m=32)
 
@@ -220,7 +226,7 @@ def test_split_tiles_of_their_own_rows_and_cap(gen, hidden, monkeypatch):
     monkeypatch.setattr(moe, "_moe_down_kernel", down)
     got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, block_n=32, maxnreg=168, down_block_n=32,
                              down_maxnreg=0, split_m=32, split_n=64, split_maxnreg=0, hidden=hidden)
-    assert _rel(want, got) < 1e-5, gen.initial_seed()
+    assert _agrees(want, got, hidden), gen.initial_seed()
     assert up.seen == [(16, 32, 168), (32, 64, None)] and down.seen == [(16, 32, None), (32, 64, None)]
     for rows in (8, 48 if hidden else 8):  # too few rows; the hidden state's whole 32-row groups
         with pytest.raises(ValueError, match="split_m"):
