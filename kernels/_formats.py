@@ -150,6 +150,14 @@ def pow2_scale_up(amax, inv_max):
 
 
 @triton.jit
+def pow2_reciprocal(scale):
+    """1 / scale for a power-of-two scale (pow2_scale_up's), one IEEE division: exact (1 / 2^e is a float, also as
+    a subnormal), so x * pow2_reciprocal(scale) is x / scale's own rounding, bit for bit, at a multiply a value
+    (an infinite scale gives 0, a zero one inf: the same 0, NaN or inf as the division)."""
+    return tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
 def e4m3_code(v):
     """float32 in [-448, 448] -> E4M3 byte (int32 lane), round to nearest even."""
     a = tl.abs(v)

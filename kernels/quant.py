@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels._formats import e2m1_code, e4m3_code, e4m3_rounded, fp4_value, pow2_scale_up
+from kernels._formats import e2m1_code, e4m3_code, e4m3_rounded, fp4_value, pow2_reciprocal, pow2_scale_up
 from kernels.fp4_tiles import nib_order, nib_position
 
 
@@ -60,8 +60,7 @@ def _fp4_quant_kernel(x_ptr, q_ptr, s_ptr, v_ptr, n_groups, BLOCK: tl.constexpr,
         scale = pow2_scale_up(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0)
         s_byte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
         s_byte = tl.where(s_byte == 0, 0, s_byte)
-        # a power of two in 2^-126..2^126: its reciprocal is exact, so x times it is x / scale's own rounding
-        inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        inv = pow2_reciprocal(scale)[:, None]  # a power of two in 2^-126..2^126
         lo = e2m1_code(tl.minimum(tl.maximum(x_even * inv, -6.0), 6.0))
         hi = e2m1_code(tl.minimum(tl.maximum(x_odd * inv, -6.0), 6.0))
     tl.store(q_ptr + g[:, None] * (BLOCK // 2) + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m2)
@@ -83,10 +82,7 @@ def fp8_groups(x_ptr, BLOCK: tl.constexpr, BG: tl.constexpr, n_groups):
     x = tl.load(x_ptr + offs, mask=gmask[:, None], other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     scale = pow2_scale_up(amax, 1.0 / 448.0)
-    # x / scale as x times 1 / scale, one IEEE division a group, not a value: the scale is a power of two (or
-    # inf / 0), so its reciprocal is exact and each product is the quotient's own rounding, bit for bit
-    inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    v = tl.minimum(tl.maximum(x * pow2_reciprocal(scale)[:, None], -448.0), 448.0)  # one division a group
     return v, scale, offs, g, gmask
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import quant as Q
+from layouts import mma_k_index
 
 _, quant, fp8_linear = interpreted("_formats", "quant", "fp8_linear")
 
@@ -15,14 +16,6 @@ def _rel(a, b):
     a, b = a.double(), b.double()
     assert not torch.isnan(b).any(), "NaN in the kernel's output (unwritten or invalid)"
     return ((a - b).norm() / a.norm()).item()
-
-
-def _mma_k_index(k: int) -> torch.Tensor:
-    """Where memory column c of a K-wide row lands in the MMA K order of each 64 block (in_mma_k_order): idx[c]."""
-    m = torch.arange(64)
-    pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)
-    assert sorted(pos.tolist()) == list(range(64))
-    return (torch.arange(k // 64)[:, None] * 64 + pos[None, :]).flatten()
 
 
 def _inputs(gen, m, n, k):
@@ -78,7 +71,7 @@ def test_weight_bf16_values_in_mma_k_order(poisoned, gen):
     order x_values_bf16 uses (the NaN past the bf16 range is the GPU decode's: test_bf16_decode_on_the_gpu)."""
     _, w, ws = _inputs(gen, 1, 40, 128)
     got = fp8_linear.fp8_weight_bf16(w, ws)
-    idx = _mma_k_index(128)
+    idx = mma_k_index(128)
     assert got.dtype == torch.bfloat16 and torch.equal(got.float()[:, idx], Q.dequantize_fp8_weight(w, ws).float())
     with pytest.raises(ValueError, match="multiple of 64"):
         fp8_linear.fp8_weight_bf16(w[:, :96], ws[:, :3])
@@ -90,7 +83,7 @@ def test_x_values_are_the_round_trip_in_mma_k_order(poisoned, gen):
     x[1, 64] = 3.0
     got = fp8_linear.x_values_bf16(x)
     want = Q.dequantize_fp8(*Q.quantize_fp8(x)).float()
-    idx = _mma_k_index(256)  # memory column c lands at idx[c]
+    idx = mma_k_index(256)  # memory column c lands at idx[c]
     assert got.dtype == torch.bfloat16 and torch.equal(got.float()[:, idx], want)
     assert torch.equal(got.float()[:, idx].view(torch.int32), want.view(torch.int32))  # the sign of zero too
     assert (want.view(torch.int32) == -2 ** 31).sum() > 20
@@ -141,8 +134,8 @@ for cfg in (dict(), dict(block_k=128), dict(split_k=1)):
     assert ((got - want).abs() <= 2.0 ** -7 * want.abs() + 1e-5 * want.abs().max()).all(), cfg
 # the cuBLAS form: the same weight values (every byte, exact), one bf16 GEMM of float32 sums
 wb = fp8_linear.fp8_weight_bf16(w.cuda(), ws.cuda().view(torch.float8_e8m0fnu)).cpu()
-pos = torch.tensor([((c >> 2) & 3) * 16 + ((c >> 1) & 1) * 8 + (c >> 4) * 2 + (c & 1) for c in range(64)])
-idx = (torch.arange(k // 64)[:, None] * 64 + pos[None, :]).flatten()
+from tests.layouts import mma_k_index
+idx = mma_k_index(k)
 assert torch.equal(wb.float()[:, idx], Q.dequantize_fp8_weight(w, ws.view(torch.float8_e8m0fnu)).float())
 got = fp8_linear.fp8_linear_triton(x.cuda(), w.cuda(), ws.cuda().view(torch.float8_e8m0fnu), mma="cublas",
                                    float_out=True).cpu()

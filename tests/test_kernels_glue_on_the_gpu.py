@@ -137,6 +137,7 @@ def test_quantizers_round_trip_and_x_values_bit_for_bit():
 from engine import quant as Q
 from kernels import fp8_linear, quant
 from kernels.fp4_tiles import nib_order
+from tests.layouts import mma_k_index
 x = torch.randn(12, 5120, generator=g) * torch.logspace(-30, 30, 12)[:, None]
 x[1, 32], x[1, 33:64] = 1.0, -1e-12
 x[2, :32] = 0
@@ -152,9 +153,7 @@ narrow = quant.fp8_roundtrip_triton(x.cuda(), 32, bf16_out=True).cpu()
 assert torch.equal(narrow.float().view(torch.int32), want.view(torch.int32))
 nib = quant.fp8_roundtrip_triton(x.cuda(), 32, bf16_out=True, nib=True).cpu()
 assert torch.equal(nib.view(torch.int16), nib_order(narrow).view(torch.int16))
-m = torch.arange(64)   # memory column c of each 64 block lands at pos[c] (kernels/_formats.py in_mma_k_order)
-pos = ((m >> 2) & 3) * 16 + ((m >> 1) & 1) * 8 + (m >> 4) * 2 + (m & 1)
-idx = (torch.arange(5120 // 64)[:, None] * 64 + pos[None, :]).flatten()
+idx = mma_k_index(5120)   # memory column c lands at idx[c] (kernels/_formats.py in_mma_k_order)
 vals = fp8_linear.x_values_bf16(x.bfloat16().cuda()).cpu()
 assert torch.equal(vals.float()[:, idx].view(torch.int32), want.view(torch.int32))
 for block, kind in ((32, "e8m0"), (16, "e4m3")):   # the FP4 quantizer: the index queries, the compressor's entries
