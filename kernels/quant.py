@@ -12,7 +12,7 @@ import triton.language as tl
 
 from engine import quant as Q
 from kernels._formats import e2m1_code, e4m3_code, e4m3_rounded, fp4_value, pow2_reciprocal, pow2_scale_up
-from kernels.fp4_tiles import nib_order, nib_position
+from kernels.fp4_tiles import nib_order
 
 
 def quantize_fp4_reference(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):
@@ -96,9 +96,11 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
 @triton.jit
 def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr):
     v, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
-    if NIB:  # stored in the FP4 decoders' order (fp4_tiles.nib_order); offs is a multiple of BLOCK plus the column
-        offs = nib_position(offs)
-    tl.store(y_ptr + offs, e4m3_rounded(v) * scale[:, None], mask=gmask[:, None])  # the codes' values, no byte
+    y = e4m3_rounded(v) * scale[:, None]  # the codes' values, no byte
+    if NIB:  # the FP4 decoders' order (fp4_tiles.nib_order): each 8-group's halves interleaved, in registers (the
+        # same permutation on the store's addresses made it 16 scalar stores a thread: 136 against 25 us, H100 run 34)
+        y = tl.reshape(tl.permute(tl.reshape(y, (BG, BLOCK // 8, 2, 4)), (0, 1, 3, 2)), (BG, BLOCK))
+    tl.store(y_ptr + offs, y, mask=gmask[:, None])
 
 
 def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):
