@@ -5,8 +5,9 @@ reference's polar table (ReferenceOps._rope_table viewed as real) -> float32 [T,
 as complex products (x_re + i x_im)(cos + i sin) (sin negated when inverse), every value rounded to bf16
 (nearest even) and kept float32. The reference's form takes ~8 launches (a bf16 copy, the pairs' copy,
 the table gather, the complex product, its write-back, the float copy); this is one read and one write.
-Products and sums are float32 as torch's complex product, possibly fused into FMAs here, so a value can
-sit one bf16 step away where the float32 result straddles a rounding boundary (the test bounds it).
+Products and sums are float32 as torch's complex product, but x cos fused into an FMA here (both kernels, spelled
+out), so a value can sit one bf16 step away where the float32 result straddles a rounding boundary (the test
+bounds it).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, tab_ptr, rows, per_token, D: tl.constexp
     s = tl.load(at + 1, mask=tm, other=0.0)
     if CONJ:
         s = -s
-    even = x * c - xp * s  # real part: x real, xp imaginary
-    odd = xp * s + x * c  # imaginary part: xp real, x imaginary
-    y = tl.where(rot[None, :], tl.where(((j & 1) == 1)[None, :], odd, even), x)
+    # real part (x real, xp imaginary) x c - xp s, imaginary part (xp real, x imaginary) x c + xp s: written as
+    # the FMA the compiler made of them (x c fused, xp s rounded), which _rope_slice_kernel spells the same way
+    p = xp * s
+    y = tl.where(rot[None, :], tl.fma(x, c, tl.where(((j & 1) == 1)[None, :], p, -p)), x)
     tl.store(y_ptr + row + d[None, :], cast_rne(y, tl.bfloat16).to(tl.float32), mask=m)
 
 
@@ -71,8 +73,8 @@ def _rope_slice_kernel(x_ptr, pos_ptr, tab_ptr, rows, per_token, D: tl.constexpr
     c, s = tl.split(tl.reshape(cs, (BR, BRD // 2, 2)))
     if CONJ:
         s = -s
-    even = re * c - im * s  # the products and sums of _rope_kernel's
-    odd = re * s + im * c
+    even = tl.fma(re, c, -(im * s))  # _rope_kernel's FMAs (left to the compiler, the two kernels' contractions
+    odd = tl.fma(im, c, re * s)  # differed: GPU run 34 found the in-place result a bf16 step off the whole one)
     y = cast_rne(tl.reshape(tl.join(even, odd), (BR, BRD)), tl.bfloat16)
     if x_ptr.dtype.element_ty == tl.float32:
         y = y.to(tl.float32)

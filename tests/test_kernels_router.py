@@ -39,8 +39,8 @@ def test_shapes_are_checked():
 
 
 def test_the_knob_sends_the_routers_choice_to_the_kernel(monkeypatch):
-    """TritonOps.route_topk: the wrapped numerics' torch.topk by default; with router_topk the kernel's, the same
-    picks; rows wider than a program holds stay on torch.topk."""
+    """TritonOps.route_topk: the kernel's choice by default (router_topk), the same picks as torch.topk; with the
+    knob off the wrapped numerics' torch.topk; rows wider than a program holds stay on torch.topk."""
     import engine.ops.triton as kernel_ops
     from engine.ops import ops_for
 
@@ -48,11 +48,11 @@ def test_the_knob_sends_the_routers_choice_to_the_kernel(monkeypatch):
     ops = kernel_ops.TritonOps(ops_for("reference"), type("W", (), {"reader": None})(), "cpu")
     biased = torch.randn(40, 384, generator=torch.Generator().manual_seed(3))
     want = biased.topk(6, dim=-1).indices
-    assert torch.equal(ops.route_topk(biased, 6), want) and ops.calls["route_topk"] == 0
-    ops.set_knobs("router_topk=1")
     assert torch.equal(ops.route_topk(biased, 6), want) and ops.calls["route_topk"] == 1
     ops.route_topk(torch.randn(4, 8192), 6)
     assert ops.calls["route_topk"] == 1
+    ops.set_knobs("router_topk=0")
+    assert torch.equal(ops.route_topk(biased, 6), want) and ops.calls["route_topk"] == 1
 
 
 def test_the_tiny_models_prefill_routes_alike_on_the_kernel(tmp_path, monkeypatch):
