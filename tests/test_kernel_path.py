@@ -219,7 +219,7 @@ def reference_on_kernels(cfg, weights, ids) -> dict:
     handed_back = ("linear", "gemm_of", "rms_norm", "sparse_attention", "routed_experts", "index_topk", "mhc_attention",
                    "mhc_ffn", "rotate", "f32_linear", "expand",
                    "fp8_roundtrip", "quantize_fp8", "quantize_fp4_with_values",
-                   "tie_marks", "engram_mix", "swiglu", "add")
+                   "tie_marks", "engram_mix", "swiglu", "add", "route_topk")
     for name in handed_back:  # on the instance: every op the kernels take goes to the wrapped numerics
         setattr(wrapped, name, getattr(wrapped.base, name))
     same_logits, same = _probed(cfg, weights, ids, wrapped, kinds)
@@ -356,7 +356,7 @@ def test_kernel_ops_wrapping_reference_numerics(worker):
     assert got["numerics"] == "reference" and got["finite"]
     assert set(got["calls"]) == {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores",
                                  "topk_positions", "rms_norm", "rope", "mhc_expand", "fp8_roundtrip", "quantize_fp8",
-                                 "tie_marks", "engram_mix", "swiglu", "add"}
+                                 "tie_marks", "engram_mix", "swiglu", "add", "route_topk"}
     assert got["handed_back_bits"] and got["handed_back_calls"] == {}, got
     assert got["layer0_mixes_rel"] < 1e-5, got
     assert got["layer0_routing"] == "ok", got["layer0_routing"]
@@ -375,7 +375,7 @@ def test_all_kernels_in_the_forward_stay_within_bf16_noise(worker):
     got, noise = worker["all_kernels"], worker["bf16_reference"]
     assert set(got["calls"]) == {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores",
                                  "topk_positions", "rms_norm", "fp8_roundtrip", "quantize_fp8",
-                                 "tie_marks", "engram_mix", "swiglu", "add"}  # fp32: their own rotation
+                                 "tie_marks", "engram_mix", "swiglu", "add", "route_topk"}  # fp32: their own rotation
     assert got["finite"]
     assert got["rel_l2"] <= 2 * noise["rel_l2"], (got, noise)
     # the first Full layer's selections are taken before most of the drift

@@ -45,7 +45,7 @@ PROMPT = "The quick brown fox jumps over the dog."  # 18 tokens with the shipped
 PROBES = ("topk", "routing")
 ALL_KERNELS = {"fp8_linear", "sparse_attn", "moe_fp4", "mhc", "quantize_fp4", "indexer_scores", "topk_positions",
                "rms_norm", "rope", "mhc_expand", "fp8_roundtrip", "quantize_fp8", "tie_marks", "engram_mix",
-               "swiglu", "add"}
+               "swiglu", "add", "route_topk"}
 
 needs_model = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").exists(), reason="no shipped model")
 
