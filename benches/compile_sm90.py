@@ -97,16 +97,35 @@ SASS_CLASSES = {"mma": ("HGMMA", "HMMA", "WARPGROUP"), "shared": ("LDS", "STS", 
                 "convert": ("F2FP", "F2F", "I2F", "F2I", "I2FP")}
 
 
-def sass_census(cubin: Path) -> dict:
-    """Static SASS of one kernel: its instruction count, every loop's of 50+ (a backward branch's span, in
-    address order) and the largest one's by class. A proxy for issue cost where no GPU is lent: a kernel's
-    loop body runs once per tile."""
-    run = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True)
-    rows = []  # (address, opcode, text)
-    for line in run.stdout.splitlines():
+def sass_rows(listing: str) -> list[tuple[int, str, str]]:
+    """cuobjdump -sass text -> [(address, opcode, operands)] in address order."""
+    rows = []
+    for line in listing.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);", line)
         if m:
             rows.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    return rows
+
+
+def global_stores(rows) -> str:
+    """The global stores by width, e.g. "2x128" or "16x16": how a store is issued, which the instruction count
+    does not tell (run 34a: a permutation on a store's addresses made two 128-bit stores sixteen 16-bit ones, 5x
+    the kernel's time)."""
+    widths = {}
+    for _, op, _ in rows:
+        if op.split(".")[0] == "STG":
+            mods = op.split(".")[1:]
+            bits = next((int(m.lstrip("US")) for m in mods if m.lstrip("US") in ("8", "16", "64", "128")), 32)
+            widths[bits] = widths.get(bits, 0) + 1
+    return " ".join(f"{n}x{bits}" for bits, n in sorted(widths.items())) or "-"
+
+
+def sass_census(cubin: Path) -> dict:
+    """Static SASS of one kernel: its instruction count, every loop's of 50+ (a backward branch's span, in
+    address order), the largest one's by class and the global stores by width. A proxy for issue cost where no
+    GPU is lent: a kernel's loop body runs once per tile."""
+    run = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True)
+    rows = sass_rows(run.stdout)
     loops = []
     for i, (addr, op, args) in enumerate(rows):
         target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
@@ -116,7 +135,7 @@ def sass_census(cubin: Path) -> dict:
     body = max(loops, key=len) if loops else []
     classes = {name: sum(1 for _, op, _ in body if op.split(".")[0] in ops) for name, ops in SASS_CLASSES.items()}
     return {"sass": len(rows), "loops": " / ".join(str(len(b)) for b in loops if len(b) >= 50) or "-",
-            "loop": len(body), **{f"loop_{k}": v for k, v in classes.items()}}
+            "loop": len(body), **{f"loop_{k}": v for k, v in classes.items()}, "stores": global_stores(rows)}
 
 
 def compile_only(self, *args, grid, warmup, **kwargs):
@@ -156,6 +175,7 @@ def cases():
         quant.quantize_fp4_triton(torch.randn(256, 512).bfloat16(), 16, "e4m3")
         quant.quantize_fp4_triton(torch.randn(256, 128).bfloat16(), 32, "e8m0")
         quant.quantize_fp8_triton(torch.randn(256, 512).bfloat16())
+        quant.fp8_roundtrip_triton(torch.randn(256, 512).bfloat16(), 32, bf16_out=True, nib=True)  # experts' input
 
     def linear(m, **form):
         w = (torch.randn(5120, 8192) * 30).to(torch.float8_e4m3fn)
@@ -297,9 +317,9 @@ def table(rows: list[dict], errors: dict) -> str:
                      f"{r['regs']} | {r['spill_bytes']} | {r['shared']} | {'yes' if r['wgmma'] else 'no'} | {r['gpu_fences']} | "
                      f"{'ok' if r['ptxas_ok'] else 'FAILED ' + r['ptxas_error']} |")
     if SASS["on"]:
-        names = ["sass", "loops", "loop"] + [f"loop_{k}" for k in SASS_CLASSES]
+        names = ["sass", "loops", "loop"] + [f"loop_{k}" for k in SASS_CLASSES] + ["stores"]
         lines += ["", "SASS census (static, one thread's instruction stream; loops: each backward-branch span of 50+ "
-                      "instructions; loop: the largest, counted by class):", "", "| case | kernel | " + " | ".join(names) + " |",
+                      "instructions; loop: the largest, counted by class; stores: the global stores, count x bits):", "", "| case | kernel | " + " | ".join(names) + " |",
                   "|---|---|" + "---:|" * len(names)]
         lines += [f"| {r['case']} | {r['kernel']} | " + " | ".join(str(r.get(n, "")) for n in names) + " |"
                   for r in rows]
