@@ -319,8 +319,8 @@ def table(rows: list[dict], errors: dict) -> str:
     if SASS["on"]:
         names = ["sass", "loops", "loop"] + [f"loop_{k}" for k in SASS_CLASSES] + ["stores"]
         lines += ["", "SASS census (static, one thread's instruction stream; loops: each backward-branch span of 50+ "
-                      "instructions; loop: the largest, counted by class; stores: the global stores, count x bits):", "", "| case | kernel | " + " | ".join(names) + " |",
-                  "|---|---|" + "---:|" * len(names)]
+                      "instructions; loop: the largest, counted by class; stores: the global stores, count x bits):", "",
+                  "| case | kernel | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
         lines += [f"| {r['case']} | {r['kernel']} | " + " | ".join(str(r.get(n, "")) for n in names) + " |"
                   for r in rows]
     if errors:
