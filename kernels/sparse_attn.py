@@ -395,7 +395,8 @@ def _two_pass_fits(h: int) -> bool:
 def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink, scale=None,
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
-                       layout: str | None = None, float_out: bool = False, two_pass: dict | None = None):
+                       layout: str | None = None, float_out: bool = False, two_pass: dict | None = None,
+                       weight_bytes: int | None = None):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     layout (module docstring): None picks "two_pass" in its bf16x2 form for a decode batch of 16+ tokens and
@@ -415,7 +416,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     launch options in the dict two_pass (sparse_attn_two_pass's keywords; num_warps, num_stages, split and
     d_split here do not apply).
     float_out: the bf16 output's values stored as float32 (rounded to nearest even in the kernel), what the
-    reference numerics keep, without a widening copy.
+    reference numerics keep, without a widening copy. weight_bytes: the two passes' weights buffer (None: theirs,
+    16 MB), which sets how many tokens a launch pair takes; on top of two_pass, default or given.
     Host side: no tensor is made on or copied from the host, nothing is read back (CUDA-graph safe)."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
     if d % 64 or d & (d - 1):
@@ -457,8 +459,9 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
         # shared-memory operations a loop (sm_90 SASS, triton 3.6; decode batch 64: 2.1x): a release layer's
         # 4K prefill spent ~3.7 ms in the two passes on a float32 q (H200 run 25a) against 2.69 on a bf16 one
         q = q.to(torch.bfloat16) if q.dtype == torch.float32 else q
+        options = dict(two_pass or {}, **({"weight_bytes": weight_bytes} if weight_bytes else {}))
         return sparse_attn_two_pass(q.contiguous(), *caches, sink32, scale, block_h=min(block_h or 64, h),
-                                    block_n=block_n or 64, float_out=float_out, n_sel=n_sel, **(two_pass or {}))
+                                    block_n=block_n or 64, float_out=float_out, n_sel=n_sel, **options)
     if d_split not in (1, 2):
         raise ValueError(f"sparse attention: d_split must be 1 or 2, got {d_split}")
     # decode: all 64 heads a program decode each entry once, 32-entry tiles, two splits (H200 run 17b: 65.5

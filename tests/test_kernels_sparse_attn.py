@@ -427,6 +427,12 @@ def test_two_pass_runs_tokens_in_chunks_that_fit_the_weights_budget(poisoned, de
     whole = A.sparse_attn_triton(*args, block_n=16, layout="two_pass", two_pass=opts)
     chunked = A.sparse_attn_triton(*args, block_n=16, layout="two_pass", two_pass=dict(opts, weight_bytes=budget))
     assert torch.equal(whole, chunked) and _rel(A.sparse_attn_reference(*args), chunked) < 1e-2
+    # the budget given on its own (the kernel ops' attn_big_chunks) joins the form's options
+    assert torch.equal(A.sparse_attn_triton(*args, block_n=16, layout="two_pass", two_pass=opts, weight_bytes=budget),
+                       chunked)
+    _, _, _, scores, _ = _host_use_of(lambda *a: A.sparse_attn_triton(
+        *a, block_n=16, layout="two_pass", two_pass=opts, weight_bytes=budget), args)
+    assert [grid[0 if decode == "float32" else 1] for grid, _, _ in scores] == [2, 2, 1]
     bad, _, _, scores, wsum = _host_use_of(lambda *a: A.sparse_attn_triton(
         *a, block_n=16, layout="two_pass", two_pass=dict(opts, weight_bytes=budget)), args)
     assert bad == []

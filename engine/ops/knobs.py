@@ -22,6 +22,10 @@ class KernelKnobs:
     attn_two_pass = False
     attn_bf16x2 = False
     attn_one_pass = False
+    # the two passes' weights buffer 32 MB instead of 16 (`weight_bytes`): ~400 tokens a launch pair instead of ~200
+    # in a 4K prefill (21 pairs -> 11); the weighted sum's ~1,600 programs a pair are 3.1 waves at four blocks an SM,
+    # the last a tenth full; the buffer still inside the 50 MB L2 the second pass reads it from. For an A/B
+    attn_big_chunks = False
     # the routed experts' grouped GEMMs with each scale folded into the decode's one bf16x2 multiply
     # (kernels/fp4_tiles.py fp4_decoded_folded), for a layer whose expert scales all fit it (checked once a
     # layer): H200 run 24a, 4K prefill in the engine's hidden-state form 10.13 ms against 10.37, the 64-token
@@ -84,7 +88,8 @@ class KernelKnobs:
     # (Reuse / Full m=1); every E4M3 byte exact on the GPU (run 26a)
     linear_cublas = True
     # booleans a bench may set by name (set_knobs)
-    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "moe_fold",
+    KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
+             "moe_fold",
              "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16")

@@ -370,7 +370,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
 
     def _attn_launch(self, args) -> dict:
         """The sparse attention kernel's launch options the knobs ask for (none where its reference runs)."""
-        if not (self.attn_two_pass or self.attn_bf16x2 or self.attn_one_pass):
+        if not (self.attn_two_pass or self.attn_bf16x2 or self.attn_one_pass or self.attn_big_chunks):
             return {}  # the decode step's hot path: nothing imported or checked with the knobs off
         from kernels import dispatch
         if not (dispatch.use_triton(self.device) or interpreter_active()):
@@ -382,6 +382,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
         if self.attn_two_pass and int32_offsets_reach(kv_p, win_q, q.shape[-1]):
             options["layout"] = "two_pass"
+        if self.attn_big_chunks:
+            options["weight_bytes"] = 1 << 25
         return options
 
     def index_topk(self, indexer, q, head_w, positions, src, shared):
