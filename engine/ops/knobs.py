@@ -22,9 +22,11 @@ class KernelKnobs:
     attn_two_pass = False
     attn_bf16x2 = False
     attn_one_pass = False
-    # the two passes' weights buffer 32 MB instead of 16 (`weight_bytes`): ~400 tokens a launch pair instead of ~200
-    # in a 4K prefill (21 pairs -> 11); the weighted sum's ~1,600 programs a pair are 3.1 waves at four blocks an SM,
-    # the last a tenth full; the buffer still inside the 50 MB L2 the second pass reads it from. For an A/B
+    # the two passes' weights buffer 64 MB instead of their default 32 (`weight_bytes`; 16 before run 34e): ~800
+    # tokens a launch pair in a 4K prefill instead of ~400. H100 run 34e: 16 -> 32 MB took the layer's prefill graph
+    # 0.993-0.994x in the four roles with selected entries (the weighted sum's ~1,600 programs a pair had been 3.1
+    # waves at four blocks an SM, the last a tenth full), SWA-only within noise; the kernel bench's 4K prefill
+    # 2,688 -> 2,460 us at 32 MB, 2,334 at 64: untimed in the layer, where the buffer shares the L2. For an A/B
     attn_big_chunks = False
     # the routed experts' grouped GEMMs with each scale folded into the decode's one bf16x2 multiply
     # (kernels/fp4_tiles.py fp4_decoded_folded), for a layer whose expert scales all fit it (checked once a

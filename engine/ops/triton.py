@@ -383,7 +383,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         if self.attn_two_pass and int32_offsets_reach(kv_p, win_q, q.shape[-1]):
             options["layout"] = "two_pass"
         if self.attn_big_chunks:
-            options["weight_bytes"] = 1 << 25
+            options["weight_bytes"] = 1 << 26
         return options
 
     def index_topk(self, indexer, q, head_w, positions, src, shared):
