@@ -91,8 +91,7 @@ class KernelKnobs:
     linear_cublas = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
-             "moe_fold",
-             "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
+             "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
 
