@@ -216,7 +216,7 @@ ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128,
              # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64, tiles_per_program=2)),
              dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", block_v=64)),
-             # the default with other weights buffers (32 MB since run 34e: ~400 tokens a launch pair, 10 pairs at 4K;
+             # the default with other weights buffers (32 MB since run 34e: ~400 tokens a launch pair, 11 pairs at 4K;
              # H100 34e: 8 MB 2,697 us, 16 MB 2,688, 32 MB 2,460, 64 MB 2,334)
              *(dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64), weight_bytes=1 << m)
                for m in (23, 24, 26))]

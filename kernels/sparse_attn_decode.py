@@ -362,7 +362,7 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     rounded) or "bf16x2" (the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their
     own; same values). weight_bytes bounds the float16 weights buffer between the passes ([T, tiles * block_n,
     H]: a 4K-token prefill's would be 335 MB): the tokens run in chunks that fit it, through one buffer (32 MB:
-    409 tokens of the release's 640 entries x 64 heads, 10 launch pairs for 4K tokens, and the buffer stays in
+    409 tokens of the release's 640 entries x 64 heads, 11 launch pairs for 4K tokens, and the buffer stays in
     the 50 MB L2 between the passes; H100 run 34e, a 4K prefill: 8 MB 2,697 us, 16 MB 2,688 (the default
     before), 32 MB 2,460, 64 MB 2,334; in the layer 32 MB took 0.993-0.994x of 16's). n_sel: the selected
     slots a row (None: idx's width; 0 with any int32 idx of T rows, never read: an empty tensor's null pointer
