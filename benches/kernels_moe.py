@@ -121,7 +121,9 @@ def case_moe(bw, mm):
             dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0),
             narrow,
             # the engine's default since run 26b with split tiles beside it (moe_split_tiles on top of it)
-            dict(narrow, split_m=128, split_n=64, split_maxnreg=0)],
+            dict(narrow, split_m=128, split_n=64, split_maxnreg=0),
+            # TritonOps.moe_halves on top of it: the decoded weights in shared memory (kernels/moe_halves.py)
+            dict(narrow, split_m=128, split_n=64, split_maxnreg=0, halves=True), dict(narrow, halves=True)],
             lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out), rep=50)
     except Exception as ex:  # noqa: BLE001
         LOG["errors"].append(f"moe engine hidden: {ex!r}"[:400])

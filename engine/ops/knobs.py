@@ -83,6 +83,11 @@ class KernelKnobs:
     # Full m=1 (the down's alone: -0.7% / -0.4%); the kernel bench's engine form 8.47 ms against 8.81
     moe_narrow_down = True
     moe_narrow_gate_up = True
+    # a prefill's grouped GEMMs with tokens as the MMA's M and the decoded weight tiles in shared memory
+    # (kernels/moe_halves.py), where the folded scales fit: no register A operand's shared-memory round trip
+    # (sm_90 SASS, triton 3.6: gate/up 293 instructions a K step against 346 at 64 x 64 tiles, 128 against 168
+    # registers; down 187 against 215; h stored 128 bits wide). Not yet timed: for an A/B
+    moe_halves = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
@@ -93,7 +98,7 @@ class KernelKnobs:
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
-             "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
+             "moe_narrow_gate_up", "moe_halves", "linear_cublas", "stream_bf16")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""
