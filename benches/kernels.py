@@ -26,7 +26,7 @@ from kernels import indexer, mhc, sparse_attn, topk  # noqa: E402
 from benches.kernel_bench import DEV, LOG, bench, ceilings, fp4_dev, kernel_breakdown, rand_fp4, rel, row, sweep  # noqa: E402
 from benches.kernels_dense import (case_engram, case_f32, case_linear, case_norm, case_quant,  # noqa: E402
                                    case_router)
-from benches.kernels_moe import case_moe  # noqa: E402
+from benches.kernels_moe import case_moe, case_moe_prefill  # noqa: E402
 
 dec_scores = None
 
@@ -384,16 +384,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
-                    "half), indexer, topk, moe, linear, norm, engram, f32, run in the order given (default: all; topk is the "
-                    "top-512 sweep alone, on its own logits)")
+                    "half), indexer, topk, moe, moe_prefill (the engine's 4K forms alone), linear, norm, engram, f32, "
+                    "run in the order given (default: all; topk is the top-512 sweep alone, on its own logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
                  attn_decode=case_attn_decode,
-                 indexer=case_indexer, topk=case_topk, moe=case_moe, linear=case_linear, norm=case_norm,
-                 engram=case_engram, f32=case_f32, router=case_router)
+                 indexer=case_indexer, topk=case_topk, moe=case_moe, moe_prefill=case_moe_prefill, linear=case_linear,
+                 norm=case_norm, engram=case_engram, f32=case_f32, router=case_router)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}; the cases: {', '.join(cases)}")

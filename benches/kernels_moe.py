@@ -13,16 +13,54 @@ from kernels import fp4_tiles, moe
 from benches.kernel_bench import DEV, LOG, bench, fp4_dev, kernel_breakdown, rand_fp4, rel, row, sweep
 
 
+E, INTER, DIM, K = 384, 2304, 5120, 6
+
+
+def _release_experts():
+    """Random FP4 experts at the release's shapes (w1, s1, w3, s3, w2, s2), small scales: outputs O(1)."""
+    w1, s1 = rand_fp4((E, INTER, DIM), 32)
+    w3, s3 = rand_fp4((E, INTER, DIM), 32)
+    w2, s2 = rand_fp4((E, DIM, INTER), 32)
+    return tuple(v if i % 2 == 0 else (v.view(torch.uint8) - 6).view(torch.float8_e8m0fnu)
+                 for i, v in enumerate((w1, s1, w3, s3, w2, s2)))
+
+
+def _engine_prefill_forms():
+    """The engine's prefill forms (hidden="reference": w * h rounded as the reference rounds it, E4M3 per 32),
+    TritonOps' default first."""
+    engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
+    narrow = dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)
+    default = dict(narrow, split_m=128, split_n=64, split_maxnreg=0)  # moe_split_tiles beside the narrow tiles
+    return [default,
+            # TritonOps.moe_halves on top of it: the decoded weights in shared memory (kernels/moe_halves.py)
+            dict(default, halves=True), dict(narrow, halves=True), dict(narrow, halves=True, block_k=128),
+            engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
+            dict(engine_form, bf16_decode="fold", split_m=128),
+            # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4, gate/up 2 -> 3)
+            dict(engine_form, bf16_decode="fold", down_block_n=64),
+            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0), narrow]
+
+
+def case_moe_prefill(bw, mm, forms=None):
+    """The engine's 4K prefill forms alone (`--only moe_prefill`), each against the default's output (the
+    same numerics: a distance in the order of sums and an occasional rounding step of the hidden state)."""
+    W = _release_experts()
+    x = torch.randn(4096, DIM, device=DEV).bfloat16()
+    ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(4096)]).int()
+    tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
+    forms = forms or _engine_prefill_forms()
+    base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
+    best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
+                       lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out), rep=50)
+    flops = 2.0 * 4096 * K * 3 * INTER * DIM
+    row("FP4 MoE prefill, 4K tokens, the engine's forms", t, flops / mm * 1e6, "bf16 MMA",
+        f"{flops / t / 1e6:.0f} TFLOP/s; cfg {best}", None, f"rel {r:.1e} to the default form", 3200)
+
+
 def case_moe(bw, mm):
-    e, inter, dim, k = 384, 2304, 5120, 6
-    w1, s1 = rand_fp4((e, inter, dim), 32)
-    w3, s3 = rand_fp4((e, inter, dim), 32)
-    w2, s2 = rand_fp4((e, dim, inter), 32)
-    # keep expert outputs O(1): small weight scales
-    s1 = (s1.view(torch.uint8) - 6).view(torch.float8_e8m0fnu)
-    s3 = (s3.view(torch.uint8) - 6).view(torch.float8_e8m0fnu)
-    s2 = (s2.view(torch.uint8) - 6).view(torch.float8_e8m0fnu)
-    W = (w1, s1, w3, s3, w2, s2)
+    e, inter, dim, k = E, INTER, DIM, K
+    W = _release_experts()
+    w1, s1, w3, s3, w2, s2 = W
 
     def eager(x, ids, tw):
         out = torch.zeros(x.shape[0], dim, device=DEV)
@@ -106,25 +144,11 @@ def case_moe(bw, mm):
     flops = 2.0 * tq * k * 3 * inter * dim
     row("FP4 MoE prefill, 4K tokens", t, flops / mm * 1e6, "bf16 MMA",
         f"{flops / t / 1e6:.0f} TFLOP/s; cfg {best}", te, f"rel {r:.1e} (eager timed once)", 3200)
-    # the engine's form (hidden="reference": w * h rounded as the reference rounds it, E4M3 per 32), what the
-    # release layer runs (run 18c: 10.8 ms there against 9.6 here): its gate/up kernel spills 508 bytes on triton
-    # 3.6 (sm_90 compile), 64 x 64 tiles do not (220 registers). Logged only (its own rounding of the hidden
-    # state: the check against the bf16 form's eager output is a distance, not a verdict)
-    engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
-    narrow = dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)
+    # the engine's forms, what the release layer runs (logged only: their own rounding of the hidden state, so
+    # the distance to the bf16 form's eager output is not a verdict)
     try:
-        sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", [
-            engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
-            dict(engine_form, bf16_decode="fold", split_m=128),
-            # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4, gate/up 2 -> 3)
-            dict(engine_form, bf16_decode="fold", down_block_n=64),
-            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0),
-            narrow,
-            # the engine's default since run 26b with split tiles beside it (moe_split_tiles on top of it)
-            dict(narrow, split_m=128, split_n=64, split_maxnreg=0),
-            # TritonOps.moe_halves on top of it: the decoded weights in shared memory (kernels/moe_halves.py)
-            dict(narrow, split_m=128, split_n=64, split_maxnreg=0, halves=True), dict(narrow, halves=True)],
-            lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out), rep=50)
+        sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", _engine_prefill_forms(),
+              lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out), rep=50)
     except Exception as ex:  # noqa: BLE001
         LOG["errors"].append(f"moe engine hidden: {ex!r}"[:400])
 

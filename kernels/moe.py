@@ -62,8 +62,8 @@ def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, top
     """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
     `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute (x rounded
     to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds). bf16_decode, split_m, block_n,
-    maxnreg, down_*, split_*, halves: the kernel's weight decode, tiles and launches, the same values in every form (ignored
-    here)."""
+    maxnreg, down_*, split_*, halves: the kernel's weight decode, tiles and launches, the same values in every form
+    (ignored here)."""
     del bf16_decode, split_m, block_n, maxnreg, down_block_n, down_maxnreg, split_n, split_maxnreg, halves
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     hidden = _hidden(hidden, fp8_mma)

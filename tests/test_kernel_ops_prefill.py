@@ -139,8 +139,8 @@ def test_gpu_query_blocks_fill_the_score_budget(monkeypatch):
 
 
 def test_tile_knobs_reach_the_prefill_experts_only(tmp_path, monkeypatch):
-    """moe_split_tiles, moe_narrow_down, moe_narrow_gate_up, moe_halves: a prefill's routed experts (more than four pairs an
-    expert: the 64-token blocks' width) are launched with the knob's tiles; without it, or at a few pairs, with
+    """moe_split_tiles, moe_narrow_down, moe_narrow_gate_up, moe_halves: a prefill's routed experts (more than four
+    pairs an expert: the 64-token blocks' width) are launched with the knob's tiles; without it, or at a few pairs, with
     none. The picks do not move."""
     import kernels.dispatch as dispatch
 
