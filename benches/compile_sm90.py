@@ -266,6 +266,9 @@ def cases():
             ("MoE prefill, halves form (decoded tiles in shared memory), 64 x 64 and 128 x 64 split tiles", experts(
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, hidden="reference", maxnreg=168,
                 down_block_n=64, down_maxnreg=0, split_m=128, split_n=64, split_maxnreg=0, halves=True)),
+            ("MoE prefill, halves form, W1 and W3 rows paired", experts(
+                256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, hidden="reference",
+                down_block_n=64, split_m=128, split_n=64, halves="paired")),
             ("MoE prefill, halves form, K steps of 128", experts(
                 256, block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, hidden="reference",
                 down_block_n=64, split_m=128, split_n=64, halves=True)),

@@ -277,7 +277,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
                    x_on_grid: bool = False, split_m: int | None = None, down_block_n: int | None = None,
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
-                   halves: bool = False):
+                   halves: bool | str = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -311,7 +311,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     its 64 x 64 tiles take 101 registers on sm_90, 4 programs an SM, where 64 x 128 takes 178, 2.
     halves: the grouped GEMMs with tokens as the MMA's M and the decoded weight tiles in shared memory
     (kernels/moe_halves.py; the scale folded as bf16_decode="fold": scale bytes up to fp4_tiles.FOLD_MAX_SCALE_BYTE),
-    the same tiles and launch options."""
+    the same tiles and launch options; halves="paired": W1's and W3's rows decoded as one tile, interleaved."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -373,6 +373,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     sc = bool(scaled) and dt == tl.bfloat16 and not halves  # the interpreter has no dot_scaled
+    if halves not in (False, True, "paired"):
+        raise ValueError(f"halves must be False, True or 'paired', got {halves!r}")
     if halves:
         xp = fp8_roundtrip_triton(x, 32, bf16_out=True, halves=True) if round_x else halves_order(x.contiguous())
         consts = dict(DIM=dim, INTER=inter, TOPK=k, BK=bk, DT=dt, GROUP_M=group_m, FH=fp8_hidden,
@@ -380,7 +382,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         b1, b3, b2 = (w.contiguous().view(u8) for w in (w1, w3, w2))
         shapes = [(b, bm, un, dn, register_cap(uc), register_cap(dc)) for b, bm, un, dn, uc, dc in tiles]
         return moe_halves.grouped_halves(xp, b1, s1, b3, s3, b2, s2, tw, order, shapes, h, out, float(swiglu_limit),
-                                         consts, dict(num_warps=num_warps, num_stages=num_stages))
+                                         consts, dict(num_warps=num_warps, num_stages=num_stages),
+                                         paired=halves == "paired")
     if round_x:
         xp = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=not sc)
     else:

@@ -42,16 +42,22 @@ def _halves_columns(BK: tl.constexpr):
 
 
 @triton.jit
-def _decoded_halves(w_ptr, s_ptr, grow, k0, KDIM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    """Rows grow (int64) of an FP4 weight (uint8 [N, KDIM/2], E8M0 [N, KDIM/32]) over K k0 .. k0 + BK - 1 ->
-    (even K, odd K) tiles [BR, BK/2] in DT: the E2M1 values times their scales (exact; scale bytes past 128 give
-    inf or NaN, as the fold form: fp4_tiles.fold_fits)."""
-    BR: tl.constexpr = grow.shape[0]
-    b = tl.load(w_ptr + grow[:, None] * (KDIM // 2) + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
-    s = tl.load(s_ptr + grow[:, None] * (KDIM // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :]).to(tl.int32)
+def _decoded_rows(row_ptr, srow_ptr, k0, BK: tl.constexpr, DT: tl.constexpr):
+    """Rows of FP4 weights (row_ptr: each row's first byte, uint8 [BR] pointers; srow_ptr: its first E8M0 byte) over
+    K k0 .. k0 + BK - 1 -> (even K, odd K) tiles [BR, BK/2] in DT: the E2M1 values times their scales (exact;
+    scale bytes past 128 give inf or NaN, as the fold form: fp4_tiles.fold_fits)."""
+    BR: tl.constexpr = row_ptr.shape[0]
+    b = tl.load(row_ptr[:, None] + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
+    s = tl.load(srow_ptr[:, None] + (k0 // 32 + tl.arange(0, BK // 32))[None, :]).to(tl.int32)
     f = ((s + 126) << 23).to(tl.float32, bitcast=True).to(DT)  # 2^(s - 1): the placement leaves value * 2^-126
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BR, BK // 32, 16)), (BR, BK // 2))
     return e2m1_scaled_pairs(b, f, DT)
+
+
+@triton.jit
+def _decoded_halves(w_ptr, s_ptr, grow, k0, KDIM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """Rows grow (int64) of an FP4 weight (uint8 [N, KDIM/2], E8M0 [N, KDIM/32]): `_decoded_rows`."""
+    return _decoded_rows(w_ptr + grow * (KDIM // 2), s_ptr + grow * (KDIM // 32), k0, BK, DT)
 
 
 @triton.jit
@@ -77,22 +83,34 @@ def _tile(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, N: tl.constexpr, BM: tl.
 def _gate_up_halves_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, h_ptr,
                            tw_ptr, limit, NBM, DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                           GROUP_M: tl.constexpr, FH: tl.constexpr, RB: tl.constexpr):
+                           GROUP_M: tl.constexpr, FH: tl.constexpr, RB: tl.constexpr, PAIRED: tl.constexpr):
     e, rows, rmask, pair, n0 = _tile(bexp_ptr, bbeg_ptr, bend_ptr, order_ptr, NBM, INTER, BM, BN, GROUP_M)
     if e < 0:
         return
     grow = e.to(tl.int64) * INTER + n0 + tl.arange(0, BN)
     xrow = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * DIM
     col_lo, col_hi = _halves_columns(BK)
-    acc1 = tl.zeros([BM, BN], tl.float32)
-    acc3 = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, DIM, BK):
-        x_lo = tl.load(xrow + (k0 + col_lo)[None, :]).to(DT)
-        x_hi = tl.load(xrow + (k0 + col_hi)[None, :]).to(DT)
-        lo1, hi1 = _decoded_halves(w1_ptr, s1_ptr, grow, k0, DIM, BK, DT)
-        lo3, hi3 = _decoded_halves(w3_ptr, s3_ptr, grow, k0, DIM, BK, DT)
-        acc1 = tl.dot(x_hi, tl.trans(hi1), tl.dot(x_lo, tl.trans(lo1), acc1))
-        acc3 = tl.dot(x_hi, tl.trans(hi3), tl.dot(x_lo, tl.trans(lo3), acc3))
+    if PAIRED:  # W1's and W3's rows interleaved in one tile: one decode and one dot a half, N = 2 BN
+        r2 = tl.arange(0, 2 * BN)
+        prow = tl.where(r2 % 2 == 0, w1_ptr, w3_ptr) + (e.to(tl.int64) * INTER + n0 + r2 // 2) * (DIM // 2)
+        psrow = tl.where(r2 % 2 == 0, s1_ptr, s3_ptr) + (e.to(tl.int64) * INTER + n0 + r2 // 2) * (DIM // 32)
+        acc = tl.zeros([BM, 2 * BN], tl.float32)
+        for k0 in range(0, DIM, BK):
+            x_lo = tl.load(xrow + (k0 + col_lo)[None, :]).to(DT)
+            x_hi = tl.load(xrow + (k0 + col_hi)[None, :]).to(DT)
+            lo, hi = _decoded_rows(prow, psrow, k0, BK, DT)
+            acc = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo), acc))
+        acc1, acc3 = tl.split(tl.reshape(acc, (BM, BN, 2)))
+    else:
+        acc1 = tl.zeros([BM, BN], tl.float32)
+        acc3 = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, DIM, BK):
+            x_lo = tl.load(xrow + (k0 + col_lo)[None, :]).to(DT)
+            x_hi = tl.load(xrow + (k0 + col_hi)[None, :]).to(DT)
+            lo1, hi1 = _decoded_halves(w1_ptr, s1_ptr, grow, k0, DIM, BK, DT)
+            lo3, hi3 = _decoded_halves(w3_ptr, s3_ptr, grow, k0, DIM, BK, DT)
+            acc1 = tl.dot(x_hi, tl.trans(hi1), tl.dot(x_lo, tl.trans(lo1), acc1))
+            acc3 = tl.dot(x_hi, tl.trans(hi3), tl.dot(x_lo, tl.trans(lo3), acc3))
     if FH:  # the engine's hidden state, w included (moe_f8's epilogue, on [rows of I, pairs])
         h = tl.trans(moe_f8.swiglu_e4m3_values(tl.trans(acc1), tl.trans(acc3),
                                                tl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM, RB))
@@ -132,16 +150,17 @@ def _down_halves_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, be
 
 
 def grouped_halves(xh, w1, s1, w3, s3, w2, s2, tw, order, tiles, h, out, limit: float, consts: dict,
-                   launch: dict):
+                   launch: dict, paired: bool = False):
     """Both grouped GEMMs over the sorted pairs (kernels/moe.py moe_align) in each tile shape of `tiles`
     [((expert, begin, end) blocks, tokens a block, gate/up rows a tile, down rows a tile, gate/up launch options,
     down's)]: xh the activation in HALVES order, w* uint8 bytes, s* E8M0 bytes, h the hidden buffer [P, I]
-    (written in HALVES order), out float32 [T, dim] (added to)."""
+    (written in HALVES order), out float32 [T, dim] (added to). paired: the gate/up kernel decodes W1's and W3's
+    rows as one tile, interleaved (one dot a half, N twice the rows)."""
     dim, inter = consts["DIM"], consts["INTER"]
     for (bexp, bbeg, bend), bm, bn, _, cap, _ in tiles:
         nbm = bexp.numel()
         _gate_up_halves_kernel[(nbm * (inter // bn),)](xh, w1, s1, w3, s3, order, bexp, bbeg, bend, h, tw, limit,
-                                                       nbm, BM=bm, BN=bn, **consts, **launch, **cap)
+                                                       nbm, BM=bm, BN=bn, PAIRED=paired, **consts, **launch, **cap)
     for (bexp, bbeg, bend), bm, _, bn, _, cap in tiles:
         nbm = bexp.numel()
         _down_halves_kernel[(nbm * (dim // bn),)](h, w2, s2, order, bexp, bbeg, bend, tw, out, nbm, BM=bm, BN=bn,

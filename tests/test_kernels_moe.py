@@ -212,9 +212,12 @@ def test_halves_form_takes_every_tile_shape(gen, hidden):
     w1, s1 = _weights(gen, 5, 64, 128, every_byte=True)[:2]
     args = (x, w1, s1, w3, s3, w2, s2, ids, tw)
     want = moe.moe_fp4_reference(*args, hidden=hidden)
-    for tiles in (dict(block_n=32), dict(block_n=64, down_block_n=32), dict(block_n=64, split_m=32, block_k=32)):
-        got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, hidden=hidden, halves=True, **tiles)
+    for tiles in (dict(block_n=32), dict(block_n=64, down_block_n=32), dict(block_n=64, split_m=32, block_k=32),
+                  dict(block_n=32, halves="paired"), dict(block_n=64, split_m=32, halves="paired")):
+        got = moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, hidden=hidden, **{"halves": True, **tiles})
         assert _agrees(want, got, hidden), (tiles, gen.initial_seed())
+    with pytest.raises(ValueError, match="halves must be"):
+        moe.moe_fp4_triton(*args, gemv_max_pairs=0, halves="pairs")
     high = s2.view(torch.uint8).clone()
     high[0, 0, 0] = fp4_tiles.FOLD_MAX_SCALE_BYTE + 1
     got = moe.moe_fp4_triton(x, w1, s1, w3, s3, w2, high.view(torch.float8_e8m0fnu), ids, tw, gemv_max_pairs=0,
@@ -240,12 +243,13 @@ cuda = [a.cuda() for a in args]
 form = dict(gemv_max_pairs=0, block_m=64, block_n=64, down_block_n=64, split_m=128, split_n=64)
 for hidden in (None, "reference"):
     want = moe.moe_fp4_reference(*args, hidden=hidden).double()
-    got = moe.moe_fp4_triton(*cuda, hidden=hidden, halves=True, **form).cpu().double()
     base = moe.moe_fp4_triton(*cuda, hidden=hidden, bf16_decode="fold", **form).cpu().double()
     rel = lambda a: ((a - want).norm() / want.norm()).item()
     bound = 1e-5 if hidden is None else 1e-3   # the hidden state: a rounding step may move a row (moe_checks)
-    assert rel(got) < bound and rel(got) < 2 * rel(base) + 1e-6, (hidden, rel(got), rel(base))
-    print(hidden, rel(got), rel(base))
+    for halves in (True, "paired"):
+        got = moe.moe_fp4_triton(*cuda, hidden=hidden, halves=halves, **form).cpu().double()
+        assert rel(got) < bound and rel(got) < 2 * rel(base) + 1e-6, (hidden, halves, rel(got), rel(base))
+        print(hidden, halves, rel(got), rel(base))
 """
 
 
