@@ -269,6 +269,9 @@ def cases():
             ("MoE prefill, halves form, W1 and W3 rows paired", experts(
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, hidden="reference",
                 down_block_n=64, split_m=128, split_n=64, halves="paired")),
+            ("MoE prefill, halves form, paired, down 64 x 128 tiles", experts(
+                256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, hidden="reference",
+                down_block_n=128, halves="paired")),
             ("MoE prefill, halves form, K steps of 128", experts(
                 256, block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, hidden="reference",
                 down_block_n=64, split_m=128, split_n=64, halves=True)),

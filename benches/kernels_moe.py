@@ -33,7 +33,8 @@ def _engine_prefill_forms():
     default = dict(narrow, split_m=128, split_n=64, split_maxnreg=0)  # moe_split_tiles beside the narrow tiles
     return [default,
             # TritonOps.moe_halves on top of it: the decoded weights in shared memory (kernels/moe_halves.py)
-            dict(default, halves=True), dict(default, halves="paired"), dict(narrow, halves=True),
+            dict(default, halves=True), dict(default, halves="paired"), dict(default, halves="paired", down_block_n=128),
+            dict(narrow, halves=True),
             dict(narrow, halves="paired"), dict(narrow, halves=True, block_k=128),
             engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
             dict(engine_form, bf16_decode="fold", split_m=128),
