@@ -25,22 +25,23 @@ def _release_experts():
                  for i, v in enumerate((w1, s1, w3, s3, w2, s2)))
 
 
-def _engine_prefill_forms():
+def _engine_prefill_forms(history: bool = True):
     """The engine's prefill forms (hidden="reference": w * h rounded as the reference rounds it, E4M3 per 32),
-    TritonOps' default first."""
+    TritonOps' default first, then the halves forms; history: the forms the default was picked from too."""
     engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
     narrow = dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)
     default = dict(narrow, split_m=128, split_n=64, split_maxnreg=0)  # moe_split_tiles beside the narrow tiles
-    return [default,
-            # TritonOps.moe_halves on top of it: the decoded weights in shared memory (kernels/moe_halves.py)
-            dict(default, halves=True), dict(default, halves="paired"), dict(default, halves="paired", down_block_n=128),
-            dict(narrow, halves=True),
-            dict(narrow, halves="paired"), dict(narrow, halves=True, block_k=128),
-            engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
-            dict(engine_form, bf16_decode="fold", split_m=128),
-            # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4, gate/up 2 -> 3)
-            dict(engine_form, bf16_decode="fold", down_block_n=64),
-            dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0), narrow]
+    # TritonOps.moe_halves on top of it: the decoded weights in shared memory (kernels/moe_halves.py)
+    forms = [default, dict(default, halves=True), dict(default, halves="paired"),
+             dict(default, halves="paired", down_block_n=128), dict(narrow, halves=True), dict(narrow, halves="paired"),
+             dict(narrow, halves=True, block_k=128)]
+    return forms + ([engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
+                     dict(engine_form, bf16_decode="fold", split_m=128),
+                     # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4,
+                     # gate/up 2 -> 3)
+                     dict(engine_form, bf16_decode="fold", down_block_n=64),
+                     dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128,
+                          down_maxnreg=0), narrow] if history else [])
 
 
 def case_moe_prefill(bw, mm, forms=None):
@@ -50,7 +51,7 @@ def case_moe_prefill(bw, mm, forms=None):
     x = torch.randn(4096, DIM, device=DEV).bfloat16()
     ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(4096)]).int()
     tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
-    forms = forms or _engine_prefill_forms()
+    forms = forms or _engine_prefill_forms(history=False)
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out), rep=50)
