@@ -177,7 +177,7 @@ KNOB_TILES = {NO_TILES: {},
                                                                            "down_block_n": 128, "down_maxnreg": 0},
               "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": NARROW,
               # the defaults' tiles with the decoded weights in shared memory (the small model's scales fit the fold)
-              "moe_halves=1": {**NARROW, "split_m": 128, "split_n": 64, "split_maxnreg": 0, "halves": True}}
+              "moe_halves=1": {**NARROW, "split_m": 128, "split_n": 64, "split_maxnreg": 0, "halves": "paired"}}
 
 
 def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):

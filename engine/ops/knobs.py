@@ -84,9 +84,10 @@ class KernelKnobs:
     moe_narrow_down = True
     moe_narrow_gate_up = True
     # a prefill's grouped GEMMs with tokens as the MMA's M and the decoded weight tiles in shared memory
-    # (kernels/moe_halves.py), where the folded scales fit: no register A operand's shared-memory round trip
-    # (sm_90 SASS, triton 3.6: gate/up 293 instructions a K step against 346 at 64 x 64 tiles, 128 against 168
-    # registers; down 187 against 215; h stored 128 bits wide). Not yet timed: for an A/B
+    # (kernels/moe_halves.py, W1's and W3's rows as one tile), where the folded scales fit: no register A
+    # operand's shared-memory round trip (sm_90 SASS, triton 3.6: gate/up 289 / 288 instructions a K step against
+    # 346 / 393 at the 64 x 64 / 128 x 64 tiles, 127 / 226 registers against 168 / 255; down 187 against 215; h
+    # stored 128 bits wide). Not yet timed: for an A/B
     moe_halves = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
