@@ -263,18 +263,6 @@ def cases():
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
                 hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=128, split_n=64,
                 split_maxnreg=0)),
-            ("MoE prefill, halves form (decoded tiles in shared memory), 64 x 64 and 128 x 64 split tiles", experts(
-                256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, hidden="reference", maxnreg=168,
-                down_block_n=64, down_maxnreg=0, split_m=128, split_n=64, split_maxnreg=0, halves=True)),
-            ("MoE prefill, halves form, W1 and W3 rows paired", experts(
-                256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, hidden="reference",
-                down_block_n=64, split_m=128, split_n=64, halves="paired")),
-            ("MoE prefill, halves form, paired, down 64 x 128 tiles", experts(
-                256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, hidden="reference",
-                down_block_n=128, halves="paired")),
-            ("MoE prefill, halves form, K steps of 128", experts(
-                256, block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, hidden="reference",
-                down_block_n=64, split_m=128, split_n=64, halves=True)),
             ("MoE decode step, folded scales", experts(64, block_m=16, block_n=64, bf16_decode="fold",
                                                        hidden="reference")),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),

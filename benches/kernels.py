@@ -216,10 +216,10 @@ ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128,
              # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64, tiles_per_program=2)),
              dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", block_v=64)),
-             # the default with other weights buffers (32 MB since run 34e: ~400 tokens a launch pair, 11 pairs at 4K;
+             # the default with other weights buffers (64 MB since run 35: ~800 tokens a launch pair, 6 pairs at 4K;
              # H100 34e: 8 MB 2,697 us, 16 MB 2,688, 32 MB 2,460, 64 MB 2,334)
              *(dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64), weight_bytes=1 << m)
-               for m in (23, 24, 26))]
+               for m in (24, 25, 27))]
 # decode: entry splits + merge (run 7: 4 warps, 16-head blocks, heads layout 111-195 us); 64 heads: one decode
 # (runs 17b-18b, entries layout: 32 heads x 64 / 32 entries in 1-2 splits 65.5-101 us, 64 x 32 in 2 splits
 # 65.2 us); then the two-pass form (kernels/sparse_attn_decode.py; runs 20b/20c: 58.6 / 59.1 us at 1 tile a
@@ -431,9 +431,9 @@ def write_results(out: str, bw: float, mm: float) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in LOG["rows"]:
         frac = 100 * r["floor_us"] / r["us"]
-        sp = r["eager_us"] / r["us"]
+        eager, sp = ("-", "-") if r["eager_us"] is None else (f"{r['eager_us']:.0f}", f"{r['eager_us'] / r['us']:.1f}x")
         lines.append(f"| {r['name']} | {r['us']:.1f} | {r['floor_us']:.1f} ({r['limit']}) | {frac:.0f}% | "
-                     f"{r['goal_us']} | {r['extra']} | {r['eager_us']:.0f} | {sp:.1f}x | {r['check']} |")
+                     f"{r['goal_us']} | {r['extra']} | {eager} | {sp} | {r['check']} |")
     if LOG["errors"]:
         lines += ["", "Errors:"] + [f"- {e.splitlines()[-1] if e else e}" for e in LOG["errors"]]
     table = "\n".join(lines)

@@ -27,26 +27,24 @@ def _release_experts():
 
 def _engine_prefill_forms(history: bool = True):
     """The engine's prefill forms (hidden="reference": w * h rounded as the reference rounds it, E4M3 per 32),
-    TritonOps' default first, then the halves forms; history: the forms the default was picked from too."""
+    TritonOps' default first; history: the forms it was picked from too. The halves form (run 35a: the decoded
+    weights in shared memory, 16.2-28.5 ms against the default's 8.4) is gone: notes/kernels.md."""
     engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
     narrow = dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)
     default = dict(narrow, split_m=128, split_n=64, split_maxnreg=0)  # moe_split_tiles beside the narrow tiles
-    # TritonOps.moe_halves on top of it: the decoded weights in shared memory (kernels/moe_halves.py)
-    forms = [default, dict(default, halves=True), dict(default, halves="paired"),
-             dict(default, halves="paired", down_block_n=128), dict(narrow, halves=True), dict(narrow, halves="paired"),
-             dict(narrow, halves=True, block_k=128)]
-    return forms + ([engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
-                     dict(engine_form, bf16_decode="fold", split_m=128),
-                     # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4,
-                     # gate/up 2 -> 3)
-                     dict(engine_form, bf16_decode="fold", down_block_n=64),
-                     dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128,
-                          down_maxnreg=0), narrow] if history else [])
+    return [default] + ([engine_form, dict(engine_form, bf16_decode="fold"), dict(engine_form, block_n=64),
+                         dict(engine_form, bf16_decode="fold", split_m=128),
+                         # TritonOps.moe_narrow_down / moe_narrow_gate_up: more programs an SM (sm_90: down 2 -> 4,
+                         # gate/up 2 -> 3)
+                         dict(engine_form, bf16_decode="fold", down_block_n=64),
+                         dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=128,
+                              down_maxnreg=0), narrow] if history else [])
 
 
 def case_moe_prefill(bw, mm, forms=None):
-    """The engine's 4K prefill forms alone (`--only moe_prefill`), each against the default's output (the
-    same numerics: a distance in the order of sums and an occasional rounding step of the hidden state)."""
+    """The engine's 4K prefill forms alone (`--only moe_prefill`; forms: the default and candidates beside it), each
+    against the default's output (the same numerics: a distance in the order of sums and an occasional rounding step
+    of the hidden state)."""
     W = _release_experts()
     x = torch.randn(4096, DIM, device=DEV).bfloat16()
     ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(4096)]).int()

@@ -34,9 +34,8 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels import moe_f8, moe_gemv, moe_halves
+from kernels import moe_f8, moe_gemv
 from kernels._formats import dot_dtype, register_cap
-from kernels.moe_halves import halves_order
 from kernels.quant import fp8_roundtrip_triton
 from kernels.fp4_tiles import (decode_form, fp4_bytes_folded, fp4_decoded, fp4_decoded_folded, fp4_dot_scaled,
                                fp4_tile, fp4_words, nib_order, nib_position)
@@ -58,13 +57,13 @@ def _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights):
 def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                       swiglu_limit: float = 10.0, fp8_mma: bool = False, hidden: str | None = None,
                       x_on_grid: bool = False, bf16_decode=None, split_m=None, block_n=None, maxnreg=None,
-                      down_block_n=None, down_maxnreg=None, split_n=None, split_maxnreg=None, halves=False):
+                      down_block_n=None, down_maxnreg=None, split_n=None, split_maxnreg=None):
     """Dequantize each used expert, run it on its tokens (float64 on the CPU, float32 elsewhere); with
     `hidden` (or fp8_mma) in the engine's numerics (kernels/moe_f8.py), as those forms compute (x rounded
     to the E4M3-per-32 grid here whatever x_on_grid says: exact where it holds). bf16_decode, split_m, block_n,
-    maxnreg, down_*, split_*, halves: the kernel's weight decode, tiles and launches, the same values in every form
-    (ignored here)."""
-    del bf16_decode, split_m, block_n, maxnreg, down_block_n, down_maxnreg, split_n, split_maxnreg, halves
+    maxnreg, down_*, split_*: the kernel's weight decode, tiles and launches, the same values in every form (ignored
+    here)."""
+    del bf16_decode, split_m, block_n, maxnreg, down_block_n, down_maxnreg, split_n, split_maxnreg
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     hidden = _hidden(hidden, fp8_mma)
     if hidden is not None:
@@ -276,8 +275,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
                    x_on_grid: bool = False, split_m: int | None = None, down_block_n: int | None = None,
-                   down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
-                   halves: bool | str = False):
+                   down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -308,10 +306,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     (both GEMMs) and register cap (0: none), in place of the same MMA area and the other tiles' caps: 128 x 64 split
     tiles beside narrow 64 x 64 ones (whose same-area split tiles, 128 x 32 under their cap, spill).
     down_block_n, down_maxnreg: the down GEMM's weight rows a tile and register cap (default: block_n's, maxnreg's):
-    its 64 x 64 tiles take 101 registers on sm_90, 4 programs an SM, where 64 x 128 takes 178, 2.
-    halves: the grouped GEMMs with tokens as the MMA's M and the decoded weight tiles in shared memory
-    (kernels/moe_halves.py; the scale folded as bf16_decode="fold": scale bytes up to fp4_tiles.FOLD_MAX_SCALE_BYTE),
-    the same tiles and launch options; halves="paired": W1's and W3's rows decoded as one tile, interleaved."""
+    its 64 x 64 tiles take 101 registers on sm_90, 4 programs an SM, where 64 x 128 takes 178, 2."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -372,18 +367,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         tiles = [(small, block_m, block_n, down_block_n, maxnreg, down_cap), (big, split_m, up_n, down_n, *caps)]
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
-    sc = bool(scaled) and dt == tl.bfloat16 and not halves  # the interpreter has no dot_scaled
-    if halves not in (False, True, "paired"):
-        raise ValueError(f"halves must be False, True or 'paired', got {halves!r}")
-    if halves:
-        xp = fp8_roundtrip_triton(x, 32, bf16_out=True, halves=True) if round_x else halves_order(x.contiguous())
-        consts = dict(DIM=dim, INTER=inter, TOPK=k, BK=bk, DT=dt, GROUP_M=group_m, FH=fp8_hidden,
-                      RB=hidden == "reference")
-        b1, b3, b2 = (w.contiguous().view(u8) for w in (w1, w3, w2))
-        shapes = [(b, bm, un, dn, register_cap(uc), register_cap(dc)) for b, bm, un, dn, uc, dc in tiles]
-        return moe_halves.grouped_halves(xp, b1, s1, b3, s3, b2, s2, tw, order, shapes, h, out, float(swiglu_limit),
-                                         consts, dict(num_warps=num_warps, num_stages=num_stages),
-                                         paired=halves == "paired")
+    sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
     if round_x:
         xp = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=not sc)
     else:

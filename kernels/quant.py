@@ -94,13 +94,10 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
 
 
 @triton.jit
-def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr,
-                          HALVES: tl.constexpr):
+def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr):
     v, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     y = e4m3_rounded(v) * scale[:, None]  # the codes' values, no byte
-    if HALVES:  # kernels/moe_halves.py's order: each 32-group's even K, then its odd K
-        y = tl.reshape(tl.permute(tl.reshape(y, (BG, BLOCK // 32, 16, 2)), (0, 1, 3, 2)), (BG, BLOCK))
-    elif NIB:  # the FP4 decoders' order (fp4_tiles.nib_order): each 8-group's halves interleaved, in registers (the
+    if NIB:  # the FP4 decoders' order (fp4_tiles.nib_order): each 8-group's halves interleaved, in registers (the
         # same permutation on the store's addresses made it 16 scalar stores a thread: 136 us a launch in H100 run
         # 34a, 17 in this form in 34b)
         y = tl.reshape(tl.permute(tl.reshape(y, (BG, BLOCK // 8, 2, 4)), (0, 1, 3, 2)), (BG, BLOCK))
@@ -152,25 +149,22 @@ def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = F
 
 
 def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
-                         nib: bool = False, halves: bool = False) -> torch.Tensor:
+                         nib: bool = False) -> torch.Tensor:
     """The quantizer's codes and scales turned back into values in the same launch (the engine's form takes
     ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too. bf16_out:
     stored bf16, the same values (an E4M3 value times a power of two within float32's range is a bf16). nib:
     stored in the FP4 decoders' order inside each 8-group (fp4_tiles.nib_order), for the MoE's grouped GEMM:
     the permutation rides on the store's addresses, where a separate nib_order was a 58 us copy of a 4K
-    prefill's expert input (H100 run 31f). halves: stored in kernels/moe_halves.py's order (halves_order) instead."""
+    prefill's expert input (H100 run 31f)."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"last dimension {k} is not a multiple of the FP8 group {block}")
     if nib and block % 8:
         raise ValueError(f"the nibble order permutes inside 8-groups: the FP8 group {block} must hold whole ones")
-    if halves and block % 32:
-        raise ValueError(f"the halves order permutes inside 32-groups: the FP8 group {block} must hold whole ones")
     xc = x.contiguous()  # widened as the kernel loads it
     y = torch.empty(xc.shape, dtype=torch.bfloat16 if bf16_out else torch.float32, device=xc.device)
     n_groups = xc.numel() // block
     if n_groups:
         bg = 64
-        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg, NIB=nib,
-                                                            HALVES=halves)
+        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg, NIB=nib)
     return y

@@ -417,7 +417,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     d_split here do not apply).
     float_out: the bf16 output's values stored as float32 (rounded to nearest even in the kernel), what the
     reference numerics keep, without a widening copy. weight_bytes: the two passes' weights buffer (None: theirs,
-    32 MB), which sets how many tokens a launch pair takes; on top of two_pass, default or given.
+    64 MB), which sets how many tokens a launch pair takes; on top of two_pass, default or given.
     Host side: no tensor is made on or copied from the host, nothing is read back (CUDA-graph safe)."""
     t, h, d = _check(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sink)
     if d % 64 or d & (d - 1):

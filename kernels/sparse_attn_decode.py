@@ -353,7 +353,7 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
                          num_warps: int = 4, num_warps_sum: int | None = None, num_stages: int = 1,
                          maxnreg: int | None = None, maxnreg_sum: int | None = None,
                          float_out: bool = False, decode: str = "float32",
-                         weight_bytes: int = 1 << 25, n_sel: int | None = None) -> torch.Tensor:
+                         weight_bytes: int = 1 << 26, n_sel: int | None = None) -> torch.Tensor:
     """The two launches. Arguments as kernels/sparse_attn.py's kernels take them (kvh: the FP4 bytes as
     int16, win as int32 words, scales as bytes, indices int32, all contiguous; the caller checks shapes);
     block_h heads and block_n entries a tile in both passes, tiles_per_program tiles a pass-1 program,
@@ -361,10 +361,10 @@ def sparse_attn_two_pass(q, kvh, kv_scale, idx, win, win_scale, win_idx, sink, s
     blocks an SM, at the cost of spills); decode: "float32" (each nibble placed in a float32 lane, scaled and
     rounded) or "bf16x2" (the FP4 bytes assembled into bf16 pairs, selected and window tiles in loops of their
     own; same values). weight_bytes bounds the float16 weights buffer between the passes ([T, tiles * block_n,
-    H]: a 4K-token prefill's would be 335 MB): the tokens run in chunks that fit it, through one buffer (32 MB:
-    409 tokens of the release's 640 entries x 64 heads, 11 launch pairs for 4K tokens, and the buffer stays in
-    the 50 MB L2 between the passes; H100 run 34e, a 4K prefill: 8 MB 2,697 us, 16 MB 2,688 (the default
-    before), 32 MB 2,460, 64 MB 2,334; in the layer 32 MB took 0.993-0.994x of 16's). n_sel: the selected
+    H]: a 4K-token prefill's would be 335 MB): the tokens run in chunks that fit it, through one buffer (64 MB:
+    819 tokens of the release's 640 entries x 64 heads, 6 launch pairs for 4K tokens; H100 run 34e, a 4K prefill:
+    8 MB 2,697 us, 16 MB 2,688, 32 MB 2,460, 64 MB 2,334; in the layer, 16 -> 32 MB 0.993-0.994x (34e), 32 -> 64 MB
+    0.988-0.998x in the four roles with selected entries, twice (35b, 35c), SWA roles within 0.5%). n_sel: the selected
     slots a row (None: idx's width; 0 with any int32 idx of T rows, never read: an empty tensor's null pointer
     would fail the launch).
     Host side: nothing made on or read from the host."""

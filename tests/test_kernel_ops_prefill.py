@@ -139,8 +139,8 @@ def test_gpu_query_blocks_fill_the_score_budget(monkeypatch):
 
 
 def test_tile_knobs_reach_the_prefill_experts_only(tmp_path, monkeypatch):
-    """moe_split_tiles, moe_narrow_down, moe_narrow_gate_up, moe_halves: a prefill's routed experts (more than four
-    pairs an expert: the 64-token blocks' width) are launched with the knob's tiles; without it, or at a few pairs, with
+    """moe_split_tiles, moe_narrow_down, moe_narrow_gate_up: a prefill's routed experts (more than four pairs an
+    expert: the 64-token blocks' width) are launched with the knob's tiles; without it, or at a few pairs, with
     none. The picks do not move."""
     import kernels.dispatch as dispatch
 
@@ -164,7 +164,7 @@ def test_tile_knobs_reach_the_prefill_experts_only(tmp_path, monkeypatch):
         _assert_same_picks(out[NO_TILES], out[spec])
 
 
-TILES = ("split_m", "block_n", "maxnreg", "down_block_n", "down_maxnreg", "split_n", "split_maxnreg", "halves")
+TILES = ("split_m", "block_n", "maxnreg", "down_block_n", "down_maxnreg", "split_n", "split_maxnreg")
 NO_TILES = "moe_split_tiles=0,moe_narrow_gate_up=0,moe_narrow_down=0"
 NARROW = {"block_n": 64, "maxnreg": 168, "down_block_n": 64, "down_maxnreg": 0}
 # each tile knob setting and the launch options it gives a prefill's grouped GEMMs (split tiles beside narrow ones
@@ -175,9 +175,7 @@ KNOB_TILES = {NO_TILES: {},
               "moe_split_tiles=0,moe_narrow_gate_up=0,moe_narrow_down=1": {"down_block_n": 64},
               "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=0": {"block_n": 64, "maxnreg": 168,
                                                                            "down_block_n": 128, "down_maxnreg": 0},
-              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": NARROW,
-              # the defaults' tiles with the decoded weights in shared memory (the small model's scales fit the fold)
-              "moe_halves=1": {**NARROW, "split_m": 128, "split_n": 64, "split_maxnreg": 0, "halves": "paired"}}
+              "moe_split_tiles=0,moe_narrow_gate_up=1,moe_narrow_down=1": NARROW}
 
 
 def test_cublas_knob_takes_the_prefill_linears_only(tmp_path, monkeypatch):

@@ -137,7 +137,6 @@ def test_quantizers_round_trip_and_x_values_bit_for_bit():
 from engine import quant as Q
 from kernels import fp8_linear, quant
 from kernels.fp4_tiles import nib_order
-from kernels.moe_halves import halves_order
 from tests.layouts import mma_k_index
 x = torch.randn(12, 5120, generator=g) * torch.logspace(-30, 30, 12)[:, None]
 x[1, 32], x[1, 33:64] = 1.0, -1e-12
@@ -154,8 +153,6 @@ narrow = quant.fp8_roundtrip_triton(x.cuda(), 32, bf16_out=True).cpu()
 assert torch.equal(narrow.float().view(torch.int32), want.view(torch.int32))
 nib = quant.fp8_roundtrip_triton(x.cuda(), 32, bf16_out=True, nib=True).cpu()
 assert torch.equal(nib.view(torch.int16), nib_order(narrow).view(torch.int16))
-halves = quant.fp8_roundtrip_triton(x.cuda(), 32, bf16_out=True, halves=True).cpu()
-assert torch.equal(halves.view(torch.int16), halves_order(narrow).view(torch.int16))
 idx = mma_k_index(5120)   # memory column c lands at idx[c] (kernels/_formats.py in_mma_k_order)
 vals = fp8_linear.x_values_bf16(x.bfloat16().cuda()).cpu()
 assert torch.equal(vals.float()[:, idx].view(torch.int32), want.view(torch.int32))

@@ -22,11 +22,11 @@ class KernelKnobs:
     attn_two_pass = False
     attn_bf16x2 = False
     attn_one_pass = False
-    # the two passes' weights buffer 64 MB instead of their default 32 (`weight_bytes`; 16 before run 34e): ~800
-    # tokens a launch pair in a 4K prefill instead of ~400. H100 run 34e: 16 -> 32 MB took the layer's prefill graph
-    # 0.993-0.994x in the four roles with selected entries (the weighted sum's ~1,600 programs a pair had been 3.1
-    # waves at four blocks an SM, the last a tenth full), SWA-only within noise; the kernel bench's 4K prefill
-    # 2,688 -> 2,460 us at 32 MB, 2,334 at 64: untimed in the layer, where the buffer shares the L2. For an A/B
+    # the two passes' weights buffer 128 MB instead of their default 64 (`weight_bytes`; 32 before run 35, 16 before
+    # run 34e): ~1,600 tokens a launch pair in a 4K prefill instead of ~800. H100: 16 -> 32 MB took the layer's
+    # prefill graph 0.993-0.994x in the four roles with selected entries (34e), 32 -> 64 MB 0.988-0.998x in the same
+    # four, twice (35b, 35c; SWA roles within 0.5%); the kernel bench's 4K prefill 2,688 us at 16 MB, 2,460 at 32,
+    # 2,334 at 64 (34e). 128 MB: untimed. For an A/B
     attn_big_chunks = False
     # the routed experts' grouped GEMMs with each scale folded into the decode's one bf16x2 multiply
     # (kernels/fp4_tiles.py fp4_decoded_folded), for a layer whose expert scales all fit it (checked once a
@@ -83,12 +83,6 @@ class KernelKnobs:
     # Full m=1 (the down's alone: -0.7% / -0.4%); the kernel bench's engine form 8.47 ms against 8.81
     moe_narrow_down = True
     moe_narrow_gate_up = True
-    # a prefill's grouped GEMMs with tokens as the MMA's M and the decoded weight tiles in shared memory
-    # (kernels/moe_halves.py, W1's and W3's rows as one tile), where the folded scales fit: no register A
-    # operand's shared-memory round trip (sm_90 SASS, triton 3.6: gate/up 289 / 288 instructions a K step against
-    # 346 / 393 at the 64 x 64 / 128 x 64 tiles, 127 / 226 registers against 168 / 255; down 187 against 215; h
-    # stored 128 bits wide). Not yet timed: for an A/B
-    moe_halves = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
@@ -99,7 +93,7 @@ class KernelKnobs:
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
-             "moe_narrow_gate_up", "moe_halves", "linear_cublas", "stream_bf16")
+             "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

@@ -383,7 +383,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
         if self.attn_two_pass and int32_offsets_reach(kv_p, win_q, q.shape[-1]):
             options["layout"] = "two_pass"
         if self.attn_big_chunks:
-            options["weight_bytes"] = 1 << 26
+            options["weight_bytes"] = 1 << 27
         return options
 
     def index_topk(self, indexer, q, head_w, positions, src, shared):
@@ -496,8 +496,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             from kernels.moe import fp8_form_pays, token_block
             fp8 = self.moe_fp8_mma and fp8_form_pays(ids.numel(), raw[0].shape[0])
             form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8}
-            fold_ok = (self.moe_fold or self.moe_halves) and self._fold_ok(prefix, raw)
-            if self.moe_fold and fold_ok:
+            if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
             if not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:  # a prefill's widths: the tile knobs
                 if self.moe_narrow_gate_up:
@@ -509,8 +508,6 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     # beside narrow tiles, 128 x 64 split tiles, uncapped (the same area's spill under the cap)
                     if self.moe_narrow_gate_up or self.moe_narrow_down:
                         form.update(split_n=64, split_maxnreg=0)
-                if self.moe_halves and fold_ok:  # the same tiles, the decoded weights in shared memory
-                    form["halves"] = "paired"
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
