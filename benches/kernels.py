@@ -431,7 +431,8 @@ def write_results(out: str, bw: float, mm: float) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in LOG["rows"]:
         frac = 100 * r["floor_us"] / r["us"]
-        eager, sp = ("-", "-") if r["eager_us"] is None else (f"{r['eager_us']:.0f}", f"{r['eager_us'] / r['us']:.1f}x")
+        eager = r["eager_us"]
+        eager, sp = ("-", "-") if eager is None else (f"{eager:.0f}", f"{eager / r['us']:.1f}x")
         lines.append(f"| {r['name']} | {r['us']:.1f} | {r['floor_us']:.1f} ({r['limit']}) | {frac:.0f}% | "
                      f"{r['goal_us']} | {r['extra']} | {eager} | {sp} | {r['check']} |")
     if LOG["errors"]:
