@@ -205,21 +205,21 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
     return (torch.einsum("thj,tjd->thd", p, e) / den[..., None]).bfloat16()
 
 
-# the wrapper's default first (Nsight profiles a case's first launch): since run 24a the two passes' bf16x2 form,
-# scoring under 128 registers, 64 output columns a pass-2 program (2,693 us at 4K; plain bf16x2 2,796, the float32
-# two passes 4,078, "entries" 32 heads x 64 entries 4,394, "heads" 4,643). layout="entries": entries as the MMA's
-# M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile), BH 32
-# spills ~116 B (2 programs per token)
-ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
+# the wrapper's default first (Nsight profiles a case's first launch): since run 35 the two passes' bf16x2 form
+# with their own launch options (H100 35d at the 64 MB buffer: 2,257 us, 2,312 under the 128-register cap with 64
+# output columns a pass-2 program, run 24a's pick at 16 MB: 2,693 us on the H200 then, plain bf16x2 2,796, the
+# float32 two passes 4,078, "entries" 32 heads x 64 entries 4,394, "heads" 4,643). layout="entries": entries as the
+# MMA's M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile),
+# BH 32 spills ~116 B (2 programs per token)
+ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
              dict(layout="entries", block_h=32, block_n=64, num_warps=8),
-             dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
+             dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
              # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64, tiles_per_program=2)),
              dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", block_v=64)),
              # the default with other weights buffers (64 MB since run 35: ~800 tokens a launch pair, 6 pairs at 4K;
-             # H100 34e: 8 MB 2,697 us, 16 MB 2,688, 32 MB 2,460, 64 MB 2,334)
-             *(dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64), weight_bytes=1 << m)
-               for m in (24, 25, 27))]
+             # H100 34e, the capped options: 8 MB 2,697 us, 16 MB 2,688, 32 MB 2,460, 64 MB 2,334; 35d: 128 MB 2,248)
+             *(dict(layout="two_pass", two_pass=dict(decode="bf16x2"), weight_bytes=1 << m) for m in (24, 25, 27))]
 # decode: entry splits + merge (run 7: 4 warps, 16-head blocks, heads layout 111-195 us); 64 heads: one decode
 # (runs 17b-18b, entries layout: 32 heads x 64 / 32 entries in 1-2 splits 65.5-101 us, 64 x 32 in 2 splits
 # 65.2 us); then the two-pass form (kernels/sparse_attn_decode.py; runs 20b/20c: 58.6 / 59.1 us at 1 tile a

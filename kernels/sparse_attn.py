@@ -431,13 +431,16 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
             t >= 16 if decode_sized else block_h is block_n is split is None and d_split == 1):
         # a decode batch of 16+ tokens and a prefill in the two passes' bf16x2 form (H200 run 24a: batch 64
         # 34.6 us with 128-entry tiles against 59.4 for the float32 form's and 65.4 for the one-pass decode
-        # shape; a 4K prefill 2.69 ms with 64 output columns a pass-2 program under 128 registers, against
-        # 4.39 for "entries"); options given in two_pass are taken as they are
+        # shape; a 4K prefill 2.69 ms against 4.39 for "entries"). The prefill with the passes' own launch options
+        # since run 35 (at the 64 MB weights buffer, H100: 2,257 us against 2,312 under a 128-register cap with 64
+        # output columns a pass-2 program, the form picked at 16 MB in 24a; the layer's prefill graph 0.977-0.990x
+        # in the five roles with more than a window, twice, runs 35e/35f); options given in two_pass are taken as
+        # they are
         layout = "two_pass"
         if two_pass is None and decode_sized:
             block_n, two_pass = 128, {"decode": "bf16x2"}
         elif two_pass is None:
-            two_pass = {"decode": "bf16x2", "maxnreg": 128, "block_v": 64}
+            two_pass = {"decode": "bf16x2"}
     if layout is None:
         layout = "heads" if wide else "entries"
     if layout not in ("heads", "entries", "two_pass"):

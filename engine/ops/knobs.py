@@ -17,8 +17,9 @@ class KernelKnobs:
     # sparse attention: force the two passes (kernels/sparse_attn_decode.py) on every call where its int32
     # offsets reach the caches, and their bf16x2 form wherever they run, with the kernels' other launch options
     # at their defaults. The wrapper's own defaults already take the two passes' bf16x2 form for the prefill
-    # and decode batches of 16+ tokens, with the launch options the H200 liked best (run 24a); these knobs
-    # are for A/B runs, as is attn_one_pass: the one-pass kernel's layouts (the default before run 24a)
+    # (with those defaults since run 35; attn_bf16x2 then differs only at a decode step: 64-entry tiles, not 128)
+    # and decode batches of 16+ tokens; these knobs are for A/B runs, as is attn_one_pass: the one-pass kernel's
+    # layouts (the default before run 24a)
     attn_two_pass = False
     attn_bf16x2 = False
     attn_one_pass = False
