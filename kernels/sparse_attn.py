@@ -437,10 +437,9 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
         # in the five roles with more than a window, twice, runs 35e/35f); options given in two_pass are taken as
         # they are
         layout = "two_pass"
-        if two_pass is None and decode_sized:
-            block_n, two_pass = 128, {"decode": "bf16x2"}
-        elif two_pass is None:
+        if two_pass is None:  # the same form at both widths; a decode batch on 128-entry tiles
             two_pass = {"decode": "bf16x2"}
+            block_n = 128 if decode_sized else block_n
     if layout is None:
         layout = "heads" if wide else "entries"
     if layout not in ("heads", "entries", "two_pass"):
