@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine import quant as Q
-from kernels import fp4_tiles, moe
+from kernels import fp4_tiles, moe, moe_ws
 
 from benches.kernel_bench import DEV, LOG, bench, fp4_dev, kernel_breakdown, rand_fp4, rel, row, sweep
 
@@ -50,6 +50,9 @@ def case_moe_prefill(bw, mm, forms=None):
     ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(4096)]).int()
     tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
     forms = forms or _engine_prefill_forms(history=False)
+    if moe_ws.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9:  # the warp-specialized gate/up beside it
+        forms = forms + [dict(forms[0], ws=True, ws_stages=n) for n in (4, 3, 6)] + [
+            dict(forms[0], ws=True, split_m=None)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out), rep=50)

@@ -84,6 +84,10 @@ class KernelKnobs:
     # Full m=1 (the down's alone: -0.7% / -0.4%); the kernel bench's engine form 8.47 ms against 8.81
     moe_narrow_down = True
     moe_narrow_gate_up = True
+    # a prefill's gate/up GEMM in the warp-specialized Gluon form (kernels/moe_ws.py: the FP4 decode in warps of its
+    # own, TMA loads, asynchronous wgmma) on a Hopper GPU with the folded decode; the same values. Costs a
+    # transposed copy of W1's and W3's scales (1/16 of their bytes) while the weights live. Off until timed.
+    moe_ws = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
@@ -94,7 +98,7 @@ class KernelKnobs:
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
-             "moe_narrow_gate_up", "linear_cublas", "stream_bf16")
+             "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

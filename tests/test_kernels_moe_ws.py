@@ -1,0 +1,70 @@
+"""The warp-specialized gate/up form (kernels/moe_ws.py): its host-side layout here; its values on a GPU (Gluon
+has no interpreter), against the Triton form of the same numerics and the float64 reference."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import moe_ws
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_transposed_scales_put_a_stage_in_one_box():
+    """Byte (expert e, row n, group g) lands at row e * groups + g, column n: a K step's bytes for a block of rows
+    are one [groups, rows] box."""
+    e, n, g = 3, 5, 4
+    s = torch.arange(e * n * g, dtype=torch.uint8).view(e, n, g)
+    t = moe_ws.transposed_scales(s.view(torch.float8_e8m0fnu), e)
+    assert t.shape == (e * g, n) and t.dtype == torch.uint8
+    for ex in range(e):
+        for row in range(n):
+            for grp in range(g):
+                assert t[ex * g + grp, row] == s[ex, row, grp]
+    assert torch.equal(moe_ws.transposed_scales(s.view(e * n, g), e), t)  # the flat [E * N, K/32] form too
+
+
+_GPU_CHECK = """
+import torch
+from kernels import moe
+torch.manual_seed(0)
+e, inter, dim, t, k = 16, 256, 512, 512, 6
+def fp4(n, kd):
+    w = torch.randint(-128, 128, (e, n, kd // 2), dtype=torch.int8).cuda()
+    s = torch.randint(114, 122, (e, n, kd // 32), dtype=torch.uint8).cuda().view(torch.float8_e8m0fnu)
+    return w, s
+W = (*fp4(inter, dim), *fp4(inter, dim), *fp4(dim, inter))
+# skewed routing: some experts past 128 pairs (split tiles), some under 64 (small tiles), one unused
+p = torch.tensor([0.0] + [1.0] * 5 + [6.0] * 10).cuda()
+ids = torch.stack([torch.multinomial(p, k) for _ in range(t)]).int()
+tw = torch.softmax(torch.randn(t, k).cuda(), -1) * 1.5
+x = (torch.randn(t, dim) * 0.5).bfloat16().cuda()
+form = dict(hidden="reference", bf16_decode="fold", block_m=64, block_n=64, maxnreg=168, down_block_n=64,
+            down_maxnreg=0, split_m=128, split_n=64, split_maxnreg=0)
+counts = torch.bincount(ids.flatten().long(), minlength=e)
+assert counts[0] == 0 and (counts[1:6] <= 128).any() and (counts > 128).any(), counts
+base = moe.moe_fp4_triton(x, *W, ids, tw, **form)
+got = moe.moe_fp4_triton(x, *W, ids, tw, ws=True, **form)
+ref = moe.moe_fp4_reference(x.cpu(), *(w.cpu() for w in W), ids.cpu(), tw.cpu(), hidden="reference").cuda()
+rel = lambda a, b: float((a - b).norm() / b.norm())
+# the same products and hidden state; sums in the MMA's K order: the Triton form's distance to the reference
+print("ws vs triton", rel(got, base), "ws vs ref", rel(got, ref), "triton vs ref", rel(base, ref))
+assert torch.isfinite(got).all()
+assert rel(got, ref) <= 1.5 * rel(base, ref) + 1e-6, (rel(got, ref), rel(base, ref))
+assert rel(got, base) < 2e-3
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe_ws.HAVE_GLUON
+                    or torch.cuda.get_device_capability()[0] != 9, reason="Gluon's wgmma form needs a Hopper GPU")
+def test_ws_form_on_the_gpu():
+    """The whole MoE with the warp-specialized gate/up against the Triton form and the float64 reference (a fresh
+    process: another module's import may have set the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _GPU_CHECK], env=env, capture_output=True, text=True, cwd=REPO,
+                         timeout=600)  # a stuck pipeline (a barrier never arrived) fails, not hangs
+    assert run.returncode == 0, run.stderr[-3000:]
+    print(run.stdout)
