@@ -47,29 +47,34 @@ if HAVE_GLUON:
     _FOLD_MAX = gl.constexpr(FOLD_MAX_SCALE_BYTE)
 
     @gluon.jit
-    def _loader(x_desc, w1_desc, w3_desc, s1_desc, s3_desc, xs, w1r, w3r, s1r, s3r, w1d, w3d, bars, e, nb, r0, KSTEPS,
-                INTER):
+    def _loader(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS):
+        """TMA copies, stage by stage: the NW weights' words and E8M0 bytes (raw_ready), then the activation rows
+        (mma_ready, beside the decoder's arrive) once the MMA has released the stage."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
-        STAGES: gl.constexpr = xs.shape[0]
-        BK: gl.constexpr = xs.shape[2]
-        BN: gl.constexpr = w1d.shape[1]
-        wrow = e * INTER + nb * BN
-        srow = e * KSTEPS * (BK // 32)
+        STAGES: gl.constexpr = abuf.shape[0]
+        BK: gl.constexpr = abuf.shape[2]
+        BN: gl.constexpr = wdec.shape[1]
+        NW: gl.constexpr = wraw.shape[0] // STAGES
+        G: gl.constexpr = BK // 32
+        wrow = e * NROWS + nb * BN
+        srow = e * KSTEPS * G
         for i in range(KSTEPS):
             s = i % STAGES
             ph = (i // STAGES) & 1
             mbarrier.wait(raw_empty.index(s), ph ^ 1)
             fence_async_shared()  # the decoder's reads of this stage before the copy's writes
-            mbarrier.expect(raw_ready.index(s), 2 * w1_desc.block_type.nbytes + 2 * s1_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w1_desc, [wrow, i * (BK // 32), 0], raw_ready.index(s), w1r.index(s))
-            tma.async_copy_global_to_shared(w3_desc, [wrow, i * (BK // 32), 0], raw_ready.index(s), w3r.index(s))
-            tma.async_copy_global_to_shared(s1_desc, [srow + i * (BK // 32), nb * BN], raw_ready.index(s),
-                                            s1r.index(s))
-            tma.async_copy_global_to_shared(s3_desc, [srow + i * (BK // 32), nb * BN], raw_ready.index(s),
-                                            s3r.index(s))
+            mbarrier.expect(raw_ready.index(s), NW * (wa_desc.block_type.nbytes + sa_desc.block_type.nbytes))
+            for j in gl.static_range(NW):
+                if j == 0:
+                    w_desc, s_desc = wa_desc, sa_desc
+                else:
+                    w_desc, s_desc = wb_desc, sb_desc
+                tma.async_copy_global_to_shared(w_desc, [wrow, i * G, 0], raw_ready.index(s), wraw.index(j * STAGES + s))
+                tma.async_copy_global_to_shared(s_desc, [srow + i * G, nb * BN], raw_ready.index(s),
+                                                sraw.index(j * STAGES + s))
             mbarrier.wait(mma_empty.index(s), ph ^ 1)
-            mbarrier.expect(mma_ready.index(s), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [r0, i * BK], mma_ready.index(s), xs.index(s))
+            mbarrier.expect(mma_ready.index(s), a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [r0, i * BK], mma_ready.index(s), abuf.index(s))
 
     @triton.constexpr_function
     def _words_layout(groups):
@@ -91,52 +96,69 @@ if HAVE_GLUON:
         return gl.reshape(pairs, [words.shape[0], words.shape[1] * 16])
 
     @gluon.jit
-    def _decoder(x_desc, w1_desc, w3_desc, s1_desc, s3_desc, xs, w1r, w3r, s1r, s3r, w1d, w3d, bars, e, nb, r0, KSTEPS,
-                 INTER):
+    def _decoder(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS):
+        """Each stage's raw words to bf16 tiles in the MMA's shared layout; one proxy fence and an arrive a stage."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
-        STAGES: gl.constexpr = xs.shape[0]
-        BK: gl.constexpr = xs.shape[2]
-        BN: gl.constexpr = w1d.shape[1]
-        G: gl.constexpr = w1r.shape[2]
+        STAGES: gl.constexpr = abuf.shape[0]
+        BK: gl.constexpr = abuf.shape[2]
+        BN: gl.constexpr = wdec.shape[1]
+        NW: gl.constexpr = wraw.shape[0] // STAGES
         # a thread: one 32-group of one row (four words, 16 bytes)
-        words_layout: gl.constexpr = _words_layout(G)
+        words_layout: gl.constexpr = _words_layout(BK // 32)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         pairs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         for i in range(KSTEPS):
             s = i % STAGES
             ph = (i // STAGES) & 1
             mbarrier.wait(raw_ready.index(s), ph)
-            w1 = w1r.index(s).load(words_layout)
-            w3 = w3r.index(s).load(words_layout)
-            b1 = gl.expand_dims(s1r.index(s).permute((1, 0)).load(bytes_layout), 2)
-            b3 = gl.expand_dims(s3r.index(s).permute((1, 0)).load(bytes_layout), 2)
+            wa = wraw.index(s).load(words_layout)
+            ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
+            if NW == 2:
+                wb = wraw.index(STAGES + s).load(words_layout)
+                bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
             mbarrier.arrive(raw_empty.index(s))
-            p1 = _decoded(w1, b1)
-            p3 = _decoded(w3, b3)
+            pa = _decoded(wa, ba)
+            if NW == 2:
+                pb = _decoded(wb, bb)
             mbarrier.wait(mma_empty.index(s), ph ^ 1)
-            w1d.index(s)._reinterpret(gl.int32, [BN, BK // 2], pairs_layout).store(p1)
-            w3d.index(s)._reinterpret(gl.int32, [BN, BK // 2], pairs_layout).store(p3)
+            wdec.index(s)._reinterpret(gl.int32, [BN, BK // 2], pairs_layout).store(pa)
+            if NW == 2:
+                wdec.index(STAGES + s)._reinterpret(gl.int32, [BN, BK // 2], pairs_layout).store(pb)
             fence_async_shared()  # the stores before the MMA's (async proxy) reads
             mbarrier.arrive(mma_ready.index(s))
 
     @gluon.jit
-    def _mma(xs, w1d, w3d, bars, h_ptr, tw_ptr, order_ptr, limit, nb, r0, r1,
-             KSTEPS: gl.constexpr, INTER: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, RB: gl.constexpr):
+    def _mma_steps(abuf, wdec, bars, acc_a, acc_b, KSTEPS):
+        """The K loop's asynchronous wgmma on each stage (one or two decoded weights against the activation tile),
+        one stage in flight; a stage is released once its MMAs are done."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
-        STAGES: gl.constexpr = xs.shape[0]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BM, 16])
-        acc1 = gl.zeros([BN, BM], gl.float32, acc_layout)
-        acc3 = gl.zeros([BN, BM], gl.float32, acc_layout)
+        STAGES: gl.constexpr = abuf.shape[0]
+        NW: gl.constexpr = wdec.shape[0] // STAGES
         for i in range(KSTEPS):
             s = i % STAGES
             mbarrier.wait(mma_ready.index(s), (i // STAGES) & 1)
-            xt = xs.index(s).permute((1, 0))  # [BK, BM], K-major
-            acc1 = warpgroup_mma(w1d.index(s), xt, acc1, is_async=True)
-            acc3 = warpgroup_mma(w3d.index(s), xt, acc3, is_async=True)
-            acc1, acc3 = warpgroup_mma_wait(num_outstanding=2, deps=(acc1, acc3))
+            at = abuf.index(s).permute((1, 0))  # [BK, BM], K-major
+            acc_a = warpgroup_mma(wdec.index(s), at, acc_a, is_async=True)
+            if NW == 2:
+                acc_b = warpgroup_mma(wdec.index(STAGES + s), at, acc_b, is_async=True)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_a, acc_b))
             mbarrier.arrive(mma_empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-        acc1, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc3))
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+
+    @triton.constexpr_function
+    def _acc_layout(bm):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, getattr(bm, "value", bm), 16])
+
+    @gluon.jit
+    def _gate_up_mma(abuf, wdec, bars, h_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, INTER, RB: gl.constexpr):
+        """The MMA partition of the gate/up GEMM, then the engine's hidden state (kernels/moe.py's epilogue) stored
+        in expert order, NIB order along I."""
+        BM: gl.constexpr = abuf.shape[1]
+        BN: gl.constexpr = wdec.shape[1]
+        acc_layout: gl.constexpr = _acc_layout(BM)
+        zero = gl.zeros([BN, BM], gl.float32, acc_layout)
+        acc1, acc3 = _mma_steps(abuf, wdec, bars, zero, zero, KSTEPS)
         rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
         rmask = rows < r1
         pair = gl.load(order_ptr + rows, mask=rmask, other=0)
@@ -145,15 +167,33 @@ if HAVE_GLUON:
         h = gl.convert_layout(h, acc_layout)  # the reshapes' layout is this one, by another name
         col = (n_idx & -8) | ((n_idx & 3) << 1) | ((n_idx >> 2) & 1)  # fp4_tiles.nib_position
         gl.store(h_ptr + gl.expand_dims(rows, 0).to(gl.int64) * INTER + gl.expand_dims(col, 1),
-                 h.to(h_ptr.dtype.element_ty), mask=gl.expand_dims(rmask, 0) & gl.expand_dims(n_idx < INTER, 1))
+                 h.to(h_ptr.dtype.element_ty), mask=gl.expand_dims(rmask, 0))
 
     @gluon.jit
-    def _moe_gate_up_ws_kernel(x_desc, w1_desc, w3_desc, s1_desc, s3_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr,
-                               h_ptr, tw_ptr, limit, NBM, DIM: gl.constexpr, INTER: gl.constexpr,
-                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                               STAGES: gl.constexpr, RB: gl.constexpr, DECODE_REGS: gl.constexpr):
+    def _down_mma(abuf, wdec, bars, out_ptr, order_ptr, nb, r0, r1, KSTEPS, DIM, TOPK, RB: gl.constexpr):
+        """The MMA partition of the down GEMM, then each expert's output as the numerics' act stores it, added
+        into its token's row (relaxed: nothing in this launch reads out)."""
+        BM: gl.constexpr = abuf.shape[1]
+        BN: gl.constexpr = wdec.shape[1]
+        acc_layout: gl.constexpr = _acc_layout(BM)
+        zero = gl.zeros([BN, BM], gl.float32, acc_layout)
+        acc, _ = _mma_steps(abuf, wdec, bars, zero, zero, KSTEPS)
+        rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+        rmask = rows < r1
+        tok = gl.load(order_ptr + rows, mask=rmask, other=0) // TOPK
+        n_idx = nb * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+        gl.atomic_add(out_ptr + gl.expand_dims(tok, 0).to(gl.int64) * DIM + gl.expand_dims(n_idx, 1),
+                      moe_f8.act(acc, RB), mask=gl.expand_dims(rmask, 0), sem="relaxed")
+
+    @gluon.jit
+    def _moe_ws_kernel(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr,
+                       tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, NW: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, RB: gl.constexpr, DECODE_REGS: gl.constexpr):
+        """One (token block, N block) program of a grouped FP4 GEMM over K: NW = 2, gate/up (out: h); NW = 1, down
+        (out: the [T, dim] float32 sums)."""
         pid = gl.program_id(0)
-        NBN: gl.constexpr = INTER // BN
+        NBN: gl.constexpr = N // BN
         per_group = GROUP_M * NBN
         first = (pid // per_group) * GROUP_M
         size = gl.minimum(NBM - first, GROUP_M)
@@ -164,14 +204,11 @@ if HAVE_GLUON:
             r0 = gl.load(bbeg_ptr + mb)
             r1 = gl.load(bend_ptr + mb)
             G: gl.constexpr = BK // 32
-            xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
-            w1r = gl.allocate_shared_memory(gl.int32, [STAGES, BN, G, 4], w1_desc.layout)
-            w3r = gl.allocate_shared_memory(gl.int32, [STAGES, BN, G, 4], w3_desc.layout)
-            s1r = gl.allocate_shared_memory(gl.uint8, [STAGES, G, BN], s1_desc.layout)
-            s3r = gl.allocate_shared_memory(gl.uint8, [STAGES, G, BN], s3_desc.layout)
+            abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+            wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, G, 4], wa_desc.layout)
+            sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, G, BN], sa_desc.layout)
             dec_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-            w1d = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], dec_layout)
-            w3d = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], dec_layout)
+            wdec = gl.allocate_shared_memory(gl.bfloat16, [NW * STAGES, BN, BK], dec_layout)
             raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             raw_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             mma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -182,14 +219,16 @@ if HAVE_GLUON:
                 mbarrier.init(mma_ready.index(j), count=2)  # the activation's copy and the decoder's arrive
                 mbarrier.init(mma_empty.index(j), count=1)
             bars = (raw_ready, raw_empty, mma_ready, mma_empty)
-            KSTEPS: gl.constexpr = DIM // BK
-            worker = (x_desc, w1_desc, w3_desc, s1_desc, s3_desc, xs, w1r, w3r, s1r, s3r, w1d, w3d, bars, e, nb, r0,
-                      KSTEPS, INTER)
-            gl.warp_specialize([
-                (_mma, (xs, w1d, w3d, bars, h_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, INTER, BN, BM, RB)),
-                (_loader, worker),
-                (_decoder, worker),
-            ], [1, 4], [40, DECODE_REGS])
+            KSTEPS: gl.constexpr = K // BK
+            worker = (a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, N)
+            if NW == 2:
+                gl.warp_specialize([
+                    (_gate_up_mma, (abuf, wdec, bars, out_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, N, RB)),
+                    (_loader, worker), (_decoder, worker)], [1, 4], [40, DECODE_REGS])
+            else:
+                gl.warp_specialize([
+                    (_down_mma, (abuf, wdec, bars, out_ptr, order_ptr, nb, r0, r1, KSTEPS, N, TOPK, RB)),
+                    (_loader, worker), (_decoder, worker)], [1, 4], [40, DECODE_REGS])
 
 
 def transposed_scales(scale: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -221,30 +260,33 @@ def _descriptor(t: torch.Tensor, block: list, dtype_bits: int, swizzle: int = 0)
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def gate_up_ws(x_sorted, w1, s1t, w3, s3t, order, blocks, tw, h, limit: float, block_m: int, block_n: int = 64,
-               block_k: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True, decode_regs: int = 96):
-    """h[P, I] (expert order, NIB order along I) = the engine's hidden state for the token blocks `blocks` (moe_align's
-    (expert, first, end)): x_sorted [P, dim] bf16 (the pairs' activation rows in expert order, on the E4M3 grid,
-    NIB order), w1/w3 packed FP4 [E * I, dim / 2] (int8/uint8), s1t/s3t `transposed_scales`, tw [P] float32 (the
-    pairs' routing weights by pair id), order (moe_align's)."""
+def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
+               block_n: int = 64, block_k: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
+               decode_regs: int = 96):
+    """One grouped FP4 GEMM of the MoE over moe_align's token blocks `blocks` (expert, first, end), act [P, K] bf16
+    (rows in expert order: the pairs' activation, on the E4M3 grid, NIB order along K). Two weights (W1, W3:
+    packed FP4 [E * I, dim / 2], int8/uint8): the gate/up GEMM, out = h [P, I] the engine's hidden state (tw [P]
+    float32 the routing weights by pair id, limit the SwiGLU clamp). One weight (W2 [E * dim, I / 2]): the down
+    GEMM, out [T, dim] float32 += each pair's output (topk: pairs a token). scales_t: `transposed_scales` of each."""
     if not HAVE_GLUON:
         raise RuntimeError("the warp-specialized MoE form needs triton.experimental.gluon (triton >= 3.6)")
-    p, dim = x_sorted.shape
-    inter = h.shape[1]
-    if inter % block_n or dim % block_k or block_k % 32:
-        raise ValueError(f"I {inter} must divide by block_n {block_n}, dim {dim} by block_k {block_k} (a multiple "
-                         "of 32)")
-    words = [w.contiguous().view(torch.int32).view(w.shape[0], dim // 32, 4) for w in (w1, w3)]
-    x_desc = _descriptor(x_sorted, [block_m, block_k], 16, 128)
-    w1_desc, w3_desc = (_descriptor(w, [block_n, block_k // 32, 4], 32) for w in words)
-    s1_desc, s3_desc = (_descriptor(s, [block_k // 32, block_n], 8) for s in (s1t, s3t))
+    p, kdim = act.shape
+    nw = len(weights)
+    n_rows = weights[0].shape[0] // (scales_t[0].shape[0] // (kdim // 32))  # rows an expert
+    if n_rows % block_n or kdim % block_k or block_k % 32 or nw not in (1, 2):
+        raise ValueError(f"rows an expert {n_rows} must divide by block_n {block_n}, K {kdim} by block_k {block_k} "
+                         "(a multiple of 32), and the weights be one (down) or two (gate/up)")
+    words = [w.contiguous().view(torch.int32).view(w.shape[0], kdim // 32, 4) for w in weights]
+    a_desc = _descriptor(act, [block_m, block_k], 16, 128)
+    w_descs = [_descriptor(w, [block_n, block_k // 32, 4], 32) for w in words]
+    s_descs = [_descriptor(s, [block_k // 32, block_n], 8) for s in scales_t]
     bexp, bbeg, bend = blocks
     nbm = bexp.numel()
-    _moe_gate_up_ws_kernel[(nbm * (inter // block_n),)](
-        x_desc, w1_desc, w3_desc, s1_desc, s3_desc, order, bexp, bbeg, bend, h, tw, float(limit), nbm, DIM=dim,
-        INTER=inter, BM=block_m, BN=block_n, BK=block_k, GROUP_M=group_m, STAGES=stages, RB=bf16_acts,
-        DECODE_REGS=decode_regs, num_warps=4)
-    return h
+    _moe_ws_kernel[(nbm * (n_rows // block_n),)](
+        a_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
+        tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=block_m, BN=block_n,
+        BK=block_k, GROUP_M=group_m, STAGES=stages, RB=bf16_acts, DECODE_REGS=decode_regs, num_warps=4)
+    return out
 
 
-__all__ = ["HAVE_GLUON", "cached_transposed_scales", "gate_up_ws", "transposed_scales"]
+__all__ = ["HAVE_GLUON", "cached_transposed_scales", "grouped_ws", "transposed_scales"]

@@ -84,9 +84,9 @@ class KernelKnobs:
     # Full m=1 (the down's alone: -0.7% / -0.4%); the kernel bench's engine form 8.47 ms against 8.81
     moe_narrow_down = True
     moe_narrow_gate_up = True
-    # a prefill's gate/up GEMM in the warp-specialized Gluon form (kernels/moe_ws.py: the FP4 decode in warps of its
-    # own, TMA loads, asynchronous wgmma) on a Hopper GPU with the folded decode; the same values. Costs a
-    # transposed copy of W1's and W3's scales (1/16 of their bytes) while the weights live. Off until timed.
+    # a prefill's grouped GEMMs in the warp-specialized Gluon form (kernels/moe_ws.py: the FP4 decode in warps of
+    # its own, TMA loads, asynchronous wgmma) on a Hopper GPU with the folded decode; the same values. Costs a
+    # transposed copy of the experts' scales (1/16 of their FP4 bytes) while the weights live. Off until timed.
     moe_ws = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
