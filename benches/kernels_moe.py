@@ -51,8 +51,11 @@ def case_moe_prefill(bw, mm, forms=None):
     tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
     forms = forms or _engine_prefill_forms(history=False)
     if moe_ws.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9:  # the warp-specialized gate/up beside it
-        forms = forms + [dict(forms[0], ws=True, ws_stages=n) for n in (4, 3, 6)] + [
-            dict(forms[0], ws="gate_up"), dict(forms[0], ws=True, split_m=None)]
+        ws = dict(forms[0], ws=True)
+        forms = forms + [ws, dict(ws, ws_decoders=2), dict(ws, ws_block_k=128, ws_stages=3, ws_decoders=2),
+                         dict(ws, ws_block_k=128, ws_stages=2, ws_decoders=2), dict(ws, ws_stages=6, ws_decoders=2),
+                         dict(ws, ws="gate_up", ws_decoders=2), dict(ws, ws="down", ws_decoders=2),
+                         dict(ws, ws_stages=1)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out), rep=50)

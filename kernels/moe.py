@@ -260,22 +260,23 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
                   sem="relaxed")
 
 
-def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, limit, k, group_m, stages, bf16_acts,
-                down: bool):
-    """The gate/up GEMM (and with `down` the down GEMM) of every tile list in the warp-specialized form
-    (kernels/moe_ws.py)."""
+def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, limit, k, which: str, bf16_acts,
+                **form):
+    """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
+    (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders)."""
     from kernels import moe_ws
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
-    x_sorted = xp.index_select(0, order.long() // k)  # one activation row a pair, in expert order
     flat = [w.view(-1, w.shape[-1]) for w in (w1, w3, w2)]
-    for blocks, bm, bn, *_ in tiles:
-        moe_ws.grouped_ws(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
-                          block_n=bn, group_m=group_m, stages=stages, bf16_acts=bf16_acts)
-    if down:
+    if which != "down":
+        x_sorted = xp.index_select(0, order.long() // k)  # one activation row a pair, in expert order
+        for blocks, bm, bn, *_ in tiles:
+            moe_ws.grouped_ws(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
+                              block_n=bn, bf16_acts=bf16_acts, **form)
+    if which != "gate_up":
         for blocks, bm, _, bn, *_ in tiles:
-            moe_ws.grouped_ws(h, flat[2:], scales_t[2:], order, blocks, out, bm, topk=k, block_n=bn, group_m=group_m,
-                              stages=stages, bf16_acts=bf16_acts)
+            moe_ws.grouped_ws(h, flat[2:], scales_t[2:], order, blocks, out, bm, topk=k, block_n=bn,
+                              bf16_acts=bf16_acts, **form)
 
 
 def _words(w: torch.Tensor) -> torch.Tensor:
@@ -294,7 +295,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
                    x_on_grid: bool = False, split_m: int | None = None, down_block_n: int | None = None,
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
-                   ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4):
+                   ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
+                   ws_decoders: int = 1):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -326,10 +328,10 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     tiles beside narrow 64 x 64 ones (whose same-area split tiles, 128 x 32 under their cap, spill).
     down_block_n, down_maxnreg: the down GEMM's weight rows a tile and register cap (default: block_n's, maxnreg's):
     its 64 x 64 tiles take 101 registers on sm_90, 4 programs an SM, where 64 x 128 takes 178, 2.
-    ws (the bf16 grouped GEMM with the engine's hidden state, on a Hopper GPU): both GEMMs ("gate_up": that one
-    alone) in the warp-specialized Gluon form (kernels/moe_ws.py: the FP4 decode in warps of its own, the
+    ws (the bf16 grouped GEMM with the engine's hidden state, on a Hopper GPU): both GEMMs ("gate_up", "down": that
+    one alone) in the warp-specialized Gluon form (kernels/moe_ws.py: the FP4 decode in warps of its own, the
     activation gathered once into expert order), block_n / down_block_n weight rows a tile, ws_stages shared-memory
-    stages; scales_t: the transposed E8M0 copies of w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when
+    stages of ws_block_k, ws_decoders decoding warp groups; scales_t: the transposed E8M0 copies of w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when
     not given, made once a scale tensor and kept while it lives: moe_ws.cached_transposed_scales)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
@@ -401,21 +403,20 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     bd = form if dt == tl.bfloat16 and not sc else 0  # the interpreter's dots run in float32
     shared = dict(DIM=dim, INTER=inter, TOPK=k, BK=bk, DT=dt, GROUP_M=group_m, BD=bd, SC=sc, FH=fp8_hidden,
                   RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages)
-    if ws:
-        if not fp8_hidden or dt != tl.bfloat16 or sc:
-            raise ValueError("ws: the warp-specialized gate/up computes the engine's hidden state (hidden set) on a "
-                             "GPU's bf16 MMA, not the scaled form")
-        _grouped_ws(xp, w1, w3, w2, w1_scale, w3_scale, w2_scale, scales_t, order, tiles, tw, h, out, swiglu_limit, k,
-                    group_m, ws_stages, hidden == "reference", down=ws != "gate_up")
-        tiles_up = []
-    else:
-        tiles_up = tiles
-    for (bexp, bbeg, bend), bm, bn, _, cap, _ in tiles_up:
+    which = {True: "both", False: None, "gate_up": "gate_up", "down": "down"}[ws]
+    if which is not None and (not fp8_hidden or dt != tl.bfloat16 or sc):
+        raise ValueError("ws: the warp-specialized form computes the engine's hidden state (hidden set) on a GPU's "
+                         "bf16 MMA, not the scaled form")
+    for (bexp, bbeg, bend), bm, bn, _, cap, _ in (tiles if which in (None, "down") else []):
         nbm = bexp.numel()
         _moe_gate_up_kernel[(nbm * triton.cdiv(inter, bn),)](
             xp, w1w, s1, w3w, s3, order, bexp, bbeg, bend, h, tw, float(swiglu_limit), nbm, BM=bm, BN=bn, **shared,
             **register_cap(cap))
-    for (bexp, bbeg, bend), bm, _, bn, _, cap in (tiles if ws in (False, "gate_up") else []):
+    if which is not None:
+        _grouped_ws(xp, w1, w3, w2, w1_scale, w3_scale, w2_scale, scales_t, order, tiles, tw, h, out, swiglu_limit, k,
+                    which, hidden == "reference", group_m=group_m, stages=ws_stages, block_k=ws_block_k,
+                    decoders=ws_decoders)
+    for (bexp, bbeg, bend), bm, _, bn, _, cap in (tiles if which in (None, "gate_up") else []):
         nbm = bexp.numel()
         _moe_down_kernel[(nbm * triton.cdiv(dim, bn),)](
             h, w2w, s2, order, bexp, bbeg, bend, tw, out, nbm, BM=bm, BN=bn, **shared, **register_cap(cap))

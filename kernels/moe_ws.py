@@ -47,7 +47,8 @@ if HAVE_GLUON:
     _FOLD_MAX = gl.constexpr(FOLD_MAX_SCALE_BYTE)
 
     @gluon.jit
-    def _loader(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS):
+    def _loader(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS,
+                first, stride):
         """TMA copies, stage by stage: the NW weights' words and E8M0 bytes (raw_ready), then the activation rows
         (mma_ready, beside the decoder's arrive) once the MMA has released the stage."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
@@ -96,8 +97,10 @@ if HAVE_GLUON:
         return gl.reshape(pairs, [words.shape[0], words.shape[1] * 16])
 
     @gluon.jit
-    def _decoder(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS):
-        """Each stage's raw words to bf16 tiles in the MMA's shared layout; one proxy fence and an arrive a stage."""
+    def _decoder(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS,
+                 first, stride):
+        """Steps first, first + stride, ...: each stage's raw words to bf16 tiles in the MMA's shared layout; one
+        proxy fence and an arrive a stage (two decoders take alternate steps, one's latency under the other's work)."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
         STAGES: gl.constexpr = abuf.shape[0]
         BK: gl.constexpr = abuf.shape[2]
@@ -107,7 +110,10 @@ if HAVE_GLUON:
         words_layout: gl.constexpr = _words_layout(BK // 32)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         pairs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        for i in range(KSTEPS):
+        # the same bytes as int32 pairs: the 128-byte rows swizzle alike at either width (the whole buffer, then a
+        # stage: a view's own reinterpretation is not relied on to keep its offset)
+        wpairs = wdec._reinterpret(gl.int32, [wdec.shape[0], BN, BK // 2], pairs_layout)
+        for i in range(first, KSTEPS, stride):
             s = i % STAGES
             ph = (i // STAGES) & 1
             mbarrier.wait(raw_ready.index(s), ph)
@@ -121,9 +127,9 @@ if HAVE_GLUON:
             if NW == 2:
                 pb = _decoded(wb, bb)
             mbarrier.wait(mma_empty.index(s), ph ^ 1)
-            wdec.index(s)._reinterpret(gl.int32, [BN, BK // 2], pairs_layout).store(pa)
+            wpairs.index(s).store(pa)
             if NW == 2:
-                wdec.index(STAGES + s)._reinterpret(gl.int32, [BN, BK // 2], pairs_layout).store(pb)
+                wpairs.index(STAGES + s).store(pb)
             fence_async_shared()  # the stores before the MMA's (async proxy) reads
             mbarrier.arrive(mma_ready.index(s))
 
@@ -189,7 +195,7 @@ if HAVE_GLUON:
     def _moe_ws_kernel(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr,
                        tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, NW: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, RB: gl.constexpr, DECODE_REGS: gl.constexpr):
+                       STAGES: gl.constexpr, RB: gl.constexpr, DECODE_REGS: gl.constexpr, DECODERS: gl.constexpr):
         """One (token block, N block) program of a grouped FP4 GEMM over K: NW = 2, gate/up (out: h); NW = 1, down
         (out: the [T, dim] float32 sums)."""
         pid = gl.program_id(0)
@@ -220,15 +226,25 @@ if HAVE_GLUON:
                 mbarrier.init(mma_empty.index(j), count=1)
             bars = (raw_ready, raw_empty, mma_ready, mma_empty)
             KSTEPS: gl.constexpr = K // BK
-            worker = (a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, N)
-            if NW == 2:
-                gl.warp_specialize([
-                    (_gate_up_mma, (abuf, wdec, bars, out_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, N, RB)),
-                    (_loader, worker), (_decoder, worker)], [1, 4], [40, DECODE_REGS])
+            head = (a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, N)
+            up_args = (abuf, wdec, bars, out_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, N, RB)
+            down_args = (abuf, wdec, bars, out_ptr, order_ptr, nb, r0, r1, KSTEPS, N, TOPK, RB)
+            c0, c1, c2 = gl.to_tensor(0), gl.to_tensor(1), gl.to_tensor(2)  # worker arguments must be values
+            one, two = head + (c0, c1), head + (c1, c2)
+            if DECODERS == 2:
+                if NW == 2:
+                    gl.warp_specialize([(_gate_up_mma, up_args), (_loader, one), (_decoder, head + (c0, c2)),
+                                        (_decoder, two)], [1, 4, 4], [40, DECODE_REGS, DECODE_REGS])
+                else:
+                    gl.warp_specialize([(_down_mma, down_args), (_loader, one), (_decoder, head + (c0, c2)),
+                                        (_decoder, two)], [1, 4, 4], [40, DECODE_REGS, DECODE_REGS])
             else:
-                gl.warp_specialize([
-                    (_down_mma, (abuf, wdec, bars, out_ptr, order_ptr, nb, r0, r1, KSTEPS, N, TOPK, RB)),
-                    (_loader, worker), (_decoder, worker)], [1, 4], [40, DECODE_REGS])
+                if NW == 2:
+                    gl.warp_specialize([(_gate_up_mma, up_args), (_loader, one), (_decoder, one)], [1, 4],
+                                       [40, DECODE_REGS])
+                else:
+                    gl.warp_specialize([(_down_mma, down_args), (_loader, one), (_decoder, one)], [1, 4],
+                                       [40, DECODE_REGS])
 
 
 def transposed_scales(scale: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -262,7 +278,7 @@ def _descriptor(t: torch.Tensor, block: list, dtype_bits: int, swizzle: int = 0)
 
 def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
                block_n: int = 64, block_k: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
-               decode_regs: int = 96):
+               decode_regs: int = 96, decoders: int = 1):
     """One grouped FP4 GEMM of the MoE over moe_align's token blocks `blocks` (expert, first, end), act [P, K] bf16
     (rows in expert order: the pairs' activation, on the E4M3 grid, NIB order along K). Two weights (W1, W3:
     packed FP4 [E * I, dim / 2], int8/uint8): the gate/up GEMM, out = h [P, I] the engine's hidden state (tw [P]
@@ -285,7 +301,8 @@ def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     _moe_ws_kernel[(nbm * (n_rows // block_n),)](
         a_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
         tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=block_m, BN=block_n,
-        BK=block_k, GROUP_M=group_m, STAGES=stages, RB=bf16_acts, DECODE_REGS=decode_regs, num_warps=4)
+        BK=block_k, GROUP_M=group_m, STAGES=stages, RB=bf16_acts, DECODE_REGS=decode_regs, DECODERS=decoders,
+        num_warps=4)
     return out
 
 
