@@ -93,7 +93,9 @@ if HAVE_GLUON:
         p0, p1, p2, p3 = gl.inline_asm_elementwise(_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [words, f, f],
                                                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
                                                    pack=1)
-        pairs = gl.join(gl.join(p0, p1), gl.join(p2, p3))
+        # join adds a last axis: [..., i, j] of join(join(a, b), join(c, d)) is (a, c)[j] then (b, d)[j] at i = 1, so
+        # pair p = 2 i + j comes from join(join(p0, p2), join(p1, p3))
+        pairs = gl.join(gl.join(p0, p2), gl.join(p1, p3))
         return gl.reshape(pairs, [words.shape[0], words.shape[1] * 16])
 
     @gluon.jit
