@@ -70,7 +70,8 @@ if HAVE_GLUON:
                     w_desc, s_desc = wa_desc, sa_desc
                 else:
                     w_desc, s_desc = wb_desc, sb_desc
-                tma.async_copy_global_to_shared(w_desc, [wrow, i * G, 0], raw_ready.index(s), wraw.index(j * STAGES + s))
+                tma.async_copy_global_to_shared(w_desc, [wrow, i * (BK // 8)], raw_ready.index(s),
+                                                wraw.index(j * STAGES + s))
                 tma.async_copy_global_to_shared(s_desc, [srow + i * G, nb * BN], raw_ready.index(s),
                                                 sraw.index(j * STAGES + s))
             mbarrier.wait(mma_empty.index(s), ph ^ 1)
@@ -108,7 +109,11 @@ if HAVE_GLUON:
         BK: gl.constexpr = abuf.shape[2]
         BN: gl.constexpr = wdec.shape[1]
         NW: gl.constexpr = wraw.shape[0] // STAGES
-        # a thread: one 32-group of one row (four words, 16 bytes)
+        G: gl.constexpr = BK // 32
+        # the copied rows of BK/8 words seen as [BN, G, 4] (unswizzled: the same bytes), a thread one 32-group of one
+        # row (four words, 16 bytes)
+        raw3_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+        words = wraw._reinterpret(gl.int32, [wraw.shape[0], BN, G, 4], raw3_layout)
         words_layout: gl.constexpr = _words_layout(BK // 32)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         pairs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
@@ -119,10 +124,10 @@ if HAVE_GLUON:
             s = i % STAGES
             ph = (i // STAGES) & 1
             mbarrier.wait(raw_ready.index(s), ph)
-            wa = wraw.index(s).load(words_layout)
+            wa = words.index(s).load(words_layout)
             ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
             if NW == 2:
-                wb = wraw.index(STAGES + s).load(words_layout)
+                wb = words.index(STAGES + s).load(words_layout)
                 bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
             mbarrier.arrive(raw_empty.index(s))
             pa = _decoded(wa, ba)
@@ -213,7 +218,7 @@ if HAVE_GLUON:
             r1 = gl.load(bend_ptr + mb)
             G: gl.constexpr = BK // 32
             abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
-            wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, G, 4], wa_desc.layout)
+            wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, BK // 8], wa_desc.layout)
             sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, G, BN], sa_desc.layout)
             dec_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
             wdec = gl.allocate_shared_memory(gl.bfloat16, [NW * STAGES, BN, BK], dec_layout)
@@ -294,9 +299,9 @@ def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     if n_rows % block_n or kdim % block_k or block_k % 32 or nw not in (1, 2):
         raise ValueError(f"rows an expert {n_rows} must divide by block_n {block_n}, K {kdim} by block_k {block_k} "
                          "(a multiple of 32), and the weights be one (down) or two (gate/up)")
-    words = [w.contiguous().view(torch.int32).view(w.shape[0], kdim // 32, 4) for w in weights]
+    words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a stage: BN rows of BK/2 bytes
     a_desc = _descriptor(act, [block_m, block_k], 16, 128)
-    w_descs = [_descriptor(w, [block_n, block_k // 32, 4], 32) for w in words]
+    w_descs = [_descriptor(w, [block_n, block_k // 8], 32) for w in words]
     s_descs = [_descriptor(s, [block_k // 32, block_n], 8) for s in scales_t]
     bexp, bbeg, bend = blocks
     nbm = bexp.numel()
