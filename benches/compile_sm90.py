@@ -263,7 +263,7 @@ def cases():
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
                 hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=128, split_n=64,
                 split_maxnreg=0)),
-            ("MoE prefill, warp-specialized gate/up (Gluon)", experts(
+            ("MoE prefill, warp-specialized grouped GEMMs (Gluon)", experts(
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
                 hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=128, split_n=64,
                 split_maxnreg=0, ws=True)),

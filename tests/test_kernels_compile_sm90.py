@@ -80,7 +80,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert all(r[-1] == "ok" for r in rows)
     # the tensor-core cases use warpgroup MMA (Hopper's), not the older mma.sync path
     kernels = {(r[0], r[1]): r for r in rows}
-    for case, kernel in (("fp8 linear 128x5120x8192", "_fp8_linear_kernel"), ("MoE prefill", "_moe_gate_up_kernel")):
+    for case, kernel in (("fp8 linear 128x5120x8192", "_fp8_linear_kernel"), ("MoE prefill", "_moe_gate_up_kernel"),
+                         ("MoE prefill, warp-specialized grouped GEMMs (Gluon)", "_moe_ws_kernel")):
         assert kernels[(case, kernel)][8] == "yes", (case, kernel)
     # the decode paths are the latency-critical ones: no spills there, except the attention's one-pass
     # entries layout (the small decode calls' default; a 64-token batch takes the two passes, which do not
