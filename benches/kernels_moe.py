@@ -55,7 +55,9 @@ def case_moe_prefill(bw, mm, forms=None):
         forms = forms + [ws, dict(ws, ws_decoders=2), dict(ws, ws_block_k=128, ws_stages=3, ws_decoders=2),
                          dict(ws, ws_block_k=128, ws_stages=2, ws_decoders=2), dict(ws, ws_stages=6, ws_decoders=2),
                          dict(ws, ws="gate_up", ws_decoders=2), dict(ws, ws="down", ws_decoders=2),
-                         dict(ws, ws_stages=1)]
+                         dict(ws, ws_stages=1),
+                         # 64-token tiles alone, three stages, 80 registers a thread: two programs an SM
+                         dict(ws, split_m=None, ws_stages=3, ws_maxnreg=80, ws_decode_regs=80)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out), rep=50)

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - an older triton
     HAVE_GLUON = False
 
 from kernels import moe_f8
-from kernels._formats import e2m1_pairs_ptx
+from kernels._formats import e2m1_pairs_ptx, register_cap
 from kernels.fp4_tiles import FOLD_FACTOR_OFFSET, FOLD_MAX_SCALE_BYTE
 
 # one int32 word (8 nibbles) -> its four NIB-ordered bf16 pairs times the factor in $5 (= $6: one 32-group)
@@ -285,12 +285,14 @@ def _descriptor(t: torch.Tensor, block: list, dtype_bits: int, swizzle: int = 0)
 
 def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
                block_n: int = 64, block_k: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
-               decode_regs: int = 96, decoders: int = 1):
+               decode_regs: int = 96, decoders: int = 1, maxnreg: int | None = None):
     """One grouped FP4 GEMM of the MoE over moe_align's token blocks `blocks` (expert, first, end), act [P, K] bf16
     (rows in expert order: the pairs' activation, on the E4M3 grid, NIB order along K). Two weights (W1, W3:
     packed FP4 [E * I, dim / 2], int8/uint8): the gate/up GEMM, out = h [P, I] the engine's hidden state (tw [P]
     float32 the routing weights by pair id, limit the SwiGLU clamp). One weight (W2 [E * dim, I / 2]): the down
-    GEMM, out [T, dim] float32 += each pair's output (topk: pairs a token). scales_t: `transposed_scales` of each."""
+    GEMM, out [T, dim] float32 += each pair's output (topk: pairs a token). scales_t: `transposed_scales` of each.
+    decoders: decoding warp groups (alternate K steps), decode_regs their registers; maxnreg: the launch's register
+    count a thread (the partitions share 12 or 16 warps' worth: at most 85 a thread for two programs an SM)."""
     if not HAVE_GLUON:
         raise RuntimeError("the warp-specialized MoE form needs triton.experimental.gluon (triton >= 3.6)")
     p, kdim = act.shape
@@ -309,7 +311,7 @@ def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
         a_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
         tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=block_m, BN=block_n,
         BK=block_k, GROUP_M=group_m, STAGES=stages, RB=bf16_acts, DECODE_REGS=decode_regs, DECODERS=decoders,
-        num_warps=4)
+        num_warps=4, **register_cap(maxnreg))
     return out
 
 
