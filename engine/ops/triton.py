@@ -517,7 +517,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     if self.moe_narrow_gate_up or self.moe_narrow_down:
                         form.update(split_n=64, split_maxnreg=0)
                 if self.moe_ws and form.get("bf16_decode") == "fold" and _hopper(x.device):
-                    form["ws"] = True
+                    form.update(ws=True, ws_decoders=2)
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
