@@ -1,20 +1,22 @@
-"""The prefill's expert gate/up GEMM with its FP4 decode in warps of their own (Gluon, Hopper; GPU only).
+"""The prefill's grouped expert GEMMs with the FP4 decode in warps of their own (Gluon, Hopper; GPU only).
 
-Why: in the Triton kernel (kernels/moe.py) the same warps decode each FP4 tile and feed it to the MMA, so a
+Why: in the Triton kernels (kernels/moe.py) the same warps decode each FP4 tile and feed it to the MMA, so a
 tile's decode and its MMA never overlap (register operand), and a decoded tile stored for the MMA costs a
-proxy fence that stalls the pipeline's loads (the "halves" form of run 35a). Here three partitions of one
+proxy fence that stalls the pipeline's loads (the "halves" form of run 35a). Here the partitions of one
 program share a ring of shared-memory stages:
 - loader (1 warp): TMA copies of a stage's raw FP4 words, their E8M0 bytes (a transposed copy, so a
-  stage's bytes are one box) and the activation rows (gathered once into expert order, so a token block
-  is one box);
-- decoder (4 warps): the words to bf16 pairs with the scale folded in (kernels/_formats.e2m1_pairs_ptx,
-  the same bits as fp4_tiles.fp4_decoded_folded), stored in the MMA's shared layout, then one proxy fence
-  and an arrive: the fence waits on nothing but the decoder's own shared-memory stores;
-- MMA (4 warps, the default partition): asynchronous wgmma on W1's and W3's decoded tiles against the
-  activation tile, one stage in flight, then the epilogue of kernels/moe.py (`swiglu_e4m3_values`) and h
-  stored in expert order, NIB order along I, as the down kernel reads it.
-The values are the Triton kernel's (the same bf16 products, float32 sums in the MMA's K order). Gluon has
-no interpreter: tests/test_moe_ws_gpu.py checks it on a GPU, tests/test_kernels_compile_sm90.py compiles it.
+  stage's bytes are one box) and the activation rows (in expert order: the gate/up's gathered once, the
+  down's h as the gate/up stores it, so a token block is one box);
+- decoder (4 warps, or two groups on alternate K steps): the words to bf16 pairs with the scale folded in
+  (kernels/_formats.e2m1_pairs_ptx, the same bits as fp4_tiles.fp4_decoded_folded), stored in the MMA's
+  shared layout, then one proxy fence and an arrive: the fence waits on nothing but the decoder's own
+  shared-memory stores;
+- MMA (4 warps, the default partition): asynchronous wgmma on the decoded tiles (W1's and W3's, or W2's)
+  against the activation tile, one stage in flight, then kernels/moe.py's epilogue (the engine's hidden
+  state stored in expert order and NIB order along I; or each expert's output added into its token's row).
+The values are the Triton kernels' (the same bf16 products, float32 sums in the MMA's K order). Gluon has
+no interpreter: tests/test_kernels_moe_ws.py checks the form on a Hopper GPU; tests/test_kernels_compile_sm90.py
+compiles it for sm_90 on any machine.
 """
 
 from __future__ import annotations
