@@ -166,20 +166,29 @@ if HAVE_GLUON:
                                          instr_shape=[16, getattr(bm, "value", bm), 16])
 
     @gluon.jit
-    def _gate_up_mma(abuf, wdec, bars, h_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, INTER, RB: gl.constexpr):
-        """The MMA partition of the gate/up GEMM, then the engine's hidden state (kernels/moe.py's epilogue) stored
-        in expert order, NIB order along I."""
+    def _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, KSTEPS):
+        """A tile's sums [BN weight rows, BM pairs] (two for gate/up), its pairs' rows in expert order, their mask and
+        pair ids, and its weight rows' indices."""
         BM: gl.constexpr = abuf.shape[1]
         BN: gl.constexpr = wdec.shape[1]
         acc_layout: gl.constexpr = _acc_layout(BM)
         zero = gl.zeros([BN, BM], gl.float32, acc_layout)
-        acc1, acc3 = _mma_steps(abuf, wdec, bars, zero, zero, KSTEPS)
+        acc_a, acc_b = _mma_steps(abuf, wdec, bars, zero, zero, KSTEPS)
         rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
         rmask = rows < r1
         pair = gl.load(order_ptr + rows, mask=rmask, other=0)
         n_idx = nb * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+        return acc_a, acc_b, rows, rmask, pair, n_idx
+
+    @gluon.jit
+    def _gate_up_mma(abuf, wdec, bars, h_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, INTER, RB: gl.constexpr):
+        """The MMA partition of the gate/up GEMM, then the engine's hidden state (kernels/moe.py's epilogue) stored
+        in expert order, NIB order along I."""
+        acc1, acc3, rows, rmask, pair, n_idx = _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, KSTEPS)
+        BM: gl.constexpr = abuf.shape[1]
+        BN: gl.constexpr = wdec.shape[1]
         h = moe_f8.swiglu_e4m3_values(acc1, acc3, gl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM, RB)
-        h = gl.convert_layout(h, acc_layout)  # the reshapes' layout is this one, by another name
+        h = gl.convert_layout(h, _acc_layout(BM))  # the reshapes' layout is this one, by another name
         col = (n_idx & -8) | ((n_idx & 3) << 1) | ((n_idx >> 2) & 1)  # fp4_tiles.nib_position
         gl.store(h_ptr + gl.expand_dims(rows, 0).to(gl.int64) * INTER + gl.expand_dims(col, 1),
                  h.to(h_ptr.dtype.element_ty), mask=gl.expand_dims(rmask, 0))
@@ -188,16 +197,8 @@ if HAVE_GLUON:
     def _down_mma(abuf, wdec, bars, out_ptr, order_ptr, nb, r0, r1, KSTEPS, DIM, TOPK, RB: gl.constexpr):
         """The MMA partition of the down GEMM, then each expert's output as the numerics' act stores it, added
         into its token's row (relaxed: nothing in this launch reads out)."""
-        BM: gl.constexpr = abuf.shape[1]
-        BN: gl.constexpr = wdec.shape[1]
-        acc_layout: gl.constexpr = _acc_layout(BM)
-        zero = gl.zeros([BN, BM], gl.float32, acc_layout)
-        acc, _ = _mma_steps(abuf, wdec, bars, zero, zero, KSTEPS)
-        rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
-        rmask = rows < r1
-        tok = gl.load(order_ptr + rows, mask=rmask, other=0) // TOPK
-        n_idx = nb * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
-        gl.atomic_add(out_ptr + gl.expand_dims(tok, 0).to(gl.int64) * DIM + gl.expand_dims(n_idx, 1),
+        acc, _, rows, rmask, pair, n_idx = _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, KSTEPS)
+        gl.atomic_add(out_ptr + gl.expand_dims(pair // TOPK, 0).to(gl.int64) * DIM + gl.expand_dims(n_idx, 1),
                       moe_f8.act(acc, RB), mask=gl.expand_dims(rmask, 0), sem="relaxed")
 
     @gluon.jit
