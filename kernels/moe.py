@@ -404,7 +404,10 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     bd = form if dt == tl.bfloat16 and not sc else 0  # the interpreter's dots run in float32
     shared = dict(DIM=dim, INTER=inter, TOPK=k, BK=bk, DT=dt, GROUP_M=group_m, BD=bd, SC=sc, FH=fp8_hidden,
                   RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages)
-    which = {True: "both", False: None, "gate_up": "gate_up", "down": "down"}[ws]
+    forms_ws = {True: "both", False: None, "gate_up": "gate_up", "down": "down"}
+    if ws not in forms_ws:
+        raise ValueError(f"ws must be one of {list(forms_ws)}, got {ws!r}")
+    which = forms_ws[ws]
     if which is not None and (not fp8_hidden or dt != tl.bfloat16 or sc):
         raise ValueError("ws: the warp-specialized form computes the engine's hidden state (hidden set) on a GPU's "
                          "bf16 MMA, not the scaled form")
