@@ -279,6 +279,19 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
                               bf16_acts=bf16_acts, **form)
 
 
+def _ws_form(ws, possible: bool) -> str | None:
+    """moe_fp4_triton's `ws` as the GEMMs it names ("both", "gate_up", "down") or None; refused where the form cannot
+    run (it computes the engine's hidden state on a GPU's bf16 MMA: not the scaled or FP8 forms, not the
+    interpreter)."""
+    forms = {True: "both", False: None, "gate_up": "gate_up", "down": "down"}
+    if ws not in forms:
+        raise ValueError(f"ws must be one of {list(forms)}, got {ws!r}")
+    if forms[ws] is not None and not possible:
+        raise ValueError("ws: the warp-specialized form computes the engine's hidden state (hidden set) on a GPU's "
+                         "bf16 MMA: not with the scaled or FP8 forms, nor under the interpreter")
+    return forms[ws]
+
+
 def _words(w: torch.Tensor) -> torch.Tensor:
     """Packed FP4 bytes [..., K/2] seen as int32 words [..., K/8] (8 nibbles each, no copy)."""
     w = w.contiguous()
@@ -339,6 +352,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     p = t * k
     hidden = _hidden(hidden, fp8_mma)
     fp8_hidden = hidden is not None
+    which = _ws_form(ws, fp8_hidden and not fp8_mma and not scaled and dot_dtype() == tl.bfloat16)
     if fp8_mma:  # the FP8 form has no GEMV: grouped at every width
         gemv_max_pairs = 0
     # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the FP8 form quantizes x itself); the grouped
@@ -404,13 +418,6 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     bd = form if dt == tl.bfloat16 and not sc else 0  # the interpreter's dots run in float32
     shared = dict(DIM=dim, INTER=inter, TOPK=k, BK=bk, DT=dt, GROUP_M=group_m, BD=bd, SC=sc, FH=fp8_hidden,
                   RB=hidden == "reference", num_warps=num_warps, num_stages=num_stages)
-    forms_ws = {True: "both", False: None, "gate_up": "gate_up", "down": "down"}
-    if ws not in forms_ws:
-        raise ValueError(f"ws must be one of {list(forms_ws)}, got {ws!r}")
-    which = forms_ws[ws]
-    if which is not None and (not fp8_hidden or dt != tl.bfloat16 or sc):
-        raise ValueError("ws: the warp-specialized form computes the engine's hidden state (hidden set) on a GPU's "
-                         "bf16 MMA, not the scaled form")
     for (bexp, bbeg, bend), bm, bn, _, cap, _ in (tiles if which in (None, "down") else []):
         nbm = bexp.numel()
         _moe_gate_up_kernel[(nbm * triton.cdiv(inter, bn),)](

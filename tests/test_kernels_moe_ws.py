@@ -1,5 +1,7 @@
-"""The warp-specialized gate/up form (kernels/moe_ws.py): its host-side layout here; its values on a GPU (Gluon
+"""The warp-specialized MoE form (kernels/moe_ws.py): its host-side layout and argument checks here; its values on a GPU
 has no interpreter), against the Triton form of the same numerics and the float64 reference."""
+
+from interpreted import interpreted  # noqa: F401 (first: the interpreter before triton, as the kernel tests run)
 
 import os
 import subprocess
@@ -25,6 +27,21 @@ def test_transposed_scales_put_a_stage_in_one_box():
             for grp in range(g):
                 assert t[ex * g + grp, row] == s[ex, row, grp]
     assert torch.equal(moe_ws.transposed_scales(s.view(e * n, g), e), t)  # the flat [E * N, K/32] form too
+
+
+def test_ws_forms_are_refused_by_name_and_where_they_cannot_run():
+    """An unknown form, and the form where it cannot run (no hidden state: the bf16 form's own numerics; the FP8
+    form), fail before any launch with a message that names the reason."""
+    from kernels import moe
+    x = torch.zeros(4, 64).bfloat16()
+    w = torch.zeros(2, 64, 32, dtype=torch.int8)
+    s = torch.full((2, 64, 2), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    ids, tw = torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2)
+    with pytest.raises(ValueError, match="ws must be one of"):
+        moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws="both ways")
+    for form in (dict(), dict(hidden="reference", fp8_mma=True)):
+        with pytest.raises(ValueError, match="engine's hidden state"):
+            moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws=True, **form)
 
 
 _GPU_CHECK = """
