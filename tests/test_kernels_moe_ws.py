@@ -1,5 +1,5 @@
-"""The warp-specialized MoE form (kernels/moe_ws.py): its host-side layout and argument checks here; its values on a GPU
-has no interpreter), against the Triton form of the same numerics and the float64 reference."""
+"""The warp-specialized MoE form (kernels/moe_ws.py): its host-side layout and argument checks here; its values
+on a GPU (Gluon has no interpreter), against the Triton form of the same numerics and the float64 reference."""
 
 from interpreted import interpreted  # noqa: F401 (first: the interpreter before triton, as the kernel tests run)
 
