@@ -52,7 +52,8 @@ def case_moe_prefill(bw, mm, forms=None):
     forms = forms or _engine_prefill_forms(history=False)
     if moe_ws.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9:  # the warp-specialized forms beside it
         ws = dict(forms[0], ws=True)
-        forms = forms + [ws, dict(ws, ws_decoders=2), dict(ws, ws_block_k=128, ws_stages=3, ws_decoders=2),
+        forms = forms + [ws, dict(ws, ws_decoders=2), dict(ws, ws_decoders=2, ws_persistent=1),
+                         dict(ws, ws_block_k=128, ws_stages=3, ws_decoders=2),
                          # 64-token tiles alone, three stages, 80 registers a thread: two programs an SM
                          dict(ws, split_m=None, ws_stages=3, ws_maxnreg=80, ws_decode_regs=80)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])

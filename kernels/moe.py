@@ -309,7 +309,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    x_on_grid: bool = False, split_m: int | None = None, down_block_n: int | None = None,
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
                    ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
-                   ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96):
+                   ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96,
+                   ws_persistent: int = 0):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -344,8 +345,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     ws (the bf16 grouped GEMM with the engine's hidden state, on a Hopper GPU): both GEMMs ("gate_up", "down": that
     one alone) in the warp-specialized Gluon form (kernels/moe_ws.py: the FP4 decode in warps of its own, the
     activation gathered once into expert order), block_n / down_block_n weight rows a tile, ws_stages shared-memory
-    stages of ws_block_k, ws_decoders decoding warp groups of ws_decode_regs registers, ws_maxnreg the launch's;
-    scales_t: the transposed E8M0 copies of w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when
+    stages of ws_block_k, ws_decoders decoding warp groups of ws_decode_regs registers, ws_maxnreg the launch's,
+    ws_persistent programs an SM looping over tiles (0: a program a tile); scales_t: the transposed E8M0 copies of w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when
     not given, made once a scale tensor and kept while it lives: moe_ws.cached_transposed_scales)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
@@ -426,7 +427,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     if which is not None:
         _grouped_ws(xp, w1, w3, w2, w1_scale, w3_scale, w2_scale, scales_t, order, tiles, tw, h, out, swiglu_limit, k,
                     which, hidden == "reference", group_m=group_m, stages=ws_stages, block_k=ws_block_k,
-                    decoders=ws_decoders, maxnreg=ws_maxnreg, decode_regs=ws_decode_regs)
+                    decoders=ws_decoders, maxnreg=ws_maxnreg, decode_regs=ws_decode_regs, persistent=ws_persistent)
     for (bexp, bbeg, bend), bm, _, bn, _, cap in (tiles if which in (None, "gate_up") else []):
         nbm = bexp.numel()
         _moe_down_kernel[(nbm * triton.cdiv(dim, bn),)](

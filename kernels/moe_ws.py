@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - an older triton
     HAVE_GLUON = False
 
 from kernels import moe_f8
-from kernels._formats import e2m1_pairs_ptx, register_cap
+from kernels._formats import e2m1_pairs_ptx, register_cap, sm_count
 from kernels.fp4_tiles import FOLD_FACTOR_OFFSET, FOLD_MAX_SCALE_BYTE
 
 # one int32 word (8 nibbles) -> its four NIB-ordered bf16 pairs times the factor in $5 (= $6: one 32-group)
@@ -49,36 +49,52 @@ if HAVE_GLUON:
     _FOLD_MAX = gl.constexpr(FOLD_MAX_SCALE_BYTE)
 
     @gluon.jit
-    def _loader(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS,
+    def _tile(t, tiles):
+        """Tile t -> (expert (< 0: none), N block, first and end row in expert order): GROUP_M consecutive token blocks
+        (mostly one expert) sweep all N blocks together, so each weight tile is fetched from HBM about once."""
+        bexp_ptr, bbeg_ptr, bend_ptr, nbm, nbn, group_m = tiles
+        per_group = group_m * nbn
+        first = (t // per_group) * group_m
+        size = gl.minimum(nbm - first, group_m)
+        mb = first + (t % per_group) % size
+        return gl.load(bexp_ptr + mb), (t % per_group) // size, gl.load(bbeg_ptr + mb), gl.load(bend_ptr + mb)
+
+    @gluon.jit
+    def _loader(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, tiles, KSTEPS, NROWS,
                 first, stride):
-        """TMA copies, stage by stage: the NW weights' words and E8M0 bytes (raw_ready), then the activation rows
-        (mma_ready, beside the decoder's arrive) once the MMA has released the stage."""
+        """TMA copies, stage by stage over this program's tiles: the NW weights' words and E8M0 bytes (raw_ready),
+        then the activation rows (mma_ready, beside the decoder's arrive) once the MMA has released the stage."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
         STAGES: gl.constexpr = abuf.shape[0]
         BK: gl.constexpr = abuf.shape[2]
         BN: gl.constexpr = wdec.shape[1]
         NW: gl.constexpr = wraw.shape[0] // STAGES
         G: gl.constexpr = BK // 32
-        wrow = e * NROWS + nb * BN
-        srow = e * KSTEPS * G
-        for i in range(KSTEPS):
-            s = i % STAGES
-            ph = (i // STAGES) & 1
-            mbarrier.wait(raw_empty.index(s), ph ^ 1)
-            fence_async_shared()  # the decoder's reads of this stage before the copy's writes
-            mbarrier.expect(raw_ready.index(s), NW * (wa_desc.block_type.nbytes + sa_desc.block_type.nbytes))
-            for j in gl.static_range(NW):
-                if j == 0:
-                    w_desc, s_desc = wa_desc, sa_desc
-                else:
-                    w_desc, s_desc = wb_desc, sb_desc
-                tma.async_copy_global_to_shared(w_desc, [wrow, i * (BK // 8)], raw_ready.index(s),
-                                                wraw.index(j * STAGES + s))
-                tma.async_copy_global_to_shared(s_desc, [srow + i * G, nb * BN], raw_ready.index(s),
-                                                sraw.index(j * STAGES + s))
-            mbarrier.wait(mma_empty.index(s), ph ^ 1)
-            mbarrier.expect(mma_ready.index(s), a_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [r0, i * BK], mma_ready.index(s), abuf.index(s))
+        c = 0  # the ring's steps so far (every partition counts the same ones)
+        for t in range(gl.program_id(0), tiles[3] * tiles[4], gl.num_programs(0)):
+            e, nb, r0, r1 = _tile(t, tiles)
+            if e >= 0:
+                wrow = e * NROWS + nb * BN
+                srow = e * KSTEPS * G
+                for i in range(KSTEPS):
+                    s = (c + i) % STAGES
+                    ph = ((c + i) // STAGES) & 1
+                    mbarrier.wait(raw_empty.index(s), ph ^ 1)
+                    fence_async_shared()  # the decoder's reads of this stage before the copy's writes
+                    mbarrier.expect(raw_ready.index(s), NW * (wa_desc.block_type.nbytes + sa_desc.block_type.nbytes))
+                    for j in gl.static_range(NW):
+                        if j == 0:
+                            w_desc, s_desc = wa_desc, sa_desc
+                        else:
+                            w_desc, s_desc = wb_desc, sb_desc
+                        tma.async_copy_global_to_shared(w_desc, [wrow, i * (BK // 8)], raw_ready.index(s),
+                                                        wraw.index(j * STAGES + s))
+                        tma.async_copy_global_to_shared(s_desc, [srow + i * G, nb * BN], raw_ready.index(s),
+                                                        sraw.index(j * STAGES + s))
+                    mbarrier.wait(mma_empty.index(s), ph ^ 1)
+                    mbarrier.expect(mma_ready.index(s), a_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [r0, i * BK], mma_ready.index(s), abuf.index(s))
+                c += KSTEPS
 
     @triton.constexpr_function
     def _words_layout(groups):
@@ -102,10 +118,11 @@ if HAVE_GLUON:
         return gl.reshape(pairs, [words.shape[0], words.shape[1] * 16])
 
     @gluon.jit
-    def _decoder(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, NROWS,
+    def _decoder(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, tiles, KSTEPS, NROWS,
                  first, stride):
-        """Steps first, first + stride, ...: each stage's raw words to bf16 tiles in the MMA's shared layout; one
-        proxy fence and an arrive a stage (two decoders take alternate steps, one's latency under the other's work)."""
+        """The ring's steps first, first + stride, ... over this program's tiles: each stage's raw words to bf16
+        tiles in the MMA's shared layout, one proxy fence and an arrive a stage (two decoders take alternate steps,
+        one's latency under the other's work)."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
         STAGES: gl.constexpr = abuf.shape[0]
         BK: gl.constexpr = abuf.shape[2]
@@ -122,43 +139,51 @@ if HAVE_GLUON:
         # the same bytes as int32 pairs: the 128-byte rows swizzle alike at either width (the whole buffer, then a
         # stage: a view's own reinterpretation is not relied on to keep its offset)
         wpairs = wdec._reinterpret(gl.int32, [wdec.shape[0], BN, BK // 2], pairs_layout)
-        for i in range(first, KSTEPS, stride):
-            s = i % STAGES
-            ph = (i // STAGES) & 1
-            mbarrier.wait(raw_ready.index(s), ph)
-            wa = words.index(s).load(words_layout)
-            ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
-            if NW == 2:
-                wb = words.index(STAGES + s).load(words_layout)
-                bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
-            mbarrier.arrive(raw_empty.index(s))
-            pa = _decoded(wa, ba)
-            if NW == 2:
-                pb = _decoded(wb, bb)
-            mbarrier.wait(mma_empty.index(s), ph ^ 1)
-            wpairs.index(s).store(pa)
-            if NW == 2:
-                wpairs.index(STAGES + s).store(pb)
-            fence_async_shared()  # the stores before the MMA's (async proxy) reads
-            mbarrier.arrive(mma_ready.index(s))
+        c = 0
+        for t in range(gl.program_id(0), tiles[3] * tiles[4], gl.num_programs(0)):
+            e, nb, r0, r1 = _tile(t, tiles)
+            if e >= 0:
+                for i in range((first + stride - c % stride) % stride, KSTEPS, stride):
+                    s = (c + i) % STAGES
+                    ph = ((c + i) // STAGES) & 1
+                    mbarrier.wait(raw_ready.index(s), ph)
+                    wa = words.index(s).load(words_layout)
+                    ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
+                    if NW == 2:
+                        wb = words.index(STAGES + s).load(words_layout)
+                        bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
+                    mbarrier.arrive(raw_empty.index(s))
+                    pa = _decoded(wa, ba)
+                    if NW == 2:
+                        pb = _decoded(wb, bb)
+                    mbarrier.wait(mma_empty.index(s), ph ^ 1)
+                    wpairs.index(s).store(pa)
+                    if NW == 2:
+                        wpairs.index(STAGES + s).store(pb)
+                    fence_async_shared()  # the stores before the MMA's (async proxy) reads
+                    mbarrier.arrive(mma_ready.index(s))
+                c += KSTEPS
 
     @gluon.jit
-    def _mma_steps(abuf, wdec, bars, acc_a, acc_b, KSTEPS):
-        """The K loop's asynchronous wgmma on each stage (one or two decoded weights against the activation tile),
-        one stage in flight; a stage is released once its MMAs are done."""
+    def _mma_steps(abuf, wdec, bars, acc_a, acc_b, c, KSTEPS):
+        """A tile's K loop from the ring's step c: asynchronous wgmma on each stage (one or two decoded weights against
+        the activation tile), one stage in flight; each stage released once its MMAs are done, the last one too (the
+        ring goes on into this program's next tile)."""
         raw_ready, raw_empty, mma_ready, mma_empty = bars
         STAGES: gl.constexpr = abuf.shape[0]
         NW: gl.constexpr = wdec.shape[0] // STAGES
         for i in range(KSTEPS):
-            s = i % STAGES
-            mbarrier.wait(mma_ready.index(s), (i // STAGES) & 1)
+            s = (c + i) % STAGES
+            mbarrier.wait(mma_ready.index(s), ((c + i) // STAGES) & 1)
             at = abuf.index(s).permute((1, 0))  # [BK, BM], K-major
             acc_a = warpgroup_mma(wdec.index(s), at, acc_a, is_async=True)
             if NW == 2:
                 acc_b = warpgroup_mma(wdec.index(STAGES + s), at, acc_b, is_async=True)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_a, acc_b))
-            mbarrier.arrive(mma_empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+            mbarrier.arrive(mma_empty.index((c + i + STAGES - 1) % STAGES), pred=i > 0)
+        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+        mbarrier.arrive(mma_empty.index((c + KSTEPS - 1) % STAGES))
+        return acc_a, acc_b
 
     @triton.constexpr_function
     def _acc_layout(bm):
@@ -166,14 +191,14 @@ if HAVE_GLUON:
                                          instr_shape=[16, getattr(bm, "value", bm), 16])
 
     @gluon.jit
-    def _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, KSTEPS):
+    def _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, c, KSTEPS):
         """A tile's sums [BN weight rows, BM pairs] (two for gate/up), its pairs' rows in expert order, their mask and
         pair ids, and its weight rows' indices."""
         BM: gl.constexpr = abuf.shape[1]
         BN: gl.constexpr = wdec.shape[1]
         acc_layout: gl.constexpr = _acc_layout(BM)
         zero = gl.zeros([BN, BM], gl.float32, acc_layout)
-        acc_a, acc_b = _mma_steps(abuf, wdec, bars, zero, zero, KSTEPS)
+        acc_a, acc_b = _mma_steps(abuf, wdec, bars, zero, zero, c, KSTEPS)
         rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
         rmask = rows < r1
         pair = gl.load(order_ptr + rows, mask=rmask, other=0)
@@ -181,80 +206,82 @@ if HAVE_GLUON:
         return acc_a, acc_b, rows, rmask, pair, n_idx
 
     @gluon.jit
-    def _gate_up_mma(abuf, wdec, bars, h_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, INTER, RB: gl.constexpr):
-        """The MMA partition of the gate/up GEMM, then the engine's hidden state (kernels/moe.py's epilogue) stored
-        in expert order, NIB order along I."""
-        acc1, acc3, rows, rmask, pair, n_idx = _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, KSTEPS)
+    def _gate_up_mma(abuf, wdec, bars, h_ptr, tw_ptr, order_ptr, limit, tiles, KSTEPS, INTER, RB: gl.constexpr):
+        """The MMA partition of the gate/up GEMM, then each tile's engine hidden state (kernels/moe.py's epilogue)
+        stored in expert order, NIB order along I."""
         BM: gl.constexpr = abuf.shape[1]
         BN: gl.constexpr = wdec.shape[1]
-        h = moe_f8.swiglu_e4m3_values(acc1, acc3, gl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM, RB)
-        h = gl.convert_layout(h, _acc_layout(BM))  # the reshapes' layout is this one, by another name
-        col = (n_idx & -8) | ((n_idx & 3) << 1) | ((n_idx >> 2) & 1)  # fp4_tiles.nib_position
-        gl.store(h_ptr + gl.expand_dims(rows, 0).to(gl.int64) * INTER + gl.expand_dims(col, 1),
-                 h.to(h_ptr.dtype.element_ty), mask=gl.expand_dims(rmask, 0))
+        c = 0
+        for t in range(gl.program_id(0), tiles[3] * tiles[4], gl.num_programs(0)):
+            e, nb, r0, r1 = _tile(t, tiles)
+            if e >= 0:
+                acc1, acc3, rows, rmask, pair, n_idx = _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, c, KSTEPS)
+                h = moe_f8.swiglu_e4m3_values(acc1, acc3, gl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN, BM,
+                                              RB)
+                h = gl.convert_layout(h, _acc_layout(BM))  # the reshapes' layout is this one, by another name
+                col = (n_idx & -8) | ((n_idx & 3) << 1) | ((n_idx >> 2) & 1)  # fp4_tiles.nib_position
+                gl.store(h_ptr + gl.expand_dims(rows, 0).to(gl.int64) * INTER + gl.expand_dims(col, 1),
+                         h.to(h_ptr.dtype.element_ty), mask=gl.expand_dims(rmask, 0))
+                c += KSTEPS
 
     @gluon.jit
-    def _down_mma(abuf, wdec, bars, out_ptr, order_ptr, nb, r0, r1, KSTEPS, DIM, TOPK, RB: gl.constexpr):
-        """The MMA partition of the down GEMM, then each expert's output as the numerics' act stores it, added
-        into its token's row (relaxed: nothing in this launch reads out)."""
-        acc, _, rows, rmask, pair, n_idx = _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, KSTEPS)
-        gl.atomic_add(out_ptr + gl.expand_dims(pair // TOPK, 0).to(gl.int64) * DIM + gl.expand_dims(n_idx, 1),
-                      moe_f8.act(acc, RB), mask=gl.expand_dims(rmask, 0), sem="relaxed")
+    def _down_mma(abuf, wdec, bars, out_ptr, order_ptr, tiles, KSTEPS, DIM, TOPK, RB: gl.constexpr):
+        """The MMA partition of the down GEMM, then each tile's expert outputs as the numerics' act stores them,
+        added into their tokens' rows (relaxed: nothing in this launch reads out)."""
+        c = 0
+        for t in range(gl.program_id(0), tiles[3] * tiles[4], gl.num_programs(0)):
+            e, nb, r0, r1 = _tile(t, tiles)
+            if e >= 0:
+                acc, _, rows, rmask, pair, n_idx = _mma_tile(abuf, wdec, bars, order_ptr, nb, r0, r1, c, KSTEPS)
+                gl.atomic_add(out_ptr + gl.expand_dims(pair // TOPK, 0).to(gl.int64) * DIM + gl.expand_dims(n_idx, 1),
+                              moe_f8.act(acc, RB), mask=gl.expand_dims(rmask, 0), sem="relaxed")
+                c += KSTEPS
 
     @gluon.jit
     def _moe_ws_kernel(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr,
                        tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, NW: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                        STAGES: gl.constexpr, RB: gl.constexpr, DECODE_REGS: gl.constexpr, DECODERS: gl.constexpr):
-        """One (token block, N block) program of a grouped FP4 GEMM over K: NW = 2, gate/up (out: h); NW = 1, down
-        (out: the [T, dim] float32 sums)."""
-        pid = gl.program_id(0)
-        NBN: gl.constexpr = N // BN
-        per_group = GROUP_M * NBN
-        first = (pid // per_group) * GROUP_M
-        size = gl.minimum(NBM - first, GROUP_M)
-        mb = first + (pid % per_group) % size
-        nb = (pid % per_group) // size
-        e = gl.load(bexp_ptr + mb)
-        if e >= 0:
-            r0 = gl.load(bbeg_ptr + mb)
-            r1 = gl.load(bend_ptr + mb)
-            G: gl.constexpr = BK // 32
-            abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
-            wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, BK // 8], wa_desc.layout)
-            sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, G, BN], sa_desc.layout)
-            dec_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-            wdec = gl.allocate_shared_memory(gl.bfloat16, [NW * STAGES, BN, BK], dec_layout)
-            raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            raw_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            mma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            mma_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for j in gl.static_range(STAGES):
-                mbarrier.init(raw_ready.index(j), count=1)
-                mbarrier.init(raw_empty.index(j), count=1)
-                mbarrier.init(mma_ready.index(j), count=2)  # the activation's copy and the decoder's arrive
-                mbarrier.init(mma_empty.index(j), count=1)
-            bars = (raw_ready, raw_empty, mma_ready, mma_empty)
-            KSTEPS: gl.constexpr = K // BK
-            head = (a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, e, nb, r0, KSTEPS, N)
-            up_args = (abuf, wdec, bars, out_ptr, tw_ptr, order_ptr, limit, nb, r0, r1, KSTEPS, N, RB)
-            down_args = (abuf, wdec, bars, out_ptr, order_ptr, nb, r0, r1, KSTEPS, N, TOPK, RB)
-            c0, c1, c2 = gl.to_tensor(0), gl.to_tensor(1), gl.to_tensor(2)  # worker arguments must be values
-            one, two = head + (c0, c1), head + (c1, c2)
-            if DECODERS == 2:
-                if NW == 2:
-                    gl.warp_specialize([(_gate_up_mma, up_args), (_loader, one), (_decoder, head + (c0, c2)),
-                                        (_decoder, two)], [1, 4, 4], [40, DECODE_REGS, DECODE_REGS])
-                else:
-                    gl.warp_specialize([(_down_mma, down_args), (_loader, one), (_decoder, head + (c0, c2)),
-                                        (_decoder, two)], [1, 4, 4], [40, DECODE_REGS, DECODE_REGS])
+        """(token block, N block) tiles of a grouped FP4 GEMM over K, tiles pid, pid + programs, ... (one a program
+        unless launched persistent): NW = 2, gate/up (out: h); NW = 1, down (out: the [T, dim] float32 sums)."""
+        G: gl.constexpr = BK // 32
+        abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+        wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, BK // 8], wa_desc.layout)
+        sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, G, BN], sa_desc.layout)
+        dec_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        wdec = gl.allocate_shared_memory(gl.bfloat16, [NW * STAGES, BN, BK], dec_layout)
+        raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        raw_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mma_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(raw_ready.index(j), count=1)
+            mbarrier.init(raw_empty.index(j), count=1)
+            mbarrier.init(mma_ready.index(j), count=2)  # the activation's copy and the decoder's arrive
+            mbarrier.init(mma_empty.index(j), count=1)
+        bars = (raw_ready, raw_empty, mma_ready, mma_empty)
+        KSTEPS: gl.constexpr = K // BK
+        # worker arguments must be values, not constants
+        c0, c1, c2 = gl.to_tensor(0), gl.to_tensor(1), gl.to_tensor(2)
+        tiles = (bexp_ptr, bbeg_ptr, bend_ptr, NBM, gl.to_tensor(N // BN), gl.to_tensor(GROUP_M))
+        head = (a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, wdec, bars, tiles, KSTEPS, N)
+        up_args = (abuf, wdec, bars, out_ptr, tw_ptr, order_ptr, limit, tiles, KSTEPS, N, RB)
+        down_args = (abuf, wdec, bars, out_ptr, order_ptr, tiles, KSTEPS, N, TOPK, RB)
+        one, two = head + (c0, c1), head + (c1, c2)
+        if DECODERS == 2:
+            if NW == 2:
+                gl.warp_specialize([(_gate_up_mma, up_args), (_loader, one), (_decoder, head + (c0, c2)),
+                                    (_decoder, two)], [1, 4, 4], [40, DECODE_REGS, DECODE_REGS])
             else:
-                if NW == 2:
-                    gl.warp_specialize([(_gate_up_mma, up_args), (_loader, one), (_decoder, one)], [1, 4],
-                                       [40, DECODE_REGS])
-                else:
-                    gl.warp_specialize([(_down_mma, down_args), (_loader, one), (_decoder, one)], [1, 4],
-                                       [40, DECODE_REGS])
+                gl.warp_specialize([(_down_mma, down_args), (_loader, one), (_decoder, head + (c0, c2)),
+                                    (_decoder, two)], [1, 4, 4], [40, DECODE_REGS, DECODE_REGS])
+        else:
+            if NW == 2:
+                gl.warp_specialize([(_gate_up_mma, up_args), (_loader, one), (_decoder, one)], [1, 4],
+                                   [40, DECODE_REGS])
+            else:
+                gl.warp_specialize([(_down_mma, down_args), (_loader, one), (_decoder, one)], [1, 4],
+                                   [40, DECODE_REGS])
 
 
 def transposed_scales(scale: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -288,14 +315,16 @@ def _descriptor(t: torch.Tensor, block: list, dtype_bits: int, swizzle: int = 0)
 
 def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
                block_n: int = 64, block_k: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
-               decode_regs: int = 96, decoders: int = 1, maxnreg: int | None = None):
+               decode_regs: int = 96, decoders: int = 1, maxnreg: int | None = None, persistent: int = 0):
     """One grouped FP4 GEMM of the MoE over moe_align's token blocks `blocks` (expert, first, end), act [P, K] bf16
     (rows in expert order: the pairs' activation, on the E4M3 grid, NIB order along K). Two weights (W1, W3:
     packed FP4 [E * I, dim / 2], int8/uint8): the gate/up GEMM, out = h [P, I] the engine's hidden state (tw [P]
     float32 the routing weights by pair id, limit the SwiGLU clamp). One weight (W2 [E * dim, I / 2]): the down
     GEMM, out [T, dim] float32 += each pair's output (topk: pairs a token). scales_t: `transposed_scales` of each.
     decoders: decoding warp groups (alternate K steps), decode_regs their registers; maxnreg: the launch's register
-    count a thread (the partitions share 12 or 16 warps' worth: at most 85 a thread for two programs an SM)."""
+    count a thread (the partitions share 12 or 16 warps' worth: at most 85 a thread for two programs an SM);
+    persistent: that many programs an SM, each looping over tiles (the loads and decodes of its next tile under
+    this one's epilogue), instead of a program a tile (0)."""
     if not HAVE_GLUON:
         raise RuntimeError("the warp-specialized MoE form needs triton.experimental.gluon (triton >= 3.6)")
     p, kdim = act.shape
@@ -310,7 +339,9 @@ def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     s_descs = [_descriptor(s, [block_k // 32, block_n], 8) for s in scales_t]
     bexp, bbeg, bend = blocks
     nbm = bexp.numel()
-    _moe_ws_kernel[(nbm * (n_rows // block_n),)](
+    n_tiles = nbm * (n_rows // block_n)
+    programs = min(n_tiles, persistent * sm_count(act.device)) if persistent else n_tiles
+    _moe_ws_kernel[(programs,)](
         a_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
         tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=block_m, BN=block_n,
         BK=block_k, GROUP_M=group_m, STAGES=stages, RB=bf16_acts, DECODE_REGS=decode_regs, DECODERS=decoders,

@@ -66,8 +66,10 @@ assert counts[0] == 0 and (counts[1:6] <= 128).any() and (counts > 128).any(), c
 base = moe.moe_fp4_triton(x, *W, ids, tw, **form)
 ref = moe.moe_fp4_reference(x.cpu(), *(w.cpu() for w in W), ids.cpu(), tw.cpu(), hidden="reference").cuda()
 rel = lambda a, b: float((a - b).norm() / b.norm())
-for ws in (True, "gate_up"):
-    got = moe.moe_fp4_triton(x, *W, ids, tw, ws=ws, **form)
+# both GEMMs, the gate/up alone, two decoders looping over tiles (persistent), 128-wide K stages
+for ws in (dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
+           dict(ws="down", ws_block_k=128, ws_stages=3)):
+    got = moe.moe_fp4_triton(x, *W, ids, tw, **ws, **form)
     # the same products and hidden state; sums in the MMA's K order: the Triton form's distance to the reference
     print(ws, "ws vs triton", rel(got, base), "ws vs ref", rel(got, ref), "triton vs ref", rel(base, ref))
     assert torch.isfinite(got).all()
