@@ -50,8 +50,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile(t, tiles):
-        """Tile t -> (expert (< 0: none), N block, first and end row in expert order): GROUP_M consecutive token blocks
-        (mostly one expert) sweep all N blocks together, so each weight tile is fetched from HBM about once."""
+        """Tile t of `tiles` = (the blocks' expert, first and end pointers, NBM token blocks, NBN weight-row blocks,
+        GROUP_M; NBM * NBN tiles) -> (expert (< 0: none), N block, first and end row in expert order): GROUP_M
+        consecutive token blocks (mostly one expert) sweep all N blocks together, so each weight tile is fetched from
+        HBM about once."""
         bexp_ptr, bbeg_ptr, bend_ptr, nbm, nbn, group_m = tiles
         per_group = group_m * nbn
         first = (t // per_group) * group_m
