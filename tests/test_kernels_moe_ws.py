@@ -45,6 +45,7 @@ def test_ws_forms_are_refused_by_name_and_where_they_cannot_run():
 
 
 _GPU_CHECK = """
+import json, sys
 import torch
 from kernels import moe
 torch.manual_seed(0)
@@ -66,25 +67,29 @@ assert counts[0] == 0 and (counts[1:6] <= 128).any() and (counts > 128).any(), c
 base = moe.moe_fp4_triton(x, *W, ids, tw, **form)
 ref = moe.moe_fp4_reference(x.cpu(), *(w.cpu() for w in W), ids.cpu(), tw.cpu(), hidden="reference").cuda()
 rel = lambda a, b: float((a - b).norm() / b.norm())
-# both GEMMs, the gate/up alone, two decoders looping over tiles (persistent), 128-wide K stages
-for ws in (dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
-           dict(ws="down", ws_block_k=128, ws_stages=3)):
-    got = moe.moe_fp4_triton(x, *W, ids, tw, **ws, **form)
-    # the same products and hidden state; sums in the MMA's K order: the Triton form's distance to the reference
-    print(ws, "ws vs triton", rel(got, base), "ws vs ref", rel(got, ref), "triton vs ref", rel(base, ref))
-    assert torch.isfinite(got).all()
-    assert rel(got, ref) <= 1.5 * rel(base, ref) + 1e-6, (ws, rel(got, ref), rel(base, ref))
-    assert rel(got, base) < 2e-3, ws
+ws = json.loads(sys.argv[1])
+got = moe.moe_fp4_triton(x, *W, ids, tw, **ws, **form)
+# the same products and hidden state; sums in the MMA's K order: the Triton form's distance to the reference
+print(ws, "ws vs triton", rel(got, base), "ws vs ref", rel(got, ref), "triton vs ref", rel(base, ref))
+assert torch.isfinite(got).all()
+assert rel(got, ref) <= 1.5 * rel(base, ref) + 1e-6, (ws, rel(got, ref), rel(base, ref))
+assert rel(got, base) < 2e-3, ws
 """
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not moe_ws.HAVE_GLUON
                     or torch.cuda.get_device_capability()[0] != 9, reason="Gluon's wgmma form needs a Hopper GPU")
-def test_ws_form_on_the_gpu():
-    """The whole MoE with the warp-specialized gate/up against the Triton form and the float64 reference (a fresh
-    process: another module's import may have set the interpreter)."""
+@pytest.mark.parametrize("form", [dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
+                                  dict(ws="down", ws_block_k=128, ws_stages=3)],
+                         ids=["both", "gate_up", "two_decoders_persistent", "down_k128"])
+def test_ws_form_on_the_gpu(form):
+    """The whole MoE with a warp-specialized form against the Triton form and the float64 reference: both GEMMs, the
+    gate/up alone, two decoders looping over tiles, the down alone at 128-wide K (a fresh process: another module's
+    import may have set the interpreter)."""
+    import json
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _GPU_CHECK], env=env, capture_output=True, text=True, cwd=REPO,
-                         timeout=600)  # a stuck pipeline (a barrier never arrived) fails, not hangs
-    assert run.returncode == 0, run.stderr[-3000:]
+    # the timeout: a stuck pipeline (a barrier never arrived) fails, not hangs
+    run = subprocess.run([sys.executable, "-c", _GPU_CHECK, json.dumps(form)], env=env, capture_output=True,
+                         text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-3000:]
     print(run.stdout)
