@@ -50,7 +50,7 @@ def case_moe_prefill(bw, mm, forms=None):
     ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(4096)]).int()
     tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
     forms = forms or _engine_prefill_forms(history=False)
-    if moe_ws.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9:  # the warp-specialized forms beside it
+    if moe_ws.runs_on(DEV):  # the warp-specialized forms beside it
         ws = dict(forms[0], ws=True)
         forms = forms + [ws, dict(ws, ws_decoders=2), dict(ws, ws_decoders=2, ws_persistent=1),
                          dict(ws, ws_block_k=128, ws_stages=3, ws_decoders=2),

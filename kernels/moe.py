@@ -346,8 +346,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     one alone) in the warp-specialized Gluon form (kernels/moe_ws.py: the FP4 decode in warps of its own, the
     activation gathered once into expert order), block_n / down_block_n weight rows a tile, ws_stages shared-memory
     stages of ws_block_k, ws_decoders decoding warp groups of ws_decode_regs registers, ws_maxnreg the launch's,
-    ws_persistent programs an SM looping over tiles (0: a program a tile); scales_t: the transposed E8M0 copies of w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when
-    not given, made once a scale tensor and kept while it lives: moe_ws.cached_transposed_scales)."""
+    ws_persistent programs an SM looping over tiles (0: a program a tile); scales_t: the transposed E8M0 copies of
+    w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when not given, made once a scale tensor and kept
+    while it lives: moe_ws.cached_transposed_scales)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k

@@ -286,6 +286,13 @@ if HAVE_GLUON:
                                    [40, DECODE_REGS])
 
 
+def runs_on(device) -> bool:
+    """Whether this form runs on `device`: a Hopper GPU (its wgmma and TMA) with Gluon at hand."""
+    device = torch.device(device)
+    return (HAVE_GLUON and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def transposed_scales(scale: torch.Tensor, n_experts: int) -> torch.Tensor:
     """E8M0 bytes [E * N, K/32] -> [E * K/32, N] uint8 (each expert's bytes transposed): a stage's bytes for BN
     rows and one K step are then one TMA box. Made once per weight (the caller caches it)."""
@@ -351,4 +358,4 @@ def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     return out
 
 
-__all__ = ["HAVE_GLUON", "cached_transposed_scales", "grouped_ws", "transposed_scales"]
+__all__ = ["HAVE_GLUON", "cached_transposed_scales", "grouped_ws", "runs_on", "transposed_scales"]

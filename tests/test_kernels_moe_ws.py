@@ -77,8 +77,7 @@ assert rel(got, base) < 2e-3, ws
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not moe_ws.HAVE_GLUON
-                    or torch.cuda.get_device_capability()[0] != 9, reason="Gluon's wgmma form needs a Hopper GPU")
+@pytest.mark.skipif(not moe_ws.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
 @pytest.mark.parametrize("form", [dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
                          ids=["both", "gate_up", "two_decoders_persistent", "down_k128"])

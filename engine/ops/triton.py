@@ -60,14 +60,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _hopper(device) -> bool:
-    """Whether `device` is a Hopper GPU with Gluon at hand (kernels/moe_ws.py's warp-specialized form)."""
-    if torch.device(device).type != "cuda":
-        return False
-    from kernels.moe_ws import HAVE_GLUON
-    return HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def _k_splits(kdim: int, most: int = 16, least_width: int = 256) -> int:
     """K splits for TritonOps.f32_linear: the most (a power of two, up to `most`) that divide K into slices
     of at least `least_width`."""
@@ -516,8 +508,10 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     # beside narrow tiles, 128 x 64 split tiles, uncapped (the same area's spill under the cap)
                     if self.moe_narrow_gate_up or self.moe_narrow_down:
                         form.update(split_n=64, split_maxnreg=0)
-                if self.moe_ws and form.get("bf16_decode") == "fold" and _hopper(x.device):
-                    form.update(ws=True, ws_decoders=2)
+                if self.moe_ws and form.get("bf16_decode") == "fold":
+                    from kernels.moe_ws import runs_on
+                    if runs_on(x.device):
+                        form.update(ws=True, ws_decoders=2)
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
