@@ -50,9 +50,10 @@ def case_moe_prefill(bw, mm, forms=None):
     ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(4096)]).int()
     tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
     forms = forms or _engine_prefill_forms(history=False)
-    if moe_ws.runs_on(DEV):  # the warp-specialized forms beside it
+    if moe_ws.runs_on(DEV):  # the Gluon forms beside it: register operands, then warp-specialized
         ws = dict(forms[0], ws=True)
-        forms = forms + [ws, dict(ws, ws_decoders=2), dict(ws, ws_decoders=2, ws_persistent=1),
+        rs = dict(forms[0], ws="rs")
+        forms = forms + [rs, dict(rs, ws_stages=3), dict(rs, ws_stages=6), dict(rs, split_m=None), ws, dict(ws, ws_decoders=2), dict(ws, ws_decoders=2, ws_persistent=1),
                          dict(ws, ws_block_k=128, ws_stages=3, ws_decoders=2),
                          # 64-token tiles alone, three stages, 80 registers a thread: two programs an SM
                          dict(ws, split_m=None, ws_stages=3, ws_maxnreg=80, ws_decode_regs=80)]

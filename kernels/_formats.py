@@ -79,17 +79,18 @@ def e2m1_as_e4m3(b, ASM: tl.constexpr):
 _PAIR_SHIFTS = (("shl", 6, 12), ("shl", 2, 8), ("shr", 2, 4), ("shr", 6, 0))
 
 
-def e2m1_pairs_ptx(src: str, pairs: tuple = (0, 1, 2, 3)) -> str:
+def e2m1_pairs_ptx(src: str, pairs: tuple = (0, 1, 2, 3), outs: tuple = ("$0", "$1", "$2", "$3"),
+                   factors: tuple = ("$5", "$6")) -> str:
     """PTX that places the E2M1 nibble pairs of the 32-bit register `src` as bf16x2 values times a factor:
     pair k is the nibbles at bits 4k and 4k + 16; each nibble's 3 magnitude bits land on bf16 bits 8..6 (the
     exponent's low two and the mantissa's top: E2M1 value * 2^-126, codes 0 and 1 on 0 and the subnormal
-    2^-127) and its sign on bit 15 of its half; then one mul.rn.bf16x2. Output $i is pair pairs[i], times $5
-    for $0 and $2, $6 for $1 and $3. Scratch registers m and s."""
+    2^-127) and its sign on bit 15 of its half; then one mul.rn.bf16x2. Output outs[i] is pair pairs[i], times
+    factors[0] for outs 0 and 2, factors[1] for outs 1 and 3. Scratch registers m and s."""
     lines = []
     for i, k in enumerate(pairs):
         way, mag, sign = _PAIR_SHIFTS[k]
         lines += [f"{way}.b32 m, {src}, {mag}", f"shl.b32 s, {src}, {sign}", "and.b32 m, m, 0x01C001C0",
-                  "and.b32 s, s, 0x80008000", "or.b32 m, m, s", f"mul.rn.bf16x2 ${i}, m, ${5 + i % 2}"]
+                  "and.b32 s, s, 0x80008000", "or.b32 m, m, s", f"mul.rn.bf16x2 {outs[i]}, m, {factors[i % 2]}"]
     return "".join(line + ";\n" for line in lines)
 
 

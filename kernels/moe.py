@@ -263,11 +263,23 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
 def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, limit, k, which: str, bf16_acts,
                 **form):
     """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
-    (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders)."""
+    (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders), or ("rs") both in the
+    register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`)."""
+    rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
     from kernels import moe_ws
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
     flat = [w.view(-1, w.shape[-1]) for w in (w1, w3, w2)]
+    if which == "rs":  # both GEMMs in the register-operand form: act and h in its MMA order along K
+        from kernels import moe_rs
+        x_sorted = moe_rs.rs_columns(xp).index_select(0, order.long() // k)
+        for blocks, bm, bn, dbn, *_ in tiles:
+            moe_rs.grouped_rs(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
+                              block_n=bn, bf16_acts=bf16_acts, **rs_form)
+        for blocks, bm, _, dbn, *_ in tiles:
+            moe_rs.grouped_rs(h, flat[2:], scales_t[2:], order, blocks, out, bm, topk=k, block_n=dbn,
+                              bf16_acts=bf16_acts, **rs_form)
+        return
     if which != "down":
         x_sorted = xp.index_select(0, order.long() // k)  # one activation row a pair, in expert order
         for blocks, bm, bn, *_ in tiles:
@@ -283,7 +295,7 @@ def _ws_form(ws, possible: bool) -> str | None:
     """moe_fp4_triton's `ws` as the GEMMs it names ("both", "gate_up", "down") or None; refused where the form cannot
     run (it computes the engine's hidden state on a GPU's bf16 MMA: not the scaled or FP8 forms, not the
     interpreter)."""
-    forms = {True: "both", False: None, "gate_up": "gate_up", "down": "down"}
+    forms = {True: "both", False: None, "gate_up": "gate_up", "down": "down", "rs": "rs"}
     if ws not in forms:
         raise ValueError(f"ws must be one of {list(forms)}, got {ws!r}")
     if forms[ws] is not None and not possible:
@@ -348,7 +360,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     stages of ws_block_k, ws_decoders decoding warp groups of ws_decode_regs registers, ws_maxnreg the launch's,
     ws_persistent programs an SM looping over tiles (0: a program a tile); scales_t: the transposed E8M0 copies of
     w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when not given, made once a scale tensor and kept
-    while it lives: moe_ws.cached_transposed_scales)."""
+    while it lives: moe_ws.cached_transposed_scales). ws="rs": both GEMMs in the register-operand Gluon form
+    (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k

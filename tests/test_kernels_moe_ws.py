@@ -78,9 +78,10 @@ assert rel(got, base) < 2e-3, ws
 
 
 @pytest.mark.skipif(not moe_ws.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
-@pytest.mark.parametrize("form", [dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
+@pytest.mark.parametrize("form", [dict(ws="rs"), dict(ws="rs", ws_stages=3, ws_maxnreg=128), dict(ws=True),
+                                  dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
-                         ids=["both", "gate_up", "two_decoders_persistent", "down_k128"])
+                         ids=["rs", "rs_3_stages", "both", "gate_up", "two_decoders_persistent", "down_k128"])
 def test_ws_form_on_the_gpu(form):
     """The whole MoE with a warp-specialized form against the Triton form and the float64 reference: both GEMMs, the
     gate/up alone, two decoders looping over tiles, the down alone at 128-wide K (a fresh process: another module's
@@ -89,6 +90,6 @@ def test_ws_form_on_the_gpu(form):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # the timeout: a stuck pipeline (a barrier never arrived) fails, not hangs
     run = subprocess.run([sys.executable, "-c", _GPU_CHECK, json.dumps(form)], env=env, capture_output=True,
-                         text=True, cwd=REPO, timeout=300)
+                         text=True, cwd=REPO, timeout=120)
     assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-3000:]
     print(run.stdout)

@@ -1,0 +1,209 @@
+"""The prefill's grouped expert GEMMs with each FP4 tile decoded straight into the wgmma's register operand
+(Gluon, Hopper; GPU only).
+
+Why: the Triton kernels (kernels/moe.py) decode a tile in a blocked layout and move it to the MMA's register
+layout through shared memory (a store and an ldmatrix a fragment), and wait on each MMA before the next decode.
+Here the layout of the loaded words is chosen so that each thread decodes exactly the values its own A fragment
+holds: a thread takes two adjacent words (16 values, one 32-group) of each of its two rows a 64-wide K step, and
+the MMA's K order inside each step is permuted to match (`RS_ORDER`; the activation is stored in that order, the
+gate/up's hidden state too, so the down GEMM reads it so). The decode of step i + 1 then runs while the tensor
+cores work on step i (asynchronous wgmma, one step in flight), and the TMA copies of a ring of stages stay ahead.
+Several programs an SM hide one another's fills and epilogues, as the Triton kernels' do.
+
+The values are the Triton kernels' (the same bf16 products, float32 sums; only the order of the sums inside each
+K step differs). Gluon has no interpreter: tests/test_kernels_moe_ws.py checks the form on a Hopper GPU,
+tests/test_kernels_moe_rs.py its layouts and orders here, tests/test_kernels_compile_sm90.py compiles it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels import moe_f8, moe_ws
+from kernels._formats import e2m1_pairs_ptx, register_cap
+from kernels.fp4_tiles import FOLD_FACTOR_OFFSET, FOLD_MAX_SCALE_BYTE
+
+if moe_ws.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+
+def rs_position(m: int) -> int:
+    """The stored (NIB-order) column of MMA position m inside a 64-wide K step: bits (m0, m3, m4, m5, m1, m2).
+
+    The A fragment of lane (group g, quad q) holds K = 2q + {0, 1} + 8 * r2 + 16 * r3 + 32 * r4 (registers r); the
+    thread decodes words 2q and 2q + 1 of its row, so word 2q + r4's pair r2 + 2 r3, element r0, sits there."""
+    bits = [(m >> b) & 1 for b in range(6)]
+    return bits[0] | bits[3] << 1 | bits[4] << 2 | bits[5] << 3 | bits[1] << 4 | bits[2] << 5
+
+
+RS_ORDER = tuple(rs_position(m) for m in range(64))  # MMA position -> stored column, inside each 64-wide step
+
+
+def rs_columns(x: torch.Tensor) -> torch.Tensor:
+    """[rows, K] in NIB order along K -> the MMA's order (`RS_ORDER` inside each 64 columns), a copy."""
+    order = torch.tensor(RS_ORDER, device=x.device)
+    return x.view(x.shape[0], -1, 64).index_select(2, order).view(x.shape)
+
+
+# one int32 word (8 nibbles) -> its eight NIB-ordered bf16 values times the factor in $9 (one 32-group)
+_VALUES_PTX = ("{\n.reg .b32 m, s, q0, q1, q2, q3;\n" + e2m1_pairs_ptx("$8", outs=("q0", "q1", "q2", "q3"),
+                                                                          factors=("$9", "$9"))
+               + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, q{i};\n" for i in range(4)) + "}\n")
+
+if moe_ws.HAVE_GLUON:
+    _VALUES_ASM = gl.constexpr(_VALUES_PTX)
+    _FOLD_OFFSET = gl.constexpr(FOLD_FACTOR_OFFSET)
+    _FOLD_MAX = gl.constexpr(FOLD_MAX_SCALE_BYTE)
+
+    @triton.constexpr_function
+    def _acc_layout(bm):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, getattr(bm, "value", bm), 16])
+
+    @triton.constexpr_function
+    def _words_layout(bn):
+        """[BN rows, 2 groups, 4 words] of a 64-wide K step: lane (q, g) of warp w holds words 2q and 2q + 1 (group
+        q // 2) of rows 16 w + g + {0, 8} (+ 64 a repeat): the rows and K of its own A fragment."""
+        bn = getattr(bn, "value", bn)
+        reg = [[0, 0, 1], [8, 0, 0]] + [[64 << i, 0, 0] for i in range((bn // 64).bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, [[0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                          [[16, 0, 0], [32, 0, 0]], [], [bn, 2, 4])
+
+    @gluon.jit
+    def _a_operand(words, sbytes, BM: gl.constexpr):
+        """Words [BN, 2, 4] int32 (`_words_layout`) and their groups' E8M0 bytes [BN, 2, 1] -> the decoded tile
+        [BN, 64] bf16 in the wgmma's A layout (MMA K order: RS_ORDER), the scale folded in as
+        fp4_tiles.fp4_decoded_folded does (NaN past FOLD_MAX_SCALE_BYTE)."""
+        BN: gl.constexpr = words.shape[0]
+        b = sbytes.to(gl.int32)
+        f = gl.where(b <= _FOLD_MAX, (b + _FOLD_OFFSET) << 7, 0x7FC0)
+        f = f | (f << 16)
+        f, words = gl.broadcast(f, words)
+        v = gl.inline_asm_elementwise(_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f],
+                                      dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        # pair k = (v[2k], v[2k + 1]); [BN, group, word, e, p1, p0] after the joins (join adds the last axis)
+        y = gl.join(gl.join(gl.join(v[0], v[1]), gl.join(v[4], v[5])), gl.join(gl.join(v[2], v[3]), gl.join(v[6], v[7])))
+        y = gl.reshape(y, [BN, 2, 2, 2, 2, 2, 2])  # [BN, j2, j1, j0, e, p1, p0]
+        y = gl.permute(y, (0, 3, 5, 6, 1, 2, 4))  # [BN, j0, p1, p0, j2, j1, e]: MMA position bits 5..0
+        y = gl.reshape(y, [BN, 64])
+        return gl.convert_layout(y, gl.DotOperandLayout(0, _acc_layout(BM), 2), assert_trivial=True)
+
+    @gluon.jit
+    def _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i, r0, wrow, srow, nb):
+        """TMA copies of K step i into its stage: the activation rows, then each weight's words and E8M0 bytes."""
+        STAGES: gl.constexpr = abuf.shape[0]
+        NW: gl.constexpr = wraw.shape[0] // STAGES
+        BN: gl.constexpr = wraw.shape[1]
+        s = i % STAGES
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes
+                        + NW * (wa_desc.block_type.nbytes + sa_desc.block_type.nbytes))
+        tma.async_copy_global_to_shared(a_desc, [r0, i * 64], ready.index(s), abuf.index(s))
+        for j in gl.static_range(NW):
+            if j == 0:
+                w_desc, s_desc = wa_desc, sa_desc
+            else:
+                w_desc, s_desc = wb_desc, sb_desc
+            tma.async_copy_global_to_shared(w_desc, [wrow, i * 8], ready.index(s), wraw.index(j * STAGES + s))
+            tma.async_copy_global_to_shared(s_desc, [srow + i * 2, nb * BN], ready.index(s),
+                                            sraw.index(j * STAGES + s))
+
+    @gluon.jit
+    def _moe_rs_kernel(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr,
+                       tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, NW: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       RB: gl.constexpr):
+        """One (token block, BN weight rows) tile of a grouped FP4 GEMM over K: NW = 2, gate/up (out: h, stored in
+        RS_ORDER along I); NW = 1, down (out: the [T, dim] float32 sums, each expert's output added)."""
+        KSTEPS: gl.constexpr = K // 64
+        abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], a_desc.layout)
+        wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, 8], wa_desc.layout)
+        sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 2, BN], sa_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
+        raw3_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+        words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2, 4], raw3_layout)
+        words_layout: gl.constexpr = _words_layout(BN)
+        bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+        acc_layout: gl.constexpr = _acc_layout(BM)
+        e, nb, r0, r1 = moe_ws._tile(gl.program_id(0), (bexp_ptr, bbeg_ptr, bend_ptr, NBM, N // BN, GROUP_M))
+        if e >= 0:
+            wrow = e * N + nb * BN
+            srow = e * KSTEPS * 2
+            for i in gl.static_range(STAGES - 1):
+                if i < KSTEPS:
+                    _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i, r0, wrow, srow, nb)
+            acc_a = gl.zeros([BN, BM], gl.float32, acc_layout)
+            acc_b = gl.zeros([BN, BM], gl.float32, acc_layout)
+            for i in range(KSTEPS):
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                at = abuf.index(s).permute((1, 0))  # [64, BM], K-major
+                wa = words.index(s).load(words_layout)
+                ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
+                a_op = _a_operand(wa, ba, BM)
+                acc_a = warpgroup_mma(a_op, at, acc_a, is_async=True)
+                if NW == 2:
+                    wb = words.index(STAGES + s).load(words_layout)
+                    bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
+                    b_op = _a_operand(wb, bb, BM)
+                    acc_b = warpgroup_mma(b_op, at, acc_b, is_async=True)
+                    # the last step's MMAs are done: its stage is free (this step's stay in flight under the
+                    # next decode; their register operands kept live until then)
+                    acc_a, acc_b, a_op, b_op = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b, a_op, b_op))
+                else:
+                    acc_a, a_op = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, a_op))
+                if i + STAGES - 1 < KSTEPS:
+                    _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i + STAGES - 1, r0,
+                           wrow, srow, nb)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+            rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+            rmask = rows < r1
+            pair = gl.load(order_ptr + rows, mask=rmask, other=0)
+            n_idx = nb * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+            if NW == 2:
+                h = moe_f8.swiglu_e4m3_values(acc_a, acc_b, gl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN,
+                                              BM, RB)
+                h = gl.convert_layout(h, acc_layout)
+                c = (n_idx & -8) | ((n_idx & 3) << 1) | ((n_idx >> 2) & 1)  # fp4_tiles.nib_position
+                # rs_position's inverse on the low six bits: the down GEMM reads h in its MMA order
+                col = ((c & -64) | (c & 1) | ((c >> 4) & 1) << 1 | ((c >> 5) & 1) << 2 | ((c >> 1) & 1) << 3
+                       | ((c >> 2) & 1) << 4 | ((c >> 3) & 1) << 5)
+                gl.store(out_ptr + gl.expand_dims(rows, 0).to(gl.int64) * N + gl.expand_dims(col, 1),
+                         h.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(rmask, 0))
+            else:
+                gl.atomic_add(out_ptr + gl.expand_dims(pair // TOPK, 0).to(gl.int64) * N + gl.expand_dims(n_idx, 1),
+                              moe_f8.act(acc_a, RB), mask=gl.expand_dims(rmask, 0), sem="relaxed")
+
+
+def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
+               block_n: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
+               maxnreg: int | None = None):
+    """One grouped FP4 GEMM of the MoE in the register-operand form: as moe_ws.grouped_ws (the same arguments,
+    64-wide K steps), but act [P, K] in the MMA's order along K (`rs_columns` of the NIB order), and the gate/up's
+    h stored in that order along I (the down GEMM's act)."""
+    if not moe_ws.HAVE_GLUON:
+        raise RuntimeError("the register-operand MoE form needs triton.experimental.gluon (triton >= 3.6)")
+    p, kdim = act.shape
+    nw = len(weights)
+    n_rows = weights[0].shape[0] // (scales_t[0].shape[0] // (kdim // 32))  # rows an expert
+    if n_rows % block_n or block_n % 64 or kdim % 64 or nw not in (1, 2):
+        raise ValueError(f"rows an expert {n_rows} must divide by block_n {block_n} (a multiple of 64), K {kdim} by "
+                         "64, and the weights be one (down) or two (gate/up)")
+    words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a step: BN rows of 8 words
+    a_desc = moe_ws._descriptor(act, [block_m, 64], 16, 128)
+    w_descs = [moe_ws._descriptor(w, [block_n, 8], 32) for w in words]
+    s_descs = [moe_ws._descriptor(s, [2, block_n], 8) for s in scales_t]
+    bexp, bbeg, bend = blocks
+    nbm = bexp.numel()
+    _moe_rs_kernel[(nbm * (n_rows // block_n),)](
+        a_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
+        tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=block_m, BN=block_n,
+        GROUP_M=group_m, STAGES=stages, RB=bf16_acts, num_warps=4, **register_cap(maxnreg))
+    return out
+
+
+__all__ = ["RS_ORDER", "grouped_rs", "rs_columns", "rs_position"]
