@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl  # noqa: F401 (the interpreter runs rs_h_column with it in view)
 
 from kernels import moe_f8, moe_ws
 from kernels._formats import e2m1_pairs_ptx, register_cap
-from kernels.fp4_tiles import FOLD_FACTOR_OFFSET, FOLD_MAX_SCALE_BYTE
+from kernels.fp4_tiles import FOLD_FACTOR_OFFSET, FOLD_MAX_SCALE_BYTE, nib_position
 
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
@@ -46,6 +47,15 @@ def rs_columns(x: torch.Tensor) -> torch.Tensor:
     """[rows, K] in NIB order along K -> the MMA's order (`RS_ORDER` inside each 64 columns), a copy."""
     order = torch.tensor(RS_ORDER, device=x.device)
     return x.view(x.shape[0], -1, 64).index_select(2, order).view(x.shape)
+
+
+@triton.jit
+def rs_h_column(n):
+    """The stored column of hidden index n in h as the gate/up stores it for this form's down GEMM: its NIB
+    column (fp4_tiles.nib_position), then rs_position's inverse on the low six bits."""
+    c = nib_position(n)
+    return ((c & -64) | (c & 1) | ((c >> 4) & 1) << 1 | ((c >> 5) & 1) << 2 | ((c >> 1) & 1) << 3
+            | ((c >> 2) & 1) << 4 | ((c >> 3) & 1) << 5)
 
 
 # one int32 word (8 nibbles) -> its eight NIB-ordered bf16 values times the factor in $9 (one 32-group)
@@ -168,10 +178,7 @@ if moe_ws.HAVE_GLUON:
                 h = moe_f8.swiglu_e4m3_values(acc_a, acc_b, gl.load(tw_ptr + pair, mask=rmask, other=0.0), limit, BN,
                                               BM, RB)
                 h = gl.convert_layout(h, acc_layout)
-                c = (n_idx & -8) | ((n_idx & 3) << 1) | ((n_idx >> 2) & 1)  # fp4_tiles.nib_position
-                # rs_position's inverse on the low six bits: the down GEMM reads h in its MMA order
-                col = ((c & -64) | (c & 1) | ((c >> 4) & 1) << 1 | ((c >> 5) & 1) << 2 | ((c >> 1) & 1) << 3
-                       | ((c >> 2) & 1) << 4 | ((c >> 3) & 1) << 5)
+                col = rs_h_column(n_idx)  # the down GEMM reads h in its MMA order
                 gl.store(out_ptr + gl.expand_dims(rows, 0).to(gl.int64) * N + gl.expand_dims(col, 1),
                          h.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(rmask, 0))
             else:
@@ -206,4 +213,4 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     return out
 
 
-__all__ = ["RS_ORDER", "grouped_rs", "rs_columns", "rs_position"]
+__all__ = ["RS_ORDER", "grouped_rs", "rs_columns", "rs_h_column", "rs_position"]

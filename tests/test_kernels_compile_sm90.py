@@ -81,8 +81,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # the tensor-core cases use warpgroup MMA (Hopper's), not the older mma.sync path
     kernels = {(r[0], r[1]): r for r in rows}
     for case, kernel in (("fp8 linear 128x5120x8192", "_fp8_linear_kernel"), ("MoE prefill", "_moe_gate_up_kernel"),
-                         ("MoE prefill, warp-specialized grouped GEMMs (Gluon)", "_moe_ws_kernel")):
+                         ("MoE prefill, warp-specialized grouped GEMMs (Gluon)", "_moe_ws_kernel"),
+                         ("MoE prefill, FP4 decoded into the wgmma's register operand (Gluon)", "_moe_rs_kernel")):
         assert kernels[(case, kernel)][8] == "yes", (case, kernel)
+    # the register-operand form's 64-token tiles hold the decoded tile in registers: no spill
+    assert all(int(r[6]) == 0 for r in rows if r[1] == "_moe_rs_kernel" and "BM=64" in r[2]), "moe_rs spills"
     # the decode paths are the latency-critical ones: no spills there, except the attention's one-pass
     # entries layout (the small decode calls' default; a 64-token batch takes the two passes, which do not
     # spill), which the H200 measured faster spilling than the heads layout without (67.9 vs 81.4 us,

@@ -1,0 +1,59 @@
+"""The register-operand MoE form (kernels/moe_rs.py): the K order its A fragments imply, the activation's and the
+hidden state's columns in that order (the kernel itself runs on a Hopper GPU only: tests/test_kernels_moe_ws.py)."""
+
+from interpreted import interpreted  # noqa: F401 (first: the interpreter before triton, as the kernel tests run)
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import moe_rs
+
+
+def test_rs_order_is_what_each_thread_decodes():
+    """wgmma's A fragment (sm_90, bf16): lane (group g, quad q) holds K = 2q + r0 + 8 r2 + 16 r3 + 32 r4 of rows g
+    and g + 8 (registers r). The thread decodes words 2q + r4 of its rows; a word's pair p is NIB columns 2p, 2p + 1
+    of the word's 8: so MMA position K holds stored column 8 (2q + r4) + 2 (r2 + 2 r3) + r0."""
+    seen = set()
+    for q in range(4):
+        for r0, r2, r3, r4 in ((a, b, c, d) for a in (0, 1) for b in (0, 1) for c in (0, 1) for d in (0, 1)):
+            k = 2 * q + r0 + 8 * r2 + 16 * r3 + 32 * r4
+            stored = 8 * (2 * q + r4) + 2 * (r2 + 2 * r3) + r0
+            assert moe_rs.RS_ORDER[k] == stored == moe_rs.rs_position(k)
+            seen.add(stored)
+    assert seen == set(range(64))  # a permutation: every stored column once
+    # a thread's two words are one 32-group (one E8M0 byte): columns 16 q .. 16 q + 15
+    for k in range(64):
+        assert moe_rs.RS_ORDER[k] // 32 == (k >> 2 & 1)
+
+
+def test_rs_columns_put_each_step_in_mma_order():
+    x = torch.arange(3 * 192, dtype=torch.float32).view(3, 192)
+    got = moe_rs.rs_columns(x)
+    for row in range(3):
+        for col in range(192):
+            assert got[row, col] == x[row, (col // 64) * 64 + moe_rs.RS_ORDER[col % 64]]
+
+
+@triton.jit
+def _h_columns_kernel(out_ptr, N: tl.constexpr):
+    n = tl.arange(0, N)
+    tl.store(out_ptr + n, moe_rs.rs_h_column(n))
+
+
+def test_h_is_stored_where_the_down_gemm_reads_it():
+    """The gate/up's column for hidden index n: the down GEMM's MMA position whose stored (NIB) column is n's, so
+    h in that order is rs_columns of h in NIB order."""
+    n = 2304
+    cols = torch.empty(4096, dtype=torch.int32)
+    _h_columns_kernel[(1,)](cols, N=4096)
+    cols = cols[:n].tolist()
+    assert sorted(cols) == list(range(n))
+    nib = [(i & -8) | ((i & 3) << 1) | ((i >> 2) & 1) for i in range(n)]  # fp4_tiles.nib_position, by hand
+    for i, c in enumerate(cols):
+        assert (c & -64) | moe_rs.RS_ORDER[c & 63] == nib[i]
+    h_nib = torch.zeros(1, n)
+    h_nib[0, nib] = torch.arange(n, dtype=torch.float32)
+    h_rs = torch.zeros(1, n)
+    h_rs[0, cols] = torch.arange(n, dtype=torch.float32)
+    assert torch.equal(moe_rs.rs_columns(h_nib), h_rs)
