@@ -88,6 +88,10 @@ class KernelKnobs:
     # its own, TMA loads, asynchronous wgmma) on a Hopper GPU with the folded decode; the same values. Costs a
     # transposed copy of the experts' scales (1/16 of their FP4 bytes) while the weights live. Off until timed.
     moe_ws = False
+    # a prefill's grouped GEMMs in the register-operand Gluon form (kernels/moe_rs.py: each FP4 tile decoded
+    # straight into the wgmma's A fragment, asynchronous wgmma under the next decode) on a Hopper GPU with the folded
+    # decode; the same values (sums in another order inside each 64-wide K step). Off until timed.
+    moe_rs = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
@@ -98,7 +102,7 @@ class KernelKnobs:
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
-             "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws")
+             "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

@@ -508,10 +508,10 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     # beside narrow tiles, 128 x 64 split tiles, uncapped (the same area's spill under the cap)
                     if self.moe_narrow_gate_up or self.moe_narrow_down:
                         form.update(split_n=64, split_maxnreg=0)
-                if self.moe_ws and form.get("bf16_decode") == "fold":
+                if (self.moe_ws or self.moe_rs) and form.get("bf16_decode") == "fold":
                     from kernels.moe_ws import runs_on
                     if runs_on(x.device):
-                        form.update(ws=True, ws_decoders=2)
+                        form.update(dict(ws="rs") if self.moe_rs else dict(ws=True, ws_decoders=2))
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
