@@ -395,3 +395,35 @@ def test_float32_gemms_of_bf16_operands_take_one_pass(tmp_path, monkeypatch):
     assert all(c[1:] == (True, True, "bf16") for c in calls["1"]), calls["1"]
     assert {c[3] for c in calls["0"]} == {"tf32x3"}
     _assert_same_picks(out["0"], out["1"])
+
+
+def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path, monkeypatch):
+    """moe_rs and moe_ws: a prefill's folded experts take the Gluon form the knob names (moe_rs first) where
+    moe_ws.runs_on says the device has one; nowhere else, and neither knob moves a pick."""
+    import kernels.dispatch as dispatch
+    import kernels.moe_ws as moe_ws
+
+    seen = []
+    reference, triton_version = dispatch._PAIRS["moe_fp4"]
+
+    def recorded(*args, **kwargs):
+        seen.append((args[7].numel() > 4 * args[1].shape[0], kwargs.get("bf16_decode"),
+                     {k: kwargs[k] for k in ("ws", "ws_decoders") if k in kwargs}))
+        return reference(*args, **{k: v for k, v in kwargs.items() if not k.startswith("ws")})
+
+    monkeypatch.setitem(dispatch._PAIRS, "moe_fp4", (recorded, triton_version))
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
+    out = {}
+    for runs, spec, want in ((True, "moe_fold=1,moe_rs=1,moe_ws=1", {"ws": "rs"}),
+                             (True, "moe_fold=1,moe_rs=0,moe_ws=1", {"ws": True, "ws_decoders": 2}),
+                             (True, "moe_fold=1,moe_rs=0,moe_ws=0", {}),
+                             (False, "moe_fold=1,moe_rs=1,moe_ws=1", {})):
+        monkeypatch.setattr(moe_ws, "runs_on", lambda device, _runs=runs: _runs)
+        seen.clear()
+        out[(runs, spec)] = run(lambda model: model.ops.set_knobs(spec))
+        prefill = [form for wide, fold, form in seen if wide and fold == "fold"]
+        assert prefill and all(form == want for form in prefill), (spec, seen)
+        assert all(form == {} for wide, fold, form in seen if not wide or fold != "fold"), (spec, seen)
+    first = next(iter(out.values()))
+    for picks in out.values():
+        _assert_same_picks(first, picks)
