@@ -95,7 +95,8 @@ if moe_ws.HAVE_GLUON:
         v = gl.inline_asm_elementwise(_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f],
                                       dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
         # pair k = (v[2k], v[2k + 1]); [BN, group, word, e, p1, p0] after the joins (join adds the last axis)
-        y = gl.join(gl.join(gl.join(v[0], v[1]), gl.join(v[4], v[5])), gl.join(gl.join(v[2], v[3]), gl.join(v[6], v[7])))
+        p0, p1, p2, p3 = gl.join(v[0], v[1]), gl.join(v[2], v[3]), gl.join(v[4], v[5]), gl.join(v[6], v[7])
+        y = gl.join(gl.join(p0, p2), gl.join(p1, p3))
         y = gl.reshape(y, [BN, 2, 2, 2, 2, 2, 2])  # [BN, j2, j1, j0, e, p1, p0]
         y = gl.permute(y, (0, 3, 5, 6, 1, 2, 4))  # [BN, j0, p1, p0, j2, j1, e]: MMA position bits 5..0
         y = gl.reshape(y, [BN, 64])
@@ -121,13 +122,40 @@ if moe_ws.HAVE_GLUON:
                                             sraw.index(j * STAGES + s))
 
     @gluon.jit
+    def _k_step(ring, words, i, acc_a, acc_b, KSTEPS: gl.constexpr, BM: gl.constexpr):
+        """K step i: wait for its stage, decode each weight's tile into A registers, start its MMAs; once the last
+        step's are done (this one's stay in flight under the next decode), copy step i + STAGES - 1 into their
+        stage."""
+        a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, r0, wrow, srow, nb = ring
+        STAGES: gl.constexpr = abuf.shape[0]
+        NW: gl.constexpr = wraw.shape[0] // STAGES
+        BN: gl.constexpr = wraw.shape[1]
+        words_layout: gl.constexpr = _words_layout(BN)
+        bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        at = abuf.index(s).permute((1, 0))  # [64, BM], K-major
+        wa = words.index(s).load(words_layout)
+        ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
+        acc_a = warpgroup_mma(_a_operand(wa, ba, BM), at, acc_a, is_async=True)
+        if NW == 2:
+            wb = words.index(STAGES + s).load(words_layout)
+            bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
+            acc_b = warpgroup_mma(_a_operand(wb, bb, BM), at, acc_b, is_async=True)
+        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_a, acc_b))
+        if i + STAGES - 1 < KSTEPS:
+            _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i + STAGES - 1, r0, wrow,
+                   srow, nb)
+        return acc_a, acc_b
+
+    @gluon.jit
     def _moe_rs_kernel(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr,
                        tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, NW: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        RB: gl.constexpr):
         """One (token block, BN weight rows) tile of a grouped FP4 GEMM over K: NW = 2, gate/up (out: h, stored in
         RS_ORDER along I); NW = 1, down (out: the [T, dim] float32 sums, each expert's output added)."""
-        KSTEPS: gl.constexpr = K // 64
+        KSTEPS: gl.constexpr = K // 64  # even: grouped_rs checks K
         abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], a_desc.layout)
         wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, 8], wa_desc.layout)
         sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 2, BN], sa_desc.layout)
@@ -136,8 +164,6 @@ if moe_ws.HAVE_GLUON:
             mbarrier.init(ready.index(j), count=1)
         raw3_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
         words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2, 4], raw3_layout)
-        words_layout: gl.constexpr = _words_layout(BN)
-        bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         acc_layout: gl.constexpr = _acc_layout(BM)
         e, nb, r0, r1 = moe_ws._tile(gl.program_id(0), (bexp_ptr, bbeg_ptr, bend_ptr, NBM, N // BN, GROUP_M))
         if e >= 0:
@@ -148,27 +174,12 @@ if moe_ws.HAVE_GLUON:
                     _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i, r0, wrow, srow, nb)
             acc_a = gl.zeros([BN, BM], gl.float32, acc_layout)
             acc_b = gl.zeros([BN, BM], gl.float32, acc_layout)
-            for i in range(KSTEPS):
-                s = i % STAGES
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                at = abuf.index(s).permute((1, 0))  # [64, BM], K-major
-                wa = words.index(s).load(words_layout)
-                ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
-                a_op = _a_operand(wa, ba, BM)
-                acc_a = warpgroup_mma(a_op, at, acc_a, is_async=True)
-                if NW == 2:
-                    wb = words.index(STAGES + s).load(words_layout)
-                    bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
-                    b_op = _a_operand(wb, bb, BM)
-                    acc_b = warpgroup_mma(b_op, at, acc_b, is_async=True)
-                    # the last step's MMAs are done: its stage is free (this step's stay in flight under the
-                    # next decode; their register operands kept live until then)
-                    acc_a, acc_b, a_op, b_op = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b, a_op, b_op))
-                else:
-                    acc_a, a_op = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, a_op))
-                if i + STAGES - 1 < KSTEPS:
-                    _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i + STAGES - 1, r0,
-                           wrow, srow, nb)
+            ring = (a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, r0, wrow, srow, nb)
+            # two K steps an iteration, each with its own A registers: a step's are written again only after the
+            # wait that completes its MMAs (PTX forbids writing a wgmma's A registers while it is in flight)
+            for i in range(0, KSTEPS, 2):
+                acc_a, acc_b = _k_step(ring, words, i, acc_a, acc_b, KSTEPS, BM)
+                acc_a, acc_b = _k_step(ring, words, i + 1, acc_a, acc_b, KSTEPS, BM)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
             rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
             rmask = rows < r1
@@ -197,9 +208,9 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     p, kdim = act.shape
     nw = len(weights)
     n_rows = weights[0].shape[0] // (scales_t[0].shape[0] // (kdim // 32))  # rows an expert
-    if n_rows % block_n or block_n % 64 or kdim % 64 or nw not in (1, 2):
+    if n_rows % block_n or block_n % 64 or kdim % 128 or nw not in (1, 2):
         raise ValueError(f"rows an expert {n_rows} must divide by block_n {block_n} (a multiple of 64), K {kdim} by "
-                         "64, and the weights be one (down) or two (gate/up)")
+                         "128 (K steps of 64, two an iteration), and the weights be one (down) or two (gate/up)")
     words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a step: BN rows of 8 words
     a_desc = moe_ws._descriptor(act, [block_m, 64], 16, 128)
     w_descs = [moe_ws._descriptor(w, [block_n, 8], 32) for w in words]

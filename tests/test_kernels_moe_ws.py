@@ -68,7 +68,7 @@ base = moe.moe_fp4_triton(x, *W, ids, tw, **form)
 ref = moe.moe_fp4_reference(x.cpu(), *(w.cpu() for w in W), ids.cpu(), tw.cpu(), hidden="reference").cuda()
 rel = lambda a, b: float((a - b).norm() / b.norm())
 ws = json.loads(sys.argv[1])
-got = moe.moe_fp4_triton(x, *W, ids, tw, **ws, **form)
+got = moe.moe_fp4_triton(x, *W, ids, tw, **{**form, **ws})
 # the same products and hidden state; sums in the MMA's K order: the Triton form's distance to the reference
 print(ws, "ws vs triton", rel(got, base), "ws vs ref", rel(got, ref), "triton vs ref", rel(base, ref))
 assert torch.isfinite(got).all()
@@ -78,14 +78,16 @@ assert rel(got, base) < 2e-3, ws
 
 
 @pytest.mark.skipif(not moe_ws.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
-@pytest.mark.parametrize("form", [dict(ws="rs"), dict(ws="rs", ws_stages=3, ws_maxnreg=128), dict(ws=True),
+@pytest.mark.parametrize("form", [dict(ws="rs"), dict(ws="rs", ws_stages=3, split_m=None), dict(ws=True),
                                   dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
-                         ids=["rs", "rs_3_stages", "both", "gate_up", "two_decoders_persistent", "down_k128"])
+                         ids=["rs", "rs_3_stages_64_token_tiles", "both", "gate_up", "two_decoders_persistent",
+                              "down_k128"])
 def test_ws_form_on_the_gpu(form):
-    """The whole MoE with a warp-specialized form against the Triton form and the float64 reference: both GEMMs, the
-    gate/up alone, two decoders looping over tiles, the down alone at 128-wide K (a fresh process: another module's
-    import may have set the interpreter)."""
+    """The whole MoE in a Gluon form against the Triton form and the float64 reference: the register-operand form
+    (kernels/moe_rs.py; with the split tiles and with 64-token tiles alone at three stages), then the
+    warp-specialized one: both GEMMs, the gate/up alone, two decoders looping over tiles, the down alone at 128-wide
+    K (a fresh process: another module's import may have set the interpreter)."""
     import json
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # the timeout: a stuck pipeline (a barrier never arrived) fails, not hangs
