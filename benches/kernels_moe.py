@@ -51,12 +51,12 @@ def case_moe_prefill(bw, mm, forms=None):
     tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
     forms = forms or _engine_prefill_forms(history=False)
     if moe_ws.runs_on(DEV):  # the Gluon forms beside it: register operands, then warp-specialized
-        ws = dict(forms[0], ws=True)
-        rs = dict(forms[0], ws="rs")
-        forms = forms + [rs, dict(rs, ws_stages=3), dict(rs, ws_stages=6), dict(rs, split_m=None), ws, dict(ws, ws_decoders=2), dict(ws, ws_decoders=2, ws_persistent=1),
-                         dict(ws, ws_block_k=128, ws_stages=3, ws_decoders=2),
-                         # 64-token tiles alone, three stages, 80 registers a thread: two programs an SM
-                         dict(ws, split_m=None, ws_stages=3, ws_maxnreg=80, ws_decode_regs=80)]
+        rs, ws = dict(forms[0], ws="rs"), dict(forms[0], ws=True, ws_decoders=2)
+        # the register-operand form: 4 / 3 / 6 stages; 64-token tiles alone (no 128-token split tiles)
+        forms = forms + [rs, dict(rs, ws_stages=3), dict(rs, ws_stages=6), dict(rs, split_m=None),
+                         # the warp-specialized form (run 36a's were slower than the default): two decoders, a
+                         # program a tile or persistent
+                         ws, dict(ws, ws_persistent=1)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out),
