@@ -71,7 +71,8 @@ for step in "$@"; do
       cp "$R/ncu.txt" "$R/ncu-report.md" ;;
     gputests) # the GPU-only tests, each file in a pytest process of its own (the interpreter tests set
       # TRITON_INTERPRET=1 at import, which would make a GPU test in the same process run interpreted)
-      # GPUTESTS_ONLY="fp8_linear glue" keeps the entries whose text holds one of the words
+      # GPUTESTS_ONLY="fp8_linear glue" keeps the entries whose text holds one of the words; GPUTESTS_K a pytest -k
+      # expression for them (an entry with its own -k takes the last one)
       for t in tests/test_decode_graphs.py "tests/test_kernels_sparse_attn.py -k on_the_gpu" \
                "tests/test_kernels_fp8_linear.py -k on_the_gpu" "tests/test_kernels_moe.py -k on_the_gpu" \
                tests/test_kernels_glue_on_the_gpu.py tests/test_kernels_moe_ws.py; do
@@ -79,7 +80,8 @@ for step in "$@"; do
           keep=0; for w in $GPUTESTS_ONLY; do case "$t" in *"$w"*) keep=1 ;; esac; done
           [ "$keep" = 1 ] || continue
         fi
-        timeout "${GPUTESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=0 $t >> "$R/gputests.log" 2>&1
+        timeout "${GPUTESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=0 $t ${GPUTESTS_K:+-k "$GPUTESTS_K"} \
+          >> "$R/gputests.log" 2>&1
         echo "$t exit $?" >> "$R/gputests.log"
       done
       cp "$R/gputests.log" "$R/gputests.md" ;;
