@@ -132,15 +132,16 @@ if moe_ws.HAVE_GLUON:
         BN: gl.constexpr = wraw.shape[1]
         words_layout: gl.constexpr = _words_layout(BN)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+        sbytes = sraw._reinterpret(gl.uint8, [sraw.shape[0], 2, BN], moe_ws.PLAIN2)  # row-major, as copied
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         at = abuf.index(s).permute((1, 0))  # [64, BM], K-major
         wa = words.index(s).load(words_layout)
-        ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
+        ba = gl.expand_dims(sbytes.index(s).permute((1, 0)).load(bytes_layout), 2)
         acc_a = warpgroup_mma(_a_operand(wa, ba, BM), at, acc_a, is_async=True)
         if NW == 2:
             wb = words.index(STAGES + s).load(words_layout)
-            bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
+            bb = gl.expand_dims(sbytes.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
             acc_b = warpgroup_mma(_a_operand(wb, bb, BM), at, acc_b, is_async=True)
         acc_a, acc_b = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_a, acc_b))
         if i + STAGES - 1 < KSTEPS:
@@ -162,8 +163,7 @@ if moe_ws.HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
-        raw3_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-        words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2, 4], raw3_layout)
+        words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2, 4], moe_ws.PLAIN3)  # row-major, as copied
         acc_layout: gl.constexpr = _acc_layout(BM)
         e, nb, r0, r1 = moe_ws._tile(gl.program_id(0), (bexp_ptr, bbeg_ptr, bend_ptr, NBM, N // BN, GROUP_M))
         if e >= 0:

@@ -47,6 +47,11 @@ if HAVE_GLUON:
     _PAIRS_ASM = gl.constexpr(_PAIRS_PTX)
     _FOLD_OFFSET = gl.constexpr(FOLD_FACTOR_OFFSET)
     _FOLD_MAX = gl.constexpr(FOLD_MAX_SCALE_BYTE)
+    # plain row-major views of the TMA boxes read into registers (the raw words, the E8M0 bytes): a box copied
+    # without swizzle lands row-major, which Gluon's unswizzled NVMMA layout need not describe on every version
+    # (a layout of one rank less than its buffer: the leading dimension is the stage)
+    PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    PLAIN3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 
     @gluon.jit
     def _tile(t, tiles):
@@ -131,10 +136,10 @@ if HAVE_GLUON:
         BN: gl.constexpr = wdec.shape[1]
         NW: gl.constexpr = wraw.shape[0] // STAGES
         G: gl.constexpr = BK // 32
-        # the copied rows of BK/8 words seen as [BN, G, 4] (unswizzled: the same bytes), a thread one 32-group of one
+        # the copied rows of BK/8 words seen as [BN, G, 4] (row-major: the same bytes), a thread one 32-group of one
         # row (four words, 16 bytes)
-        raw3_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-        words = wraw._reinterpret(gl.int32, [wraw.shape[0], BN, G, 4], raw3_layout)
+        words = wraw._reinterpret(gl.int32, [wraw.shape[0], BN, G, 4], PLAIN3)
+        sbytes = sraw._reinterpret(gl.uint8, [sraw.shape[0], G, BN], PLAIN2)
         words_layout: gl.constexpr = _words_layout(BK // 32)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         pairs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
@@ -150,10 +155,10 @@ if HAVE_GLUON:
                     ph = ((c + i) // STAGES) & 1
                     mbarrier.wait(raw_ready.index(s), ph)
                     wa = words.index(s).load(words_layout)
-                    ba = gl.expand_dims(sraw.index(s).permute((1, 0)).load(bytes_layout), 2)
+                    ba = gl.expand_dims(sbytes.index(s).permute((1, 0)).load(bytes_layout), 2)
                     if NW == 2:
                         wb = words.index(STAGES + s).load(words_layout)
-                        bb = gl.expand_dims(sraw.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
+                        bb = gl.expand_dims(sbytes.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
                     mbarrier.arrive(raw_empty.index(s))
                     pa = _decoded(wa, ba)
                     if NW == 2:
