@@ -57,3 +57,53 @@ def test_h_is_stored_where_the_down_gemm_reads_it():
     h_rs = torch.zeros(1, n)
     h_rs[0, cols] = torch.arange(n, dtype=torch.float32)
     assert torch.equal(moe_rs.rs_columns(h_nib), h_rs)
+
+
+# the layouts the Gluon forms read the raw TMA boxes through, as Triton's own linear layouts (compiled for sm_90
+# in a child process: the interpreter has no Gluon)
+_VIEWS = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+from benches import compile_sm90 as bench
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from kernels import moe_ws
+driver.set_active(bench.Sm90Driver())
+JITFunction.run = bench.compile_only
+
+@gluon.jit
+def views(x_ptr):
+    gl.static_print("WORDS", gl.to_linear_layout(moe_ws.PLAIN3, [64, 2, 4]))
+    gl.static_print("BYTES", gl.to_linear_layout(moe_ws.PLAIN2, [2, 64]))
+
+views[(1,)](torch.zeros(4), num_warps=4)
+"""
+
+
+def test_raw_boxes_are_read_row_major(tmp_path):
+    """An unswizzled TMA box lands row-major in shared memory; the views the Gluon forms load the raw words and E8M0
+    bytes through must be row-major too (triton 3.6 read an unswizzled 8-bit NVMMA view of the bytes otherwise, and
+    both forms' values were wrong on the GPU, run 37a): each offset bit is the next column bit, then the rows'."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.triton_interp import env_without_interpreter
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    script = tmp_path / "views.py"  # a file: Triton reads a jit function's source
+    script.write_text(_VIEWS)
+    run = subprocess.run([sys.executable, str(script), repo], env=env_without_interpreter(), capture_output=True,
+                         text=True, cwd=repo, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name, shape in (("WORDS", [64, 2, 4]), ("BYTES", [2, 64])):
+        line = next(x for x in run.stdout.splitlines() if x.startswith(name))
+        offsets = line.split("offset_bases=")[1].split("block_bases")[0]
+        bases = [list(map(int, b.split(","))) for b in re.findall(r"\[(-?\d+(?:, -?\d+)+)\]", offsets)]
+        want = []
+        for dim in reversed(range(len(shape))):  # the last dimension's bits first
+            want += [[1 << b if d == dim else 0 for d in range(len(shape))] for b in range(shape[dim].bit_length() - 1)]
+        assert bases[:len(want)] == want, (name, bases)
