@@ -273,7 +273,7 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
     if which == "rs":  # both GEMMs in the register-operand form: act and h in its MMA order along K
         from kernels import moe_rs
         x_sorted = moe_rs.rs_columns(xp).index_select(0, order.long() // k)
-        for blocks, bm, bn, dbn, *_ in tiles:
+        for blocks, bm, bn, *_ in tiles:
             moe_rs.grouped_rs(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
                               block_n=bn, bf16_acts=bf16_acts, **rs_form)
         for blocks, bm, _, dbn, *_ in tiles:

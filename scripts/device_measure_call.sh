@@ -80,8 +80,8 @@ for step in "$@"; do
           keep=0; for w in $GPUTESTS_ONLY; do case "$t" in *"$w"*) keep=1 ;; esac; done
           [ "$keep" = 1 ] || continue
         fi
-        timeout "${GPUTESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=0 $t ${GPUTESTS_K:+-k "$GPUTESTS_K"} \
-          >> "$R/gputests.log" 2>&1
+        timeout "${GPUTESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=0 $t \
+          ${GPUTESTS_K:+-k "$GPUTESTS_K"} >> "$R/gputests.log" 2>&1
         echo "$t exit $?" >> "$R/gputests.log"
       done
       cp "$R/gputests.log" "$R/gputests.md" ;;
