@@ -96,8 +96,9 @@ def test_raw_boxes_are_read_row_major(tmp_path):
     repo = str(Path(__file__).resolve().parent.parent)
     script = tmp_path / "views.py"  # a file: Triton reads a jit function's source
     script.write_text(_VIEWS)
-    run = subprocess.run([sys.executable, str(script), repo], env=env_without_interpreter(), capture_output=True,
-                         text=True, cwd=repo, timeout=120)
+    env = dict(env_without_interpreter(), TRITON_CACHE_DIR=str(tmp_path / "cache"))  # compiled, so printed, here
+    run = subprocess.run([sys.executable, str(script), repo], env=env, capture_output=True, text=True, cwd=repo,
+                         timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     for name, shape in (("WORDS", [64, 2, 4]), ("BYTES", [2, 64])):
         line = next(x for x in run.stdout.splitlines() if x.startswith(name))
@@ -107,3 +108,29 @@ def test_raw_boxes_are_read_row_major(tmp_path):
         for dim in reversed(range(len(shape))):  # the last dimension's bits first
             want += [[1 << b if d == dim else 0 for d in range(len(shape))] for b in range(shape[dim].bit_length() - 1)]
         assert bases[:len(want)] == want, (name, bases)
+
+
+def test_shapes_the_form_cannot_take_are_refused_before_a_launch():
+    """K must be whole pairs of 64-wide steps and the tile's weight rows whole 64-row MMAs: named, before any
+    descriptor or launch; and moe_fp4_triton refuses the form where it cannot run (the interpreter here)."""
+    import pytest
+
+    from kernels import moe, moe_ws
+
+    def call(kdim, rows, block_n):
+        w = torch.zeros(2 * rows, kdim // 2, dtype=torch.int8)
+        s = moe_ws.transposed_scales(torch.zeros(2 * rows, kdim // 32, dtype=torch.uint8), 2)
+        blocks = (torch.zeros(1, dtype=torch.int32),) * 3
+        moe_rs.grouped_rs(torch.zeros(8, kdim, dtype=torch.bfloat16), [w], [s], torch.zeros(8, dtype=torch.int32),
+                          blocks, torch.zeros(8, 64), 64, block_n=block_n)
+
+    with pytest.raises(ValueError, match="K 192 by 128"):
+        call(192, 64, 64)
+    with pytest.raises(ValueError, match="block_n 32"):
+        call(256, 64, 32)
+    x = torch.zeros(4, 128).bfloat16()
+    w, w2 = torch.zeros(2, 64, 64, dtype=torch.int8), torch.zeros(2, 128, 32, dtype=torch.int8)
+    s, s2 = (torch.full((2, n, g), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu) for n, g in ((64, 4), (128, 2)))
+    with pytest.raises(ValueError, match="engine's hidden state"):
+        moe.moe_fp4_triton(x, w, s, w, s, w2, s2, torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2), ws="rs",
+                           hidden="reference")
