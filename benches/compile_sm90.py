@@ -271,6 +271,10 @@ def cases():
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
                 hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=128, split_n=64,
                 split_maxnreg=0, ws="rs")),
+            ("MoE prefill, FP4 decoded into the wgmma's register operand, 128-wide stages (Gluon)", experts(
+                256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
+                hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=128, split_n=64,
+                split_maxnreg=0, ws="rs", ws_block_k=128, ws_stages=2)),
             ("MoE decode step, folded scales", experts(64, block_m=16, block_n=64, bf16_decode="fold",
                                                        hidden="reference")),
             ("mHC 4K tokens", mixing(4096)), ("mHC 1 token", mixing(1)),

@@ -52,8 +52,10 @@ def case_moe_prefill(bw, mm, forms=None):
     forms = forms or _engine_prefill_forms(history=False)
     if moe_ws.runs_on(DEV):  # the Gluon forms beside it: register operands, then warp-specialized
         rs, ws = dict(forms[0], ws="rs"), dict(forms[0], ws=True, ws_decoders=2)
-        # the register-operand form: 4 / 3 / 6 stages; 64-token tiles alone (no 128-token split tiles)
-        forms = forms + [rs, dict(rs, ws_stages=3), dict(rs, ws_stages=6), dict(rs, split_m=None),
+        # the register-operand form: 4 / 3 / 6 stages; two 128-wide stages (a copy and a wait for two K steps);
+        # 64-token tiles alone (no 128-token split tiles)
+        forms = forms + [rs, dict(rs, ws_stages=3), dict(rs, ws_stages=6), dict(rs, ws_block_k=128, ws_stages=2),
+                         dict(rs, split_m=None),
                          # the warp-specialized form (run 36a's were slower than the default): two decoders, a
                          # program a tile or persistent
                          ws, dict(ws, ws_persistent=1)]

@@ -264,8 +264,9 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
                 **form):
     """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
     (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders), or ("rs") both in the
-    register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`)."""
+    register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`, block_k its stage_k)."""
     rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
+    rs_form["stage_k"] = form.get("block_k", 64)
     from kernels import moe_ws
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
@@ -361,7 +362,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     ws_persistent programs an SM looping over tiles (0: a program a tile); scales_t: the transposed E8M0 copies of
     w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when not given, made once a scale tensor and kept
     while it lives: moe_ws.cached_transposed_scales). ws="rs": both GEMMs in the register-operand Gluon form
-    (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply)."""
+    (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply,
+    ws_block_k is the K of a ring stage, 64 or 128)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k

@@ -104,82 +104,90 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i, r0, wrow, srow, nb):
-        """TMA copies of K step i into its stage: the activation rows, then each weight's words and E8M0 bytes."""
-        STAGES: gl.constexpr = abuf.shape[0]
+        """TMA copies of stage i (H 64-wide K steps): the activation rows of each step, then each weight's words and
+        E8M0 bytes."""
+        STAGES: gl.constexpr = ready.shape[0]
+        H: gl.constexpr = abuf.shape[0] // STAGES
         NW: gl.constexpr = wraw.shape[0] // STAGES
         BN: gl.constexpr = wraw.shape[1]
         s = i % STAGES
-        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes
+        mbarrier.expect(ready.index(s), H * a_desc.block_type.nbytes
                         + NW * (wa_desc.block_type.nbytes + sa_desc.block_type.nbytes))
-        tma.async_copy_global_to_shared(a_desc, [r0, i * 64], ready.index(s), abuf.index(s))
+        for h in gl.static_range(H):
+            tma.async_copy_global_to_shared(a_desc, [r0, (i * H + h) * 64], ready.index(s), abuf.index(s * H + h))
         for j in gl.static_range(NW):
             if j == 0:
                 w_desc, s_desc = wa_desc, sa_desc
             else:
                 w_desc, s_desc = wb_desc, sb_desc
-            tma.async_copy_global_to_shared(w_desc, [wrow, i * 8], ready.index(s), wraw.index(j * STAGES + s))
-            tma.async_copy_global_to_shared(s_desc, [srow + i * 2, nb * BN], ready.index(s),
+            tma.async_copy_global_to_shared(w_desc, [wrow, i * 8 * H], ready.index(s), wraw.index(j * STAGES + s))
+            tma.async_copy_global_to_shared(s_desc, [srow + i * 2 * H, nb * BN], ready.index(s),
                                             sraw.index(j * STAGES + s))
 
     @gluon.jit
-    def _k_step(ring, words, i, acc_a, acc_b, KSTEPS: gl.constexpr, BM: gl.constexpr):
-        """K step i: wait for its stage, decode each weight's tile into A registers, start its MMAs; once the last
-        step's are done (this one's stay in flight under the next decode), copy step i + STAGES - 1 into their
-        stage."""
+    def _stage(ring, words, i, acc_a, acc_b, KSTAGES: gl.constexpr, BM: gl.constexpr):
+        """Stage i: wait for its copies; for each of its 64-wide K steps, decode each weight's tile into A registers
+        and start its MMAs, then wait until only these are in flight (the last step's done, this one's under the
+        next decode). Once the last stage's MMAs are all done, copy stage i + STAGES - 1 into its place."""
         a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, r0, wrow, srow, nb = ring
-        STAGES: gl.constexpr = abuf.shape[0]
+        STAGES: gl.constexpr = ready.shape[0]
+        H: gl.constexpr = abuf.shape[0] // STAGES
         NW: gl.constexpr = wraw.shape[0] // STAGES
         BN: gl.constexpr = wraw.shape[1]
         words_layout: gl.constexpr = _words_layout(BN)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
-        sbytes = sraw._reinterpret(gl.uint8, [sraw.shape[0], 2, BN], moe_ws.PLAIN2)  # row-major, as copied
+        sbytes = sraw._reinterpret(gl.uint8, [sraw.shape[0], 2 * H, BN], moe_ws.PLAIN2)  # row-major, as copied
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        at = abuf.index(s).permute((1, 0))  # [64, BM], K-major
-        wa = words.index(s).load(words_layout)
-        ba = gl.expand_dims(sbytes.index(s).permute((1, 0)).load(bytes_layout), 2)
-        acc_a = warpgroup_mma(_a_operand(wa, ba, BM), at, acc_a, is_async=True)
-        if NW == 2:
-            wb = words.index(STAGES + s).load(words_layout)
-            bb = gl.expand_dims(sbytes.index(STAGES + s).permute((1, 0)).load(bytes_layout), 2)
-            acc_b = warpgroup_mma(_a_operand(wb, bb, BM), at, acc_b, is_async=True)
-        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_a, acc_b))
-        if i + STAGES - 1 < KSTEPS:
-            _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i + STAGES - 1, r0, wrow,
-                   srow, nb)
+        for h in gl.static_range(H):
+            at = abuf.index(s * H + h).permute((1, 0))  # [64, BM], K-major
+            wa = words.index(s).slice(2 * h, 2, dim=1).load(words_layout)
+            ba = gl.expand_dims(sbytes.index(s).slice(2 * h, 2).permute((1, 0)).load(bytes_layout), 2)
+            acc_a = warpgroup_mma(_a_operand(wa, ba, BM), at, acc_a, is_async=True)
+            if NW == 2:
+                wb = words.index(STAGES + s).slice(2 * h, 2, dim=1).load(words_layout)
+                bb = gl.expand_dims(sbytes.index(STAGES + s).slice(2 * h, 2).permute((1, 0)).load(bytes_layout), 2)
+                acc_b = warpgroup_mma(_a_operand(wb, bb, BM), at, acc_b, is_async=True)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_a, acc_b))
+            if h == 0:
+                if i + STAGES - 1 < KSTAGES:
+                    _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i + STAGES - 1, r0,
+                           wrow, srow, nb)
         return acc_a, acc_b
 
     @gluon.jit
     def _moe_rs_kernel(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, out_ptr,
                        tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, NW: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       RB: gl.constexpr):
-        """One (token block, BN weight rows) tile of a grouped FP4 GEMM over K: NW = 2, gate/up (out: h, stored in
-        RS_ORDER along I); NW = 1, down (out: the [T, dim] float32 sums, each expert's output added)."""
-        KSTEPS: gl.constexpr = K // 64  # even: grouped_rs checks K
-        abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], a_desc.layout)
-        wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, 8], wa_desc.layout)
-        sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 2, BN], sa_desc.layout)
+                       H: gl.constexpr, RB: gl.constexpr):
+        """One (token block, BN weight rows) tile of a grouped FP4 GEMM over K, in stages of H 64-wide K steps: NW = 2,
+        gate/up (out: h, stored in RS_ORDER along I); NW = 1, down (out: the [T, dim] float32 sums, each expert's
+        output added)."""
+        KSTAGES: gl.constexpr = K // (64 * H)  # even where H = 1: grouped_rs checks K
+        abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * H, BM, 64], a_desc.layout)
+        wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, 8 * H], wa_desc.layout)
+        sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 2 * H, BN], sa_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
-        words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2, 4], moe_ws.PLAIN3)  # row-major, as copied
+        words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2 * H, 4], moe_ws.PLAIN3)  # row-major, as copied
         acc_layout: gl.constexpr = _acc_layout(BM)
         e, nb, r0, r1 = moe_ws._tile(gl.program_id(0), (bexp_ptr, bbeg_ptr, bend_ptr, NBM, N // BN, GROUP_M))
         if e >= 0:
             wrow = e * N + nb * BN
-            srow = e * KSTEPS * 2
+            srow = e * (K // 32)
             for i in gl.static_range(STAGES - 1):
-                if i < KSTEPS:
+                if i < KSTAGES:
                     _issue(a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, i, r0, wrow, srow, nb)
             acc_a = gl.zeros([BN, BM], gl.float32, acc_layout)
             acc_b = gl.zeros([BN, BM], gl.float32, acc_layout)
             ring = (a_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, wraw, sraw, ready, r0, wrow, srow, nb)
             # two K steps an iteration, each with its own A registers: a step's are written again only after the
             # wait that completes its MMAs (PTX forbids writing a wgmma's A registers while it is in flight)
-            for i in range(0, KSTEPS, 2):
-                acc_a, acc_b = _k_step(ring, words, i, acc_a, acc_b, KSTEPS, BM)
-                acc_a, acc_b = _k_step(ring, words, i + 1, acc_a, acc_b, KSTEPS, BM)
+            UNROLL: gl.constexpr = 2 // H
+            for i in range(0, KSTAGES, UNROLL):
+                for u in gl.static_range(UNROLL):
+                    acc_a, acc_b = _stage(ring, words, i + u, acc_a, acc_b, KSTAGES, BM)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
             rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
             rmask = rows < r1
@@ -199,28 +207,31 @@ if moe_ws.HAVE_GLUON:
 
 def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
                block_n: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
-               maxnreg: int | None = None):
+               maxnreg: int | None = None, stage_k: int = 64):
     """One grouped FP4 GEMM of the MoE in the register-operand form: as moe_ws.grouped_ws (the same arguments,
     64-wide K steps), but act [P, K] in the MMA's order along K (`rs_columns` of the NIB order), and the gate/up's
-    h stored in that order along I (the down GEMM's act)."""
+    h stored in that order along I (the down GEMM's act). stage_k: the K of a ring stage, 64 or 128 (one wait and
+    one set of copies for two steps)."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the register-operand MoE form needs triton.experimental.gluon (triton >= 3.6)")
     p, kdim = act.shape
     nw = len(weights)
     n_rows = weights[0].shape[0] // (scales_t[0].shape[0] // (kdim // 32))  # rows an expert
-    if n_rows % block_n or block_n % 64 or kdim % 128 or nw not in (1, 2):
+    if n_rows % block_n or block_n % 64 or kdim % 128 or nw not in (1, 2) or stage_k not in (64, 128):
         raise ValueError(f"rows an expert {n_rows} must divide by block_n {block_n} (a multiple of 64), K {kdim} by "
-                         "128 (K steps of 64, two an iteration), and the weights be one (down) or two (gate/up)")
-    words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a step: BN rows of 8 words
+                         "128 (K steps of 64, two an iteration), the weights be one (down) or two (gate/up), and "
+                         f"stage_k 64 or 128 (got {stage_k})")
+    halves = stage_k // 64
+    words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a stage: BN rows of 8 words a step
     a_desc = moe_ws._descriptor(act, [block_m, 64], 16, 128)
-    w_descs = [moe_ws._descriptor(w, [block_n, 8], 32) for w in words]
-    s_descs = [moe_ws._descriptor(s, [2, block_n], 8) for s in scales_t]
+    w_descs = [moe_ws._descriptor(w, [block_n, 8 * halves], 32) for w in words]
+    s_descs = [moe_ws._descriptor(s, [2 * halves, block_n], 8) for s in scales_t]
     bexp, bbeg, bend = blocks
     nbm = bexp.numel()
     _moe_rs_kernel[(nbm * (n_rows // block_n),)](
         a_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
         tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=block_m, BN=block_n,
-        GROUP_M=group_m, STAGES=stages, RB=bf16_acts, num_warps=4, **register_cap(maxnreg))
+        GROUP_M=group_m, STAGES=stages, H=halves, RB=bf16_acts, num_warps=4, **register_cap(maxnreg))
     return out
 
 

@@ -78,14 +78,15 @@ assert rel(got, base) < 2e-3, ws
 
 
 @pytest.mark.skipif(not moe_ws.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
-@pytest.mark.parametrize("form", [dict(ws="rs"), dict(ws="rs", ws_stages=3, split_m=None), dict(ws=True),
+@pytest.mark.parametrize("form", [dict(ws="rs"), dict(ws="rs", ws_stages=3, split_m=None),
+                                  dict(ws="rs", ws_block_k=128, ws_stages=2), dict(ws=True),
                                   dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
-                         ids=["rs", "rs_3_stages_64_token_tiles", "both", "gate_up", "two_decoders_persistent",
-                              "down_k128"])
+                         ids=["rs", "rs_3_stages_64_token_tiles", "rs_128_wide_stages", "both", "gate_up",
+                              "two_decoders_persistent", "down_k128"])
 def test_ws_form_on_the_gpu(form):
     """The whole MoE in a Gluon form against the Triton form and the float64 reference: the register-operand form
-    (kernels/moe_rs.py; with the split tiles and with 64-token tiles alone at three stages), then the
+    (kernels/moe_rs.py; with the split tiles, with 64-token tiles alone at three stages, with 128-wide stages), then the
     warp-specialized one: both GEMMs, the gate/up alone, two decoders looping over tiles, the down alone at 128-wide
     K (a fresh process: another module's import may have set the interpreter)."""
     import json
