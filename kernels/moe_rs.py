@@ -217,10 +217,11 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     p, kdim = act.shape
     nw = len(weights)
     n_rows = weights[0].shape[0] // (scales_t[0].shape[0] // (kdim // 32))  # rows an expert
-    if n_rows % block_n or block_n % 64 or kdim % 128 or nw not in (1, 2) or stage_k not in (64, 128):
+    if (n_rows % block_n or block_n % 64 or kdim % 128 or nw not in (1, 2) or stage_k not in (64, 128)
+            or stages < 2):
         raise ValueError(f"rows an expert {n_rows} must divide by block_n {block_n} (a multiple of 64), K {kdim} by "
-                         "128 (K steps of 64, two an iteration), the weights be one (down) or two (gate/up), and "
-                         f"stage_k 64 or 128 (got {stage_k})")
+                         "128 (K steps of 64, two an iteration), the weights be one (down) or two (gate/up), "
+                         f"stage_k 64 or 128 (got {stage_k}) and stages at least 2 (got {stages}: one copy ahead)")
     halves = stage_k // 64
     words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a stage: BN rows of 8 words a step
     a_desc = moe_ws._descriptor(act, [block_m, 64], 16, 128)

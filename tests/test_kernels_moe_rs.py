@@ -117,17 +117,21 @@ def test_shapes_the_form_cannot_take_are_refused_before_a_launch():
 
     from kernels import moe, moe_ws
 
-    def call(kdim, rows, block_n):
+    def call(kdim, rows, block_n, **form):
         w = torch.zeros(2 * rows, kdim // 2, dtype=torch.int8)
         s = moe_ws.transposed_scales(torch.zeros(2 * rows, kdim // 32, dtype=torch.uint8), 2)
         blocks = (torch.zeros(1, dtype=torch.int32),) * 3
         moe_rs.grouped_rs(torch.zeros(8, kdim, dtype=torch.bfloat16), [w], [s], torch.zeros(8, dtype=torch.int32),
-                          blocks, torch.zeros(8, 64), 64, block_n=block_n)
+                          blocks, torch.zeros(8, 64), 64, block_n=block_n, **form)
 
     with pytest.raises(ValueError, match="K 192 by 128"):
         call(192, 64, 64)
     with pytest.raises(ValueError, match="block_n 32"):
         call(256, 64, 32)
+    with pytest.raises(ValueError, match="got 96"):
+        call(256, 64, 64, stage_k=96)
+    with pytest.raises(ValueError, match="got 1: one copy ahead"):  # a ring of one stage would wait forever
+        call(256, 64, 64, stages=1)
     x = torch.zeros(4, 128).bfloat16()
     w, w2 = torch.zeros(2, 64, 64, dtype=torch.int8), torch.zeros(2, 128, 32, dtype=torch.int8)
     s, s2 = (torch.full((2, n, g), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu) for n, g in ((64, 4), (128, 2)))
