@@ -7,8 +7,10 @@ Here the layout of the loaded words is chosen so that each thread decodes exactl
 holds: a thread takes two adjacent words (16 values, one 32-group) of each of its two rows a 64-wide K step, and
 the MMA's K order inside each step is permuted to match (`RS_ORDER`; the activation is stored in that order, the
 gate/up's hidden state too, so the down GEMM reads it so). The decode of step i + 1 then runs while the tensor
-cores work on step i (asynchronous wgmma, one step in flight), and the TMA copies of a ring of stages stay ahead.
-Several programs an SM hide one another's fills and epilogues, as the Triton kernels' do.
+cores work on step i (asynchronous wgmma, one step in flight), and the TMA copies of a ring of stages (one or two
+K steps each) stay ahead; the raw boxes are read through plain row-major views (moe_ws.PLAIN2 / PLAIN3: triton 3.6
+reads an unswizzled 8-bit NVMMA view otherwise). Several programs an SM hide one another's fills and epilogues, as
+the Triton kernels' do.
 
 The values are the Triton kernels' (the same bf16 products, float32 sums; only the order of the sums inside each
 K step differs). Gluon has no interpreter: tests/test_kernels_moe_ws.py checks the form on a Hopper GPU,
