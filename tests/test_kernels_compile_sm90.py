@@ -86,6 +86,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         assert kernels[(case, kernel)][8] == "yes", (case, kernel)
     # the register-operand form's 64-token tiles hold the decoded tile in registers: no spill
     assert all(int(r[6]) == 0 for r in rows if r[1] == "_moe_rs_kernel" and "BM=64" in r[2]), "moe_rs spills"
+    # no kernel has its warpgroup MMAs serialized by ptxas (C7512: each waits for the last, e.g. for want of the
+    # registers to keep a register operand live while it is in flight, as a 128-register cap does to moe_rs)
+    control = "MoE prefill, register operand capped at 128 registers (serialized)"
+    assert not [r[:3] for r in rows if r[8] == "serialized" and r[0] != control]
+    assert any(r[0] == control and r[1] == "_moe_rs_kernel" and r[8] == "serialized" for r in rows)
     # the decode paths are the latency-critical ones: no spills there, except the attention's one-pass
     # entries layout (the small decode calls' default; a 64-token batch takes the two passes, which do not
     # spill), which the H200 measured faster spilling than the heads layout without (67.9 vs 81.4 us,
