@@ -265,14 +265,14 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
     """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
     (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders), or ("rs") both in the
     register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`, block_k its stage_k)."""
-    rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
-    rs_form["stage_k"] = form.get("block_k", 64)
     from kernels import moe_ws
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
     flat = [w.view(-1, w.shape[-1]) for w in (w1, w3, w2)]
     if which == "rs":  # both GEMMs in the register-operand form: act and h in its MMA order along K
         from kernels import moe_rs
+        rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
+        rs_form["stage_k"] = form.get("block_k", 64)
         x_sorted = moe_rs.rs_columns(xp).index_select(0, order.long() // k)
         for blocks, bm, bn, *_ in tiles:
             moe_rs.grouped_rs(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,

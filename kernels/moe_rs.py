@@ -25,7 +25,7 @@ import triton.language as tl  # noqa: F401 (the interpreter runs rs_h_column wit
 
 from kernels import moe_f8, moe_ws
 from kernels._formats import e2m1_pairs_ptx, register_cap
-from kernels.fp4_tiles import FOLD_FACTOR_OFFSET, FOLD_MAX_SCALE_BYTE, nib_position
+from kernels.fp4_tiles import nib_position
 
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
@@ -46,9 +46,12 @@ RS_ORDER = tuple(rs_position(m) for m in range(64))  # MMA position -> stored co
 
 
 def rs_columns(x: torch.Tensor) -> torch.Tensor:
-    """[rows, K] in NIB order along K -> the MMA's order (`RS_ORDER` inside each 64 columns), a copy."""
-    order = torch.tensor(RS_ORDER, device=x.device)
-    return x.view(x.shape[0], -1, 64).index_select(2, order).view(x.shape)
+    """[rows, K] in NIB order along K -> the MMA's order (`RS_ORDER` inside each 64 columns), a copy. RS_ORDER is a
+    permutation of the column's bits, so this is a permute of views: no index tensor made on the host a call (which
+    a CUDA graph's capture would refuse)."""
+    bits = x.reshape(x.shape[0], -1, 2, 2, 2, 2, 2, 2)  # stored column bits s5 .. s0
+    # MMA position bits m5 .. m0 = s3, s2, s1, s5, s4, s0 (rs_position: s = m0, m3, m4, m5, m1, m2 from bit 0)
+    return bits.permute(0, 1, 4, 5, 6, 2, 3, 7).reshape(x.shape)
 
 
 @triton.jit
@@ -67,13 +70,7 @@ _VALUES_PTX = ("{\n.reg .b32 m, s, q0, q1, q2, q3;\n" + e2m1_pairs_ptx("$8", out
 
 if moe_ws.HAVE_GLUON:
     _VALUES_ASM = gl.constexpr(_VALUES_PTX)
-    _FOLD_OFFSET = gl.constexpr(FOLD_FACTOR_OFFSET)
-    _FOLD_MAX = gl.constexpr(FOLD_MAX_SCALE_BYTE)
-
-    @triton.constexpr_function
-    def _acc_layout(bm):
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, getattr(bm, "value", bm), 16])
+    _acc_layout = moe_ws._acc_layout  # the [BN, BM] accumulator of 4 warps' wgmma, as the warp-specialized form's
 
     @triton.constexpr_function
     def _words_layout(bn):
@@ -90,10 +87,7 @@ if moe_ws.HAVE_GLUON:
         [BN, 64] bf16 in the wgmma's A layout (MMA K order: RS_ORDER), the scale folded in as
         fp4_tiles.fp4_decoded_folded does (NaN past FOLD_MAX_SCALE_BYTE)."""
         BN: gl.constexpr = words.shape[0]
-        b = sbytes.to(gl.int32)
-        f = gl.where(b <= _FOLD_MAX, (b + _FOLD_OFFSET) << 7, 0x7FC0)
-        f = f | (f << 16)
-        f, words = gl.broadcast(f, words)
+        f, words = moe_ws.fold_factors(sbytes, words)
         v = gl.inline_asm_elementwise(_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f],
                                       dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
         # pair k = (v[2k], v[2k + 1]); [BN, group, word, e, p1, p0] after the joins (join adds the last axis)

@@ -109,13 +109,19 @@ if HAVE_GLUON:
         return gl.BlockedLayout([1, 1, 4], [32 // groups, groups, 1], [4, 1, 1], [2, 1, 0])
 
     @gluon.jit
+    def fold_factors(sbytes, words):
+        """E8M0 bytes (any shape broadcasting against `words`) -> the folded factor 2^(s - 1) as a bf16x2 pair of
+        itself in int32 lanes, as fp4_tiles.fp4_bytes_folded makes it (NaN past FOLD_MAX_SCALE_BYTE), broadcast to
+        the words' shape; returns (factors, words)."""
+        b = sbytes.to(gl.int32)
+        f = gl.where(b <= _FOLD_MAX, (b + _FOLD_OFFSET) << 7, 0x7FC0)
+        return gl.broadcast(f | (f << 16), words)
+
+    @gluon.jit
     def _decoded(words, sbytes):
         """Words [BN, BK/32, 4] int32 and their group's E8M0 bytes [BN, BK/32, 1] -> [BN, BK/2] int32 bf16 pairs
         (NIB order), the scale folded in as fp4_tiles.fp4_decoded_folded does (NaN past FOLD_MAX_SCALE_BYTE)."""
-        b = sbytes.to(gl.int32)
-        f = gl.where(b <= _FOLD_MAX, (b + _FOLD_OFFSET) << 7, 0x7FC0)
-        f = f | (f << 16)
-        f, words = gl.broadcast(f, words)
+        f, words = fold_factors(sbytes, words)
         p0, p1, p2, p3 = gl.inline_asm_elementwise(_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [words, f, f],
                                                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
                                                    pack=1)
