@@ -212,6 +212,9 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
 # MMA's M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile),
 # BH 32 spills ~116 B (2 programs per token)
 ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
+             # the one-pass Gluon form on wgmma (kernels/sparse_attn_wgmma.py; untimed before run 38), 64- and 32-entry
+             # tiles
+             dict(layout="wgmma"), dict(layout="wgmma", block_n=32),
              dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
              # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)

@@ -442,8 +442,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
             block_n = 128 if decode_sized else block_n
     if layout is None:
         layout = "heads" if wide else "entries"
-    if layout not in ("heads", "entries", "two_pass"):
-        raise ValueError(f"sparse attention: layout must be 'heads', 'entries' or 'two_pass', got {layout!r}")
+    if layout not in ("heads", "entries", "two_pass", "wgmma"):
+        raise ValueError(f"sparse attention: layout must be 'heads', 'entries', 'two_pass' or 'wgmma', got {layout!r}")
     if wide and layout != "heads":
         raise ValueError(f"sparse attention: layout={layout!r} addresses the caches with int32 offsets; "
                          f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
@@ -454,6 +454,10 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
               idx.to(torch.int32).contiguous(), win.contiguous().view(torch.int32),
               win_scale.contiguous().view(torch.uint8), win_idx.to(torch.int32).contiguous())
     sink32 = sink.float().contiguous()
+    if layout == "wgmma":  # the one-pass Gluon form (kernels/sparse_attn_wgmma.py), bf16 q as the two passes read it
+        from kernels.sparse_attn_wgmma import sparse_attn_wgmma
+        return sparse_attn_wgmma(q.to(torch.bfloat16).contiguous(), *caches, sink32, scale, block_n=block_n or 64,
+                                 float_out=float_out, n_sel=n_sel)
     if layout == "two_pass":
         from kernels.sparse_attn_decode import sparse_attn_two_pass
         # q as bf16 (the values the kernels round it to as they load it): pass 1 reads q once per entry tile, and

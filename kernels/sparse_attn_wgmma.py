@@ -1,0 +1,201 @@
+"""The sparse attention prefill in one pass on Hopper's warpgroup MMAs (Gluon; GPU only).
+
+Why: the Triton two passes (kernels/sparse_attn_decode.py, the prefill's default) decode every entry twice (scores,
+then the weighted sum), pass the weights through global memory, and read a token's 64 KB query once per 64-entry
+tile; Nsight and the census put them at a quarter of the issue slots, waiting on latency. Here one program (8 warps,
+two warpgroups) takes one token's 64-head block: its query in shared memory once, then per tile of BN entries
+(selected FP4 tiles, then FP8 window tiles) the entries decoded once into shared memory as bf16 [BN, D], and
+- S [64 heads, BN] = Q . K^T by wgmma (both operands in shared memory; each warpgroup half of the entries),
+- the online softmax in exp2 units (a row's max and sum across both warpgroups),
+- O [64, D] += P . V by wgmma, P bf16 through shared memory (each warpgroup half of D: 128 accumulator registers),
+and the next tile decoded into the other buffer while this tile's O MMAs run. The sink joins the denominator at the
+end. Entries are decoded at kv / 256 (kernels/sparse_attn.py's fold: the FP4 bit placement's factor stays finite).
+
+Values: the two passes' (the same decoded bf16 entries and bf16 query, float32 sums), but P is rounded to bf16 where
+the two passes store float16 weights: a relative 2^-9 a weight instead of 2^-12 (tests/test_kernels_sparse_attn_
+wgmma.py's GPU case holds it to the float64 reference). Gluon has no interpreter: the GPU test checks it, the sm_90
+compile test compiles it anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels import moe_ws
+from kernels._formats import E2M1_BF16_SCALED_PTX
+from kernels.sparse_attn import qk_log2
+
+if moe_ws.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_init, warpgroup_mma_wait)
+
+    _E2M1_ASM = gl.constexpr(E2M1_BF16_SCALED_PTX)
+    # the CTA barrier: gl.barrier from triton 3.7, gl.thread_barrier in 3.6 (the device's)
+    _sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    @triton.constexpr_function
+    def _acc_layout(n):
+        """A [64, n] accumulator over two warpgroups, each n / 2 columns."""
+        n = getattr(n, "value", n)
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
+
+    # the MMAs' bf16 operands in shared memory (the query, the entry tiles, the weights): 128-byte swizzle
+    _OPERAND = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+    @gluon.jit
+    def _entries(row, start, end, BN: gl.constexpr, layout: gl.constexpr):
+        """Entry indices [BN] at row[start, end) (-1 past end), in `layout`."""
+        ar = start + gl.arange(0, BN, layout=layout)
+        return gl.load(row + ar, mask=ar < end, other=-1)
+
+    @gluon.jit
+    def _fill_fp4(dst, kvb_ptr, kvs_ptr, ent_row, start, end, BN: gl.constexpr, D: gl.constexpr, DC: gl.constexpr):
+        """FP4 entries -> dst [BN, D] bf16 (kv / 256), DC dims at a time: their packed bytes [BN, DC/16 groups, 8]
+        and each group's E4M3 scale, decoded by bit assembly (kernels/_formats.py, 2.6 instructions a value) with the
+        scale times 2^118 as the factor."""
+        G: gl.constexpr = DC // 16
+        raw: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // G, G, 1], [8, 1, 1], [2, 1, 0])
+        ent = _entries(ent_row, start, end, BN, gl.SliceLayout(1, gl.SliceLayout(2, raw)))
+        ok = gl.expand_dims(ent >= 0, 1)
+        r = gl.expand_dims(gl.where(ent >= 0, ent, 0).to(gl.int64), 1)
+        g = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, raw))), 0)
+        j = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, raw))), 0), 1)
+        for c in gl.static_range(D // DC):
+            sc = gl.load(kvs_ptr + r * (D // 16) + c * G + g, mask=ok, other=0)  # [BN, G]
+            b = gl.load(kvb_ptr + gl.expand_dims(r * (D // 2) + c * (DC // 2) + g * 8, 2) + j,
+                        mask=gl.expand_dims(ok, 2), other=0)  # [BN, G, 8] uint8
+            f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622794e+35).to(gl.bfloat16)
+            f, b = gl.broadcast(gl.expand_dims(f, 2), b)
+            lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+            dst.slice(c * DC, DC, dim=1).store(gl.reshape(gl.join(lo, hi), [BN, DC]))  # dim 16 g + 2 j + nibble
+
+    @gluon.jit
+    def _fill_win(dst, winb_ptr, wins_ptr, ent_row, start, end, BN: gl.constexpr, D: gl.constexpr, DC: gl.constexpr):
+        """FP8 window entries -> dst [BN, D] bf16 (kv / 256), DC dims at a time: E4M3 bytes [BN, DC/32 groups, 32]
+        times their E8M0 scale / 256 (scales below 2^-118 taken as 2^-118, as the two passes do)."""
+        G: gl.constexpr = DC // 32
+        raw: gl.constexpr = gl.BlockedLayout([1, 1, 16], [16 // G, G, 2], [8, 1, 1], [2, 1, 0])
+        ent = _entries(ent_row, start, end, BN, gl.SliceLayout(1, gl.SliceLayout(2, raw)))
+        ok = gl.expand_dims(ent >= 0, 1)
+        r = gl.expand_dims(gl.where(ent >= 0, ent, 0).to(gl.int64), 1)
+        g = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, raw))), 0)
+        j = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, raw))), 0), 1)
+        for c in gl.static_range(D // DC):
+            sc = gl.load(wins_ptr + r * (D // 32) + c * G + g, mask=ok, other=0).to(gl.int32)  # [BN, G]
+            b = gl.load(winb_ptr + gl.expand_dims(r * D + c * DC + g * 32, 2) + j, mask=gl.expand_dims(ok, 2),
+                        other=0)  # [BN, G, 32] uint8
+            m = ((gl.maximum(sc, 9) - 8) << 23).to(gl.float32, bitcast=True)  # 2^(s - 127) / 256
+            v = b.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(m, 2)
+            dst.slice(c * DC, DC, dim=1).store(gl.reshape(v.to(gl.bfloat16), [BN, DC]))
+
+    @gluon.jit
+    def _fill(dst, i, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr, wins_ptr,
+              BN: gl.constexpr, D: gl.constexpr, DC: gl.constexpr):
+        """Tile i (selected tiles first, then the window's) decoded into dst, then made visible to the MMAs."""
+        if i < n_st:
+            _fill_fp4(dst, kvb_ptr, kvs_ptr, idx_row, i * BN, n_sel, BN, D, DC)
+        else:
+            _fill_win(dst, winb_ptr, wins_ptr, widx_row, (i - n_st) * BN, n_win, BN, D, DC)
+        fence_async_shared()
+        _sync_warps()
+
+    @gluon.jit
+    def _sparse_attn_wgmma_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
+                                  n_sel, n_win, qk2, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
+                                  DC: gl.constexpr):
+        """Token t = program 0, heads [64 program 1, +64): softmax(scale q . kv) . kv over its selected entries and
+        window slots, with the sink in the denominator."""
+        t = gl.program_id(0).to(gl.int64)
+        h0 = gl.program_id(1) * 64
+        s_layout: gl.constexpr = _acc_layout(BN)
+        o_layout: gl.constexpr = _acc_layout(D)
+        qs = gl.allocate_shared_memory(gl.bfloat16, [64, D], _OPERAND)
+        kb = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _OPERAND)
+        pb = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BN], _OPERAND)
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        qh = gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
+        qd = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+        qs.store(gl.load(q_ptr + (t * H + h0 + gl.expand_dims(qh, 1)) * D + gl.expand_dims(qd, 0)))
+        idx_row = idx_ptr + t * n_sel
+        widx_row = widx_ptr + t * n_win
+        n_st = gl.cdiv(n_sel, BN)
+        n_t = n_st + gl.cdiv(n_win, BN)
+        m_i = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: an empty tile sums to 0
+        l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+        o = warpgroup_mma_init(gl.zeros([64, D], gl.float32, o_layout))  # carried as an MMA in flight
+        for i in range(gl.maximum(n_t, 1)):  # at least once (an empty tile adds nothing): no path around the MMAs
+            b = i % 2
+            # tile i into its buffer (its last readers, tile i - 2's MMAs, are done: every warp has waited since),
+            # under tile i - 1's O MMAs
+            _fill(kb.index(b), i, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, BN, D,
+                  DC)
+            # the last tile's O MMAs done before S's accumulator is set up (registers an MMA in flight owns are
+            # written by none but it: ptxas serializes every wgmma otherwise, C7515)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            s = warpgroup_mma(qs, kb.index(b).permute((1, 0)), gl.zeros([64, BN], gl.float32, s_layout),
+                              use_acc=False)
+            win = i >= n_st
+            ent = _entries(gl.where(win, widx_row, idx_row), gl.where(win, i - n_st, i) * BN,
+                           gl.where(win, n_win, n_sel), BN, gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(ent >= 0, 0), s * qk2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            pb.index(b).store(p.to(gl.bfloat16))
+            fence_async_shared()
+            _sync_warps()  # every warp's weights stored, and past its wait for the tile before's MMAs
+            o = warpgroup_mma(pb.index(b), kb.index(b), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        heads = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        sink = gl.load(sink_ptr + heads) * 1.4426950408889634
+        mm = gl.maximum(m_i, sink)
+        a = gl.exp2(m_i - mm)
+        factor = gl.convert_layout(a * 256.0 / (l_i * a + gl.exp2(sink - mm)), gl.SliceLayout(1, o_layout))
+        out = (o * gl.expand_dims(factor, 1)).to(gl.bfloat16)
+        oh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+        od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_ptr + (t * H + gl.expand_dims(oh, 1)) * D + gl.expand_dims(od, 0), out.to(out_ptr.dtype.element_ty))
+
+
+def wgmma_fits(h: int, d: int) -> bool:
+    """Whether this form takes the shape: 64-head blocks, and a head dim whose query, two entry tiles and weights
+    fit an SM's shared memory (D = 512, the release's: 64 + 2 x 64 + 16 KB at 64-entry tiles)."""
+    return h % 64 == 0 and d in (128, 256, 512)
+
+
+def runs_on(device) -> bool:
+    """Whether the form runs here: Gluon and a Hopper GPU (as the Gluon experts)."""
+    return moe_ws.runs_on(device)
+
+
+def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, scale: float, block_n: int = 64,
+                      float_out: bool = False, n_sel: int | None = None) -> torch.Tensor:
+    """The one-pass wgmma form. q bf16 [T, H, D]; kvb the FP4 bytes (uint8 [N, D/2]), kv_scale their E4M3 bytes
+    (uint8 [N, D/16]), winb the window's E4M3 bytes (uint8 [W, D]), win_scale its E8M0 bytes (uint8 [W, D/32]),
+    indices int32 (-1 = none), sink float32 [H], all contiguous (sparse_attn_triton prepares them). block_n: entries a
+    tile (64, or 32 for less shared memory). n_sel: the selected slots a row (None: idx's width). Returns bf16
+    [T, H, D] (float_out: those values as float32). Host side: nothing made on or read from the host."""
+    if not moe_ws.HAVE_GLUON:
+        raise RuntimeError("the wgmma sparse attention needs triton.experimental.gluon (triton >= 3.6)")
+    t, h, d = q.shape
+    if not wgmma_fits(h, d) or block_n not in (32, 64):
+        raise ValueError(f"sparse attention (wgmma): needs heads a multiple of 64 (got {h}), head dim 128, 256 or 512 "
+                         f"(got {d}) and block_n 32 or 64 (got {block_n})")
+    n_sel = idx.shape[1] if n_sel is None else n_sel
+    out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
+    if t:
+        _sparse_attn_wgmma_kernel[(t, h // 64)](
+            q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
+            win_scale.view(torch.uint8), win_idx, sink, out, n_sel, win_idx.shape[1], qk_log2(scale), H=h, D=d,
+            BN=block_n, DC=min(d, 128), num_warps=8)
+    return out
+
+
+__all__ = ["runs_on", "sparse_attn_wgmma", "wgmma_fits"]
