@@ -52,6 +52,25 @@ def test_attention_knobs_ask_the_kernel_for_two_passes_where_offsets_reach(monke
     assert ops._attn_launch(args(small)) == {"weight_bytes": 1 << 27}
 
 
+def test_attn_wgmma_knob_takes_the_one_pass_gluon_form_only_where_it_runs_and_fills_the_sms(monkeypatch):
+    """attn_wgmma: layout "wgmma" for a call whose 64-head programs fill the SMs at least once, on a device where the
+    Gluon form runs, with heads and head dim it tiles; otherwise the other knobs' options (here none)."""
+    import engine.ops.triton as T
+    from kernels import sparse_attn_wgmma
+
+    ops = T.TritonOps.__new__(T.TritonOps)
+    ops.device = torch.device("cpu")
+    ops.set_knobs("attn_wgmma=1")
+    monkeypatch.setattr(T, "interpreter_active", lambda: True)
+    small = torch.empty(100, 256, device="meta")
+    args = lambda t, h=64, d=512: (torch.empty(t, h, d, device="meta"), small, None, None, small)
+    for runs, t, h, d, want in ((True, 132, 64, 512, {"layout": "wgmma"}), (True, 66, 128, 512, {"layout": "wgmma"}),
+                                (True, 131, 64, 512, {}), (True, 4096, 16, 512, {}), (True, 4096, 64, 1024, {}),
+                                (False, 4096, 64, 512, {})):
+        monkeypatch.setattr(sparse_attn_wgmma, "runs_on", lambda device, _runs=runs: _runs)
+        assert ops._attn_launch(args(t, h, d)) == want, (runs, t, h, d)
+
+
 def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):
     """TritonOps._mhc over `reference` numerics: with mhc_f32_stream (the default) the kernel gets the float32
     stream and y as they are, with bf16_values, and its outputs come back as they are; off, bf16 copies go in

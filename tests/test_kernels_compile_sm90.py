@@ -82,10 +82,13 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     kernels = {(r[0], r[1]): r for r in rows}
     for case, kernel in (("fp8 linear 128x5120x8192", "_fp8_linear_kernel"), ("MoE prefill", "_moe_gate_up_kernel"),
                          ("MoE prefill, warp-specialized grouped GEMMs (Gluon)", "_moe_ws_kernel"),
-                         ("MoE prefill, FP4 decoded into the wgmma's register operand (Gluon)", "_moe_rs_kernel")):
+                         ("MoE prefill, FP4 decoded into the wgmma's register operand (Gluon)", "_moe_rs_kernel"),
+                         ("sparse attention prefill 4K, one pass on wgmma (Gluon)", "_sparse_attn_wgmma_kernel")):
         assert kernels[(case, kernel)][8] == "yes", (case, kernel)
     # the register-operand form's 64-token tiles hold the decoded tile in registers: no spill
     assert all(int(r[6]) == 0 for r in rows if r[1] == "_moe_rs_kernel" and "BM=64" in r[2]), "moe_rs spills"
+    # the one-pass attention holds O (128 registers) under its MMAs and decodes the next tile beside it: no spill
+    assert all(int(r[6]) == 0 for r in rows if r[1] == "_sparse_attn_wgmma_kernel"), "wgmma attention spills"
     # no kernel has its warpgroup MMAs serialized by ptxas (C7512: each waits for the last, e.g. for want of the
     # registers to keep a register operand live while it is in flight, as a 128-register cap does to moe_rs)
     control = "MoE prefill, register operand capped at 128 registers (serialized)"

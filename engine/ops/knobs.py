@@ -92,6 +92,10 @@ class KernelKnobs:
     # straight into the wgmma's A fragment, asynchronous wgmma under the next decode) on a Hopper GPU with the folded
     # decode; the same values (sums in another order inside each 64-wide K step). Off until timed.
     moe_rs = False
+    # a prefill's sparse attention in one pass on wgmma (kernels/sparse_attn_wgmma.py, Gluon: each tile decoded once
+    # into shared memory, S and O by warpgroup MMAs) on a Hopper GPU, where its programs fill the SMs at least once
+    # (a decode step keeps the two passes); P rounded to bf16 where the two passes store float16. Off until timed
+    attn_wgmma = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
@@ -102,7 +106,7 @@ class KernelKnobs:
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
-             "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs")
+             "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

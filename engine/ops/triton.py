@@ -370,13 +370,20 @@ class TritonOps(KernelKnobs, PointwiseKernels):
 
     def _attn_launch(self, args) -> dict:
         """The sparse attention kernel's launch options the knobs ask for (none where its reference runs)."""
-        if not (self.attn_two_pass or self.attn_bf16x2 or self.attn_one_pass or self.attn_big_chunks):
+        if not (self.attn_two_pass or self.attn_bf16x2 or self.attn_one_pass or self.attn_big_chunks or self.attn_wgmma):
             return {}  # the decode step's hot path: nothing imported or checked with the knobs off
         from kernels import dispatch
         if not (dispatch.use_triton(self.device) or interpreter_active()):
             return {}
         from kernels.sparse_attn import int32_offsets_reach
         q, kv_p, win_q = args[0], args[1], args[4]
+        if self.attn_wgmma:
+            from kernels import sparse_attn_wgmma
+            from kernels._formats import sm_count
+            t, h, d = q.shape
+            if (sparse_attn_wgmma.runs_on(q.device) and sparse_attn_wgmma.wgmma_fits(h, d)
+                    and t * (h // 64) >= sm_count(q.device)):
+                return {"layout": "wgmma"}
         if self.attn_one_pass:
             return {"layout": "entries" if int32_offsets_reach(kv_p, win_q, q.shape[-1]) else "heads"}
         options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
