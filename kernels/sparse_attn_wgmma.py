@@ -42,8 +42,14 @@ if moe_ws.HAVE_GLUON:
         n = getattr(n, "value", n)
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
 
-    # the MMAs' bf16 operands in shared memory (the query, the entry tiles, the weights): 128-byte swizzle
+    # the MMAs' bf16 operands in shared memory (the query, the entry tiles): 128-byte swizzle
     _OPERAND = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+    @triton.constexpr_function
+    def _weights_layout(bn):
+        """P [64, BN] bf16 in shared memory: a swizzle as wide as its rows (64 bytes at 32-entry tiles)."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * getattr(bn, "value", bn)), element_bitwidth=16,
+                                    rank=2)
 
     @gluon.jit
     def _entries(row, start, end, BN: gl.constexpr, layout: gl.constexpr):
@@ -115,7 +121,7 @@ if moe_ws.HAVE_GLUON:
         o_layout: gl.constexpr = _acc_layout(D)
         qs = gl.allocate_shared_memory(gl.bfloat16, [64, D], _OPERAND)
         kb = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _OPERAND)
-        pb = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BN], _OPERAND)
+        pb = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BN], _weights_layout(BN))
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         qh = gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
         qd = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
