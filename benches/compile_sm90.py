@@ -251,6 +251,8 @@ def cases():
             ("sparse attention prefill 4K, float32 q", attention(4096, torch.float32)),
             ("sparse attention prefill 4K, window only", attention(4096, selected=0)),
             ("sparse attention prefill 4K, one pass on wgmma (Gluon)", attention(4096, layout="wgmma")),
+            ("sparse attention prefill 4K, one pass on wgmma, S a tile ahead (Gluon)", attention(
+                4096, layout="wgmma", block_n=32, wgmma=dict(ahead=True))),
             ("sparse attention decode b64, window only", attention(64, selected=0)),
             ("MoE decode 1 token", experts(1)), ("MoE decode 1 token, the engine's hidden state", experts(1, hidden="reference")),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),

@@ -396,7 +396,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
                        block_h: int | None = None, block_n: int | None = None, num_warps: int = 8,
                        num_stages: int = 1, split: int | None = None, merge_heads: int = 8, d_split: int = 1,
                        layout: str | None = None, float_out: bool = False, two_pass: dict | None = None,
-                       weight_bytes: int | None = None):
+                       weight_bytes: int | None = None, wgmma: dict | None = None):
     """Triton sparse attention; same inputs and output as sparse_attn_reference.
 
     layout (module docstring): None picks "two_pass" in its bf16x2 form for a decode batch of 16+ tokens and
@@ -415,6 +415,8 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     the weighted sum over column blocks in a second; block_h and block_n as above (None: 64 and 64), its other
     launch options in the dict two_pass (sparse_attn_two_pass's keywords; num_warps, num_stages, split and
     d_split here do not apply).
+    layout="wgmma" (kernels/sparse_attn_wgmma.py, Gluon on a Hopper GPU): one pass, each tile decoded once into shared
+    memory, S and O by warpgroup MMAs; block_n 64 or 32, its other options in the dict wgmma (ahead).
     float_out: the bf16 output's values stored as float32 (rounded to nearest even in the kernel), what the
     reference numerics keep, without a widening copy. weight_bytes: the two passes' weights buffer (None: theirs,
     64 MB), which sets how many tokens a launch pair takes; on top of two_pass, default or given.
@@ -457,7 +459,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     if layout == "wgmma":  # the one-pass Gluon form (kernels/sparse_attn_wgmma.py), bf16 q as the two passes read it
         from kernels.sparse_attn_wgmma import sparse_attn_wgmma
         return sparse_attn_wgmma(q.to(torch.bfloat16).contiguous(), *caches, sink32, scale, block_n=block_n or 64,
-                                 float_out=float_out, n_sel=n_sel)
+                                 float_out=float_out, n_sel=n_sel, **(wgmma or {}))
     if layout == "two_pass":
         from kernels.sparse_attn_decode import sparse_attn_two_pass
         # q as bf16 (the values the kernels round it to as they load it): pass 1 reads q once per entry tile, and

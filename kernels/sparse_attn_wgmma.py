@@ -110,17 +110,33 @@ if moe_ws.HAVE_GLUON:
         _sync_warps()
 
     @gluon.jit
+    def _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN: gl.constexpr):
+        """Tile i's S (its empty slots masked) -> its weights P (bf16) and the running max and sum; O rescaled."""
+        s_layout: gl.constexpr = s.type.layout
+        win = i >= n_st
+        ent = _entries(gl.where(win, widx_row, idx_row), gl.where(win, i - n_st, i) * BN, gl.where(win, n_win, n_sel),
+                       BN, gl.SliceLayout(0, s_layout))
+        s = gl.where(gl.expand_dims(ent >= 0, 0), s * qk2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)
+        return p.to(gl.bfloat16), m_new, l_i * alpha + gl.sum(p, axis=1), o
+
+    @gluon.jit
     def _sparse_attn_wgmma_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
                                   n_sel, n_win, qk2, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
-                                  DC: gl.constexpr):
+                                  DC: gl.constexpr, AHEAD: gl.constexpr):
         """Token t = program 0, heads [64 program 1, +64): softmax(scale q . kv) . kv over its selected entries and
-        window slots, with the sink in the denominator."""
+        window slots, with the sink in the denominator. AHEAD: S of tile i + 1 issued right after tile i's O MMAs
+        and tile i + 2 decoded under both (three tile buffers); else S waited on as issued (two buffers)."""
         t = gl.program_id(0).to(gl.int64)
         h0 = gl.program_id(1) * 64
         s_layout: gl.constexpr = _acc_layout(BN)
         o_layout: gl.constexpr = _acc_layout(D)
+        NBUF: gl.constexpr = 3 if AHEAD else 2
         qs = gl.allocate_shared_memory(gl.bfloat16, [64, D], _OPERAND)
-        kb = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _OPERAND)
+        kb = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, D], _OPERAND)
         pb = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BN], _weights_layout(BN))
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         qh = gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
@@ -133,32 +149,44 @@ if moe_ws.HAVE_GLUON:
         m_i = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: an empty tile sums to 0
         l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
         o = warpgroup_mma_init(gl.zeros([64, D], gl.float32, o_layout))  # carried as an MMA in flight
-        for i in range(gl.maximum(n_t, 1)):  # at least once (an empty tile adds nothing): no path around the MMAs
-            b = i % 2
-            # tile i into its buffer (its last readers, tile i - 2's MMAs, are done: every warp has waited since),
-            # under tile i - 1's O MMAs
-            _fill(kb.index(b), i, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, BN, D,
+        s0 = gl.zeros([64, BN], gl.float32, s_layout)
+        # every loop below runs at least once (an empty tile adds nothing): a path around the loop that zeroes O
+        # where the loop's MMAs write it made ptxas serialize every wgmma (C7515)
+        if AHEAD:
+            _fill(kb.index(0), 0, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, BN, D,
                   DC)
-            # the last tile's O MMAs done before S's accumulator is set up (registers an MMA in flight owns are
-            # written by none but it: ptxas serializes every wgmma otherwise, C7515)
+            # tile 0's S waited on here: O's zeros, which the compiler places after this MMA, are then set up with
+            # no MMA in flight (C7515 otherwise)
+            s = warpgroup_mma_init(warpgroup_mma(qs, kb.index(0).permute((1, 0)), s0, use_acc=False))
+            for i in range(gl.maximum(n_t, 1)):
+                # tile i + 1 into the buffer tile i - 2's MMAs read (every warp has waited on them since), under
+                # tile i's S and tile i - 1's O
+                _fill(kb.index((i + 1) % 3), i + 1, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr,
+                      wins_ptr, BN, D, DC)
+                s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s, o))
+                p, m_i, l_i, o = _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN)
+                pb.index(i % 2).store(p)
+                fence_async_shared()
+                _sync_warps()  # every warp's weights stored, and past its wait for the tile before's MMAs
+                o = warpgroup_mma(pb.index(i % 2), kb.index(i % 3), o, is_async=True)
+                # S of tile i + 1 (past the last tile: a tile of nothing, never read), into S's spent registers
+                s = warpgroup_mma(qs, kb.index((i + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
+            s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s, o))
+        else:
+            for i in range(gl.maximum(n_t, 1)):
+                b = i % 2
+                # tile i into its buffer (its last readers, tile i - 2's MMAs, are done: every warp has waited since),
+                # under tile i - 1's O MMAs
+                _fill(kb.index(b), i, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, BN,
+                      D, DC)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                s = warpgroup_mma(qs, kb.index(b).permute((1, 0)), s0, use_acc=False)
+                p, m_i, l_i, o = _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN)
+                pb.index(b).store(p)
+                fence_async_shared()
+                _sync_warps()  # every warp's weights stored, and past its wait for the tile before's MMAs
+                o = warpgroup_mma(pb.index(b), kb.index(b), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            s = warpgroup_mma(qs, kb.index(b).permute((1, 0)), gl.zeros([64, BN], gl.float32, s_layout),
-                              use_acc=False)
-            win = i >= n_st
-            ent = _entries(gl.where(win, widx_row, idx_row), gl.where(win, i - n_st, i) * BN,
-                           gl.where(win, n_win, n_sel), BN, gl.SliceLayout(0, s_layout))
-            s = gl.where(gl.expand_dims(ent >= 0, 0), s * qk2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            pb.index(b).store(p.to(gl.bfloat16))
-            fence_async_shared()
-            _sync_warps()  # every warp's weights stored, and past its wait for the tile before's MMAs
-            o = warpgroup_mma(pb.index(b), kb.index(b), o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         heads = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         sink = gl.load(sink_ptr + heads) * 1.4426950408889634
         mm = gl.maximum(m_i, sink)
@@ -168,6 +196,9 @@ if moe_ws.HAVE_GLUON:
         oh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
         od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         gl.store(out_ptr + (t * H + gl.expand_dims(oh, 1)) * D + gl.expand_dims(od, 0), out.to(out_ptr.dtype.element_ty))
+
+
+_SHARED_LIMIT = 220 * 1024  # an sm_90 program's 227 KB, less room for the reductions' scratch
 
 
 def wgmma_fits(h: int, d: int) -> bool:
@@ -181,27 +212,37 @@ def runs_on(device) -> bool:
     return moe_ws.runs_on(device)
 
 
+def shared_bytes(d: int, block_n: int, ahead: bool) -> int:
+    """The form's shared memory: the query, the entry tiles (three with ahead) and the two weights buffers, bf16."""
+    return 2 * (64 * d + (3 if ahead else 2) * block_n * d + 2 * 64 * block_n)
+
+
 def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, scale: float, block_n: int = 64,
-                      float_out: bool = False, n_sel: int | None = None) -> torch.Tensor:
+                      ahead: bool = False, float_out: bool = False, n_sel: int | None = None) -> torch.Tensor:
     """The one-pass wgmma form. q bf16 [T, H, D]; kvb the FP4 bytes (uint8 [N, D/2]), kv_scale their E4M3 bytes
     (uint8 [N, D/16]), winb the window's E4M3 bytes (uint8 [W, D]), win_scale its E8M0 bytes (uint8 [W, D/32]),
     indices int32 (-1 = none), sink float32 [H], all contiguous (sparse_attn_triton prepares them). block_n: entries a
-    tile (64, or 32 for less shared memory). n_sel: the selected slots a row (None: idx's width). Returns bf16
-    [T, H, D] (float_out: those values as float32). Host side: nothing made on or read from the host."""
+    tile (64, or 32 for less shared memory). ahead: each tile's S issued before the next tile's decode, which then
+    runs under it too (three tile buffers: at D = 512, 32-entry tiles only). n_sel: the selected slots a row (None:
+    idx's width). Returns bf16 [T, H, D] (float_out: those values as float32). Host side: nothing made on or read
+    from the host."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the wgmma sparse attention needs triton.experimental.gluon (triton >= 3.6)")
     t, h, d = q.shape
     if not wgmma_fits(h, d) or block_n not in (32, 64):
         raise ValueError(f"sparse attention (wgmma): needs heads a multiple of 64 (got {h}), head dim 128, 256 or 512 "
                          f"(got {d}) and block_n 32 or 64 (got {block_n})")
+    if shared_bytes(d, block_n, ahead) > _SHARED_LIMIT:
+        raise ValueError(f"sparse attention (wgmma): {shared_bytes(d, block_n, ahead)} bytes of shared memory at head "
+                         f"dim {d}, {block_n}-entry tiles{' ahead' if ahead else ''}: over {_SHARED_LIMIT}")
     n_sel = idx.shape[1] if n_sel is None else n_sel
     out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
     if t:
         _sparse_attn_wgmma_kernel[(t, h // 64)](
             q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
             win_scale.view(torch.uint8), win_idx, sink, out, n_sel, win_idx.shape[1], qk_log2(scale), H=h, D=d,
-            BN=block_n, DC=min(d, 128), num_warps=8)
+            BN=block_n, DC=min(d, 128), AHEAD=ahead, num_warps=8)
     return out
 
 
-__all__ = ["runs_on", "sparse_attn_wgmma", "wgmma_fits"]
+__all__ = ["runs_on", "shared_bytes", "sparse_attn_wgmma", "wgmma_fits"]
