@@ -195,7 +195,8 @@ if moe_ws.HAVE_GLUON:
         out = (o * gl.expand_dims(factor, 1)).to(gl.bfloat16)
         oh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
         od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_ptr + (t * H + gl.expand_dims(oh, 1)) * D + gl.expand_dims(od, 0), out.to(out_ptr.dtype.element_ty))
+        gl.store(out_ptr + (t * H + gl.expand_dims(oh, 1)) * D + gl.expand_dims(od, 0),
+                 out.to(out_ptr.dtype.element_ty))
 
 
 _SHARED_LIMIT = 220 * 1024  # an sm_90 program's 227 KB, less room for the reductions' scratch

@@ -370,7 +370,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
 
     def _attn_launch(self, args) -> dict:
         """The sparse attention kernel's launch options the knobs ask for (none where its reference runs)."""
-        if not (self.attn_two_pass or self.attn_bf16x2 or self.attn_one_pass or self.attn_big_chunks or self.attn_wgmma):
+        if not (self.attn_two_pass or self.attn_bf16x2 or self.attn_one_pass or self.attn_big_chunks
+                or self.attn_wgmma):
             return {}  # the decode step's hot path: nothing imported or checked with the knobs off
         from kernels import dispatch
         if not (dispatch.use_triton(self.device) or interpreter_active()):
