@@ -58,17 +58,25 @@ if moe_ws.HAVE_GLUON:
         return gl.load(row + ar, mask=ar < end, other=-1)
 
     @gluon.jit
+    def _gather_index(ent_row, start, end, BN: gl.constexpr, G: gl.constexpr, W: gl.constexpr,
+                      raw: gl.constexpr):
+        """A tile's gather over [BN entries, G scale groups, W bytes a group] in the layout `raw`: whether each
+        entry is there [BN, 1], its row [BN, 1] (int64; 0 where not), the group [1, G] and byte [1, 1, W] indices."""
+        ent = _entries(ent_row, start, end, BN, gl.SliceLayout(1, gl.SliceLayout(2, raw)))
+        ok = gl.expand_dims(ent >= 0, 1)
+        r = gl.expand_dims(gl.where(ent >= 0, ent, 0).to(gl.int64), 1)
+        g = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, raw))), 0)
+        j = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, raw))), 0), 1)
+        return ok, r, g, j
+
+    @gluon.jit
     def _fill_fp4(dst, kvb_ptr, kvs_ptr, ent_row, start, end, BN: gl.constexpr, D: gl.constexpr, DC: gl.constexpr):
         """FP4 entries -> dst [BN, D] bf16 (kv / 256), DC dims at a time: their packed bytes [BN, DC/16 groups, 8]
         and each group's E4M3 scale, decoded by bit assembly (kernels/_formats.py, 2.6 instructions a value) with the
         scale times 2^118 as the factor."""
         G: gl.constexpr = DC // 16
-        raw: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // G, G, 1], [8, 1, 1], [2, 1, 0])
-        ent = _entries(ent_row, start, end, BN, gl.SliceLayout(1, gl.SliceLayout(2, raw)))
-        ok = gl.expand_dims(ent >= 0, 1)
-        r = gl.expand_dims(gl.where(ent >= 0, ent, 0).to(gl.int64), 1)
-        g = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, raw))), 0)
-        j = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, raw))), 0), 1)
+        ok, r, g, j = _gather_index(ent_row, start, end, BN, G, 8,
+                                    gl.BlockedLayout([1, 1, 8], [32 // G, G, 1], [8, 1, 1], [2, 1, 0]))
         for c in gl.static_range(D // DC):
             sc = gl.load(kvs_ptr + r * (D // 16) + c * G + g, mask=ok, other=0)  # [BN, G]
             b = gl.load(kvb_ptr + gl.expand_dims(r * (D // 2) + c * (DC // 2) + g * 8, 2) + j,
@@ -84,12 +92,8 @@ if moe_ws.HAVE_GLUON:
         """FP8 window entries -> dst [BN, D] bf16 (kv / 256), DC dims at a time: E4M3 bytes [BN, DC/32 groups, 32]
         times their E8M0 scale / 256 (scales below 2^-118 taken as 2^-118, as the two passes do)."""
         G: gl.constexpr = DC // 32
-        raw: gl.constexpr = gl.BlockedLayout([1, 1, 16], [16 // G, G, 2], [8, 1, 1], [2, 1, 0])
-        ent = _entries(ent_row, start, end, BN, gl.SliceLayout(1, gl.SliceLayout(2, raw)))
-        ok = gl.expand_dims(ent >= 0, 1)
-        r = gl.expand_dims(gl.where(ent >= 0, ent, 0).to(gl.int64), 1)
-        g = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, raw))), 0)
-        j = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, raw))), 0), 1)
+        ok, r, g, j = _gather_index(ent_row, start, end, BN, G, 32,
+                                    gl.BlockedLayout([1, 1, 16], [16 // G, G, 2], [8, 1, 1], [2, 1, 0]))
         for c in gl.static_range(D // DC):
             sc = gl.load(wins_ptr + r * (D // 32) + c * G + g, mask=ok, other=0).to(gl.int32)  # [BN, G]
             b = gl.load(winb_ptr + gl.expand_dims(r * D + c * DC + g * 32, 2) + j, mask=gl.expand_dims(ok, 2),
