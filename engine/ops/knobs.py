@@ -90,12 +90,16 @@ class KernelKnobs:
     moe_ws = False
     # a prefill's grouped GEMMs in the register-operand Gluon form (kernels/moe_rs.py: each FP4 tile decoded
     # straight into the wgmma's A fragment, asynchronous wgmma under the next decode) on a Hopper GPU with the folded
-    # decode; the same values (sums in another order inside each 64-wide K step). Off until timed.
-    moe_rs = False
+    # decode; the same values (sums in another order inside each 64-wide K step). H100 run 38a: the kernel bench's
+    # 4K experts 5,912 us against the default's 8,345 (rel 2.1e-4 to it; the GPU test's cases pass against float64);
+    # the layer's prefill graph 0.838x (Reuse 12.95 -> 10.85 ms) and 0.843x (Full m=1 14.74 -> 12.42)
+    moe_rs = True
     # a prefill's sparse attention in one pass on wgmma (kernels/sparse_attn_wgmma.py, Gluon: each tile decoded once
     # into shared memory, S and O by warpgroup MMAs) on a Hopper GPU, where its programs fill the SMs at least once
-    # (a decode step keeps the two passes); P rounded to bf16 where the two passes store float16. Off until timed
-    attn_wgmma = False
+    # (a decode step keeps the two passes); P rounded to bf16 where the two passes store float16. H100 run 38a: the
+    # kernel bench's 4K prefill 1,644 us against the two passes' 2,274 (2.19e-3 from the float64 reference against
+    # 2.26e-3); the layer's prefill graph 0.962x (Reuse) and 0.970x (Full m=1)
+    attn_wgmma = True
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
