@@ -304,6 +304,13 @@ def runs_on(device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
+def gluon_fits(dim: int, inter: int) -> bool:
+    """Whether both Gluon forms (this one and kernels/moe_rs.py) tile both GEMMs of experts of these widths: rows an
+    expert in 64-row blocks and K in 128-wide pairs of steps, for the gate/up (N = inter, K = dim) and the down
+    (N = dim, K = inter). The release's 5120 and 2304 do; the shipped small model's 32-row experts do not."""
+    return dim % 128 == 0 and inter % 128 == 0
+
+
 def transposed_scales(scale: torch.Tensor, n_experts: int) -> torch.Tensor:
     """E8M0 bytes [E * N, K/32] -> [E * K/32, N] uint8 (each expert's bytes transposed): a stage's bytes for BN
     rows and one K step are then one TMA box. Made once per weight (the caller caches it)."""
@@ -369,4 +376,4 @@ def grouped_ws(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     return out
 
 
-__all__ = ["HAVE_GLUON", "cached_transposed_scales", "grouped_ws", "runs_on", "transposed_scales"]
+__all__ = ["HAVE_GLUON", "cached_transposed_scales", "gluon_fits", "grouped_ws", "runs_on", "transposed_scales"]

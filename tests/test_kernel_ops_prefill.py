@@ -414,16 +414,21 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
     monkeypatch.setitem(dispatch._PAIRS, "moe_fp4", (recorded, triton_version))
     run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None)
     out = {}
-    for runs, spec, want in ((True, "moe_fold=1,moe_rs=1,moe_ws=1", {"ws": "rs"}),
-                             (True, "moe_fold=1,moe_rs=0,moe_ws=1", {"ws": True, "ws_decoders": 2}),
-                             (True, "moe_fold=1,moe_rs=0,moe_ws=0", {}),
-                             (False, "moe_fold=1,moe_rs=1,moe_ws=1", {})):
+    widths = []
+    for runs, fits, spec, want in ((True, True, "moe_fold=1,moe_rs=1,moe_ws=1", {"ws": "rs"}),
+                                   (True, True, "moe_fold=1,moe_rs=0,moe_ws=1", {"ws": True, "ws_decoders": 2}),
+                                   (True, True, "moe_fold=1,moe_rs=0,moe_ws=0", {}),
+                                   (False, True, "moe_fold=1,moe_rs=1,moe_ws=1", {}),
+                                   (True, False, "moe_fold=1,moe_rs=1,moe_ws=1", {})):  # experts too narrow to tile
         monkeypatch.setattr(moe_ws, "runs_on", lambda device, _runs=runs: _runs)
+        monkeypatch.setattr(moe_ws, "gluon_fits", lambda dim, inter, _fits=fits: widths.append((dim, inter)) or _fits)
         seen.clear()
         out[(runs, spec)] = run(lambda model: model.ops.set_knobs(spec))
         prefill = [form for wide, fold, form in seen if wide and fold == "fold"]
         assert prefill and all(form == want for form in prefill), (spec, seen)
         assert all(form == {} for wide, fold, form in seen if not wide or fold != "fold"), (spec, seen)
+    cfg = tiny_config()
+    assert widths and set(widths) == {(cfg.dim, cfg.moe_inter_dim)}, widths  # the experts' (dim, inter) asked
     first = next(iter(out.values()))
     for picks in out.values():
         _assert_same_picks(first, picks)

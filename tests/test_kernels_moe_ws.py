@@ -29,6 +29,13 @@ def test_transposed_scales_put_a_stage_in_one_box():
     assert torch.equal(moe_ws.transposed_scales(s.view(e * n, g), e), t)  # the flat [E * N, K/32] form too
 
 
+def test_gluon_forms_fit_the_release_experts_and_not_the_small_models():
+    """Both GEMMs in 64-row blocks and 128-wide K pairs: the release's (5120, 2304) tile, the shipped small model's
+    32-row experts and widths off 128 do not (the kernel ops then keep the Triton form)."""
+    assert moe_ws.gluon_fits(5120, 2304)
+    assert not moe_ws.gluon_fits(64, 32) and not moe_ws.gluon_fits(5120, 2240) and not moe_ws.gluon_fits(5056, 2304)
+
+
 def test_ws_forms_are_refused_by_name_and_where_they_cannot_run():
     """An unknown form, and the form where it cannot run (no hidden state: the bf16 form's own numerics; the FP8
     form), fail before any launch with a message that names the reason."""

@@ -517,8 +517,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     if self.moe_narrow_gate_up or self.moe_narrow_down:
                         form.update(split_n=64, split_maxnreg=0)
                 if (self.moe_ws or self.moe_rs) and form.get("bf16_decode") == "fold":
-                    from kernels.moe_ws import runs_on
-                    if runs_on(x.device):
+                    from kernels.moe_ws import gluon_fits, runs_on
+                    if runs_on(x.device) and gluon_fits(x.shape[-1], raw[0].shape[1]):  # (dim, inter)
                         form.update(dict(ws="rs") if self.moe_rs else dict(ws=True, ws_decoders=2))
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
