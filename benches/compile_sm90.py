@@ -73,8 +73,9 @@ def ptxas_stats(ptx: str) -> dict:
     text = run.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
-    # ptxas C7512: the wgmma instructions were serialized (each waits for the last), e.g. for want of registers to
-    # keep a register operand live while it is in flight; the asynchronous MMAs a form was built for are gone
+    # ptxas C7512 / C7515: the wgmma instructions were serialized (each waits for the last), for want of registers
+    # to keep a register operand live while it is in flight (C7512), or because something else writes registers an
+    # MMA in flight owns (C7515); the asynchronous MMAs a form was built for are gone
     return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(int(s) for s in spills),
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in text,
             "gpu_fences": gpu_fences(ptx), "ptxas_ok": run.returncode == 0,

@@ -446,7 +446,7 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
         layout = "heads" if wide else "entries"
     if layout not in ("heads", "entries", "two_pass", "wgmma"):
         raise ValueError(f"sparse attention: layout must be 'heads', 'entries', 'two_pass' or 'wgmma', got {layout!r}")
-    if wide and layout != "heads":
+    if wide and layout not in ("heads", "wgmma"):  # the wgmma form addresses entries with int64 offsets
         raise ValueError(f"sparse attention: layout={layout!r} addresses the caches with int32 offsets; "
                          f"{max(kv_packed.shape[0], win.shape[0])} entries of dim {d} are too many")
     n_sel = idx.shape[1]

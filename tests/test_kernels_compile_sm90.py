@@ -90,7 +90,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # the one-pass attention holds O (128 registers) under its MMAs and decodes the next tile beside it: no spill
     assert all(int(r[6]) == 0 for r in rows if r[1] == "_sparse_attn_wgmma_kernel"), "wgmma attention spills"
     # no kernel has its warpgroup MMAs serialized by ptxas (C7512: each waits for the last, e.g. for want of the
-    # registers to keep a register operand live while it is in flight, as a 128-register cap does to moe_rs)
+    # registers to keep a register operand live while it is in flight, as a 128-register cap does to moe_rs; C7515:
+    # other instructions writing an in-flight MMA's accumulator, as the wgmma attention's first forms did)
     control = "MoE prefill, register operand capped at 128 registers (serialized)"
     assert not [r[:3] for r in rows if r[8] == "serialized" and r[0] != control]
     assert any(r[0] == control and r[1] == "_moe_rs_kernel" and r[8] == "serialized" for r in rows)

@@ -37,6 +37,27 @@ def test_wgmma_form_refuses_what_it_cannot_tile_before_any_launch():
     assert W.wgmma_fits(64, 512) and W.wgmma_fits(128, 128) and not W.wgmma_fits(32, 512)
 
 
+def test_wgmma_form_takes_caches_past_int32_offsets(monkeypatch):
+    """The form addresses entries with int64 offsets, so caches the two passes' int32 offsets cannot reach go to it
+    (where the other one-pass and two-pass layouts are refused by name); checked on 'meta' tensors, the launch
+    recorded instead of run."""
+    seen = []
+    monkeypatch.setattr(W, "sparse_attn_wgmma", lambda *a, **k: seen.append((a[1].shape[0], k)) or a[0])
+    q = torch.empty(4, 64, 512, dtype=torch.bfloat16, device="meta")
+    n = 2 ** 31 // 128  # 512-dim entries: past int32 word offsets
+    kv, kvs = torch.empty(n, 256, dtype=torch.int8, device="meta"), torch.empty(n, 32, dtype=torch.uint8, device="meta")
+    win, ws = (torch.empty(8, 512, dtype=torch.uint8, device="meta"),
+               torch.empty(8, 16, dtype=torch.uint8, device="meta"))
+    idx, widx = (torch.empty(4, 16, dtype=torch.int32, device="meta"),
+                 torch.empty(4, 8, dtype=torch.int32, device="meta"))
+    args = (q, kv, kvs, idx, win, ws, widx, torch.empty(64, device="meta"))
+    assert not A.int32_offsets_reach(kv, win, 512)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        A.sparse_attn_triton(*args, layout="two_pass")
+    A.sparse_attn_triton(*args, layout="wgmma", wgmma=dict(ahead=False))
+    assert seen == [(n, {"block_n": 64, "float_out": False, "n_sel": 16, "ahead": False})]
+
+
 _GPU_CHECK = """
 import sys
 import torch

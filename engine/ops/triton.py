@@ -378,12 +378,12 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             return {}
         from kernels.sparse_attn import int32_offsets_reach
         q, kv_p, win_q = args[0], args[1], args[4]
-        if self.attn_wgmma:
+        if self.attn_wgmma:  # a prefill's width first: a decode step fails it at once
             from kernels import sparse_attn_wgmma
             from kernels._formats import sm_count
             t, h, d = q.shape
-            if (sparse_attn_wgmma.runs_on(q.device) and sparse_attn_wgmma.wgmma_fits(h, d)
-                    and t * (h // 64) >= sm_count(q.device)):
+            if (t * (h // 64) >= sm_count(q.device) and sparse_attn_wgmma.wgmma_fits(h, d)
+                    and sparse_attn_wgmma.runs_on(q.device)):
                 return {"layout": "wgmma"}
         if self.attn_one_pass:
             return {"layout": "entries" if int32_offsets_reach(kv_p, win_q, q.shape[-1]) else "heads"}
