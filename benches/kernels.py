@@ -215,7 +215,7 @@ ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
              # the one-pass Gluon form on wgmma (kernels/sparse_attn_wgmma.py; untimed before run 38), 64- and 32-entry
              # tiles
              dict(layout="wgmma"), dict(layout="wgmma", block_n=32),
-             dict(layout="wgmma", block_n=32, wgmma=dict(ahead=True)),
+             dict(layout="wgmma", block_n=32, wgmma=dict(ahead=True)), dict(layout="wgmma", wgmma=dict(late_sum=True)),
              dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
              # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)

@@ -115,7 +115,9 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN: gl.constexpr):
-        """Tile i's S (its empty slots masked) -> its weights P (bf16) and the running max and sum; O rescaled."""
+        """Tile i's S (its empty slots masked) -> its weights P (bf16) and the running max and sum; O rescaled. l_i:
+        the sum per head [64], or (LATE_SUM) per head and slot [64, BN], summed once at the end: no crossing of the
+        warpgroups for it a tile."""
         s_layout: gl.constexpr = s.type.layout
         win = i >= n_st
         ent = _entries(gl.where(win, widx_row, idx_row), gl.where(win, i - n_st, i) * BN, gl.where(win, n_win, n_sel),
@@ -125,15 +127,20 @@ if moe_ws.HAVE_GLUON:
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - gl.expand_dims(m_new, 1))
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout)), 1)
-        return p.to(gl.bfloat16), m_new, l_i * alpha + gl.sum(p, axis=1), o
+        if len(l_i.shape) == 2:
+            l_i = l_i * gl.expand_dims(alpha, 1) + p
+        else:
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p.to(gl.bfloat16), m_new, l_i, o
 
     @gluon.jit
     def _sparse_attn_wgmma_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
                                   n_sel, n_win, qk2, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
-                                  DC: gl.constexpr, AHEAD: gl.constexpr):
+                                  DC: gl.constexpr, AHEAD: gl.constexpr, LATE_SUM: gl.constexpr):
         """Token t = program 0, heads [64 program 1, +64): softmax(scale q . kv) . kv over its selected entries and
         window slots, with the sink in the denominator. AHEAD: S of tile i + 1 issued right after tile i's O MMAs
-        and tile i + 2 decoded under both (three tile buffers); else S waited on as issued (two buffers)."""
+        and tile i + 2 decoded under both (three tile buffers); else S waited on as issued (two buffers). LATE_SUM:
+        the softmax's sums kept per slot, added once at the end (two CTA barriers a tile fewer)."""
         t = gl.program_id(0).to(gl.int64)
         h0 = gl.program_id(1) * 64
         s_layout: gl.constexpr = _acc_layout(BN)
@@ -151,7 +158,10 @@ if moe_ws.HAVE_GLUON:
         n_st = gl.cdiv(n_sel, BN)
         n_t = n_st + gl.cdiv(n_win, BN)
         m_i = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: an empty tile sums to 0
-        l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+        if LATE_SUM:
+            l_i = gl.zeros([64, BN], gl.float32, s_layout)
+        else:
+            l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
         o = warpgroup_mma_init(gl.zeros([64, D], gl.float32, o_layout))  # carried as an MMA in flight
         s0 = gl.zeros([64, BN], gl.float32, s_layout)
         # every loop below runs at least once (an empty tile adds nothing): a path around the loop that zeroes O
@@ -195,6 +205,8 @@ if moe_ws.HAVE_GLUON:
         sink = gl.load(sink_ptr + heads) * 1.4426950408889634
         mm = gl.maximum(m_i, sink)
         a = gl.exp2(m_i - mm)
+        if LATE_SUM:
+            l_i = gl.sum(l_i, axis=1)
         factor = gl.convert_layout(a * 256.0 / (l_i * a + gl.exp2(sink - mm)), gl.SliceLayout(1, o_layout))
         out = (o * gl.expand_dims(factor, 1)).to(gl.bfloat16)
         oh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
@@ -223,14 +235,16 @@ def shared_bytes(d: int, block_n: int, ahead: bool) -> int:
 
 
 def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, scale: float, block_n: int = 64,
-                      ahead: bool = False, float_out: bool = False, n_sel: int | None = None) -> torch.Tensor:
+                      ahead: bool = False, late_sum: bool = False, float_out: bool = False,
+                      n_sel: int | None = None) -> torch.Tensor:
     """The one-pass wgmma form. q bf16 [T, H, D]; kvb the FP4 bytes (uint8 [N, D/2]), kv_scale their E4M3 bytes
     (uint8 [N, D/16]), winb the window's E4M3 bytes (uint8 [W, D]), win_scale its E8M0 bytes (uint8 [W, D/32]),
     indices int32 (-1 = none), sink float32 [H], all contiguous (sparse_attn_triton prepares them). block_n: entries a
     tile (64, or 32 for less shared memory). ahead: each tile's S issued before the next tile's decode, which then
-    runs under it too (three tile buffers: at D = 512, 32-entry tiles only). n_sel: the selected slots a row (None:
-    idx's width). Returns bf16 [T, H, D] (float_out: those values as float32). Host side: nothing made on or read
-    from the host."""
+    runs under it too (three tile buffers: at D = 512, 32-entry tiles only). late_sum: the softmax's sums kept per
+    slot and added once at the end (the same sum in another order; two CTA barriers a tile fewer). n_sel: the
+    selected slots a row (None: idx's width). Returns bf16 [T, H, D] (float_out: those values as float32). Host side:
+    nothing made on or read from the host."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the wgmma sparse attention needs triton.experimental.gluon (triton >= 3.6)")
     t, h, d = q.shape
@@ -246,7 +260,7 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
         _sparse_attn_wgmma_kernel[(t, h // 64)](
             q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
             win_scale.view(torch.uint8), win_idx, sink, out, n_sel, win_idx.shape[1], qk_log2(scale), H=h, D=d,
-            BN=block_n, DC=min(d, 128), AHEAD=ahead, num_warps=8)
+            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, num_warps=8)
     return out
 
 
