@@ -559,7 +559,8 @@ def test_fp8_linears_above_a_decode_step_take_the_bf16_form():
     ops._raw["wide"] = (wide, torch.full((64, 128), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu))
     assert ops._bf16_form("wide", 64) and ops._bf16_form("wide", 1) and not ops._bf16_form("fits", 64)
     assert ops.set_knobs("linear_bf16_decode=0, moe_fp8_mma=1") == {"linear_bf16_decode": False, "moe_fp8_mma": True}
-    assert ops._attn_launch(()) == {}  # no attention knob set: the wrapper's own choices
+    ops.set_knobs("attn_wgmma=0")  # the one attention knob on by default
+    assert ops._attn_launch(()) == {}  # every attention knob off: the wrapper's own choices, nothing looked at
     assert not ops._bf16_form("wide", 64) and ops._bf16_form("wide", 65)
     for bad in ("linear_bf16_decode=yes", "moe_fp8_mma=2", "linear_bf16_decode=1,no_such_knob=1"):
         with pytest.raises(ValueError, match="knob"):
