@@ -27,7 +27,8 @@ def _release_experts():
 
 def _engine_prefill_forms(history: bool = True):
     """The engine's prefill forms (hidden="reference": w * h rounded as the reference rounds it, E4M3 per 32),
-    TritonOps' default first; history: the forms it was picked from too. The halves form (run 35a: the decoded
+    TritonOps' Triton form first (its default where no Gluon form runs; on a Hopper GPU the register-operand form
+    since run 38a, which case_moe_prefill adds); history: the forms it was picked from too. The halves form (run 35a: the decoded
     weights in shared memory, 16.2-28.5 ms against the default's 8.4) is gone: notes/kernels.md."""
     engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
     narrow = dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)
@@ -50,7 +51,8 @@ def case_moe_prefill(bw, mm, forms=None):
     ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(4096)]).int()
     tw = torch.softmax(torch.randn(4096, K, device=DEV), -1) * 1.5
     forms = forms or _engine_prefill_forms(history=False)
-    if moe_ws.runs_on(DEV):  # the Gluon forms beside it: register operands, then warp-specialized
+    if moe_ws.runs_on(DEV):  # the Gluon forms beside it: register operands (the engine's default here), then
+        # warp-specialized
         rs, ws = dict(forms[0], ws="rs"), dict(forms[0], ws=True, ws_decoders=2)
         # the register-operand form: 4 / 3 / 6 stages; two 128-wide stages (a copy and a wait for two K steps);
         # 64-token tiles alone (no 128-token split tiles)
