@@ -28,8 +28,8 @@ def _release_experts():
 def _engine_prefill_forms(history: bool = True):
     """The engine's prefill forms (hidden="reference": w * h rounded as the reference rounds it, E4M3 per 32),
     TritonOps' Triton form first (its default where no Gluon form runs; on a Hopper GPU the register-operand form
-    since run 38a, which case_moe_prefill adds); history: the forms it was picked from too. The halves form (run 35a: the decoded
-    weights in shared memory, 16.2-28.5 ms against the default's 8.4) is gone: notes/kernels.md."""
+    since run 38a, which case_moe_prefill adds); history: the forms it was picked from too. The halves form (run
+    35a: the decoded weights in shared memory, 16.2-28.5 ms against the default's 8.4) is gone: notes/kernels.md."""
     engine_form = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, hidden="reference")
     narrow = dict(engine_form, bf16_decode="fold", block_n=64, maxnreg=168, down_block_n=64, down_maxnreg=0)
     default = dict(narrow, split_m=128, split_n=64, split_maxnreg=0)  # moe_split_tiles beside the narrow tiles

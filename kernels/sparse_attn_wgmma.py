@@ -24,7 +24,7 @@ import triton
 
 from kernels import moe_ws
 from kernels._formats import E2M1_BF16_SCALED_PTX
-from kernels.sparse_attn import qk_log2
+from kernels.sparse_attn import _sink_scale, qk_log2
 
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
@@ -134,6 +134,15 @@ if moe_ws.HAVE_GLUON:
         return p.to(gl.bfloat16), m_new, l_i, o
 
     @gluon.jit
+    def _weighted_sum(pbuf, kbuf, p, o):
+        """P into its buffer, made visible to the MMAs once every warp has stored its part (and is past its wait for
+        the tile before's MMAs, the buffer's last readers), then O += P . V started (asynchronous)."""
+        pbuf.store(p)
+        fence_async_shared()
+        _sync_warps()
+        return warpgroup_mma(pbuf, kbuf, o, is_async=True)
+
+    @gluon.jit
     def _sparse_attn_wgmma_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
                                   n_sel, n_win, qk2, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
                                   DC: gl.constexpr, AHEAD: gl.constexpr, LATE_SUM: gl.constexpr):
@@ -179,10 +188,7 @@ if moe_ws.HAVE_GLUON:
                       wins_ptr, BN, D, DC)
                 s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s, o))
                 p, m_i, l_i, o = _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN)
-                pb.index(i % 2).store(p)
-                fence_async_shared()
-                _sync_warps()  # every warp's weights stored, and past its wait for the tile before's MMAs
-                o = warpgroup_mma(pb.index(i % 2), kb.index(i % 3), o, is_async=True)
+                o = _weighted_sum(pb.index(i % 2), kb.index(i % 3), p, o)
                 # S of tile i + 1 (past the last tile: a tile of nothing, never read), into S's spent registers
                 s = warpgroup_mma(qs, kb.index((i + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
             s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s, o))
@@ -196,18 +202,12 @@ if moe_ws.HAVE_GLUON:
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 s = warpgroup_mma(qs, kb.index(b).permute((1, 0)), s0, use_acc=False)
                 p, m_i, l_i, o = _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN)
-                pb.index(b).store(p)
-                fence_async_shared()
-                _sync_warps()  # every warp's weights stored, and past its wait for the tile before's MMAs
-                o = warpgroup_mma(pb.index(b), kb.index(b), o, is_async=True)
+                o = _weighted_sum(pb.index(b), kb.index(b), p, o)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         heads = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        sink = gl.load(sink_ptr + heads) * 1.4426950408889634
-        mm = gl.maximum(m_i, sink)
-        a = gl.exp2(m_i - mm)
         if LATE_SUM:
             l_i = gl.sum(l_i, axis=1)
-        factor = gl.convert_layout(a * 256.0 / (l_i * a + gl.exp2(sink - mm)), gl.SliceLayout(1, o_layout))
+        factor = gl.convert_layout(_sink_scale(sink_ptr, heads, m_i, l_i), gl.SliceLayout(1, o_layout))
         out = (o * gl.expand_dims(factor, 1)).to(gl.bfloat16)
         oh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
         od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
