@@ -254,6 +254,8 @@ def cases():
             ("sparse attention prefill 4K, one pass on wgmma (Gluon)", attention(4096, layout="wgmma")),
             ("sparse attention prefill 4K, one pass on wgmma, sums late (Gluon)", attention(
                 4096, layout="wgmma", wgmma=dict(late_sum=True))),
+            ("sparse attention prefill 4K, one pass on wgmma, copies staged a tile ahead (Gluon)", attention(
+                4096, layout="wgmma", wgmma=dict(staged=True))),
             ("sparse attention prefill 4K, one pass on wgmma, S a tile ahead (Gluon)", attention(
                 4096, layout="wgmma", block_n=32, wgmma=dict(ahead=True))),
             ("sparse attention decode b64, window only", attention(64, selected=0)),

@@ -216,6 +216,8 @@ ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
              # tiles
              dict(layout="wgmma"), dict(layout="wgmma", block_n=32),
              dict(layout="wgmma", block_n=32, wgmma=dict(ahead=True)), dict(layout="wgmma", wgmma=dict(late_sum=True)),
+             # each selected tile's raw bytes copied (cp.async) into shared memory a tile ahead (untimed before run 39)
+             dict(layout="wgmma", wgmma=dict(staged=True)), dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True)),
              dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
              # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)

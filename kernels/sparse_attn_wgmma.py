@@ -29,6 +29,7 @@ from kernels.sparse_attn import _sink_scale, qk_log2
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_init, warpgroup_mma_wait)
 
@@ -44,6 +45,10 @@ if moe_ws.HAVE_GLUON:
 
     # the MMAs' bf16 operands in shared memory (the query, the entry tiles): 128-byte swizzle
     _OPERAND = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    # a staged tile's raw bytes and scales: row-major, unswizzled (a chunk's rows contiguous)
+    _RAW4 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+    _RAW3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    _RAW2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @triton.constexpr_function
     def _weights_layout(bn):
@@ -69,23 +74,86 @@ if moe_ws.HAVE_GLUON:
         j = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, raw))), 0), 1)
         return ok, r, g, j
 
+    @triton.constexpr_function
+    def _fp4_layout():
+        """[BN entries, 8 scale groups, 8 bytes] of a 128-dim chunk over 8 warps: a thread's 8 bytes one group's."""
+        return gl.BlockedLayout([1, 1, 8], [4, 8, 1], [8, 1, 1], [2, 1, 0])
+
+    @gluon.jit
+    def _decode_fp4(dst, sc, b):
+        """A chunk's packed bytes b [BN, G, 8] and its groups' E4M3 scale bytes sc [BN, G] -> dst [BN, 16 G] bf16 (kv /
+        256): bit assembly (kernels/_formats.py, 2.6 instructions a value), the scale times 2^118 as the factor."""
+        BN: gl.constexpr = b.shape[0]
+        f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622794e+35).to(gl.bfloat16)
+        f, b = gl.broadcast(gl.expand_dims(f, 2), b)
+        lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        dst.store(gl.reshape(gl.join(lo, hi), [BN, 16 * b.shape[1]]))  # dim 16 g + 2 j + nibble
+
     @gluon.jit
     def _fill_fp4(dst, kvb_ptr, kvs_ptr, ent_row, start, end, BN: gl.constexpr, D: gl.constexpr, DC: gl.constexpr):
-        """FP4 entries -> dst [BN, D] bf16 (kv / 256), DC dims at a time: their packed bytes [BN, DC/16 groups, 8]
-        and each group's E4M3 scale, decoded by bit assembly (kernels/_formats.py, 2.6 instructions a value) with the
-        scale times 2^118 as the factor."""
+        """FP4 entries -> dst [BN, D] bf16 (kv / 256), DC dims at a time, gathered from global memory."""
         G: gl.constexpr = DC // 16
-        ok, r, g, j = _gather_index(ent_row, start, end, BN, G, 8,
-                                    gl.BlockedLayout([1, 1, 8], [32 // G, G, 1], [8, 1, 1], [2, 1, 0]))
+        ok, r, g, j = _gather_index(ent_row, start, end, BN, G, 8, _fp4_layout())
         for c in gl.static_range(D // DC):
             sc = gl.load(kvs_ptr + r * (D // 16) + c * G + g, mask=ok, other=0)  # [BN, G]
             b = gl.load(kvb_ptr + gl.expand_dims(r * (D // 2) + c * (DC // 2) + g * 8, 2) + j,
                         mask=gl.expand_dims(ok, 2), other=0)  # [BN, G, 8] uint8
-            f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622794e+35).to(gl.bfloat16)
-            f, b = gl.broadcast(gl.expand_dims(f, 2), b)
-            lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
-                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-            dst.slice(c * DC, DC, dim=1).store(gl.reshape(gl.join(lo, hi), [BN, DC]))  # dim 16 g + 2 j + nibble
+            _decode_fp4(dst.slice(c * DC, DC, dim=1), sc, b)
+
+    @triton.constexpr_function
+    def _staged_layout(bn, scales):
+        """The copies of a staged FP4 tile over 8 warps (chunks of 128 dims): bytes [chunks, BN, 8 groups, 8], 16 a
+        thread; scales [chunks, BN, 8], 8 a thread."""
+        bn, scales = getattr(bn, "value", bn), getattr(scales, "value", scales)
+        if scales:
+            rows = max(bn // 32, 1)
+            return gl.BlockedLayout([1, 1, 8], [1, 32, 1], [8 // rows, rows, 1], [2, 1, 0])
+        rows = min(bn // 8, 8)
+        return gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [8 // rows, rows, 1, 1], [3, 2, 1, 0])
+
+    @gluon.jit
+    def _staged_entries(ent_row, start, end, BN: gl.constexpr):
+        """A selected tile's entry indices in the two copies' layouts (loaded a tile before their copies)."""
+        lb: gl.constexpr = _staged_layout(BN, False)
+        ls: gl.constexpr = _staged_layout(BN, True)
+        return (_entries(ent_row, start, end, BN, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, lb)))),
+                _entries(ent_row, start, end, BN, gl.SliceLayout(0, gl.SliceLayout(2, ls))))
+
+    @gluon.jit
+    def _stage_fp4(rb, rs, kvb_ptr, kvs_ptr, eb, es, D: gl.constexpr):
+        """Asynchronous copies (cp.async, one group) of a selected tile's packed bytes into rb [D/128, BN, 8, 8] and
+        E4M3 scales into rs [D/128, BN, 8], chunk-major (a chunk's rows contiguous for the decode's reads); absent
+        entries (-1) zero-filled."""
+        lb: gl.constexpr = _staged_layout(rb.shape[1], False)
+        ls: gl.constexpr = _staged_layout(rb.shape[1], True)
+        C: gl.constexpr = rb.shape[0]
+        rb_ = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.where(eb >= 0, eb, 0).to(gl.int64), 0), 2), 3)
+        cb = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, lb))))
+        gb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, lb))))
+        jb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, lb))))
+        off = (gl.expand_dims(gl.expand_dims(gl.expand_dims(cb * 64, 1), 2), 3)
+               + gl.expand_dims(gl.expand_dims(gl.expand_dims(gb * 8, 0), 1), 3)
+               + gl.expand_dims(gl.expand_dims(gl.expand_dims(jb, 0), 1), 2))
+        okb = gl.expand_dims(gl.expand_dims(gl.expand_dims(eb >= 0, 0), 2), 3)
+        async_copy.async_copy_global_to_shared(rb, kvb_ptr + rb_ * (D // 2) + off, mask=okb)
+        rs_ = gl.expand_dims(gl.expand_dims(gl.where(es >= 0, es, 0).to(gl.int64), 0), 2)
+        cs = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, ls)))
+        gs = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, ls)))
+        offs = gl.expand_dims(gl.expand_dims(cs * 8, 1), 2) + gl.expand_dims(gl.expand_dims(gs, 0), 1)
+        async_copy.async_copy_global_to_shared(rs, kvs_ptr + rs_ * (D // 16) + offs,
+                                               mask=gl.expand_dims(gl.expand_dims(es >= 0, 0), 2))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _fill_staged(dst, rb, rs, BN: gl.constexpr, DC: gl.constexpr):
+        """A staged FP4 tile (its copies waited on and visible) -> dst [BN, D] bf16 (kv / 256), chunk by chunk."""
+        C: gl.constexpr = rb.shape[0]
+        rows_b = rb._reinterpret(gl.uint8, [C * BN, 8, 8], _RAW3)  # chunk c: rows c BN .. c BN + BN - 1
+        rows_s = rs._reinterpret(gl.uint8, [C * BN, 8], _RAW2)
+        for c in gl.static_range(C):
+            _decode_fp4(dst.slice(c * DC, DC, dim=1), rows_s.slice(c * BN, BN).load(gl.SliceLayout(2, _fp4_layout())),
+                        rows_b.slice(c * BN, BN).load(_fp4_layout()))
 
     @gluon.jit
     def _fill_win(dst, winb_ptr, wins_ptr, ent_row, start, end, BN: gl.constexpr, D: gl.constexpr, DC: gl.constexpr):
@@ -145,11 +213,14 @@ if moe_ws.HAVE_GLUON:
     @gluon.jit
     def _sparse_attn_wgmma_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
                                   n_sel, n_win, qk2, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
-                                  DC: gl.constexpr, AHEAD: gl.constexpr, LATE_SUM: gl.constexpr):
+                                  DC: gl.constexpr, AHEAD: gl.constexpr, LATE_SUM: gl.constexpr,
+                                  STAGED: gl.constexpr):
         """Token t = program 0, heads [64 program 1, +64): softmax(scale q . kv) . kv over its selected entries and
         window slots, with the sink in the denominator. AHEAD: S of tile i + 1 issued right after tile i's O MMAs
         and tile i + 2 decoded under both (three tile buffers); else S waited on as issued (two buffers). LATE_SUM:
-        the softmax's sums kept per slot, added once at the end (two CTA barriers a tile fewer)."""
+        the softmax's sums kept per slot, added once at the end (two CTA barriers a tile fewer). STAGED (two
+        buffers): each selected tile's raw bytes copied (cp.async) into shared memory a tile ahead, so the gather's
+        latency runs under the tile before's S, softmax and O."""
         t = gl.program_id(0).to(gl.int64)
         h0 = gl.program_id(1) * 64
         s_layout: gl.constexpr = _acc_layout(BN)
@@ -157,7 +228,10 @@ if moe_ws.HAVE_GLUON:
         NBUF: gl.constexpr = 3 if AHEAD else 2
         qs = gl.allocate_shared_memory(gl.bfloat16, [64, D], _OPERAND)
         kb = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, D], _OPERAND)
-        pb = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BN], _weights_layout(BN))
+        # staged: one weights buffer (tile i's P is stored past the softmax's CTA barriers, after every warp's wait
+        # for tile i - 1's O MMAs, its readers)
+        NP: gl.constexpr = 1 if STAGED else 2
+        pb = gl.allocate_shared_memory(gl.bfloat16, [NP, 64, BN], _weights_layout(BN))
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         qh = gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
         qd = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
@@ -193,16 +267,32 @@ if moe_ws.HAVE_GLUON:
                 s = warpgroup_mma(qs, kb.index((i + 1) % 3).permute((1, 0)), s, use_acc=False, is_async=True)
             s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s, o))
         else:
+            if STAGED:
+                rb = gl.allocate_shared_memory(gl.uint8, [D // 128, BN, 8, 8], _RAW4)
+                rs = gl.allocate_shared_memory(gl.uint8, [D // 128, BN, 8], _RAW3)
+                eb, es = _staged_entries(idx_row, 0, n_sel, BN)
+                _stage_fp4(rb, rs, kvb_ptr, kvs_ptr, eb, es, D)  # tile 0's copies (all masked off where none)
+                eb, es = _staged_entries(idx_row, BN, n_sel, BN)  # tile 1's indices, for its copies under tile 0
             for i in range(gl.maximum(n_t, 1)):
                 b = i % 2
                 # tile i into its buffer (its last readers, tile i - 2's MMAs, are done: every warp has waited since),
                 # under tile i - 1's O MMAs
-                _fill(kb.index(b), i, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr, wins_ptr, BN,
-                      D, DC)
+                if STAGED and i < n_st:
+                    async_copy.wait_group(0)
+                    _sync_warps()  # every thread's copies landed
+                    _fill_staged(kb.index(b), rb, rs, BN, DC)
+                    fence_async_shared()
+                    _sync_warps()  # the tile visible to the MMAs, and rb / rs read by every warp
+                    if i + 1 < n_st:
+                        _stage_fp4(rb, rs, kvb_ptr, kvs_ptr, eb, es, D)
+                        eb, es = _staged_entries(idx_row, (i + 2) * BN, n_sel, BN)
+                else:
+                    _fill(kb.index(b), i, n_st, idx_row, widx_row, n_sel, n_win, kvb_ptr, kvs_ptr, winb_ptr, wins_ptr,
+                          BN, D, DC)
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 s = warpgroup_mma(qs, kb.index(b).permute((1, 0)), s0, use_acc=False)
                 p, m_i, l_i, o = _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN)
-                o = _weighted_sum(pb.index(b), kb.index(b), p, o)
+                o = _weighted_sum(pb.index(i % NP), kb.index(b), p, o)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         heads = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         if LATE_SUM:
@@ -229,20 +319,23 @@ def runs_on(device) -> bool:
     return moe_ws.runs_on(device)
 
 
-def shared_bytes(d: int, block_n: int, ahead: bool) -> int:
-    """The form's shared memory: the query, the entry tiles (three with ahead) and the two weights buffers, bf16."""
-    return 2 * (64 * d + (3 if ahead else 2) * block_n * d + 2 * 64 * block_n)
+def shared_bytes(d: int, block_n: int, ahead: bool, staged: bool = False) -> int:
+    """The form's shared memory: the query, the entry tiles (three with ahead) and the two weights buffers, bf16;
+    staged, one weights buffer and a selected tile's raw FP4 bytes and scales (D / 2 + D / 16 an entry)."""
+    return (2 * (64 * d + (3 if ahead else 2) * block_n * d + (1 if staged else 2) * 64 * block_n)
+            + (block_n * (d // 2 + d // 16) if staged else 0))
 
 
 def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, scale: float, block_n: int = 64,
-                      ahead: bool = False, late_sum: bool = False, float_out: bool = False,
+                      ahead: bool = False, late_sum: bool = False, staged: bool = False, float_out: bool = False,
                       n_sel: int | None = None) -> torch.Tensor:
     """The one-pass wgmma form. q bf16 [T, H, D]; kvb the FP4 bytes (uint8 [N, D/2]), kv_scale their E4M3 bytes
     (uint8 [N, D/16]), winb the window's E4M3 bytes (uint8 [W, D]), win_scale its E8M0 bytes (uint8 [W, D/32]),
     indices int32 (-1 = none), sink float32 [H], all contiguous (sparse_attn_triton prepares them). block_n: entries a
     tile (64, or 32 for less shared memory). ahead: each tile's S issued before the next tile's decode, which then
     runs under it too (three tile buffers: at D = 512, 32-entry tiles only). late_sum: the softmax's sums kept per
-    slot and added once at the end (the same sum in another order; two CTA barriers a tile fewer). n_sel: the
+    slot and added once at the end (the same sum in another order; two CTA barriers a tile fewer). staged: each
+    selected tile's raw bytes copied into shared memory a tile ahead (cp.async; not with ahead). n_sel: the
     selected slots a row (None: idx's width). Returns bf16 [T, H, D] (float_out: those values as float32). Host side:
     nothing made on or read from the host."""
     if not moe_ws.HAVE_GLUON:
@@ -251,16 +344,19 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
     if not wgmma_fits(h, d) or block_n not in (32, 64):
         raise ValueError(f"sparse attention (wgmma): needs heads a multiple of 64 (got {h}), head dim 128, 256 or 512 "
                          f"(got {d}) and block_n 32 or 64 (got {block_n})")
-    if shared_bytes(d, block_n, ahead) > _SHARED_LIMIT:
-        raise ValueError(f"sparse attention (wgmma): {shared_bytes(d, block_n, ahead)} bytes of shared memory at head "
-                         f"dim {d}, {block_n}-entry tiles{' ahead' if ahead else ''}: over {_SHARED_LIMIT}")
+    if ahead and staged:
+        raise ValueError("sparse attention (wgmma): staged copies run in the two-buffer loop, not with ahead")
+    if shared_bytes(d, block_n, ahead, staged) > _SHARED_LIMIT:
+        raise ValueError(f"sparse attention (wgmma): {shared_bytes(d, block_n, ahead, staged)} bytes of shared memory "
+                         f"at head dim {d}, {block_n}-entry tiles{' ahead' if ahead else ''}: over {_SHARED_LIMIT}")
     n_sel = idx.shape[1] if n_sel is None else n_sel
     out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
     if t:
         _sparse_attn_wgmma_kernel[(t, h // 64)](
             q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
             win_scale.view(torch.uint8), win_idx, sink, out, n_sel, win_idx.shape[1], qk_log2(scale), H=h, D=d,
-            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, num_warps=8)
+            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, STAGED=staged,
+            num_warps=8)
     return out
 
 

@@ -32,6 +32,10 @@ def test_wgmma_form_refuses_what_it_cannot_tile_before_any_launch():
     with pytest.raises(ValueError, match="278528 bytes of shared memory at head dim 512, 64-entry tiles ahead"):
         A.sparse_attn_triton(*big, layout="wgmma", wgmma=dict(ahead=True))
     assert W.shared_bytes(512, 32, True) == 2 * (64 * 512 + 3 * 32 * 512 + 2 * 64 * 32)
+    # staged: one weights buffer, and a tile's packed bytes and E4M3 scales (288 bytes an entry at D = 512)
+    assert W.shared_bytes(512, 64, False, staged=True) == 2 * (64 * 512 + 2 * 64 * 512 + 64 * 64) + 64 * 288
+    with pytest.raises(ValueError, match="staged copies run in the two-buffer loop, not with ahead"):
+        A.sparse_attn_triton(*big, layout="wgmma", block_n=32, wgmma=dict(ahead=True, staged=True))
     with pytest.raises(ValueError, match="'two_pass' or 'wgmma', got 'flash'"):
         A.sparse_attn_triton(*args, layout="flash")
     assert W.wgmma_fits(64, 512) and W.wgmma_fits(128, 128) and not W.wgmma_fits(32, 512)
@@ -65,21 +69,25 @@ from kernels import sparse_attn as A
 from tests.sparse_attn_inputs import attention_inputs
 rel = lambda a, b: ((a.double() - b.double()).norm() / max(a.double().norm(), 1e-30)).item()
 g = torch.Generator().manual_seed(11)
-for t, h, d, n, w, k, wn, bn, ahead, late in ((300, 64, 512, 4096, 256, 500, 128, 64, False, False),
-                                               (64, 64, 512, 4096, 256, 500, 128, 32, False, False),
-                                               (300, 64, 512, 4096, 256, 500, 128, 32, True, False),
-                                               (300, 64, 512, 4096, 256, 500, 128, 64, False, True),
-                                               (40, 128, 128, 512, 64, 100, 37, 64, True, True),
-                                               (40, 64, 256, 512, 64, 0, 128, 64, False, False)):
+for t, h, d, n, w, k, wn, bn, opts in ((300, 64, 512, 4096, 256, 500, 128, 64, {}),
+                                       (64, 64, 512, 4096, 256, 500, 128, 32, {}),
+                                       (300, 64, 512, 4096, 256, 500, 128, 32, dict(ahead=True)),
+                                       (300, 64, 512, 4096, 256, 500, 128, 64, dict(late_sum=True)),
+                                       (300, 64, 512, 4096, 256, 500, 128, 64, dict(staged=True)),
+                                       (64, 64, 512, 4096, 256, 500, 128, 32, dict(staged=True, late_sum=True)),
+                                       (40, 128, 128, 512, 64, 100, 37, 64, dict(ahead=True, late_sum=True)),
+                                       (40, 128, 256, 512, 64, 70, 37, 64, dict(staged=True)),
+                                       (40, 64, 256, 512, 64, 0, 128, 64, {}),
+                                       (40, 64, 512, 512, 64, 0, 128, 64, dict(staged=True))):
     args = [x.cuda() for x in attention_inputs(g, t=t, h=h, d=d, n=n, w=w, k=k, wn=wn)]
     args[3][1] = -1  # a token with nothing selected and nothing in its window: zeros
     args[6][1] = -1
     want = A.sparse_attn_reference(*args)
-    form = dict(layout="wgmma", block_n=bn, wgmma=dict(ahead=ahead, late_sum=late))
+    form = dict(layout="wgmma", block_n=bn, wgmma=opts)
     got = A.sparse_attn_triton(*args, **form)
     two = A.sparse_attn_triton(*args, layout="two_pass", two_pass=dict(decode="bf16x2"))
     f32 = A.sparse_attn_triton(*args, **form, float_out=True)
-    print((t, h, d, k, wn, bn, ahead, late), "vs float64", rel(want, got), "vs two passes", rel(two, got),
+    print((t, h, d, k, wn, bn, opts), "vs float64", rel(want, got), "vs two passes", rel(two, got),
           "two passes vs float64", rel(want, two))
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert torch.equal(got[1], torch.zeros_like(got[1]))
@@ -92,8 +100,8 @@ for t, h, d, n, w, k, wn, bn, ahead, late in ((300, 64, 512, 4096, 256, 500, 128
 @pytest.mark.skipif(not W.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
 def test_wgmma_form_on_the_gpu():
     """Release shapes (500 selected FP4 entries + 128 FP8 window slots, 64 heads of 512, both tile sizes, S a tile
-    ahead, the sums late), other head dims and counts, a window-only layer and an empty token, against the float64
-    reference and the two passes."""
+    ahead, the sums late, the copies staged), other head dims and counts, window-only layers and an empty token,
+    against the float64 reference and the two passes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _GPU_CHECK], env=env, capture_output=True, text=True, cwd=REPO)
     print(run.stdout)
