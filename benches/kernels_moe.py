@@ -53,14 +53,13 @@ def case_moe_prefill(bw, mm, forms=None):
     forms = forms or _engine_prefill_forms(history=False)
     if moe_ws.runs_on(DEV):  # the Gluon forms beside it: register operands (the engine's default here), then
         # warp-specialized
-        rs, ws = dict(forms[0], ws="rs"), dict(forms[0], ws=True, ws_decoders=2)
-        # the register-operand form: 4 / 3 / 6 stages; two 128-wide stages (a copy and a wait for two K steps);
-        # 64-token tiles alone (no 128-token split tiles)
-        forms = forms + [rs, dict(rs, ws_stages=3), dict(rs, ws_stages=6), dict(rs, ws_block_k=128, ws_stages=2),
-                         dict(rs, split_m=None),
-                         # the warp-specialized form (run 36a's were slower than the default): two decoders, a
-                         # program a tile or persistent
-                         ws, dict(ws, ws_persistent=1)]
+        rs = dict(forms[0], ws="rs")
+        # the register-operand form: 4 / 3 stages; two 128-wide stages (a copy and a wait for two K steps); 64-token
+        # tiles alone (no 128-token split tiles); 8 token blocks a group. Run 38a: 5,912 / 6,075 / 6,053 / 6,796 us,
+        # 6 stages 7,105, the warp-specialized form (ws=True, two decoders, a program a tile or persistent)
+        # 9,038-10,345: those two dropped here
+        forms = forms + [rs, dict(rs, ws_stages=3), dict(rs, ws_block_k=128, ws_stages=2), dict(rs, split_m=None),
+                         dict(rs, group_m=8)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out),
@@ -68,6 +67,26 @@ def case_moe_prefill(bw, mm, forms=None):
     flops = 2.0 * 4096 * K * 3 * INTER * DIM
     row("FP4 MoE prefill, 4K tokens, the engine's forms", t, flops / mm * 1e6, "bf16 MMA",
         f"{flops / t / 1e6:.0f} TFLOP/s; cfg {best}", None, f"rel {r:.1e} to the default form", 3200)
+    if moe_ws.runs_on(DEV):
+        _padding_probe(x, W, ids, tw, dict(forms[0], ws="rs"), flops, mm)
+
+
+def _padding_probe(x, W, ids, tw, form, flops, mm):
+    """Where the register-operand form's time goes: its launches (gate/up and down, 64- and 128-token tiles), and
+    the same pairs routed evenly (every expert exactly 64 pairs: no tile half empty) against the random routing's
+    (~Poisson(64) pairs an expert: about half the experts fill a 128-token tile to ~56%)."""
+    perm = torch.randperm(E, device=DEV)
+    even = perm[(torch.arange(4096 * K, device=DEV) % E).view(4096, K)].int()  # 6 consecutive experts a token
+    counts = torch.bincount(ids.long().flatten(), minlength=E)
+    rows = int((torch.where(counts <= 64, 64, (counts + 127) // 128 * 128)).sum())
+    for name, route in (("random", ids), ("even", even)):
+        LOG[f"moe_prefill_rs_kernels_{name}"] = kb = kernel_breakdown(lambda: moe.moe_fp4_triton(x, *W, route, tw,
+                                                                                                   **form))
+        print(f"[kernels] moe prefill rs, {name} routing: {kb}", flush=True)
+    t_even = bench(lambda: moe.moe_fp4_triton(x, *W, even, tw, **form), rep=50)
+    row("FP4 MoE prefill, 4K tokens, every expert 64 pairs (register-operand form)", t_even, flops / mm * 1e6,
+        "bf16 MMA", f"{flops / t_even / 1e6:.0f} TFLOP/s; the random routing's tiles hold {rows} token rows for "
+        f"{4096 * K} pairs", None, "timing only", 3200)
 
 
 def case_moe(bw, mm):
