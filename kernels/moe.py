@@ -130,17 +130,23 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int, split_m: int
     if split_m is None:
         return (order, *_blocks(counts, row_start, block_m, n_experts, p))
     small = counts <= block_m
-    return (order, _blocks(torch.where(small, counts, 0), row_start, block_m, n_experts, p),
-            _blocks(torch.where(small, 0, counts), row_start, split_m, n_experts, p))
+    # tighter lists than _blocks' general bound (each block past the used ones is a program that only exits: at a
+    # 4K prefill ~20,000 of a launch's ~28,000): a small group takes one block; a crowded one (> block_m pairs) takes
+    # ceil(n / split_m) blocks, at most n / block_m where split_m >= 2 block_m
+    crowded = (p // block_m if split_m >= 2 * block_m
+               else min(p, -(-p // split_m) + min(groups, p // (block_m + 1))))
+    return (order, _blocks(torch.where(small, counts, 0), row_start, block_m, n_experts, p, min(groups, p)),
+            _blocks(torch.where(small, 0, counts), row_start, split_m, n_experts, p, max(crowded, 1)))
 
 
-def _blocks(counts, row_start, block_m: int, n_experts: int, p: int):
+def _blocks(counts, row_start, block_m: int, n_experts: int, p: int, nb: int | None = None):
     """Each group's pairs (counts, from row_start in the sorted order) in blocks of block_m -> (expert, first,
-    end) int32 [NB]; a group counted 0 gets no block."""
+    end) int32 [NB]; a group counted 0 gets no block. nb: the blocks the list holds (by default a bound for any
+    counts: ceil(p / block_m) + one partial block a group), at least those the counts make."""
     groups = counts.numel()
     nblk = (counts + block_m - 1) // block_m
     blk_cum = torch.cumsum(nblk, 0)
-    nb = min(p, -(-p // block_m) + min(groups, p))
+    nb = min(p, -(-p // block_m) + min(groups, p)) if nb is None else nb
     b = torch.arange(nb, device=counts.device)
     e_of_b = torch.searchsorted(blk_cum, b, right=True).clamp(max=groups - 1)
     within = b - (blk_cum[e_of_b] - nblk[e_of_b])

@@ -271,3 +271,33 @@ def test_align_leaves_negative_ids_in_unused_blocks():
     assert sorted(rows) == [0, 3, 4]  # the pairs of experts 0 and 1 only, each once
     assert all(int(ids.flatten()[r]) == int(x) for b, e, x in zip(begin[used], end[used], expert[used])
                for r in order[int(b):int(e)].tolist())
+
+
+@pytest.mark.parametrize("block_m,split_m", [(16, 32), (64, 128), (64, 96), (16, 48)])
+def test_split_block_lists_hold_every_pair_at_their_tight_bounds(gen, block_m, split_m):
+    """moe_align's split lists are sized tighter than one partial block a group (a block past the used ones is a
+    program that only exits): whatever the routing (even, crowded into one or two experts, every expert just past
+    block_m, slots computed elsewhere), the used blocks of both lists hold every pair of a real expert exactly once,
+    each within its block's size, and no list is cut short (its last block unused or the pairs all placed)."""
+    e, t, k = 24, 97, 4
+    routings = [torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]),
+                torch.arange(k).repeat(t, 1),  # four experts take every token
+                (torch.arange(t * k) % e).view(t, k)]
+    near = torch.arange(e).repeat_interleave(block_m + 1)[: t * k]  # experts just past block_m pairs
+    routings.append(torch.cat([near, torch.full((t * k - near.numel(),), -1)]).view(t, k))
+    skew = routings[0].clone()
+    skew[::3, 1] = -1  # some slots another rank's
+    routings.append(skew)
+    for ids in routings:
+        ids = ids.to(torch.int32)
+        order, small, big = moe.moe_align(ids, e, block_m, split_m)
+        placed = []
+        for (expert, begin, end), size in ((small, block_m), (big, split_m)):
+            used = expert >= 0
+            assert ((end - begin)[used] <= size).all() and ((end - begin)[used] > 0).all()
+            for b, x, ex in zip(begin[used].tolist(), end[used].tolist(), expert[used].tolist()):
+                rows = order[b:x].tolist()
+                assert all(int(ids.flatten()[r]) == ex for r in rows)
+                placed += rows
+        want = sorted(i for i, v in enumerate(ids.flatten().tolist()) if v >= 0)
+        assert sorted(placed) == want, (block_m, split_m)
