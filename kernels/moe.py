@@ -116,17 +116,8 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int, split_m: int
     Negative ids (slots computed elsewhere) are grouped after the last expert, in unused blocks.
     split_m: two block lists over the same order -> (order, small, big), each (expert, first, end): experts
     with at most block_m pairs in blocks of block_m, the others in blocks of split_m."""
-    groups = n_experts + 1  # the last group: the negative ids
-    flat = topk_ids.flatten().long()
-    flat = torch.where(flat < 0, n_experts, flat)
-    p = flat.numel()
-    # narrow keys: torch's radix sort makes one pass per key byte (int64: 26.5 us for 384 pairs on the
-    # H200, the decode step's largest glue kernel)
-    key_dtype = torch.int16 if groups <= torch.iinfo(torch.int16).max else torch.int32
-    order = torch.argsort(flat.to(key_dtype), stable=True).to(torch.int32)
-    # scatter_add, not bincount: bincount reads the max back to the host, which breaks graph capture
-    counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    row_start = torch.cumsum(counts, 0) - counts
+    order, counts, row_start = _sorted_pairs(topk_ids, n_experts)
+    groups, p = counts.numel(), topk_ids.numel()
     if split_m is None:
         return (order, *_blocks(counts, row_start, block_m, n_experts, p))
     small = counts <= block_m
@@ -137,6 +128,47 @@ def moe_align(topk_ids: torch.Tensor, n_experts: int, block_m: int, split_m: int
                else min(p, -(-p // split_m) + min(groups, p // (block_m + 1))))
     return (order, _blocks(torch.where(small, counts, 0), row_start, block_m, n_experts, p, min(groups, p)),
             _blocks(torch.where(small, 0, counts), row_start, split_m, n_experts, p, max(crowded, 1)))
+
+
+def moe_align_classes(topk_ids: torch.Tensor, n_experts: int, block_m: int, sizes: tuple[int, ...]):
+    """As moe_align's split lists, in token blocks of several sizes: each expert's pairs in blocks of the largest
+    size but its last block, which takes the smallest of (block_m, *sizes) that holds what is left. A 4K prefill's
+    ~Poisson(64) experts then fill 64, 80 and 96-pair blocks where 64 and 128 left a 128-pair tile ~56% empty.
+    sizes: ascending, past block_m. Returns (order, [(expert, first, end) for block_m, then each size]); no host
+    sync (graph-safe)."""
+    classes = (block_m, *sizes)
+    if not sizes or any(a >= b for a, b in zip(classes, classes[1:])):
+        raise ValueError(f"tile sizes {sizes} must be ascending and past block_m {block_m}")
+    order, counts, row_start = _sorted_pairs(topk_ids, n_experts)
+    groups, p, top = counts.numel(), topk_ids.numel(), classes[-1]
+    full = torch.clamp(counts - 1, min=0) // top  # the largest blocks before an expert's last one
+    rest = counts - full * top  # its last block's pairs: 1 .. top (0: no pairs)
+    cls = sum((rest > size).long() for size in classes[:-1])  # the smallest class that holds them
+    lists = []
+    for c, size in enumerate(classes):
+        last = torch.where((cls == c) & (rest > 0), rest, 0)
+        if c == len(classes) - 1:  # the largest: the full blocks too
+            nb = min(p, -(-p // top) + min(groups, p // (classes[-2] + 1)))
+            lists.append(_blocks(full * top + last, row_start, size, n_experts, p, max(nb, 1)))
+        else:  # one block an expert whose last block is this size, which holds more than the size below
+            nb = min(groups, p // (classes[c - 1] + 1) if c else p)
+            lists.append(_blocks(last, row_start + full * top, size, n_experts, p, max(nb, 1)))
+    return order, lists
+
+
+def _sorted_pairs(topk_ids: torch.Tensor, n_experts: int):
+    """(order int32 [P]: pair ids sorted by expert, negative ids after the last; counts [E + 1]; each group's first
+    row in order), graph-safe."""
+    groups = n_experts + 1  # the last group: the negative ids
+    flat = topk_ids.flatten().long()
+    flat = torch.where(flat < 0, n_experts, flat)
+    # narrow keys: torch's radix sort makes one pass per key byte (int64: 26.5 us for 384 pairs on the
+    # H200, the decode step's largest glue kernel)
+    key_dtype = torch.int16 if groups <= torch.iinfo(torch.int16).max else torch.int32
+    order = torch.argsort(flat.to(key_dtype), stable=True).to(torch.int32)
+    # scatter_add, not bincount: bincount reads the max back to the host, which breaks graph capture
+    counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts, torch.cumsum(counts, 0) - counts
 
 
 def _blocks(counts, row_start, block_m: int, n_experts: int, p: int, nb: int | None = None):
@@ -325,7 +357,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
                    bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
-                   x_on_grid: bool = False, split_m: int | None = None, down_block_n: int | None = None,
+                   x_on_grid: bool = False, split_m: int | tuple | None = None, down_block_n: int | None = None,
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
                    ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
                    ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96,
@@ -358,7 +390,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     for up to split_m tokens (a 4K prefill's experts hold ~64 pairs, Poisson: about half need two 64-token
     blocks). Two launches a GEMM, over the same sorted pairs. split_n, split_maxnreg: the split tiles' weight rows
     (both GEMMs) and register cap (0: none), in place of the same MMA area and the other tiles' caps: 128 x 64 split
-    tiles beside narrow 64 x 64 ones (whose same-area split tiles, 128 x 32 under their cap, spill).
+    tiles beside narrow 64 x 64 ones (whose same-area split tiles, 128 x 32 under their cap, spill). split_m a tuple
+    of sizes (ws="rs" only, e.g. (80, 96, 128)): token blocks of block_m and each size (moe_align_classes: an
+    expert's last block the smallest that holds it), split_n (default block_n) weight rows a tile past block_m.
     down_block_n, down_maxnreg: the down GEMM's weight rows a tile and register cap (default: block_n's, maxnreg's):
     its 64 x 64 tiles take 101 registers on sm_90, 4 programs an SM, where 64 x 128 takes 178, 2.
     ws (the bf16 grouped GEMM with the engine's hidden state, on a Hopper GPU): both GEMMs ("gate_up", "down": that
@@ -415,6 +449,15 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     if split_m is None:
         order, *blocks = moe_align(topk_ids, e, block_m)
         tiles = [(blocks, block_m, block_n, down_block_n, maxnreg, down_cap)]
+    elif isinstance(split_m, tuple):  # tile classes: token blocks of block_m and each size (moe_align_classes)
+        if which != "rs":
+            raise ValueError(f"split_m {split_m}: token blocks of several sizes run in the register-operand form "
+                             "(ws='rs') alone")
+        up_n = down_n = split_n or block_n
+        caps = (maxnreg, down_cap) if split_maxnreg is None else (split_maxnreg,) * 2
+        order, lists = moe_align_classes(topk_ids, e, block_m, split_m)
+        tiles = [(lists[0], block_m, block_n, down_block_n, maxnreg, down_cap)] + [
+            (blocks, size, up_n, down_n, *caps) for blocks, size in zip(lists[1:], split_m)]
     else:
         if split_n is None:
             if (block_n * block_m) % split_m or (down_block_n * block_m) % split_m:

@@ -69,6 +69,11 @@ def test_attn_wgmma_knob_takes_the_one_pass_gluon_form_only_where_it_runs_and_fi
                                 (False, 4096, 64, 512, {})):
         monkeypatch.setattr(sparse_attn_wgmma, "runs_on", lambda device, _runs=runs: _runs)
         assert ops._attn_launch(args(t, h, d)) == want, (runs, t, h, d)
+    ops.set_knobs("attn_staged=1")  # the staged copies: an option of that form, where it runs
+    assert ops._attn_launch(args(132)) == {}  # (the last runs_on: False)
+    monkeypatch.setattr(sparse_attn_wgmma, "runs_on", lambda device: True)
+    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"staged": True}}
+    assert ops._attn_launch(args(131)) == {}
 
 
 def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):

@@ -301,3 +301,38 @@ def test_split_block_lists_hold_every_pair_at_their_tight_bounds(gen, block_m, s
                 placed += rows
         want = sorted(i for i, v in enumerate(ids.flatten().tolist()) if v >= 0)
         assert sorted(placed) == want, (block_m, split_m)
+
+
+@pytest.mark.parametrize("block_m,sizes", [(64, (80, 96, 128)), (16, (24, 32)), (8, (16,))])
+def test_tile_classes_put_each_expert_in_the_smallest_blocks_that_hold_it(gen, block_m, sizes):
+    """moe_align_classes: every pair of a real expert in exactly one used block, no block past its size, and each
+    expert's blocks the largest size but its last, which is the smallest size holding what is left (so a block is
+    never more empty than the size below would leave it), over even, crowded and other-rank routings; sizes out of
+    order refused."""
+    e, t, k = 24, 97, 4
+    classes = (block_m, *sizes)
+    routings = [torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]),
+                torch.arange(k).repeat(t, 1), (torch.arange(t * k) % e).view(t, k)]
+    skew = routings[0].clone()
+    skew[::3, 1] = -1
+    routings.append(skew)
+    for ids in routings:
+        ids = ids.to(torch.int32)
+        order, lists = moe.moe_align_classes(ids, e, block_m, sizes)
+        placed, per_expert = [], {}
+        for (expert, begin, end), size in zip(lists, classes):
+            used = expert >= 0
+            for b, x, ex in zip(begin[used].tolist(), end[used].tolist(), expert[used].tolist()):
+                assert 0 < x - b <= size
+                rows = order[b:x].tolist()
+                assert all(int(ids.flatten()[r]) == ex for r in rows)
+                placed += rows
+                per_expert.setdefault(ex, []).append((b, x - b, size))
+        assert sorted(placed) == sorted(i for i, v in enumerate(ids.flatten().tolist()) if v >= 0)
+        for ex, blocks in per_expert.items():
+            blocks.sort()
+            assert all(n == size == classes[-1] for _, n, size in blocks[:-1])  # full largest blocks first
+            _, n, size = blocks[-1]
+            assert size == min(c for c in classes if c >= n), (ex, blocks)
+    with pytest.raises(ValueError, match="ascending and past block_m"):
+        moe.moe_align_classes(routings[0].int(), e, 64, (128, 96))

@@ -62,19 +62,27 @@ def fp4(n, kd):
     s = torch.randint(114, 122, (e, n, kd // 32), dtype=torch.uint8).cuda().view(torch.float8_e8m0fnu)
     return w, s
 W = (*fp4(inter, dim), *fp4(inter, dim), *fp4(dim, inter))
-# skewed routing: some experts past 128 pairs (split tiles), some under 64 (small tiles), one unused
-p = torch.tensor([0.0] + [1.0] * 5 + [6.0] * 10).cuda()
-ids = torch.stack([torch.multinomial(p, k) for _ in range(t)]).int()
+ws = json.loads(sys.argv[1])
+if ws.pop("spread", False):  # every token block size's edges: 64 | 65, 80 | 81, 96 | 97, 128 | 129 pairs and more
+    # past 128: 200 = 128 + 72, 300 = 2 x 128 + 44, 350 = 2 x 128 + 94, 450 = 3 x 128 + 66, 500 = 3 x 128 + 116
+    counts = [0, 64, 65, 80, 81, 96, 97, 128, 129, 200, 300, 350, 400, 450, 500]
+    counts.append(t * k - sum(counts))  # 132 (each at most t: an expert once a token)
+    labels = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))  # sorted: an expert's pairs t apart
+    ids = labels.view(k, t).t().contiguous().int().cuda()
+    assert all(len(set(row.tolist())) == k for row in ids)
+else:  # skewed routing: some experts past 128 pairs (split tiles), some under 64 (small tiles), one unused
+    p = torch.tensor([0.0] + [1.0] * 5 + [6.0] * 10).cuda()
+    ids = torch.stack([torch.multinomial(p, k) for _ in range(t)]).int()
 tw = torch.softmax(torch.randn(t, k).cuda(), -1) * 1.5
 x = (torch.randn(t, dim) * 0.5).bfloat16().cuda()
 form = dict(hidden="reference", bf16_decode="fold", block_m=64, block_n=64, maxnreg=168, down_block_n=64,
             down_maxnreg=0, split_m=128, split_n=64, split_maxnreg=0)
 counts = torch.bincount(ids.flatten().long(), minlength=e)
 assert counts[0] == 0 and (counts[1:6] <= 128).any() and (counts > 128).any(), counts
+ws = {key: tuple(v) if isinstance(v, list) else v for key, v in ws.items()}  # split_m: sizes as a tuple
 base = moe.moe_fp4_triton(x, *W, ids, tw, **form)
 ref = moe.moe_fp4_reference(x.cpu(), *(w.cpu() for w in W), ids.cpu(), tw.cpu(), hidden="reference").cuda()
 rel = lambda a, b: float((a - b).norm() / b.norm())
-ws = json.loads(sys.argv[1])
 got = moe.moe_fp4_triton(x, *W, ids, tw, **{**form, **ws})
 # the same products and hidden state; sums in the MMA's K order: the Triton form's distance to the reference
 print(ws, "ws vs triton", rel(got, base), "ws vs ref", rel(got, ref), "triton vs ref", rel(base, ref))
@@ -86,14 +94,17 @@ assert rel(got, base) < 2e-3, ws
 
 @pytest.mark.skipif(not moe_ws.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
 @pytest.mark.parametrize("form", [dict(ws="rs"), dict(ws="rs", ws_stages=3, split_m=None),
-                                  dict(ws="rs", ws_block_k=128, ws_stages=2), dict(ws=True),
-                                  dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
+                                  dict(ws="rs", ws_block_k=128, ws_stages=2), dict(ws="rs", split_m=[80, 96, 128]),
+                                  dict(ws="rs", split_m=[80, 96, 128], spread=True), dict(ws="rs", spread=True),
+                                  dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
-                         ids=["rs", "rs_3_stages_64_token_tiles", "rs_128_wide_stages", "both", "gate_up",
-                              "two_decoders_persistent", "down_k128"])
+                         ids=["rs", "rs_3_stages_64_token_tiles", "rs_128_wide_stages", "rs_80_96_128",
+                              "rs_80_96_128_spread", "rs_spread", "both", "gate_up", "two_decoders_persistent",
+                              "down_k128"])
 def test_ws_form_on_the_gpu(form):
     """The whole MoE in a Gluon form against the Triton form and the float64 reference: the register-operand form
-    (kernels/moe_rs.py; with the split tiles, with 64-token tiles alone at three stages, with 128-wide stages), then the
+    (kernels/moe_rs.py; with the split tiles, with 64-token tiles alone at three stages, with 128-wide stages, in token
+    blocks of 64 / 80 / 96 / 128 pairs, also over counts at every block size's edges), then the
     warp-specialized one: both GEMMs, the gate/up alone, two decoders looping over tiles, the down alone at 128-wide
     K (a fresh process: another module's import may have set the interpreter)."""
     import json

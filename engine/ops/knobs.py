@@ -100,6 +100,13 @@ class KernelKnobs:
     # kernel bench's 4K prefill 1,644 us against the two passes' 2,274 (2.19e-3 from the float64 reference against
     # 2.26e-3); the layer's prefill graph 0.962x (Reuse) and 0.970x (Full m=1)
     attn_wgmma = True
+    # that form with each selected tile's raw bytes copied (cp.async) into shared memory a tile ahead, the gather's
+    # latency under the tile before's MMAs and softmax; the same values. Off until timed
+    attn_staged = False
+    # the register-operand experts in token blocks of 64, 80, 96 and 128 pairs (kernels/moe.py moe_align_classes:
+    # an expert's last block the smallest that holds it) where 64 and 128 left a 4K prefill's 128-pair tiles ~56%
+    # full; the same values. Off until timed
+    moe_tile_classes = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
@@ -110,7 +117,8 @@ class KernelKnobs:
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
-             "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma")
+             "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
+             "moe_tile_classes")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

@@ -384,7 +384,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             t, h, d = q.shape
             if (t * (h // 64) >= sm_count(q.device) and sparse_attn_wgmma.wgmma_fits(h, d)
                     and sparse_attn_wgmma.runs_on(q.device)):
-                return {"layout": "wgmma"}
+                return {"layout": "wgmma", **({"wgmma": {"staged": True}} if self.attn_staged else {})}
         if self.attn_one_pass:
             return {"layout": "entries" if int32_offsets_reach(kv_p, win_q, q.shape[-1]) else "heads"}
         options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
@@ -520,6 +520,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     from kernels.moe_ws import gluon_fits, runs_on
                     if runs_on(x.device) and gluon_fits(x.shape[-1], raw[0].shape[1]):  # (dim, inter)
                         form.update(dict(ws="rs") if self.moe_rs else dict(ws=True, ws_decoders=2))
+                        if self.moe_rs and self.moe_tile_classes:  # 64 / 80 / 96 / 128-pair token blocks
+                            form["split_m"] = (80, 96, 128)
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
