@@ -103,14 +103,14 @@ if moe_ws.HAVE_GLUON:
 
     @triton.constexpr_function
     def _staged_layout(bn, scales):
-        """The copies of a staged FP4 tile over 8 warps (chunks of 128 dims): bytes [chunks, BN, 8 groups, 8], 16 a
-        thread; scales [chunks, BN, 8], 8 a thread."""
+        """The copies of a staged FP4 tile over 8 warps (chunks of 128 dims): bytes [chunks, BN, 4, 16], 16 a thread
+        (one cp.async of 16 bytes); scales [chunks, BN, 8], 8 a thread."""
         bn, scales = getattr(bn, "value", bn), getattr(scales, "value", scales)
         if scales:
             rows = max(bn // 32, 1)
             return gl.BlockedLayout([1, 1, 8], [1, 32, 1], [8 // rows, rows, 1], [2, 1, 0])
         rows = min(bn // 8, 8)
-        return gl.BlockedLayout([1, 1, 2, 8], [1, 8, 4, 1], [8 // rows, rows, 1, 1], [3, 2, 1, 0])
+        return gl.BlockedLayout([1, 1, 1, 16], [1, 8, 4, 1], [8 // rows, rows, 1, 1], [3, 2, 1, 0])
 
     @gluon.jit
     def _staged_entries(ent_row, start, end, BN: gl.constexpr):
@@ -122,7 +122,7 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _stage_fp4(rb, rs, kvb_ptr, kvs_ptr, eb, es, D: gl.constexpr):
-        """Asynchronous copies (cp.async, one group) of a selected tile's packed bytes into rb [D/128, BN, 8, 8] and
+        """Asynchronous copies (cp.async, one group) of a selected tile's packed bytes into rb [D/128, BN, 4, 16] and
         E4M3 scales into rs [D/128, BN, 8], chunk-major (a chunk's rows contiguous for the decode's reads); absent
         entries (-1) zero-filled."""
         lb: gl.constexpr = _staged_layout(rb.shape[1], False)
@@ -130,10 +130,10 @@ if moe_ws.HAVE_GLUON:
         C: gl.constexpr = rb.shape[0]
         rb_ = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.where(eb >= 0, eb, 0).to(gl.int64), 0), 2), 3)
         cb = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, lb))))
-        gb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, lb))))
-        jb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, lb))))
+        gb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, lb))))
+        jb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, lb))))
         off = (gl.expand_dims(gl.expand_dims(gl.expand_dims(cb * 64, 1), 2), 3)
-               + gl.expand_dims(gl.expand_dims(gl.expand_dims(gb * 8, 0), 1), 3)
+               + gl.expand_dims(gl.expand_dims(gl.expand_dims(gb * 16, 0), 1), 3)
                + gl.expand_dims(gl.expand_dims(gl.expand_dims(jb, 0), 1), 2))
         okb = gl.expand_dims(gl.expand_dims(gl.expand_dims(eb >= 0, 0), 2), 3)
         async_copy.async_copy_global_to_shared(rb, kvb_ptr + rb_ * (D // 2) + off, mask=okb)
@@ -268,7 +268,7 @@ if moe_ws.HAVE_GLUON:
             s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s, o))
         else:
             if STAGED:
-                rb = gl.allocate_shared_memory(gl.uint8, [D // 128, BN, 8, 8], _RAW4)
+                rb = gl.allocate_shared_memory(gl.uint8, [D // 128, BN, 4, 16], _RAW4)
                 rs = gl.allocate_shared_memory(gl.uint8, [D // 128, BN, 8], _RAW3)
                 eb, es = _staged_entries(idx_row, 0, n_sel, BN)
                 _stage_fp4(rb, rs, kvb_ptr, kvs_ptr, eb, es, D)  # tile 0's copies (all masked off where none)
