@@ -158,8 +158,7 @@ if moe_ws.HAVE_GLUON:
                 b_op = _a_operand(wb, bb, BM)
                 acc_b = warpgroup_mma(b_op, at, acc_b, is_async=True)
                 if BX > 0:
-                    acc_bx = warpgroup_mma(_x_operand(b_op, BX), xbuf.index(s * H + h).permute((1, 0)), acc_bx,
-                                           is_async=True)
+                    acc_bx = warpgroup_mma(_x_operand(b_op, BX), xt, acc_bx, is_async=True)
             acc_a, acc_b, acc_ax, acc_bx = warpgroup_mma_wait(num_outstanding=NW * (2 if BX > 0 else 1),
                                                               deps=(acc_a, acc_b, acc_ax, acc_bx))
             if h == 0:

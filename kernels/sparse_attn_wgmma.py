@@ -294,6 +294,8 @@ if moe_ws.HAVE_GLUON:
                 p, m_i, l_i, o = _softmax_step(s, i, n_st, idx_row, widx_row, n_sel, n_win, qk2, m_i, l_i, o, BN)
                 o = _weighted_sum(pb.index(i % NP), kb.index(b), p, o)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            if STAGED:  # no copy left in flight past the program's end (a layer with no selected tile: tile 0's)
+                async_copy.wait_group(0)
         heads = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         if LATE_SUM:
             l_i = gl.sum(l_i, axis=1)
