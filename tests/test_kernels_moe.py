@@ -336,3 +336,11 @@ def test_tile_classes_put_each_expert_in_the_smallest_blocks_that_hold_it(gen, b
             assert size == min(c for c in classes if c >= n), (ex, blocks)
     with pytest.raises(ValueError, match="ascending and past block_m"):
         moe.moe_align_classes(routings[0].int(), e, 64, (128, 96))
+
+
+def test_token_blocks_of_several_sizes_are_refused_outside_the_register_operand_form(gen):
+    """split_m as a tuple of sizes is the register-operand Gluon form's (blocks of 80 or 96 pairs are two MMAs
+    there); the Triton forms' power-of-two blocks refuse it by name, before any launch."""
+    args = _case(gen, 13, e=4, k=2)
+    with pytest.raises(ValueError, match="token blocks of several sizes run in the register-operand form"):
+        moe.moe_fp4_triton(*args, gemv_max_pairs=0, block_m=16, hidden="reference", split_m=(24, 32))
