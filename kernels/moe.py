@@ -446,18 +446,19 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                                  num_warps=num_warps, num_stages=num_stages, interpreted=dt != tl.bfloat16,
                                  launch_options=register_cap(maxnreg), bf16_acts=hidden == "reference")
     down_cap = maxnreg if down_maxnreg is None else down_maxnreg
+    block_tile = (block_m, block_n, down_block_n, maxnreg, down_cap)  # a tile list's (token block, rows, caps)
+    caps = (maxnreg, down_cap) if split_maxnreg is None else (split_maxnreg,) * 2  # the bigger token blocks'
     if split_m is None:
         order, *blocks = moe_align(topk_ids, e, block_m)
-        tiles = [(blocks, block_m, block_n, down_block_n, maxnreg, down_cap)]
+        tiles = [(blocks, *block_tile)]
     elif isinstance(split_m, tuple):  # tile classes: token blocks of block_m and each size (moe_align_classes)
         if which != "rs":
             raise ValueError(f"split_m {split_m}: token blocks of several sizes run in the register-operand form "
                              "(ws='rs') alone")
         up_n = down_n = split_n or block_n
-        caps = (maxnreg, down_cap) if split_maxnreg is None else (split_maxnreg,) * 2
         order, lists = moe_align_classes(topk_ids, e, block_m, split_m)
-        tiles = [(lists[0], block_m, block_n, down_block_n, maxnreg, down_cap)] + [
-            (blocks, size, up_n, down_n, *caps) for blocks, size in zip(lists[1:], split_m)]
+        tiles = [(lists[0], *block_tile)] + [(blocks, size, up_n, down_n, *caps)
+                                             for blocks, size in zip(lists[1:], split_m)]
     else:
         if split_n is None:
             if (block_n * block_m) % split_m or (down_block_n * block_m) % split_m:
@@ -469,9 +470,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         if split_m <= block_m or min(up_n, down_n) < 16 or (fp8_hidden and up_n % 32):
             raise ValueError(f"split_m {split_m}: more tokens than block_m {block_m}, and {up_n} (down {down_n}) "
                              "weight rows a split tile, at least 16 (whole 32-row groups for the hidden state)")
-        caps = (maxnreg, down_cap) if split_maxnreg is None else (split_maxnreg,) * 2
         order, small, big = moe_align(topk_ids, e, block_m, split_m)
-        tiles = [(small, block_m, block_n, down_block_n, maxnreg, down_cap), (big, split_m, up_n, down_n, *caps)]
+        tiles = [(small, *block_tile), (big, split_m, up_n, down_n, *caps)]
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled

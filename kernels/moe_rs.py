@@ -203,8 +203,8 @@ if moe_ws.HAVE_GLUON:
                        STAGES: gl.constexpr, H: gl.constexpr, RB: gl.constexpr):
         """One (token block, BN weight rows) tile of a grouped FP4 GEMM over K, in stages of H 64-wide K steps: NW = 2,
         gate/up (out: h, stored in RS_ORDER along I); NW = 1, down (out: the [T, dim] float32 sums, each expert's
-        output added). A token block of BM + BX rows (BX 0, or 16 / 32 / 64 more in MMAs of their own: blocks of 80
-        or 96 pairs, where a power of two would leave a tile a third empty)."""
+        output added). A token block of BM + BX rows (BX 0, or 16 / 32 more in MMAs of their own: blocks of 80 or 96
+        pairs, where a power of two would leave a tile a third empty)."""
         KSTAGES: gl.constexpr = K // (64 * H)  # even where H = 1: grouped_rs checks K
         XR: gl.constexpr = BX if BX > 0 else 8  # (BX = 0: a placeholder never copied into)
         abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * H, BM, 64], a_desc.layout)
@@ -245,10 +245,10 @@ if moe_ws.HAVE_GLUON:
 
 def token_tile(block_m: int) -> tuple[int, int]:
     """A token block of block_m pairs as the form's two MMAs take it: (BM, BX), BM a power of two (64 or 128) and BX
-    the rest (0, 16, 32 or 64): 80 = 64 + 16, 96 = 64 + 32."""
+    the rest (0, 16 or 32): 80 = 64 + 16, 96 = 64 + 32."""
     bm = 128 if block_m >= 128 else 64
     bx = block_m - bm
-    if bx not in (0, 16, 32, 64) or block_m > 128:
+    if bx not in (0, 16, 32) or block_m > 128:
         raise ValueError(f"block_m {block_m}: the register-operand form takes 64, 80, 96 or 128-pair token blocks")
     return bm, bx
 
