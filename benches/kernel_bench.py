@@ -3,6 +3,8 @@ decode-sized work), the ceilings measured in the run, configuration sweeps, and 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -62,9 +64,12 @@ def sweep(log_key: str, what: str, cfgs, run, check=None, valid=None, **bench_kw
     log_key; returns (best cfg, its time in us, check(its output) or None). valid(check value): whether
     a configuration may be the best (a wrong but fast variant is logged, never picked)."""
     times = {}
-    for cfg in cfgs:
+    for i, cfg in enumerate(cfgs):
         try:
-            out = run(**cfg)
+            # each configuration's first call in an NVTX range of its own, for Nsight to pick one:
+            # NCU_EXTRA="--nvtx --nvtx-include attn_cfgs_5/" (log_key, then its place in cfgs)
+            with torch.cuda.nvtx.range(f"{log_key}_{i}") if torch.cuda.is_available() else contextlib.nullcontext():
+                out = run(**cfg)
             times[str(cfg)] = (bench(lambda: run(**cfg), **bench_kw), check(out) if check else None)
             # printed as it goes: a run cut off by its time limit still tells which configs were timed
             print(f"[sweep] {what} {cfg}: {times[str(cfg)][0]:.1f} us"

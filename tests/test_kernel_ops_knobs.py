@@ -60,7 +60,7 @@ def test_attn_wgmma_knob_takes_the_one_pass_gluon_form_only_where_it_runs_and_fi
 
     ops = T.TritonOps.__new__(T.TritonOps)
     ops.device = torch.device("cpu")
-    ops.set_knobs("attn_wgmma=1")
+    ops.set_knobs("attn_wgmma=1,attn_staged=0")  # the staged copies (on by default) come in below
     monkeypatch.setattr(T, "interpreter_active", lambda: True)
     small = torch.empty(100, 256, device="meta")
     args = lambda t, h=64, d=512: (torch.empty(t, h, d, device="meta"), small, None, None, small)

@@ -101,12 +101,18 @@ class KernelKnobs:
     # 2.26e-3); the layer's prefill graph 0.962x (Reuse) and 0.970x (Full m=1)
     attn_wgmma = True
     # that form with each selected tile's raw bytes copied (cp.async) into shared memory a tile ahead, the gather's
-    # latency under the tile before's MMAs and softmax; the same values. Off until timed
-    attn_staged = False
+    # latency under the tile before's MMAs and softmax; the same values. H100 run 40a: the kernel bench's 4K
+    # prefill (500 selected of 2^18 entries: gathers from HBM) 1,424.7 us against 1,635.4 (-12.9%; the same rel
+    # 2.19e-3 to float64, the GPU test passes); the layer's prefill graph 1.001x (Reuse) and 0.997x (Full m=1): at 4K
+    # tokens its compressed cache (~1K entries) sits in L2 and the gathers wait little
+    attn_staged = True
     # the register-operand experts in token blocks of 64, 80, 96 and 128 pairs (kernels/moe.py moe_align_classes:
     # an expert's last block the smallest that holds it) where 64 and 128 left a 4K prefill's 128-pair tiles ~56%
-    # full; the same values. Off until timed
-    moe_tile_classes = False
+    # full; the same values. H100 run 40a: the kernel bench's 4K experts 5,646.5 us against the split tiles' 5,959.1
+    # (-5.2%; rel 1.5e-4 to the default form, the GPU tests pass against float64); the layer's prefill graph 0.977x
+    # (Reuse 10.03 -> 9.80 ms) and 0.971x (Full m=1 11.83 -> 11.50), decode graphs 1.010x / 0.991x (no knob here
+    # reaches a decode step)
+    moe_tile_classes = True
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
