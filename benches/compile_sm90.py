@@ -180,6 +180,7 @@ def cases():
         quant.quantize_fp4_triton(torch.randn(256, 128).bfloat16(), 32, "e8m0")
         quant.quantize_fp8_triton(torch.randn(256, 512).bfloat16())
         quant.fp8_roundtrip_triton(torch.randn(256, 512).bfloat16(), 32, bf16_out=True, nib=True)  # experts' input
+        quant.fp8_roundtrip_triton(torch.randn(256, 512).bfloat16(), 32, bf16_out=True, nib=True, rs=True)  # rs form's
 
     def linear(m, **form):
         w = (torch.randn(5120, 8192) * 30).to(torch.float8_e4m3fn)

@@ -94,13 +94,18 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
 
 
 @triton.jit
-def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr):
+def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr,
+                          RS: tl.constexpr):
     v, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     y = e4m3_rounded(v) * scale[:, None]  # the codes' values, no byte
     if NIB:  # the FP4 decoders' order (fp4_tiles.nib_order): each 8-group's halves interleaved, in registers (the
         # same permutation on the store's addresses made it 16 scalar stores a thread: 136 us a launch in H100 run
         # 34a, 17 in this form in 34b)
         y = tl.reshape(tl.permute(tl.reshape(y, (BG, BLOCK // 8, 2, 4)), (0, 1, 3, 2)), (BG, BLOCK))
+    if RS:  # then moe_rs.rs_columns inside each 64 columns (two adjacent 32-groups of a row: a tile starts at an
+        # even group): stored column bits s5 (the group's parity) .. s0 -> MMA position bits s3 s2 s1 s5 s4 s0
+        y = tl.reshape(y, (BG // 2, 2, 2, 2, 2, 2, 2))
+        y = tl.reshape(tl.permute(y, (0, 3, 4, 5, 1, 2, 6)), (BG, BLOCK))
     tl.store(y_ptr + offs, y, mask=gmask[:, None])
 
 
@@ -149,22 +154,26 @@ def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = F
 
 
 def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
-                         nib: bool = False) -> torch.Tensor:
+                         nib: bool = False, rs: bool = False) -> torch.Tensor:
     """The quantizer's codes and scales turned back into values in the same launch (the engine's form takes
     ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too. bf16_out:
     stored bf16, the same values (an E4M3 value times a power of two within float32's range is a bf16). nib:
     stored in the FP4 decoders' order inside each 8-group (fp4_tiles.nib_order), for the MoE's grouped GEMM:
     the permutation rides on the store's addresses, where a separate nib_order was a 58 us copy of a 4K
-    prefill's expert input (H100 run 31f)."""
+    prefill's expert input (H100 run 31f). rs (with nib): then in the register-operand experts' MMA order inside
+    each 64 columns (moe_rs.rs_columns of the nib output), in the same launch instead of a copy after it."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"last dimension {k} is not a multiple of the FP8 group {block}")
     if nib and block % 8:
         raise ValueError(f"the nibble order permutes inside 8-groups: the FP8 group {block} must hold whole ones")
+    if rs and not (nib and block == 32 and k % 64 == 0):
+        raise ValueError(f"the MMA order permutes the nibble order inside 64 columns: it needs nib, FP8 groups of "
+                         f"32 (got {block}) and a last dimension of whole 64s (got {k})")
     xc = x.contiguous()  # widened as the kernel loads it
     y = torch.empty(xc.shape, dtype=torch.bfloat16 if bf16_out else torch.float32, device=xc.device)
     n_groups = xc.numel() // block
     if n_groups:
         bg = 64
-        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg, NIB=nib)
+        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg, NIB=nib, RS=rs)
     return y

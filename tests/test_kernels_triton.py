@@ -68,6 +68,19 @@ def test_fp8_quantizer_bit_exact(poisoned, gen):
                            for h in range(2)], dim=1)
     assert torch.equal(nib, by_hand) and not torch.equal(nib, narrow.view(7, 512))
     assert torch.equal(quant.fp8_roundtrip_reference(x, 32, bf16_out=True, nib=True), nib)
+    # then in the register-operand experts' MMA order (moe_rs.rs_position inside each 64 columns), in the same
+    # launch; over a partial last tile of groups too (9 rows: 144 groups, tiles of 64)
+    from kernels.moe_rs import rs_position
+    for rows in (x, torch.cat([x, x[:2] * 3])):
+        nib_rows = quant.fp8_roundtrip_triton(rows, 32, bf16_out=True, nib=True)
+        rs = quant.fp8_roundtrip_triton(rows, 32, bf16_out=True, nib=True, rs=True)
+        by_position = torch.stack([nib_rows[:, b + rs_position(m)] for b in range(0, 512, 64) for m in range(64)], 1)
+        assert torch.equal(rs, by_position) and not torch.equal(rs, nib_rows)
+    for bad in (dict(nib=False), dict(block=16)):
+        with pytest.raises(ValueError, match="MMA order"):
+            quant.fp8_roundtrip_triton(x, bad.get("block", 32), bf16_out=True, nib=bad.get("nib", True), rs=True)
+    with pytest.raises(ValueError, match="whole 64s"):
+        quant.fp8_roundtrip_triton(x[:, :480], 32, bf16_out=True, nib=True, rs=True)
 
 
 # -- top-k ---------------------------------------------------------------------------------------

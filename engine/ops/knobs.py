@@ -113,6 +113,11 @@ class KernelKnobs:
     # (Reuse 10.03 -> 9.80 ms) and 0.971x (Full m=1 11.83 -> 11.50), decode graphs 1.010x / 0.991x (no knob here
     # reaches a decode step)
     moe_tile_classes = True
+    # the register-operand experts' input stored in their MMA order by x's E4M3 round trip (quant.fp8_roundtrip_triton
+    # rs=True: one register permute more, 480 sm_90 instructions against 456, 2 KB of shared memory, the same 128-bit
+    # stores) instead of a permuting copy after it (64 us of H100 run 40b's Reuse prefill); the same values. Off until
+    # timed
+    moe_rs_round_trip = False
     # a prefill's FP8 linears (where the bf16 form runs, past 64 rows) as cuBLAS bf16 GEMMs on the weight's bf16
     # values made for the call (kernels/fp8_linear.py mma="cublas"): the same products, float32 sums in cuBLAS's
     # order. Run 26b (H100): 4096 x 5120 x 8192 544 us against the bf16 form's 743 (wq_b 534 / 778, wq_a 124 /
@@ -124,7 +129,7 @@ class KernelKnobs:
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
-             "moe_tile_classes")
+             "moe_tile_classes", "moe_rs_round_trip")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

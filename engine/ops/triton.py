@@ -522,6 +522,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                         form.update(dict(ws="rs") if self.moe_rs else dict(ws=True, ws_decoders=2))
                         if self.moe_rs and self.moe_tile_classes:  # 64 / 80 / 96 / 128-pair token blocks
                             form["split_m"] = (80, 96, 128)
+                        if self.moe_rs and self.moe_rs_round_trip:  # x stored in the form's order by its round trip
+                            form["rs_round_trip"] = True
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
