@@ -434,8 +434,8 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
         monkeypatch.setattr(moe_ws, "runs_on", lambda device, _runs=runs: _runs)
         monkeypatch.setattr(moe_ws, "gluon_fits", lambda dim, inter, _fits=fits: widths.append((dim, inter)) or _fits)
         seen.clear()
-        out[(runs, spec)] = run(lambda model: model.ops.set_knobs(spec + ("" if "classes" in spec
-                                                                           else ",moe_tile_classes=0")))
+        off = "".join(f",{knob}=0" for knob in ("moe_tile_classes", "moe_rs_round_trip") if knob not in spec)
+        out[(runs, spec)] = run(lambda model: model.ops.set_knobs(spec + off))  # (both on by default)
         prefill = [form for wide, fold, form in seen if wide and fold == "fold"]
         assert prefill and all(form == want for form in prefill), (spec, seen)
         assert all(form == {} for wide, fold, form in seen if not wide or fold != "fold"), (spec, seen)

@@ -105,8 +105,8 @@ if ws.get("rs_round_trip"):  # the order made by the round trip, not by a copy: 
                                   dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
                          ids=["rs", "rs_3_stages_64_token_tiles", "rs_128_wide_stages", "rs_80_96_128",
-                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "both", "gate_up", "two_decoders_persistent",
-                              "down_k128"])
+                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "both", "gate_up",
+                              "two_decoders_persistent", "down_k128"])
 def test_ws_form_on_the_gpu(form):
     """The whole MoE in a Gluon form against the Triton form and the float64 reference: the register-operand form
     (kernels/moe_rs.py; with the split tiles, with 64-token tiles alone at three stages, with 128-wide stages, in token
