@@ -416,7 +416,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     if fp8_mma:  # the FP8 form has no GEMV: grouped at every width
         gemv_max_pairs = 0
     # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the FP8 form quantizes x itself); the grouped
-    # GEMM's round trip stores in the decoders' nibble order below, at no extra pass
+    # GEMM's round trip stores in the decoders' nibble order below (and the rs form's MMA order), at no extra pass
     round_x = fp8_hidden and not fp8_mma and not x_on_grid
     if rs_round_trip and which != "rs":
         raise ValueError("rs_round_trip: x stored in the register-operand form's order, for that form (ws='rs') alone")

@@ -145,12 +145,19 @@ def quantize_fp8_triton(x: torch.Tensor, block: int = 32):
 
 
 def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
-                            nib: bool = False) -> torch.Tensor:
+                            nib: bool = False, rs: bool = False) -> torch.Tensor:
     """engine.quant.fp8_roundtrip: x as an E4M3 store (E8M0 per `block`) and load leave it, float32
-    (bf16_out: bf16, the same values; nib: the last dimension in the FP4 decoders' order, fp4_tiles.nib_order)."""
+    (bf16_out: bf16, the same values; nib: the last dimension in the FP4 decoders' order, fp4_tiles.nib_order;
+    rs: then in the register-operand experts' MMA order, moe_rs.rs_columns)."""
     y = Q.fp8_roundtrip(x, block)
     y = y.bfloat16() if bf16_out else y
-    return nib_order(y.reshape(-1, y.shape[-1])).view(y.shape) if nib else y
+    if not nib:
+        return y
+    rows = nib_order(y.reshape(-1, y.shape[-1]))
+    if rs:
+        from kernels.moe_rs import rs_columns  # (moe_rs imports the Gluon forms where they exist)
+        rows = rs_columns(rows)
+    return rows.view(y.shape)
 
 
 def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
@@ -159,7 +166,7 @@ def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = Fals
     ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too. bf16_out:
     stored bf16, the same values (an E4M3 value times a power of two within float32's range is a bf16). nib:
     stored in the FP4 decoders' order inside each 8-group (fp4_tiles.nib_order), for the MoE's grouped GEMM:
-    the permutation rides on the store's addresses, where a separate nib_order was a 58 us copy of a 4K
+    the permutation made in registers before the store, where a separate nib_order was a 58 us copy of a 4K
     prefill's expert input (H100 run 31f). rs (with nib): then in the register-operand experts' MMA order inside
     each 64 columns (moe_rs.rs_columns of the nib output), in the same launch instead of a copy after it."""
     k = x.shape[-1]

@@ -76,6 +76,7 @@ def test_fp8_quantizer_bit_exact(poisoned, gen):
         rs = quant.fp8_roundtrip_triton(rows, 32, bf16_out=True, nib=True, rs=True)
         by_position = torch.stack([nib_rows[:, b + rs_position(m)] for b in range(0, 512, 64) for m in range(64)], 1)
         assert torch.equal(rs, by_position) and not torch.equal(rs, nib_rows)
+        assert torch.equal(quant.fp8_roundtrip_reference(rows, 32, bf16_out=True, nib=True, rs=True), rs)
     for bad in (dict(nib=False), dict(block=16)):
         with pytest.raises(ValueError, match="MMA order"):
             quant.fp8_roundtrip_triton(x, bad.get("block", 32), bf16_out=True, nib=bad.get("nib", True), rs=True)
