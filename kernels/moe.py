@@ -480,7 +480,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
-    rs_x = rs_round_trip and round_x and not sc  # x leaves its round trip in the rs form's order
+    rs_x = rs_round_trip and round_x  # x leaves its round trip in the rs form's order (which is never scaled)
     if round_x:
         xp = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=not sc, rs=rs_x)
     else:

@@ -348,17 +348,17 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
                          f"(got {d}) and block_n 32 or 64 (got {block_n})")
     if ahead and staged:
         raise ValueError("sparse attention (wgmma): staged copies run in the two-buffer loop, not with ahead")
-    if shared_bytes(d, block_n, ahead, staged) > _SHARED_LIMIT:
-        raise ValueError(f"sparse attention (wgmma): {shared_bytes(d, block_n, ahead, staged)} bytes of shared memory "
-                         f"at head dim {d}, {block_n}-entry tiles{' ahead' if ahead else ''}: over {_SHARED_LIMIT}")
+    need = shared_bytes(d, block_n, ahead, staged)
+    if need > _SHARED_LIMIT:
+        raise ValueError(f"sparse attention (wgmma): {need} bytes of shared memory at head dim {d}, {block_n}-entry "
+                         f"tiles{' ahead' if ahead else ''}: over {_SHARED_LIMIT}")
     n_sel = idx.shape[1] if n_sel is None else n_sel
     out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
     if t:
         _sparse_attn_wgmma_kernel[(t, h // 64)](
             q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
             win_scale.view(torch.uint8), win_idx, sink, out, n_sel, win_idx.shape[1], qk_log2(scale), H=h, D=d,
-            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, STAGED=staged,
-            num_warps=8)
+            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, STAGED=staged, num_warps=8)
     return out
 
 

@@ -519,11 +519,14 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                 if (self.moe_ws or self.moe_rs) and form.get("bf16_decode") == "fold":
                     from kernels.moe_ws import gluon_fits, runs_on
                     if runs_on(x.device) and gluon_fits(x.shape[-1], raw[0].shape[1]):  # (dim, inter)
-                        form.update(dict(ws="rs") if self.moe_rs else dict(ws=True, ws_decoders=2))
-                        if self.moe_rs and self.moe_tile_classes:  # 64 / 80 / 96 / 128-pair token blocks
-                            form["split_m"] = (80, 96, 128)
-                        if self.moe_rs and self.moe_rs_round_trip:  # x stored in the form's order by its round trip
-                            form["rs_round_trip"] = True
+                        if not self.moe_rs:
+                            form.update(ws=True, ws_decoders=2)
+                        else:
+                            form["ws"] = "rs"
+                            if self.moe_tile_classes:  # 64 / 80 / 96 / 128-pair token blocks
+                                form["split_m"] = (80, 96, 128)
+                            if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
+                                form["rs_round_trip"] = True
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
