@@ -195,8 +195,9 @@ def cases():
         fn = indexer.indexer_topk_triton if fused else indexer.indexer_scores_triton
         return lambda: fn(qp, qs, kp, ks, w, nv)
 
-    def top512():
-        topk.topk_positions_triton(torch.randn(64, 65536), 512)
+    def top512(n=65536, causal=False, **form):
+        lengths = torch.arange(1, 65, dtype=torch.int32) * (n // 64) if causal else None  # a prefill's visible counts
+        return lambda: topk.topk_positions_triton(torch.randn(64, n), 512, lengths, **form)
 
     def attention(tq, q_dtype=torch.bfloat16, selected=512, **cfg):
         q = torch.randn(tq, 64, 512).bfloat16().to(q_dtype)
@@ -241,7 +242,10 @@ def cases():
             ("fp8 linear cuBLAS form's weight values 5120x8192", linear(128, mma="cublas")),
             ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
-            ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512),
+            ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512()),
+            ("top-512 prefill, 5-bit digits", top512(hist_bits=5)),
+            ("top-512 layer rows, one tile", top512(4096, True, whole_row=4096)),
+            ("top-512 layer rows, one tile, 5-bit digits", top512(4096, True, whole_row=4096, hist_bits=5)),
             ("sparse attention decode b64", attention(64)),
             ("sparse attention decode 1 token", attention(1)),
             ("sparse attention decode 1 token, float32 q", attention(1, torch.float32)),

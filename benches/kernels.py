@@ -150,7 +150,14 @@ def case_indexer(bw, mm):
 # uncapped kernel (maxnreg 0: 126 registers held it to 2 rows of 8 warps per SM, ncu run 6), then around it
 TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_warps=16, maxnreg=64),
              dict(num_warps=4, maxnreg=64), dict(block=4096, maxnreg=64), dict(groups=4096, maxnreg=64),
-             dict(groups=1024, maxnreg=64)]
+             dict(groups=1024, maxnreg=64),
+             # the k-th key searches in 5- and 6-bit digits (forty-first session: ~2x fewer histogram instructions)
+             dict(hist_bits=5), dict(hist_bits=6), dict(hist_bits=5, groups=4096), dict(hist_bits=5, maxnreg=80)]
+# a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile
+TOPK_LAYER_CFGS = [{}, dict(hist_bits=5), dict(whole_row=4096), dict(whole_row=4096, hist_bits=5),
+                   dict(whole_row=4096, hist_bits=6), dict(whole_row=4096, hist_bits=5, whole_maxnreg=128),
+                   dict(whole_row=4096, hist_bits=5, whole_warps=16), dict(whole_row=4096, whole_warps=16),
+                   dict(whole_row=4096, hist_bits=5, whole_warps=4)]
 
 
 def case_topk(bw, mm):
@@ -171,6 +178,32 @@ def case_topk(bw, mm):
     byt = s.numel() * 4
     row("top-512 over 4K x 64K logits (sweep)", t, byt / bw * 1e6, "HBM",
         f"{byt / t / 1e6:.2f} TB/s (1 read); cfg {cfg}", te, f"rows 0-255 identical {same}", 600)
+
+
+def case_topk_layer(bw, mm):
+    """The top-512 of a 4K prefill's indexer rows in the release layer (its row select, ~0.4 ms of the Full roles'
+    H100 graphs, run 40b): 4,096 causal queries over 4,096 entries (m=1: query t sees t + 1) and over 2,048 (m=2:
+    (t + 1) // 2), sweeping TOPK_LAYER_CFGS; every row checked against a stable sort's exact picks."""
+    h, d, tq = 32, 128, 4096
+    qp, qs = rand_fp4((tq, h, d), 32)
+    w = torch.randn(tq, h, device=DEV) * (128 ** -0.5) * (32 ** -0.5)
+    for ratio in (1, 2):
+        n = tq // ratio
+        kp, ks = rand_fp4((n, d), 32)
+        nv = (torch.arange(tq, device=DEV, dtype=torch.int32) + 1) // ratio
+        s = indexer.indexer_scores_triton(qp, qs, kp, ks, w, nv)
+        v = s.masked_fill(torch.arange(n, device=DEV)[None, :] >= nv[:, None].long(), float("-inf"))
+        order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :512]
+        taken = torch.arange(512, device=DEV)[None, :] < nv[:, None].clamp_max(512)
+        want = torch.sort(torch.where(taken, order, n), dim=1).values
+        want = torch.where(want == n, -1, want).int()
+        cfg, t, same = sweep(f"topk_layer_cfgs_m{ratio}", f"topk layer m={ratio}", TOPK_LAYER_CFGS,
+                             lambda **c: topk.topk_positions_triton(s, 512, nv, **c),
+                             lambda out: torch.equal(out, want), valid=bool, rep=100)
+        te = bench(lambda: torch.sort(torch.topk(v, 512, dim=1).indices, dim=1).values, rep=100)
+        byt = s.numel() * 4
+        row(f"top-512 of a 4K prefill's causal rows over {n} entries (sweep)", t, byt / 2 / bw * 1e6, "HBM",
+            f"cfg {cfg}", te, f"every row identical {same}", "-")
 
 
 def _attn_inputs(tq, n_pool, n_win):
@@ -390,15 +423,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
-                    "half), indexer, topk, moe, moe_prefill (the engine's 4K forms alone), linear, norm, engram, f32, "
-                    "run in the order given (default: all; topk is the top-512 sweep alone, on its own logits)")
+                    "half), indexer, topk, topk_layer (a 4K prefill's causal rows), moe, moe_prefill (the engine's 4K "
+                    "forms alone), linear, norm, engram, f32, run in the order given (default: all; topk is the top-512 sweep alone, on its own logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
-                 attn_decode=case_attn_decode,
-                 indexer=case_indexer, topk=case_topk, moe=case_moe, moe_prefill=case_moe_prefill, linear=case_linear,
+                 attn_decode=case_attn_decode, indexer=case_indexer, topk=case_topk, topk_layer=case_topk_layer,
+                 moe=case_moe, moe_prefill=case_moe_prefill, linear=case_linear,
                  norm=case_norm, engram=case_engram, f32=case_f32, router=case_router)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:

@@ -33,8 +33,10 @@ import triton.language as tl
 from kernels._formats import register_cap
 
 
-def topk_positions_reference(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """values [R, L] float -> int32 [R, k]; entries at or past lengths[r] count as -inf."""
+def topk_positions_reference(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
+                             **_tune) -> torch.Tensor:
+    """values [R, L] float -> int32 [R, k]; entries at or past lengths[r] count as -inf (the kernel's
+    launch knobs, `_tune`, change nothing here)."""
     r, n = values.shape
     v = values.double().clone()
     if lengths is not None:
@@ -162,47 +164,51 @@ def _kth_largest_key(key, valid, need):
 
 @triton.jit
 def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr):
-    """`_kth_largest_key` by histograms: 32 / BITS dependent steps (4 at 8 bits, not 16), each one
-    tl.histogram of the next BITS-bit digit over the keys matching the prefix so far, then the largest
-    digit keeping #(key >= prefix) >= need (as `_radix_select_row`'s passes, on a register tile)."""
+    """`_kth_largest_key` by histograms: ceil(32 / BITS) dependent steps (4 at 8 bits, not 16), each one
+    tl.histogram of the next digit over the keys matching the prefix so far, then the largest digit keeping
+    #(key >= prefix) >= need (as `_radix_select_row`'s passes, on a register tile). The first step takes the
+    32 mod BITS top bits (or BITS), the others BITS each. A histogram costs ~log2(bins) ballots plus bins / 32
+    popcounts an entry a warp (Triton's lowering), so 5-bit digits in 7 steps take ~2x fewer instructions than
+    8-bit digits in 4, at more steps."""
     NB: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, NB)
+    NSTEP: tl.constexpr = (32 + BITS - 1) // BITS
     prefix = tl.zeros([], dtype=tl.uint32)
-    for p in tl.static_range(32 // BITS):
-        hit = valid
-        if p > 0:
-            hit = hit & ((key >> (32 - p * BITS)) == prefix)
-        digit = ((key >> (32 - (p + 1) * BITS)) & (NB - 1)).to(tl.int32)
-        hist = tl.histogram(tl.where(hit, digit, 0), NB)
-        hist -= tl.where(bins == 0, tl.sum((~hit).to(tl.int32), axis=0), 0)
-        d, need = _pick_digit(hist, need, NB)
+    for p in tl.static_range(NSTEP):
+        lo = (NSTEP - 1 - p) * BITS  # the digit's lowest bit (a constant: p is)
+        if p == 0:
+            hit = valid
+            digit = (key >> lo).to(tl.int32)
+        else:
+            hit = valid & ((key >> (lo + BITS)) == prefix)
+            digit = ((key >> lo) & (NB - 1)).to(tl.int32)
+        d, need = _pick_digit(tl.histogram(digit, NB, mask=hit), need, NB)
         prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
     return prefix
 
 
 @triton.jit
-def _kth_key(key, valid, need, SEL: tl.constexpr):
-    """The need-th largest valid key: SEL 0 by counting (2 bits a step), 1 by 8-bit histograms."""
+def _kth_key(key, valid, need, SEL: tl.constexpr, HBITS: tl.constexpr = 8):
+    """The need-th largest valid key: SEL 0 by counting (2 bits a step), 1 by HBITS-bit histograms."""
     if SEL == 1:
-        return _kth_largest_key_hist(key, valid, need, 8)
+        return _kth_largest_key_hist(key, valid, need, HBITS)
     else:
         return _kth_largest_key(key, valid, need)
 
 
 @triton.jit
-def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0):
+def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
     """Group maxima [NGP] -> the ordered key an entry must reach to be a candidate: the K-th largest
     finite maximum's key, or 0 (every finite entry) when fewer than K groups are finite."""
     fin = mx > float("-inf")
     n_fin = tl.sum(fin.to(tl.int32), axis=0)
-    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL)
+    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL, HBITS)
     return tl.where(n_fin >= K, t1, 0)
 
 
 @triton.jit
 def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
                    K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
-                   CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0):
+                   CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
     """Program (row, c) takes groups [c*GPP, (c+1)*GPP): reads the entries of those whose maximum reaches
     the bound (GB columns at a time), appends the candidates to the row's buffer via its counter."""
     row = tl.program_id(0)
@@ -212,7 +218,7 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
         length = tl.minimum(length, tl.load(len_ptr + row))
     mrow = max_ptr + row.to(tl.int64) * n_groups
     gi = tl.arange(0, NGP)
-    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL)
+    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL, HBITS)
     g = c * GPP + tl.arange(0, GPP)
     mo = tl.load(mrow + g, mask=g < n_groups, other=float("-inf"))
     qual = (mo > float("-inf")) & (_ordered_key(mo) >= t1)
@@ -236,7 +242,7 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
 @triton.jit
 def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_ptr, out_ptr,
                     K: tl.constexpr, CAP: tl.constexpr, SL: tl.constexpr, BLOCK: tl.constexpr,
-                    BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0):
+                    BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
     """Program (row, s): the winners among candidate slots [s*SL, (s+1)*SL) of the row's (unordered)
     buffer, each written at its rank by position among all winners. Winners: value desc, then position
     asc; the K-th value and the tie cut found by counting over the whole buffer."""
@@ -256,13 +262,13 @@ def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_pt
             p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
             key = _ordered_key(x)
             inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
-            thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL)
+            thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL, HBITS)
             gt = ok & (key > thr)
             eq = ok & (key == thr)
             need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
             cut = tl.zeros([], dtype=tl.uint32)
             if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
-                cut = _kth_key(inv, eq, need_eq, SEL)
+                cut = _kth_key(inv, eq, need_eq, SEL, HBITS)
             sel = gt | (eq & (inv >= cut))
             m = sl * SL + tl.arange(0, SL)
             okm = m < n_cand
@@ -280,22 +286,60 @@ def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_pt
 
 
 @triton.jit
+def _select_in_order(x, p, ok, out_row, K: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr):
+    """The top-K of a tile's values x at positions p (ascending where ok) -> out_row[0:K], in position
+    order, -1 padded: the K-th key by `_kth_key`, ties by their running rank, winners by their running
+    count. A tile of at most K valid entries takes them all, no search."""
+    key = _ordered_key(x)
+    count = tl.sum(ok.to(tl.int32), axis=0)
+    n_sel = tl.minimum(count, K)
+    if count > K:
+        thr = _kth_key(key, ok, n_sel, SEL, HBITS)
+    else:
+        thr = tl.zeros([], dtype=tl.uint32)  # every valid key is above it (the least, -inf's, is 0x007FFFFF)
+    gt = ok & (key > thr)
+    eq = ok & (key == thr)
+    need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)
+    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
+    slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(out_row + slot, p, mask=sel)
+    slots = tl.arange(0, K)
+    tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
+
+
+@triton.jit
 def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr,
                        out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                        CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
-                       SEL: tl.constexpr = 0):
+                       SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, WHOLE: tl.constexpr = False):
     """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
     their candidates appended in position order, the exact top-K among them written in order.
     Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]. SEL: how the two
-    k-th keys (bound, threshold) are found: 0 counting (16 steps of 3 block reductions), 1 8-bit
-    histograms (4 steps)."""
+    k-th keys (bound, threshold) are found: 0 counting (16 steps of 3 block reductions), 1 HBITS-bit
+    histograms. WHOLE (n_cols <= BLOCK): the row is one register tile and its top-K is found on it
+    directly, one k-th key instead of two, no scratch."""
     row = tl.program_id(0)
     length = n_cols
     if HAS_LEN:
         length = tl.minimum(length, tl.load(len_ptr + row))
     base = v_ptr + row.to(tl.int64) * stride_v
-    mrow = max_ptr + row.to(tl.int64) * n_groups
+    out_row = out_ptr + row.to(tl.int64) * K
+    if WHOLE:
+        offs = tl.arange(0, BLOCK)
+        row_x = tl.load(base + offs, mask=offs < length, other=float("-inf"))
+        _select_in_order(row_x, offs, row_x > float("-inf"), out_row, K, SEL, HBITS)
+    else:
+        _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
+                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS)
+
+
+@triton.jit
+def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
+                      K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                      BITS: tl.constexpr, HAS_MAX: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr):
+    """`_row_select_kernel`'s row through its group maxima (see there)."""
     offs = tl.arange(0, BLOCK)
+    mrow = max_ptr + row.to(tl.int64) * n_groups
     if not HAS_MAX:
         gl = tl.arange(0, BLOCK // G)
         for start in range(0, n_cols, BLOCK):
@@ -306,7 +350,7 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
         tl.debug_barrier()  # the maxima are read back by other threads of this program
     gi = tl.arange(0, NGP)
     mx = tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf"))
-    t1 = _candidate_bound(mx, K, SEL)
+    t1 = _candidate_bound(mx, K, SEL, HBITS)
     qual = (mx > float("-inf")) & (_ordered_key(mx) >= t1)
     n_q = tl.sum(qual.to(tl.int32), axis=0)
     grow = glist_ptr + row.to(tl.int64) * CAP
@@ -331,24 +375,12 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
             tl.store(cidx_ptr + crow + pos, idx, mask=keep)
             count += tl.sum(cand.to(tl.int32), axis=0)
         tl.debug_barrier()
-    out_row = out_ptr + row.to(tl.int64) * K
     if (n_q <= CAP) & (count <= CAP):
+        # the buffer is in position order
         s = tl.arange(0, CAP)
         ok = s < count
         x = tl.load(cval_ptr + crow + s, mask=ok, other=float("-inf"))
-        p = tl.load(cidx_ptr + crow + s, mask=ok, other=0)
-        key = _ordered_key(x)
-        n_sel = tl.minimum(count, K)
-        thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL)
-        gt = ok & (key > thr)
-        eq = ok & (key == thr)
-        need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)
-        # the buffer is in position order: ties by their running rank, winners by their running count
-        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
-        slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(out_row + slot, p, mask=sel)
-        slots = tl.arange(0, K)
-        tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
+        _select_in_order(x, tl.load(cidx_ptr + crow + s, mask=ok, other=0), ok, out_row, K, SEL, HBITS)
     else:
         _radix_select_row(base, tl.maximum(length, 0), out_row, K, BLOCK, BITS)
 
@@ -371,7 +403,10 @@ def group_size(n: int, groups: int = 2048) -> int:
 # groups, 16 warps, "count"). The split path (decode rows) keeps its own.
 # maxnreg 64: 4 rows of 8 warps resident per SM instead of 2 (126 registers uncapped): 933 vs 1,149 us
 # over 4K x 64K on the H200 (benches/results/kernels-h200-run8.md)
-ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64}
+# hist_bits: the histogram search's digit width; whole_row: the longest row taken as one register tile (0: none),
+# its own launch options (whole_warps, whole_maxnreg: 0 uncapped) -- untimed forms, off or at the old width
+ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64,
+                      "hist_bits": 8, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
@@ -391,12 +426,13 @@ def _select_code(select: str) -> int:
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int | None = None,
                        bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
                        num_warps: int | None = None, select: str | None = None,
-                       maxnreg: int | None = None) -> torch.Tensor:
+                       maxnreg: int | None = None, **form) -> torch.Tensor:
     """Top-k of values [R, L] given maxima [R, n_groups] of groups of G = ceil-pow2(L / n_groups)
     entries, and counts int32 [R] already zeroed (split path). -> int32 [R, k].
     The maxima buffer is scratch afterwards (the rows path lists group ids over it).
     select: how the k-th keys are found, "count" (2 bits a step) or "hist" (8-bit histograms);
-    maxnreg: the rows path's register cap (0: none). Unset knobs: ROWS_PATH_DEFAULTS or
+    maxnreg: the rows path's register cap (0: none); form: hist_bits (`topk_positions_triton`; no whole-row
+    tile here, the maxima being given). Unset knobs: ROWS_PATH_DEFAULTS or
     SPLIT_PATH_DEFAULTS (the indexer's 4K x 64K prefill select: 668 us tuned vs 1,370 us with the split
     path's knobs, benches/results/kernels-h200-run8.md)."""
     r, n = values.shape
@@ -418,22 +454,36 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
     cidx = torch.empty(r, cap, dtype=torch.int32, device=dev)
     out = torch.empty(r, k, dtype=torch.int32, device=dev)
     if rows_path:
+        _, launch = _rows_launch(n, block, num_warps, maxnreg, {**form, "whole_row": 0})  # the maxima are given
         glist = torch.empty(r, cap, dtype=torch.int32, device=dev)
         _row_select_kernel[(r,)](values, values.stride(0), n, lens, maxima, n_groups, glist, cval, cidx, out,
                                  K=k, NGP=ngp, G=g, BLOCK=max(block, g), CAP=cap, BITS=bits,
-                                 HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, num_warps=num_warps,
-                                 **register_cap(maxnreg))
+                                 HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, **launch)
         return out
+    hbits = form.get("hist_bits", 8)
     gb = min(g, block)
     gpp = max(1, block // g)
     _filter_kernel[(r, triton.cdiv(n_groups, gpp))](values, values.stride(0), n, lens, maxima, n_groups, counts,
                                                     cval, cidx, K=k, NGP=ngp, G=g, GPP=gpp, GB=gb, CAP=cap,
-                                                    HAS_LEN=lengths is not None, SEL=sel, num_warps=num_warps)
+                                                    HAS_LEN=lengths is not None, SEL=sel, HBITS=hbits,
+                                                    num_warps=num_warps)
     sl = min(slice_len, cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
                                     SL=sl, BLOCK=block, BITS=bits, HAS_LEN=lengths is not None,
-                                    SEL=sel, num_warps=num_warps)
+                                    SEL=sel, HBITS=hbits, num_warps=num_warps)
     return out
+
+
+def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None, form: dict) -> tuple[int, dict]:
+    """The rows path's form for rows of n: (the whole-row tile's width, 0 where the row is not taken whole;
+    the launch's HBITS, num_warps and register cap), unset knobs from ROWS_PATH_DEFAULTS."""
+    opt = {**ROWS_PATH_DEFAULTS, **{key: v for key, v in form.items() if v is not None}}
+    whole = _pow2(n) if 0 < n <= opt["whole_row"] else 0
+    if whole:
+        warps, cap = opt["whole_warps"], opt["whole_maxnreg"]
+    else:
+        warps, cap = num_warps or opt["num_warps"], opt["maxnreg"] if maxnreg is None else maxnreg
+    return whole, {"HBITS": opt["hist_bits"], "num_warps": warps, **register_cap(cap)}
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
@@ -443,9 +493,11 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     """Triton twin of `topk_positions_reference`. values [R, L] float32 (row stride may exceed L).
     Knobs: block (entries per tile), cap (candidate buffer per row), groups (group maxima per row),
     bits (the radix fallback's digit width), rows_path (force a path), chunk (entries per group-maxima
-    program on the split path), select ("count": the k-th keys by 16 counting steps; "hist": by 4 8-bit
-    histogram steps). tune: slice_len, num_warps, maxnreg (rows path: a register cap, so that more
-    rows are resident per SM; ncu, run 6: 126 registers held the kernel to 2 rows of 8 warps).
+    program on the split path), select ("count": the k-th keys by 16 counting steps; "hist": by histograms
+    of hist_bits-bit digits, 4 steps at 8). tune: slice_len, num_warps, maxnreg (rows path: a register cap, so
+    that more rows are resident per SM; ncu, run 6: 126 registers held the kernel to 2 rows of 8 warps),
+    hist_bits, whole_row (rows path: rows of at most this many entries taken as one register tile, one k-th key
+    search over it, launched with whole_warps and whole_maxnreg).
     Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
@@ -461,22 +513,23 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     groups = max(_pow2(groups or defaults["groups"] or default_groups(r)), 2 * k)
     g = group_size(n, groups)
     n_groups = triton.cdiv(n, g)
-    maxima = torch.empty(r, n_groups, dtype=torch.float32, device=dev)
-    counts = torch.empty(r, dtype=torch.int32, device=dev)
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
     if rows_path:
-        cap = max(min(_pow2(cap), _pow2(n)), k)
-        cval = torch.empty(r, cap, dtype=torch.float32, device=dev)
-        cidx = torch.empty(r, cap, dtype=torch.int32, device=dev)
-        glist = torch.empty(r, cap, dtype=torch.int32, device=dev)
+        whole, launch = _rows_launch(n, block, tune.pop("num_warps", None), tune.pop("maxnreg", None), tune)
         out = torch.empty(r, k, dtype=torch.int32, device=dev)
+        cap = max(min(_pow2(cap), _pow2(n)), k)
+        # the whole-row tile needs no scratch: the maxima, the group list and the candidates are never touched
+        maxima, cval, cidx, glist = ((dummy,) * 4 if whole else
+                                     (torch.empty(r, w, dtype=dt, device=dev) for w, dt in (
+                                         (n_groups, torch.float32), (cap, torch.float32), (cap, torch.int32),
+                                         (cap, torch.int32))))
         _row_select_kernel[(r,)](values, values.stride(0), n, lens if lens is not None else dummy, maxima,
                                  n_groups, glist, cval, cidx, out, K=k, NGP=_pow2(n_groups), G=g,
-                                 BLOCK=max(block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
-                                 HAS_MAX=False, SEL=_select_code(select),
-                                 num_warps=tune.get("num_warps", defaults["num_warps"]),
-                                 **register_cap(tune.get("maxnreg", defaults.get("maxnreg"))))
+                                 BLOCK=max(whole or block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
+                                 HAS_MAX=False, SEL=_select_code(select), WHOLE=bool(whole), **launch)
         return out
+    maxima = torch.empty(r, n_groups, dtype=torch.float32, device=dev)
+    counts = torch.empty(r, dtype=torch.int32, device=dev)
     mblock = max(min(block, 1024), g)
     if chunk is None:  # ~512 programs over all rows
         chunk = mblock * max(1, triton.cdiv(n, mblock * max(1, triton.cdiv(512, r))))

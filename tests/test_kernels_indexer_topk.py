@@ -218,18 +218,20 @@ def test_topk_hist_select_exact(gen, rows_path, num_warps):
     assert torch.equal(got[2], torch.arange(32, dtype=torch.int32))
 
 
-def test_kth_largest_key_by_histograms():
-    """The histogram search gives the counting search's key (duplicates, a validity mask, negatives)."""
+@pytest.mark.parametrize("bits", [8, 5, 6])
+def test_kth_largest_key_by_histograms(bits):
+    """The histogram search gives the counting search's key (duplicates, a validity mask, negatives), at
+    digit widths that divide 32 (4 steps of 8) and that do not (a 2-bit first step, then 5s or 6s)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def k(x_ptr, m_ptr, need_ptr, o_ptr):
+    def k(x_ptr, m_ptr, need_ptr, o_ptr, BITS: tl.constexpr):
         i = tl.arange(0, 256)
         key = topk._ordered_key(tl.load(x_ptr + i))
         ok = tl.load(m_ptr + i) != 0
         need = tl.load(need_ptr)
-        tl.store(o_ptr, topk._kth_largest_key_hist(key, ok, need, 8).to(tl.int32, bitcast=True))
+        tl.store(o_ptr, topk._kth_largest_key_hist(key, ok, need, BITS).to(tl.int32, bitcast=True))
         tl.store(o_ptr + 1, topk._kth_largest_key(key, ok, need).to(tl.int32, bitcast=True))
 
     g = torch.Generator().manual_seed(5)
@@ -238,8 +240,30 @@ def test_kth_largest_key_by_histograms():
     valid = torch.rand(256, generator=g) > 0.3
     for need in (1, 7, 64, int(valid.sum())):
         o = torch.zeros(2, dtype=torch.int32)
-        k[(1,)](x, valid.to(torch.int8), torch.tensor([need], dtype=torch.int32), o)
+        k[(1,)](x, valid.to(torch.int8), torch.tensor([need], dtype=torch.int32), o, BITS=bits)
         assert o[0].item() == o[1].item(), need
+
+
+@pytest.mark.parametrize("form", [dict(whole_row=4096), dict(whole_row=4096, hist_bits=5),
+                                  dict(whole_row=4096, select="count"), dict(hist_bits=5), dict(hist_bits=6)])
+def test_topk_rows_path_forms_exact(gen, form):
+    """The rows path's whole-row tile (the layer's causal rows: lengths 1..n, rows of at most k taken whole
+    without a search) and the narrower histogram digits, against the reference: -inf entries, a run of exact
+    ties at the k-th value, a row of equal values, a row of under k finite, rows of any length."""
+    n, k = 700, 32
+    v = _ties(gen, 8, n)
+    v[2] = 0.0
+    v[3] = float("-inf")
+    v[3, 5:14] = torch.randn(9, generator=gen)
+    top = torch.randperm(n, generator=gen)
+    v[4, top[:20]] = 2.0
+    v[4, top[20:50]] = 1.5
+    lengths = torch.tensor([n, 450, n, n, n, 33, 32, 1], dtype=torch.int32)
+    got = topk.topk_positions_triton(v, k, lengths, rows_path=True, block=128, groups=64, **form)
+    assert torch.equal(got, topk.topk_positions_reference(v, k, lengths)), gen.initial_seed()
+    assert torch.equal(got[2], torch.arange(k, dtype=torch.int32))
+    assert torch.equal(got[7], torch.tensor([0] + [-1] * (k - 1), dtype=torch.int32))
+    assert torch.equal(topk.topk_positions_triton(v, k, rows_path=True, **form), topk.topk_positions_reference(v, k))
 
 
 def test_topk_select_option_is_checked():

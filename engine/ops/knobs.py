@@ -4,6 +4,8 @@ with its default and the measurement that set it (H200 runs: notes/kernels.md). 
 
 from __future__ import annotations
 
+TOPK_WHOLE_ROW = 4096  # the longest indexer row `topk_whole_row` takes as one tile (a 4K prompt's at m=1)
+
 
 class KernelKnobs:
     # the routed experts on FP8 tensor cores (kernels/moe_f8.py) at the widths where that form pays
@@ -125,12 +127,16 @@ class KernelKnobs:
     # 225, shared w1 181 / 311, wkv 87 / 136); the layer's prefill graph 15.99 / 18.19 ms against 16.80 / 18.99
     # (Reuse / Full m=1); every E4M3 byte exact on the GPU (run 26a)
     linear_cublas = True
+    # a prefill's indexer rows of at most TOPK_WHOLE_ROW entries (a 4K prompt's, at m=1 or 2) selected as one
+    # register tile each (kernels/topk.py whole_row: one k-th key search over the row, no group maxima, no scratch)
+    # instead of through group maxima and a candidate buffer; the same picks. Off until timed
+    topk_whole_row = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
-             "moe_tile_classes", "moe_rs_round_trip")
+             "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from .. import quant as Q
 from .kernel_path import (KernelPathError, checkpoint_backed, decide, enable_interpreter,  # noqa: F401 (names
                           interpreter_active, shards_stored_bytes, triton_importable)  # callers take from here)
-from .knobs import KernelKnobs
+from .knobs import TOPK_WHOLE_ROW, KernelKnobs
 from .triton_pointwise import PointwiseKernels, wide
 
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: fewer heads are zero-padded for attention and the indexer
@@ -437,7 +437,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                     shared.candidates[b] = chosen
             # the kernel ranks what `settle` would (a short pool topped up from outside it): no re-take
             ranking = indexer.ranking(scores, visible[b])
-            sel = topk_fn(ranking, kp2, vis[b])[:, :k].long()
+            sel = topk_fn(ranking, kp2, vis[b], whole_row=TOPK_WHOLE_ROW if self.topk_whole_row else 0)[:, :k].long()
             got = ranking.gather(-1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
             kth, tied = self.tie_marks(ranking, sel, got)
             parts.append((sel, got, kth, tied, scores, ranking if ranking.data_ptr() != scores.data_ptr() else None))
