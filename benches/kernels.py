@@ -151,13 +151,17 @@ def case_indexer(bw, mm):
 TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_warps=16, maxnreg=64),
              dict(num_warps=4, maxnreg=64), dict(block=4096, maxnreg=64), dict(groups=4096, maxnreg=64),
              dict(groups=1024, maxnreg=64),
-             # the k-th key searches in 5- and 6-bit digits (forty-first session: ~2x fewer histogram instructions)
-             dict(hist_bits=5), dict(hist_bits=6), dict(hist_bits=5, groups=4096), dict(hist_bits=5, maxnreg=80)]
-# a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile
-TOPK_LAYER_CFGS = [{}, dict(hist_bits=5), dict(whole_row=4096), dict(whole_row=4096, hist_bits=5),
-                   dict(whole_row=4096, hist_bits=6), dict(whole_row=4096, hist_bits=5, whole_maxnreg=128),
-                   dict(whole_row=4096, hist_bits=5, whole_warps=16), dict(whole_row=4096, whole_warps=16),
-                   dict(whole_row=4096, hist_bits=5, whole_warps=4)]
+             # the k-th key searches in 8-bit digits (the default before run 41a: 5 bits since), 6-bit ones; the
+             # candidates' bound from its first digits only; a smaller candidate buffer
+             dict(hist_bits=8), dict(hist_bits=6), dict(groups=4096), dict(maxnreg=80), dict(bound_steps=4),
+             dict(bound_steps=3), dict(bound_steps=5), dict(bound_steps=4, cap=1024), dict(cap=1024),
+             dict(bound_steps=4, maxnreg=80)]
+# a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile (5-bit digits
+# uncapped at 8 warps: run 41a's best, 236.5 / 110.1 us against 385.6 / 250.8 at that run's defaults)
+TOPK_LAYER_CFGS = [{}, dict(hist_bits=8), dict(whole_row=4096), dict(whole_row=4096, whole_maxnreg=80),
+                   dict(whole_row=4096, whole_maxnreg=96), dict(whole_row=4096, whole_warps=4),
+                   dict(whole_row=4096, whole_warps=4, whole_maxnreg=128), dict(whole_row=4096, hist_bits=6),
+                   dict(bound_steps=4)]
 
 
 def case_topk(bw, mm):

@@ -163,17 +163,19 @@ def _kth_largest_key(key, valid, need):
 
 
 @triton.jit
-def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr):
+def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr, STEPS: tl.constexpr = 0):
     """`_kth_largest_key` by histograms: ceil(32 / BITS) dependent steps (4 at 8 bits, not 16), each one
     tl.histogram of the next digit over the keys matching the prefix so far, then the largest digit keeping
     #(key >= prefix) >= need (as `_radix_select_row`'s passes, on a register tile). The first step takes the
     32 mod BITS top bits (or BITS), the others BITS each. A histogram costs ~log2(bins) ballots plus bins / 32
     popcounts an entry a warp (Triton's lowering), so 5-bit digits in 7 steps take ~2x fewer instructions than
-    8-bit digits in 4, at more steps."""
+    8-bit digits in 4, at more steps. STEPS > 0: only the first STEPS digits, the rest zero -- a lower bound
+    of the key with at least `need` valid keys at or above it (the candidates' bound needs no more)."""
     NB: tl.constexpr = 1 << BITS
     NSTEP: tl.constexpr = (32 + BITS - 1) // BITS
+    TAKE: tl.constexpr = NSTEP if STEPS == 0 or STEPS > NSTEP else STEPS
     prefix = tl.zeros([], dtype=tl.uint32)
-    for p in tl.static_range(NSTEP):
+    for p in tl.static_range(TAKE):
         lo = (NSTEP - 1 - p) * BITS  # the digit's lowest bit (a constant: p is)
         if p == 0:
             hit = valid
@@ -183,25 +185,30 @@ def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr):
             digit = ((key >> lo) & (NB - 1)).to(tl.int32)
         d, need = _pick_digit(tl.histogram(digit, NB, mask=hit), need, NB)
         prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
+    if TAKE < NSTEP:
+        prefix = prefix << ((NSTEP - TAKE) * BITS)
     return prefix
 
 
 @triton.jit
-def _kth_key(key, valid, need, SEL: tl.constexpr, HBITS: tl.constexpr = 8):
-    """The need-th largest valid key: SEL 0 by counting (2 bits a step), 1 by HBITS-bit histograms."""
+def _kth_key(key, valid, need, SEL: tl.constexpr, HBITS: tl.constexpr = 8, STEPS: tl.constexpr = 0):
+    """The need-th largest valid key: SEL 0 by counting (2 bits a step), 1 by HBITS-bit histograms (STEPS > 0:
+    its first STEPS digits, a lower bound)."""
     if SEL == 1:
-        return _kth_largest_key_hist(key, valid, need, HBITS)
+        return _kth_largest_key_hist(key, valid, need, HBITS, STEPS)
     else:
         return _kth_largest_key(key, valid, need)
 
 
 @triton.jit
-def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
+def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, BSTEPS: tl.constexpr = 0):
     """Group maxima [NGP] -> the ordered key an entry must reach to be a candidate: the K-th largest
-    finite maximum's key, or 0 (every finite entry) when fewer than K groups are finite."""
+    finite maximum's key, or 0 (every finite entry) when fewer than K groups are finite. BSTEPS > 0 (histogram
+    search): that key's first BSTEPS digits only, a lower bound -- any key at or under the K-th largest maximum
+    keeps every winner a candidate (K groups reach it), at a few more candidates for fewer search steps."""
     fin = mx > float("-inf")
     n_fin = tl.sum(fin.to(tl.int32), axis=0)
-    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL, HBITS)
+    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL, HBITS, BSTEPS)
     return tl.where(n_fin >= K, t1, 0)
 
 
@@ -311,13 +318,14 @@ def _select_in_order(x, p, ok, out_row, K: tl.constexpr, SEL: tl.constexpr, HBIT
 def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr,
                        out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                        CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
-                       SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, WHOLE: tl.constexpr = False):
+                       SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, WHOLE: tl.constexpr = False,
+                       BSTEPS: tl.constexpr = 0):
     """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
     their candidates appended in position order, the exact top-K among them written in order.
     Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]. SEL: how the two
     k-th keys (bound, threshold) are found: 0 counting (16 steps of 3 block reductions), 1 HBITS-bit
     histograms. WHOLE (n_cols <= BLOCK): the row is one register tile and its top-K is found on it
-    directly, one k-th key instead of two, no scratch."""
+    directly, one k-th key instead of two, no scratch. BSTEPS: the bound's search steps (`_candidate_bound`)."""
     row = tl.program_id(0)
     length = n_cols
     if HAS_LEN:
@@ -330,13 +338,14 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
         _select_in_order(row_x, offs, row_x > float("-inf"), out_row, K, SEL, HBITS)
     else:
         _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
-                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS)
+                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS)
 
 
 @triton.jit
 def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
                       K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                      BITS: tl.constexpr, HAS_MAX: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr):
+                      BITS: tl.constexpr, HAS_MAX: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr,
+                      BSTEPS: tl.constexpr):
     """`_row_select_kernel`'s row through its group maxima (see there)."""
     offs = tl.arange(0, BLOCK)
     mrow = max_ptr + row.to(tl.int64) * n_groups
@@ -350,7 +359,7 @@ def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, c
         tl.debug_barrier()  # the maxima are read back by other threads of this program
     gi = tl.arange(0, NGP)
     mx = tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf"))
-    t1 = _candidate_bound(mx, K, SEL, HBITS)
+    t1 = _candidate_bound(mx, K, SEL, HBITS, BSTEPS)
     qual = (mx > float("-inf")) & (_ordered_key(mx) >= t1)
     n_q = tl.sum(qual.to(tl.int32), axis=0)
     grow = glist_ptr + row.to(tl.int64) * CAP
@@ -403,10 +412,13 @@ def group_size(n: int, groups: int = 2048) -> int:
 # groups, 16 warps, "count"). The split path (decode rows) keeps its own.
 # maxnreg 64: 4 rows of 8 warps resident per SM instead of 2 (126 registers uncapped): 933 vs 1,149 us
 # over 4K x 64K on the H200 (benches/results/kernels-h200-run8.md)
-# hist_bits: the histogram search's digit width; whole_row: the longest row taken as one register tile (0: none),
-# its own launch options (whole_warps, whole_maxnreg: 0 uncapped) -- untimed forms, off or at the old width
+# hist_bits: the histogram search's digit width, 5 (7 steps) since H100 run 41a, every row exact: 4K x 64K 859.7 us
+# against 982.8 at 8 bits (6 bits: 901.0); a 4K prefill's causal rows over 4,096 entries 303.8 against 385.6, over
+# 2,048 214.0 against 250.8 (benches/results/kernels-h100-run41a-topk.md). whole_row: the longest row taken as one
+# register tile (0: none; the engine asks for it by knob, topk_whole_row), its own launch options (whole_warps,
+# whole_maxnreg: 0 uncapped); bound_steps: the candidates' bound from that many digits (0: all; untimed)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64,
-                      "hist_bits": 8, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0}
+                      "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 0}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
@@ -483,7 +495,7 @@ def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None,
         warps, cap = opt["whole_warps"], opt["whole_maxnreg"]
     else:
         warps, cap = num_warps or opt["num_warps"], opt["maxnreg"] if maxnreg is None else maxnreg
-    return whole, {"HBITS": opt["hist_bits"], "num_warps": warps, **register_cap(cap)}
+    return whole, {"HBITS": opt["hist_bits"], "BSTEPS": opt["bound_steps"], "num_warps": warps, **register_cap(cap)}
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
@@ -497,7 +509,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     of hist_bits-bit digits, 4 steps at 8). tune: slice_len, num_warps, maxnreg (rows path: a register cap, so
     that more rows are resident per SM; ncu, run 6: 126 registers held the kernel to 2 rows of 8 warps),
     hist_bits, whole_row (rows path: rows of at most this many entries taken as one register tile, one k-th key
-    search over it, launched with whole_warps and whole_maxnreg).
+    search over it, launched with whole_warps and whole_maxnreg), bound_steps (rows path: the candidates' bound
+    from the first this many digits of its search only, 0 all).
     Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")

@@ -233,19 +233,24 @@ def test_kth_largest_key_by_histograms(bits):
         need = tl.load(need_ptr)
         tl.store(o_ptr, topk._kth_largest_key_hist(key, ok, need, BITS).to(tl.int32, bitcast=True))
         tl.store(o_ptr + 1, topk._kth_largest_key(key, ok, need).to(tl.int32, bitcast=True))
+        tl.store(o_ptr + 2, topk._kth_largest_key_hist(key, ok, need, BITS, 3).to(tl.int32, bitcast=True))
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-5, 6, (256,), generator=g).float() * torch.rand(256, generator=g).round(decimals=1)
     x[:40] = torch.randn(40, generator=g) * 1e-30
     valid = torch.rand(256, generator=g) > 0.3
     for need in (1, 7, 64, int(valid.sum())):
-        o = torch.zeros(2, dtype=torch.int32)
+        o = torch.zeros(3, dtype=torch.int32)
         k[(1,)](x, valid.to(torch.int8), torch.tensor([need], dtype=torch.int32), o, BITS=bits)
         assert o[0].item() == o[1].item(), need
+        # three steps only: the key's top digits, the rest zero (a lower bound for the candidates)
+        low = 32 - (32 - 32 // bits * bits or bits) - 2 * bits
+        assert (o[2].item() & 0xFFFFFFFF) == (o[1].item() & 0xFFFFFFFF) >> low << low, (need, bits)
 
 
 @pytest.mark.parametrize("form", [dict(whole_row=4096), dict(whole_row=4096, hist_bits=5),
-                                  dict(whole_row=4096, select="count"), dict(hist_bits=5), dict(hist_bits=6)])
+                                  dict(whole_row=4096, select="count"), dict(hist_bits=5), dict(hist_bits=6),
+                                  dict(hist_bits=5, bound_steps=2), dict(bound_steps=1)])
 def test_topk_rows_path_forms_exact(gen, form):
     """The rows path's whole-row tile (the layer's causal rows: lengths 1..n, rows of at most k taken whole
     without a search) and the narrower histogram digits, against the reference: -inf entries, a run of exact
