@@ -445,28 +445,3 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
     for picks in out.values():
         _assert_same_picks(first, picks)
 
-
-def test_whole_row_topk_knob_picks_what_the_group_maxima_pick(tmp_path, monkeypatch):
-    """topk_whole_row: a 64-token prefill's indexer rows (the top-k kernel's rows path) reach the kernel as
-    whole-row tiles, and every picking layer picks what the group-maxima path picks (the kernel interpreted)."""
-    from interpreted import interpreted
-
-    import kernels.dispatch as dispatch
-    from engine.ops.knobs import TOPK_WHOLE_ROW
-
-    topk = interpreted("_formats", "topk")[1]
-    asked = []
-
-    def kernel(values, k, lengths=None, **form):
-        asked.append((values.shape[0], form.get("whole_row")))
-        return topk.topk_positions_triton(values, k, lengths, **form)
-
-    monkeypatch.setitem(dispatch._PAIRS, "topk_positions", (kernel, kernel))
-    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None, tokens=64)
-    out = {}
-    for knob in (0, 1):
-        asked.clear()
-        out[knob] = run(lambda model: model.ops.set_knobs(f"topk_whole_row={knob}"))
-        assert asked and {w for _, w in asked} == {TOPK_WHOLE_ROW * knob}, asked
-        assert all(rows >= topk.ROWS_MIN for rows, _ in asked), asked  # the rows path, where the tile applies
-    _assert_same_picks(out[0], out[1])
