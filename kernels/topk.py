@@ -319,13 +319,14 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
                        out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                        CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
                        SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, WHOLE: tl.constexpr = False,
-                       BSTEPS: tl.constexpr = 0):
+                       BSTEPS: tl.constexpr = 0, HALF: tl.constexpr = False):
     """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
     their candidates appended in position order, the exact top-K among them written in order.
     Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]. SEL: how the two
     k-th keys (bound, threshold) are found: 0 counting (16 steps of 3 block reductions), 1 HBITS-bit
     histograms. WHOLE (n_cols <= BLOCK): the row is one register tile and its top-K is found on it
-    directly, one k-th key instead of two, no scratch. BSTEPS: the bound's search steps (`_candidate_bound`)."""
+    directly, one k-th key instead of two, no scratch. BSTEPS: the bound's search steps (`_candidate_bound`); HALF:
+    rows whose candidates fill at most half the buffer searched over that half (a second inlined search)."""
     row = tl.program_id(0)
     length = n_cols
     if HAS_LEN:
@@ -338,14 +339,14 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
         _select_in_order(row_x, offs, row_x > float("-inf"), out_row, K, SEL, HBITS)
     else:
         _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
-                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS)
+                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS, HALF)
 
 
 @triton.jit
 def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
                       K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
                       BITS: tl.constexpr, HAS_MAX: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr,
-                      BSTEPS: tl.constexpr):
+                      BSTEPS: tl.constexpr, HALF: tl.constexpr):
     """`_row_select_kernel`'s row through its group maxima (see there)."""
     offs = tl.arange(0, BLOCK)
     mrow = max_ptr + row.to(tl.int64) * n_groups
@@ -384,14 +385,22 @@ def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, c
             tl.store(cidx_ptr + crow + pos, idx, mask=keep)
             count += tl.sum(cand.to(tl.int32), axis=0)
         tl.debug_barrier()
-    if (n_q <= CAP) & (count <= CAP):
-        # the buffer is in position order
-        s = tl.arange(0, CAP)
-        ok = s < count
-        x = tl.load(cval_ptr + crow + s, mask=ok, other=float("-inf"))
-        _select_in_order(x, tl.load(cidx_ptr + crow + s, mask=ok, other=0), ok, out_row, K, SEL, HBITS)
+    if HALF and (n_q <= CAP) & (count <= CAP // 2):  # the search over half the buffer where the candidates fit
+        _select_from_buffer(cval_ptr + crow, cidx_ptr + crow, count, out_row, K, CAP // 2, SEL, HBITS)
+    elif (n_q <= CAP) & (count <= CAP):
+        _select_from_buffer(cval_ptr + crow, cidx_ptr + crow, count, out_row, K, CAP, SEL, HBITS)
     else:
         _radix_select_row(base, tl.maximum(length, 0), out_row, K, BLOCK, BITS)
+
+
+@triton.jit
+def _select_from_buffer(cval, cidx, count, out_row, K: tl.constexpr, W: tl.constexpr, SEL: tl.constexpr,
+                        HBITS: tl.constexpr):
+    """The top-K of a row's first `count` (<= W) candidates, buffered in position order."""
+    s = tl.arange(0, W)
+    ok = s < count
+    x = tl.load(cval + s, mask=ok, other=float("-inf"))
+    _select_in_order(x, tl.load(cidx + s, mask=ok, other=0), ok, out_row, K, SEL, HBITS)
 
 
 ROWS_MIN = 64  # rows at or above this: one program per row (prefill); below: split path (decode)
@@ -416,9 +425,11 @@ def group_size(n: int, groups: int = 2048) -> int:
 # against 982.8 at 8 bits (6 bits: 901.0); a 4K prefill's causal rows over 4,096 entries 303.8 against 385.6, over
 # 2,048 214.0 against 250.8 (benches/results/kernels-h100-run41a-topk.md). whole_row: the longest row taken as one
 # register tile (0: none; the engine asks for it by knob, topk_whole_row), its own launch options (whole_warps,
-# whole_maxnreg: 0 uncapped); bound_steps: the candidates' bound from that many digits (0: all; untimed)
+# whole_maxnreg: 0 uncapped); bound_steps: the candidates' bound from that many digits (0: all; untimed); half_tile:
+# the final search over half the candidate buffer where a row's candidates fit it (untimed)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64,
-                      "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 0}
+                      "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 0,
+                      "half_tile": False}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
@@ -495,7 +506,8 @@ def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None,
         warps, cap = opt["whole_warps"], opt["whole_maxnreg"]
     else:
         warps, cap = num_warps or opt["num_warps"], opt["maxnreg"] if maxnreg is None else maxnreg
-    return whole, {"HBITS": opt["hist_bits"], "BSTEPS": opt["bound_steps"], "num_warps": warps, **register_cap(cap)}
+    return whole, {"HBITS": opt["hist_bits"], "BSTEPS": opt["bound_steps"], "HALF": bool(opt["half_tile"]),
+                   "num_warps": warps, **register_cap(cap)}
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
@@ -510,7 +522,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     that more rows are resident per SM; ncu, run 6: 126 registers held the kernel to 2 rows of 8 warps),
     hist_bits, whole_row (rows path: rows of at most this many entries taken as one register tile, one k-th key
     search over it, launched with whole_warps and whole_maxnreg), bound_steps (rows path: the candidates' bound
-    from the first this many digits of its search only, 0 all).
+    from the first this many digits of its search only, 0 all), half_tile (rows path: a row's candidates searched
+    over half the buffer where they fit it).
     Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
