@@ -155,9 +155,9 @@ TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_w
              # candidates' bound from its first digits only; a smaller candidate buffer
              dict(hist_bits=8), dict(hist_bits=6), dict(groups=4096), dict(maxnreg=80), dict(bound_steps=4),
              dict(bound_steps=3), dict(bound_steps=5), dict(bound_steps=4, cap=1024), dict(cap=1024),
-             dict(bound_steps=4, maxnreg=80), dict(half_tile=True), dict(half_tile=True, bound_steps=5),
-             dict(num_warps=4, block=1024), dict(num_warps=4, block=1024, half_tile=True),
-             dict(num_warps=4, block=1024, maxnreg=80, half_tile=True)]
+             dict(bound_steps=4, maxnreg=80), dict(half_tile=False, bound_steps=0),  # the default before run 41d
+             dict(half_tile=False), dict(bound_steps=0), dict(num_warps=4, block=1024),
+             dict(num_warps=4, block=1024, maxnreg=80)]
 # a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile (5-bit digits
 # uncapped at 8 warps: run 41a's best, 236.5 / 110.1 us against 385.6 / 250.8 at that run's defaults)
 TOPK_LAYER_CFGS = [{}, dict(hist_bits=8), dict(whole_row=4096), dict(whole_row=4096, whole_maxnreg=80),

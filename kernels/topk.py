@@ -425,11 +425,13 @@ def group_size(n: int, groups: int = 2048) -> int:
 # against 982.8 at 8 bits (6 bits: 901.0); a 4K prefill's causal rows over 4,096 entries 303.8 against 385.6, over
 # 2,048 214.0 against 250.8 (benches/results/kernels-h100-run41a-topk.md). whole_row: the longest row taken as one
 # register tile (0: none; the engine asks for it by knob, topk_whole_row), its own launch options (whole_warps,
-# whole_maxnreg: 0 uncapped); bound_steps: the candidates' bound from that many digits (0: all; untimed); half_tile:
-# the final search over half the candidate buffer where a row's candidates fit it (untimed)
+# whole_maxnreg: 0 uncapped); bound_steps: the candidates' bound from that many digits (0: all; 5 of 7: its top 22
+# bits, a bucket of 2^-13 relative, a few more candidates); half_tile: the final search over half the candidate
+# buffer where a row's candidates fit it. H100 run 41d, 4K x 64K (every checked row exact): both 793.8 us against
+# 858.4 (half_tile alone 806.6, bound_steps=5 alone 840.2)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64,
-                      "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 0,
-                      "half_tile": False}
+                      "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
+                      "half_tile": True}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
