@@ -156,14 +156,15 @@ TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_w
              dict(hist_bits=8), dict(hist_bits=6), dict(groups=4096), dict(maxnreg=80), dict(bound_steps=4),
              dict(bound_steps=3), dict(bound_steps=5), dict(bound_steps=4, cap=1024), dict(cap=1024),
              dict(bound_steps=4, maxnreg=80), dict(half_tile=False, bound_steps=0),  # the default before run 41d
-             dict(half_tile=False), dict(bound_steps=0), dict(num_warps=4, block=1024),
-             dict(num_warps=4, block=1024, maxnreg=80)]
+             dict(half_tile=False), dict(bound_steps=0), dict(prefetch=True), dict(prefetch=True, maxnreg=80),
+             dict(prefetch=True, maxnreg=96), dict(prefetch=True, block=1024), dict(prefetch=True, groups=4096)]
 # a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile (5-bit digits
 # uncapped at 8 warps: run 41a's best, 236.5 / 110.1 us against 385.6 / 250.8 at that run's defaults)
 TOPK_LAYER_CFGS = [{}, dict(hist_bits=8), dict(whole_row=4096), dict(whole_row=4096, whole_maxnreg=80),
                    dict(whole_row=4096, whole_maxnreg=96), dict(whole_row=4096, whole_warps=4),
                    dict(whole_row=4096, whole_warps=4, whole_maxnreg=128), dict(whole_row=4096, hist_bits=6),
-                   dict(bound_steps=4)]
+                   dict(bound_steps=4), dict(whole_row=4096, whole_half=True),
+                   dict(whole_row=4096, whole_half=True, whole_maxnreg=80)]
 
 
 def case_topk(bw, mm):

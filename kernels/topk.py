@@ -319,14 +319,17 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
                        out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                        CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
                        SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, WHOLE: tl.constexpr = False,
-                       BSTEPS: tl.constexpr = 0, HALF: tl.constexpr = False):
+                       BSTEPS: tl.constexpr = 0, HALF: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                       WHOLE_HALF: tl.constexpr = False):
     """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
     their candidates appended in position order, the exact top-K among them written in order.
     Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]. SEL: how the two
     k-th keys (bound, threshold) are found: 0 counting (16 steps of 3 block reductions), 1 HBITS-bit
     histograms. WHOLE (n_cols <= BLOCK): the row is one register tile and its top-K is found on it
     directly, one k-th key instead of two, no scratch. BSTEPS: the bound's search steps (`_candidate_bound`); HALF:
-    rows whose candidates fill at most half the buffer searched over that half (a second inlined search)."""
+    rows whose candidates fill at most half the buffer searched over that half (a second inlined search); PREFETCH:
+    each chunk of the qualifying groups' entries loaded a step ahead; WHOLE_HALF: a whole row of at most BLOCK / 2
+    entries taken as a tile half as wide (a second inlined search)."""
     row = tl.program_id(0)
     length = n_cols
     if HAS_LEN:
@@ -334,19 +337,20 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
     base = v_ptr + row.to(tl.int64) * stride_v
     out_row = out_ptr + row.to(tl.int64) * K
     if WHOLE:
-        offs = tl.arange(0, BLOCK)
-        row_x = tl.load(base + offs, mask=offs < length, other=float("-inf"))
-        _select_in_order(row_x, offs, row_x > float("-inf"), out_row, K, SEL, HBITS)
+        if WHOLE_HALF and length <= BLOCK // 2:  # a short row (a prefill's first half): a tile half as wide
+            _select_whole(base, length, out_row, K, BLOCK // 2, SEL, HBITS)
+        else:
+            _select_whole(base, length, out_row, K, BLOCK, SEL, HBITS)
     else:
         _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
-                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS, HALF)
+                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS, HALF, PREFETCH)
 
 
 @triton.jit
 def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
                       K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
                       BITS: tl.constexpr, HAS_MAX: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr,
-                      BSTEPS: tl.constexpr, HALF: tl.constexpr):
+                      BSTEPS: tl.constexpr, HALF: tl.constexpr, PREFETCH: tl.constexpr):
     """`_row_select_kernel`'s row through its group maxima (see there)."""
     offs = tl.arange(0, BLOCK)
     mrow = max_ptr + row.to(tl.int64) * n_groups
@@ -372,18 +376,24 @@ def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, c
     if n_q <= CAP:  # else each qualifying group holds a candidate: overflow for sure
         gsub = offs // G
         within = offs % G
-        for q0 in range(0, n_q, BLOCK // G):
-            qi = q0 + gsub
-            gq = tl.load(grow + qi, mask=qi < n_q, other=0)
-            idx = gq * G + within
-            ok = (qi < n_q) & (idx < length)
+        if PREFETCH:  # the first chunk's entries; each step loads the next chunk's before it scans its own
+            idx, ok = _group_chunk(grow, 0, gsub, within, n_q, length, G)
             x = tl.load(base + idx, mask=ok, other=float("-inf"))
+        for q0 in range(0, n_q, BLOCK // G):
+            if PREFETCH:
+                idx_next, ok_next = _group_chunk(grow, q0 + BLOCK // G, gsub, within, n_q, length, G)
+                x_next = tl.load(base + idx_next, mask=ok_next, other=float("-inf"))
+            else:
+                idx, ok = _group_chunk(grow, q0, gsub, within, n_q, length, G)
+                x = tl.load(base + idx, mask=ok, other=float("-inf"))
             cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
             pos = count + tl.cumsum(cand.to(tl.int32), axis=0) - 1
             keep = cand & (pos < CAP)
             tl.store(cval_ptr + crow + pos, x, mask=keep)
             tl.store(cidx_ptr + crow + pos, idx, mask=keep)
             count += tl.sum(cand.to(tl.int32), axis=0)
+            if PREFETCH:
+                x, idx, ok = x_next, idx_next, ok_next
         tl.debug_barrier()
     if HALF and (n_q <= CAP) & (count <= CAP // 2):  # the search over half the buffer where the candidates fit
         _select_from_buffer(cval_ptr + crow, cidx_ptr + crow, count, out_row, K, CAP // 2, SEL, HBITS)
@@ -391,6 +401,23 @@ def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, c
         _select_from_buffer(cval_ptr + crow, cidx_ptr + crow, count, out_row, K, CAP, SEL, HBITS)
     else:
         _radix_select_row(base, tl.maximum(length, 0), out_row, K, BLOCK, BITS)
+
+
+@triton.jit
+def _select_whole(base, length, out_row, K: tl.constexpr, W: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr):
+    """The top-K of a row of `length` (<= W) entries taken as one [W] register tile."""
+    offs = tl.arange(0, W)
+    x = tl.load(base + offs, mask=offs < length, other=float("-inf"))
+    _select_in_order(x, offs, x > float("-inf"), out_row, K, SEL, HBITS)
+
+
+@triton.jit
+def _group_chunk(grow, q0, gsub, within, n_q, length, G: tl.constexpr):
+    """The entries of qualifying groups q0 .. (listed at grow) as a tile: their positions and whether each is there."""
+    qi = q0 + gsub
+    gq = tl.load(grow + qi, mask=qi < n_q, other=0)
+    idx = gq * G + within
+    return idx, (qi < n_q) & (idx < length)
 
 
 @triton.jit
@@ -428,10 +455,12 @@ def group_size(n: int, groups: int = 2048) -> int:
 # whole_maxnreg: 0 uncapped); bound_steps: the candidates' bound from that many digits (0: all; 5 of 7: its top 22
 # bits, a bucket of 2^-13 relative, a few more candidates); half_tile: the final search over half the candidate
 # buffer where a row's candidates fit it. H100 run 41d, 4K x 64K (every checked row exact): both 793.8 us against
-# 858.4 (half_tile alone 806.6, bound_steps=5 alone 840.2)
+# 858.4 (half_tile alone 806.6, bound_steps=5 alone 840.2); prefetch: the candidates' entries loaded a chunk ahead
+# (untimed); whole_half: whole rows of at most half the tile's width on a tile half as wide (untimed)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64,
                       "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
-                      "half_tile": True}
+                      "half_tile": True, "prefetch": False,
+                      "whole_half": False}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
@@ -508,8 +537,11 @@ def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None,
         warps, cap = opt["whole_warps"], opt["whole_maxnreg"]
     else:
         warps, cap = num_warps or opt["num_warps"], opt["maxnreg"] if maxnreg is None else maxnreg
+    if whole:
+        return whole, {"HBITS": opt["hist_bits"], "WHOLE_HALF": bool(opt["whole_half"]), "num_warps": warps,
+                       **register_cap(cap)}
     return whole, {"HBITS": opt["hist_bits"], "BSTEPS": opt["bound_steps"], "HALF": bool(opt["half_tile"]),
-                   "num_warps": warps, **register_cap(cap)}
+                   "PREFETCH": bool(opt["prefetch"]), "num_warps": warps, **register_cap(cap)}
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
@@ -525,7 +557,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     hist_bits, whole_row (rows path: rows of at most this many entries taken as one register tile, one k-th key
     search over it, launched with whole_warps and whole_maxnreg), bound_steps (rows path: the candidates' bound
     from the first this many digits of its search only, 0 all), half_tile (rows path: a row's candidates searched
-    over half the buffer where they fit it).
+    over half the buffer where they fit it), prefetch (rows path: the candidates' entries loaded a chunk ahead),
+    whole_half (whole rows of at most half the tile's width on a tile half as wide).
     Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
