@@ -149,22 +149,20 @@ def case_indexer(bw, mm):
 # the default first (Nsight profiles a case's first launch; capped at 64 registers since run 7), the
 # uncapped kernel (maxnreg 0: 126 registers held it to 2 rows of 8 warps per SM, ncu run 6), then around it
 TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_warps=16, maxnreg=64),
-             dict(num_warps=4, maxnreg=64), dict(block=4096, maxnreg=64), dict(groups=4096, maxnreg=64),
-             dict(groups=1024, maxnreg=64),
+             dict(num_warps=4, maxnreg=64), dict(block=4096, maxnreg=64), dict(groups=1024, maxnreg=64),
              # the k-th key searches in 8-bit digits (the default before run 41a: 5 bits since), 6-bit ones; the
              # candidates' bound from its first digits only; a smaller candidate buffer
-             dict(hist_bits=8), dict(hist_bits=6), dict(groups=4096), dict(maxnreg=80), dict(bound_steps=4),
+             dict(hist_bits=8), dict(hist_bits=6), dict(maxnreg=80), dict(bound_steps=4),
              dict(bound_steps=3), dict(bound_steps=5), dict(bound_steps=4, cap=1024), dict(cap=1024),
-             dict(bound_steps=4, maxnreg=80), dict(half_tile=False, bound_steps=0),  # the default before run 41d
-             dict(half_tile=False), dict(bound_steps=0), dict(prefetch=True), dict(prefetch=True, maxnreg=80),
-             dict(prefetch=True, maxnreg=96), dict(prefetch=True, block=1024), dict(prefetch=True, groups=4096)]
-# a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile (5-bit digits
-# uncapped at 8 warps: run 41a's best, 236.5 / 110.1 us against 385.6 / 250.8 at that run's defaults)
-TOPK_LAYER_CFGS = [{}, dict(hist_bits=8), dict(whole_row=4096), dict(whole_row=4096, whole_maxnreg=80),
-                   dict(whole_row=4096, whole_maxnreg=96), dict(whole_row=4096, whole_warps=4),
-                   dict(whole_row=4096, whole_warps=4, whole_maxnreg=128), dict(whole_row=4096, hist_bits=6),
-                   dict(bound_steps=4), dict(whole_row=4096, whole_half=True),
-                   dict(whole_row=4096, whole_half=True, whole_maxnreg=80)]
+             dict(bound_steps=4, maxnreg=80), dict(half_tile=False, bound_steps=0, groups=2048),  # run 41c's
+             dict(groups=2048), dict(half_tile=False), dict(bound_steps=0), dict(prefetch=True),
+             dict(prefetch=True, maxnreg=80), dict(groups=8192)]
+# a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile, short rows on a
+# tile half as wide (what the engine asks for, knob topk_whole_row: run 41e's 193.2 / 95.3 us against 385.6 / 250.8
+# at run 40's defaults, the second config here)
+TOPK_LAYER_CFGS = [{}, dict(hist_bits=8, groups=2048, bound_steps=0, half_tile=False), dict(whole_row=4096),
+                   dict(whole_row=4096, whole_half=False), dict(whole_row=4096, whole_maxnreg=80),
+                   dict(whole_row=4096, whole_warps=4), dict(whole_row=4096, whole_warps=16)]
 
 
 def case_topk(bw, mm):

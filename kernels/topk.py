@@ -455,12 +455,13 @@ def group_size(n: int, groups: int = 2048) -> int:
 # whole_maxnreg: 0 uncapped); bound_steps: the candidates' bound from that many digits (0: all; 5 of 7: its top 22
 # bits, a bucket of 2^-13 relative, a few more candidates); half_tile: the final search over half the candidate
 # buffer where a row's candidates fit it. H100 run 41d, 4K x 64K (every checked row exact): both 793.8 us against
-# 858.4 (half_tile alone 806.6, bound_steps=5 alone 840.2); prefetch: the candidates' entries loaded a chunk ahead
-# (untimed); whole_half: whole rows of at most half the tile's width on a tile half as wide (untimed)
-ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 2048, "num_warps": 8, "select": "hist", "maxnreg": 64,
+# 858.4 (half_tile alone 806.6, bound_steps=5 alone 840.2); then 4,096 groups: 762.3 us against 795.5 at 2,048 (run
+# 41e). prefetch: the candidates' entries loaded a chunk ahead (41e: 818.0 at 2,048 groups, 750.8 at 4,096: mixed,
+# off). whole_half: whole rows of at most half the tile's width on a tile half as wide (41e, the layer's causal rows
+# over 4,096 / 2,048 entries: 193.2 / 95.3 us against 236.0 / 110.2)
+ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 4096, "num_warps": 8, "select": "hist", "maxnreg": 64,
                       "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
-                      "half_tile": True, "prefetch": False,
-                      "whole_half": False}
+                      "half_tile": True, "prefetch": False, "whole_half": True}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
