@@ -155,11 +155,9 @@ TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_w
              dict(hist_bits=8), dict(hist_bits=6), dict(maxnreg=80), dict(bound_steps=4),
              dict(bound_steps=3), dict(bound_steps=5), dict(bound_steps=4, cap=1024), dict(cap=1024),
              dict(bound_steps=4, maxnreg=80), dict(half_tile=False, bound_steps=0, groups=2048),  # run 41c's
-             dict(groups=2048), dict(half_tile=False), dict(bound_steps=0), dict(prefetch=True),
-             dict(prefetch=True, maxnreg=80), dict(groups=8192),
-             # 16 warps: no spill at 64 registers (356 B at 8 warps, sm_90 compile), two rows an SM
-             dict(num_warps=16, groups=8192), dict(num_warps=16, prefetch=True), dict(num_warps=16, block=4096),
-             dict(num_warps=16, maxnreg=72)]
+             dict(groups=2048), dict(half_tile=False), dict(bound_steps=0), dict(groups=8192),
+             # 16 warps: no spill at 64 registers (356 B at 8 warps, sm_90 compile), two rows an SM (41g: slower)
+             dict(num_warps=16, groups=8192), dict(num_warps=16, block=4096)]
 # a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile, short rows on a
 # tile half as wide (what the engine asks for, knob topk_whole_row: run 41e's 193.2 / 95.3 us against 385.6 / 250.8
 # at run 40's defaults, the second config here)

@@ -9,8 +9,10 @@ The Triton version never sorts (Triton's tl.sort of 2048 keys costs tens of micr
 program). Both paths start from group maxima: the row is cut into groups of G entries (a power of
 two); the k-th largest group maximum t1 is a lower bound of the row's k-th largest value (k groups
 hold an entry >= t1), so every winner lies in a group whose maximum is >= t1: about k groups, so
-only ~k*G entries are read again. The k-th largest key of a set is found by counting: 16 steps of
-three counts each fix the 32-bit ordered key two bits at a time (`_kth_largest_key`).
+only ~k*G entries are read again. The k-th largest key of a set is found by counting (16 steps of
+three counts fix the 32-bit ordered key two bits at a time, `_kth_largest_key`) or, on the rows path, by
+histograms of 5-bit digits (7 steps, `_kth_largest_key_hist`). A row short enough (whole_row: a 4K prefill's
+indexer rows) skips the groups: one search over the row as one register tile.
   rows path (R >= ROWS_MIN, prefill): one program per row does it all: group maxima (unless the
      indexer's scoring kernel wrote them), t1, the qualifying groups' entries >= t1 appended in
      position order to a per-row buffer, the exact k-th value among them, and the winners written by
@@ -319,17 +321,15 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
                        out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                        CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
                        SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, WHOLE: tl.constexpr = False,
-                       BSTEPS: tl.constexpr = 0, HALF: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                       WHOLE_HALF: tl.constexpr = False):
+                       BSTEPS: tl.constexpr = 0, HALF: tl.constexpr = False, WHOLE_HALF: tl.constexpr = False):
     """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
     their candidates appended in position order, the exact top-K among them written in order.
     Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]. SEL: how the two
     k-th keys (bound, threshold) are found: 0 counting (16 steps of 3 block reductions), 1 HBITS-bit
     histograms. WHOLE (n_cols <= BLOCK): the row is one register tile and its top-K is found on it
     directly, one k-th key instead of two, no scratch. BSTEPS: the bound's search steps (`_candidate_bound`); HALF:
-    rows whose candidates fill at most half the buffer searched over that half (a second inlined search); PREFETCH:
-    each chunk of the qualifying groups' entries loaded a step ahead; WHOLE_HALF: a whole row of at most BLOCK / 2
-    entries taken as a tile half as wide (a second inlined search)."""
+    rows whose candidates fill at most half the buffer searched over that half (a second inlined search);
+    WHOLE_HALF: a whole row of at most BLOCK / 2 entries taken as a tile half as wide (the same)."""
     row = tl.program_id(0)
     length = n_cols
     if HAS_LEN:
@@ -343,14 +343,14 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
             _select_whole(base, length, out_row, K, BLOCK, SEL, HBITS)
     else:
         _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
-                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS, HALF, PREFETCH)
+                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS, HALF)
 
 
 @triton.jit
 def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
                       K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
                       BITS: tl.constexpr, HAS_MAX: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr,
-                      BSTEPS: tl.constexpr, HALF: tl.constexpr, PREFETCH: tl.constexpr):
+                      BSTEPS: tl.constexpr, HALF: tl.constexpr):
     """`_row_select_kernel`'s row through its group maxima (see there)."""
     offs = tl.arange(0, BLOCK)
     mrow = max_ptr + row.to(tl.int64) * n_groups
@@ -376,24 +376,15 @@ def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, c
     if n_q <= CAP:  # else each qualifying group holds a candidate: overflow for sure
         gsub = offs // G
         within = offs % G
-        if PREFETCH:  # the first chunk's entries; each step loads the next chunk's before it scans its own
-            idx, ok = _group_chunk(grow, 0, gsub, within, n_q, length, G)
-            x = tl.load(base + idx, mask=ok, other=float("-inf"))
         for q0 in range(0, n_q, BLOCK // G):
-            if PREFETCH:
-                idx_next, ok_next = _group_chunk(grow, q0 + BLOCK // G, gsub, within, n_q, length, G)
-                x_next = tl.load(base + idx_next, mask=ok_next, other=float("-inf"))
-            else:
-                idx, ok = _group_chunk(grow, q0, gsub, within, n_q, length, G)
-                x = tl.load(base + idx, mask=ok, other=float("-inf"))
+            idx, ok = _group_chunk(grow, q0, gsub, within, n_q, length, G)
+            x = tl.load(base + idx, mask=ok, other=float("-inf"))
             cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
             pos = count + tl.cumsum(cand.to(tl.int32), axis=0) - 1
             keep = cand & (pos < CAP)
             tl.store(cval_ptr + crow + pos, x, mask=keep)
             tl.store(cidx_ptr + crow + pos, idx, mask=keep)
             count += tl.sum(cand.to(tl.int32), axis=0)
-            if PREFETCH:
-                x, idx, ok = x_next, idx_next, ok_next
         tl.debug_barrier()
     if HALF and (n_q <= CAP) & (count <= CAP // 2):  # the search over half the buffer where the candidates fit
         _select_from_buffer(cval_ptr + crow, cidx_ptr + crow, count, out_row, K, CAP // 2, SEL, HBITS)
@@ -456,12 +447,12 @@ def group_size(n: int, groups: int = 2048) -> int:
 # bits, a bucket of 2^-13 relative, a few more candidates); half_tile: the final search over half the candidate
 # buffer where a row's candidates fit it. H100 run 41d, 4K x 64K (every checked row exact): both 793.8 us against
 # 858.4 (half_tile alone 806.6, bound_steps=5 alone 840.2); then 4,096 groups: 762.3 us against 795.5 at 2,048 (run
-# 41e). prefetch: the candidates' entries loaded a chunk ahead (41e: 818.0 at 2,048 groups, 750.8 at 4,096: mixed,
-# off). whole_half: whole rows of at most half the tile's width on a tile half as wide (41e, the layer's causal rows
+# 41e; loading the candidates' entries a chunk ahead: 818.0 at 2,048 groups, 750.8 at 4,096, 757.0 in 41g against
+# 773.6, within its noise: dropped). whole_half: whole rows of at most half the tile's width on a tile half as wide (41e, the layer's causal rows
 # over 4,096 / 2,048 entries: 193.2 / 95.3 us against 236.0 / 110.2)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 4096, "num_warps": 8, "select": "hist", "maxnreg": 64,
                       "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
-                      "half_tile": True, "prefetch": False, "whole_half": True}
+                      "half_tile": True, "whole_half": True}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
@@ -542,7 +533,7 @@ def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None,
         return whole, {"HBITS": opt["hist_bits"], "WHOLE_HALF": bool(opt["whole_half"]), "num_warps": warps,
                        **register_cap(cap)}
     return whole, {"HBITS": opt["hist_bits"], "BSTEPS": opt["bound_steps"], "HALF": bool(opt["half_tile"]),
-                   "PREFETCH": bool(opt["prefetch"]), "num_warps": warps, **register_cap(cap)}
+                   "num_warps": warps, **register_cap(cap)}
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
@@ -558,8 +549,7 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     hist_bits, whole_row (rows path: rows of at most this many entries taken as one register tile, one k-th key
     search over it, launched with whole_warps and whole_maxnreg), bound_steps (rows path: the candidates' bound
     from the first this many digits of its search only, 0 all), half_tile (rows path: a row's candidates searched
-    over half the buffer where they fit it), prefetch (rows path: the candidates' entries loaded a chunk ahead),
-    whole_half (whole rows of at most half the tile's width on a tile half as wide).
+    over half the buffer where they fit it), whole_half (whole rows of at most half the tile's width on a tile half as wide).
     Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")

@@ -251,7 +251,7 @@ def test_kth_largest_key_by_histograms(bits):
 @pytest.mark.parametrize("form", [dict(whole_row=4096), dict(whole_row=4096, hist_bits=5),
                                   dict(whole_row=4096, select="count"), dict(hist_bits=5), dict(hist_bits=6),
                                   dict(hist_bits=5, bound_steps=2), dict(bound_steps=1), dict(half_tile=True),
-                                  dict(half_tile=True, cap=64), dict(prefetch=True),
+                                  dict(half_tile=True, cap=64),
                                   dict(whole_row=4096, whole_half=True)])
 def test_topk_rows_path_forms_exact(gen, form):
     """The rows path's whole-row tile (the layer's causal rows: lengths 1..n, rows of at most k taken whole
