@@ -448,8 +448,8 @@ def group_size(n: int, groups: int = 2048) -> int:
 # buffer where a row's candidates fit it. H100 run 41d, 4K x 64K (every checked row exact): both 793.8 us against
 # 858.4 (half_tile alone 806.6, bound_steps=5 alone 840.2); then 4,096 groups: 762.3 us against 795.5 at 2,048 (run
 # 41e; loading the candidates' entries a chunk ahead: 818.0 at 2,048 groups, 750.8 at 4,096, 757.0 in 41g against
-# 773.6, within its noise: dropped). whole_half: whole rows of at most half the tile's width on a tile half as wide (41e, the layer's causal rows
-# over 4,096 / 2,048 entries: 193.2 / 95.3 us against 236.0 / 110.2)
+# 773.6, within its noise: dropped). whole_half: whole rows of at most half the tile's width on a tile half as wide
+# (41e, the layer's causal rows over 4,096 / 2,048 entries: 193.2 / 95.3 us against 236.0 / 110.2)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 4096, "num_warps": 8, "select": "hist", "maxnreg": 64,
                       "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
                       "half_tile": True, "whole_half": True}
@@ -525,15 +525,12 @@ def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None,
     the launch's HBITS, num_warps and register cap), unset knobs from ROWS_PATH_DEFAULTS."""
     opt = {**ROWS_PATH_DEFAULTS, **{key: v for key, v in form.items() if v is not None}}
     whole = _pow2(n) if 0 < n <= opt["whole_row"] else 0
-    if whole:
-        warps, cap = opt["whole_warps"], opt["whole_maxnreg"]
-    else:
-        warps, cap = num_warps or opt["num_warps"], opt["maxnreg"] if maxnreg is None else maxnreg
-    if whole:
-        return whole, {"HBITS": opt["hist_bits"], "WHOLE_HALF": bool(opt["whole_half"]), "num_warps": warps,
-                       **register_cap(cap)}
+    if whole:  # the half-width tile only where it is a tile at all
+        return whole, {"HBITS": opt["hist_bits"], "WHOLE_HALF": bool(opt["whole_half"]) and whole >= 32,
+                       "num_warps": opt["whole_warps"], **register_cap(opt["whole_maxnreg"])}
     return whole, {"HBITS": opt["hist_bits"], "BSTEPS": opt["bound_steps"], "HALF": bool(opt["half_tile"]),
-                   "num_warps": warps, **register_cap(cap)}
+                   "num_warps": num_warps or opt["num_warps"],
+                   **register_cap(opt["maxnreg"] if maxnreg is None else maxnreg)}
 
 
 def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
@@ -549,7 +546,7 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     hist_bits, whole_row (rows path: rows of at most this many entries taken as one register tile, one k-th key
     search over it, launched with whole_warps and whole_maxnreg), bound_steps (rows path: the candidates' bound
     from the first this many digits of its search only, 0 all), half_tile (rows path: a row's candidates searched
-    over half the buffer where they fit it), whole_half (whole rows of at most half the tile's width on a tile half as wide).
+    over half the buffer where they fit it), whole_half (whole rows of at most half the tile on a tile half as wide).
     Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")

@@ -271,6 +271,10 @@ def test_topk_rows_path_forms_exact(gen, form):
     assert torch.equal(got[2], torch.arange(k, dtype=torch.int32))
     assert torch.equal(got[7], torch.tensor([0] + [-1] * (k - 1), dtype=torch.int32))
     assert torch.equal(topk.topk_positions_triton(v, k, rows_path=True, **form), topk.topk_positions_reference(v, k))
+    for n in (1, 3, 40):  # rows narrower than k, one entry, a tile of 64 (its half: 32)
+        w = v[:, :n].contiguous()
+        got = topk.topk_positions_triton(w, k, rows_path=True, **form)
+        assert torch.equal(got, topk.topk_positions_reference(w, k)), n
 
 
 def test_topk_select_option_is_checked():

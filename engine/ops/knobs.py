@@ -131,8 +131,9 @@ class KernelKnobs:
     # register tile each (kernels/topk.py whole_row: one k-th key search over the row, no group maxima, no scratch)
     # instead of through group maxima and a candidate buffer; the same picks. H100 run 41b, the kernel bench's 4K
     # causal rows (every row exact): over 4,096 entries 236.7 us against 303.9 (5-bit digits both; 386.3 at run 40's
-    # 8-bit ones), over 2,048 110.2 against 213.4; the layer's prefill graph 1.005x (Full m=1), 0.992x (Full m=2),
-    # 0.995x (Reindex): within the A/B's noise (~0.5%) of the 0.6% / 0.9% the kernel predicts
+    # 8-bit ones), over 2,048 110.2 against 213.4 (41e, short rows on half a tile: 193.2 / 95.3); the layer's prefill
+    # graph 1.005x (Full m=1), 0.992x (Full m=2), 0.995x (Reindex): within the A/B's noise (~0.5%) of the 0.6% / 0.9%
+    # the kernel predicts; in the layer's profile (41f) the row select 199 / 93 / 200 us against 407 / 396 / 405 (40b)
     topk_whole_row = True
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
