@@ -217,3 +217,27 @@ for m, n, k in ((4096, 384, 5120), (300, 1024, 5120), (5, 50, 96)):
     want = x.double() @ w.double().t()
     assert ((got - want).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().t())).all(), (m, n, k)
 """)
+
+
+@on_gpu
+def test_topk_rows_path_forms_on_the_gpu():
+    """The top-k's rows path compiled, in each form a prefill takes: a 4K prompt's causal indexer rows as whole-row
+    tiles (short rows on half a tile) and through group maxima, 5- and 8-bit digit searches, the bound from its top
+    digits, the half-buffer search; rows with runs of exact ties (bf16-rounded scores). Every row against a stable
+    sort's picks (the earliest positions win a tie)."""
+    _run("""
+from kernels import topk
+for n, ratio in ((4096, 1), (2048, 2), (65536, 0)):
+    rows = 4096 if ratio else 512
+    v = torch.randn(rows, n, generator=g).bfloat16().float().cuda()  # bf16 values: many exact ties
+    nv = ((torch.arange(rows, dtype=torch.int32) + 1) // ratio if ratio else torch.full((rows,), n)).int().cuda()
+    v = v.masked_fill(torch.arange(n, device="cuda")[None, :] >= nv[:, None].long(), float("-inf"))
+    order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :512]
+    taken = torch.arange(512, device="cuda")[None, :] < nv[:, None].clamp_max(512)
+    want = torch.sort(torch.where(taken, order, n), dim=1).values
+    want = torch.where(want == n, -1, want).int()
+    for form in ({}, dict(whole_row=4096), dict(whole_row=4096, whole_half=False), dict(hist_bits=8),
+                 dict(bound_steps=0, half_tile=False, groups=2048)):
+        got = topk.topk_positions_triton(v, 512, nv, **form)
+        assert torch.equal(got, want), (n, form, (got != want).any(1).sum().item())
+""")
