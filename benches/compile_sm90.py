@@ -242,7 +242,8 @@ def cases():
                 torch.softmax(torch.randn(tq, 4, 4), -1))
         return lambda: mhc.mhc_triton(*args, **({"bf16_values": True} if wide else {}))
 
-    return [("quantizers", quantizers), ("round trip into expert order", expert_rows), ("fp8 linear 128x5120x8192", linear(128)),
+    return [("quantizers", quantizers), ("round trip into expert order", expert_rows),
+            ("fp8 linear 128x5120x8192", linear(128)),
             ("fp8 linear 64x5120x8192", linear(64)),
             ("fp8 linear cuBLAS form's weight values 5120x8192", linear(128, mma="cublas")),
             ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),

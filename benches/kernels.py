@@ -199,10 +199,7 @@ def case_topk_layer(bw, mm):
         nv = (torch.arange(tq, device=DEV, dtype=torch.int32) + 1) // ratio
         s = indexer.indexer_scores_triton(qp, qs, kp, ks, w, nv)
         v = s.masked_fill(torch.arange(n, device=DEV)[None, :] >= nv[:, None].long(), float("-inf"))
-        order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :512]
-        taken = torch.arange(512, device=DEV)[None, :] < nv[:, None].clamp_max(512)
-        want = torch.sort(torch.where(taken, order, n), dim=1).values
-        want = torch.where(want == n, -1, want).int()
+        want = topk.topk_positions_reference(s, 512, nv)
         cfg, t, same = sweep(f"topk_layer_cfgs_m{ratio}", f"topk layer m={ratio}", TOPK_LAYER_CFGS,
                              lambda **c: topk.topk_positions_triton(s, 512, nv, **c),
                              lambda out: torch.equal(out, want), valid=bool, rep=100)
@@ -430,7 +427,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
                     "half), indexer, topk, topk_layer (a 4K prefill's causal rows), moe, moe_prefill (the engine's 4K "
-                    "forms alone), linear, norm, engram, f32, run in the order given (default: all; topk is the top-512 sweep alone, on its own logits)")
+                    "forms alone), linear, norm, engram, f32, run in the order given (default: all; topk is the "
+                    "top-512 sweep alone, on its own logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()

@@ -299,7 +299,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
 
 
 def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, limit, k, which: str, bf16_acts,
-                x_rs: bool = False, **form):
+                x_rs: bool | str = False, **form):
     """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
     (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders), or ("rs") both in the
     register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`, block_k its stage_k; x_rs: xp
@@ -312,8 +312,10 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
         from kernels import moe_rs
         rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
         rs_form["stage_k"] = form.get("block_k", 64)
-        x_sorted = xp if x_rs == "scatter" else (xp if x_rs else moe_rs.rs_columns(xp)).index_select(
-            0, order.long() // k)
+        if x_rs == "scatter":  # a row a pair in expert order already
+            x_sorted = xp
+        else:
+            x_sorted = (xp if x_rs else moe_rs.rs_columns(xp)).index_select(0, order.long() // k)
         for blocks, bm, bn, *_ in tiles:
             moe_rs.grouped_rs(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
                               block_n=bn, bf16_acts=bf16_acts, **rs_form)

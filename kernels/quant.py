@@ -170,7 +170,8 @@ def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = F
     out = y.new_zeros(to_rows.numel(), y.shape[-1])
     dst = to_rows.reshape(-1).long()
     src = torch.arange(y.shape[0], device=y.device).repeat_interleave(to_rows.shape[1])
-    out[dst[dst >= 0]] = y[src[dst >= 0]]
+    stored = dst >= 0
+    out[dst[stored]] = y[src[stored]]
     return out
 
 

@@ -43,13 +43,13 @@ def topk_positions_reference(values: torch.Tensor, k: int, lengths: torch.Tensor
     v = values.double().clone()
     if lengths is not None:
         v[torch.arange(n, device=v.device)[None, :] >= lengths.to(v.device).long()[:, None]] = float("-inf")
+    # rank by (value desc, position asc): a stable sort on value gives the earliest positions at ties; each row's
+    # first min(k, #finite) of that order, then in position order (n past them: sorted last, then -1)
+    order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :k]
+    n_ok = (v > float("-inf")).sum(1, keepdim=True).clamp_max(k)
+    picks = torch.sort(torch.where(torch.arange(order.shape[1], device=v.device) < n_ok, order, n), dim=1).values
     out = torch.full((r, k), -1, dtype=torch.int32, device=values.device)
-    # rank by (value desc, position asc): a stable sort on value gives the earliest positions at ties
-    order = torch.sort(v, dim=1, descending=True, stable=True).indices
-    for row in range(r):
-        n_ok = min(k, int((v[row] > float("-inf")).sum()))
-        chosen = torch.sort(order[row, :n_ok]).values
-        out[row, :n_ok] = chosen.to(torch.int32)
+    out[:, :picks.shape[1]] = torch.where(picks == n, -1, picks).to(torch.int32)
     return out
 
 

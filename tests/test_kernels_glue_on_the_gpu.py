@@ -231,11 +231,7 @@ for n, ratio in ((4096, 1), (2048, 2), (65536, 0)):
     rows = 4096 if ratio else 512
     v = torch.randn(rows, n, generator=g).bfloat16().float().cuda()  # bf16 values: many exact ties
     nv = ((torch.arange(rows, dtype=torch.int32) + 1) // ratio if ratio else torch.full((rows,), n)).int().cuda()
-    v = v.masked_fill(torch.arange(n, device="cuda")[None, :] >= nv[:, None].long(), float("-inf"))
-    order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :512]
-    taken = torch.arange(512, device="cuda")[None, :] < nv[:, None].clamp_max(512)
-    want = torch.sort(torch.where(taken, order, n), dim=1).values
-    want = torch.where(want == n, -1, want).int()
+    want = topk.topk_positions_reference(v, 512, nv)  # a stable sort's picks, in position order
     for form in ({}, dict(whole_row=4096), dict(whole_row=4096, whole_half=False), dict(hist_bits=8),
                  dict(bound_steps=0, half_tile=False, groups=2048)):
         got = topk.topk_positions_triton(v, 512, nv, **form)
