@@ -148,16 +148,18 @@ def case_indexer(bw, mm):
 # sm_90 (triton 3.7): 16 warps 112 (1 block/SM), 8 warps 128-203 (2 blocks/SM at 128), 4 warps 204-255
 # the default first (Nsight profiles a case's first launch; capped at 64 registers since run 7), the
 # uncapped kernel (maxnreg 0: 126 registers held it to 2 rows of 8 warps per SM, ncu run 6), then around it
-TOPK_CFGS = [{}, dict(maxnreg=0), dict(maxnreg=56), dict(maxnreg=48), dict(num_warps=16, maxnreg=64),
-             dict(num_warps=4, maxnreg=64), dict(block=4096, maxnreg=64), dict(groups=1024, maxnreg=64),
-             # the k-th key searches in 8-bit digits (the default before run 41a: 5 bits since), 6-bit ones; the
-             # candidates' bound from its first digits only; a smaller candidate buffer
-             dict(hist_bits=8), dict(hist_bits=6), dict(maxnreg=80), dict(bound_steps=4),
-             dict(bound_steps=3), dict(bound_steps=5), dict(bound_steps=4, cap=1024), dict(cap=1024),
-             dict(bound_steps=4, maxnreg=80), dict(half_tile=False, bound_steps=0, groups=2048),  # run 41c's
-             dict(groups=2048), dict(half_tile=False), dict(bound_steps=0), dict(groups=8192),
-             # 16 warps: no spill at 64 registers (356 B at 8 warps, sm_90 compile), two rows an SM (41g: slower)
-             dict(num_warps=16, groups=8192), dict(num_warps=16, block=4096)]
+TOPK_CFGS = [{},
+             # the group maxima's pass as a [groups, 16] tile (a group reduced in one warp's registers and shuffles;
+             # the 1-D tile reshaped before run 42b went through shared memory, source-level Nsight 42a: 47% of the
+             # stall samples in that pass at 2,048 entries a step, two barriers each) at wider steps
+             dict(max_block=4096), dict(max_block=8192), dict(max_block=16384), dict(max_block=8192, maxnreg=80),
+             dict(max_block=8192, groups=8192), dict(max_block=8192, block=4096),
+             # around the default (run 42a, H100, before the 2-D pass; us): uncapped 1,399.9, 56 registers 828.0, 48
+             # 967.3, 16 warps 916.0, 4 warps 1,564.3, block 4,096 953.4, 1,024 groups 1,129.2, 8-bit digits
+             # 1,274.8, 6-bit 868.4, bound_steps 3 / 4 782.9 / 772.9, 2,048 groups 795.4, no half tile 808.3 -- the
+             # default 765.0
+             dict(maxnreg=80), dict(cap=1024), dict(bound_steps=4), dict(num_warps=16), dict(groups=2048),
+             dict(groups=8192)]
 # a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile, short rows on a
 # tile half as wide (what the engine asks for, knob topk_whole_row: run 41e's 193.2 / 95.3 us against 385.6 / 250.8
 # at run 40's defaults, the second config here)

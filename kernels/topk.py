@@ -321,7 +321,8 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
                        out_ptr, K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                        CAP: tl.constexpr, BITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
                        SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, WHOLE: tl.constexpr = False,
-                       BSTEPS: tl.constexpr = 0, HALF: tl.constexpr = False, WHOLE_HALF: tl.constexpr = False):
+                       BSTEPS: tl.constexpr = 0, HALF: tl.constexpr = False, WHOLE_HALF: tl.constexpr = False,
+                       MB: tl.constexpr = 2048):
     """One row per program: group maxima (HAS_MAX: given), bound, qualifying groups listed in order,
     their candidates appended in position order, the exact top-K among them written in order.
     Scratch rows: max_ptr [NGP-ish] (n_groups), glist_ptr [CAP], cval/cidx [CAP]. SEL: how the two
@@ -329,7 +330,8 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
     histograms. WHOLE (n_cols <= BLOCK): the row is one register tile and its top-K is found on it
     directly, one k-th key instead of two, no scratch. BSTEPS: the bound's search steps (`_candidate_bound`); HALF:
     rows whose candidates fill at most half the buffer searched over that half (a second inlined search);
-    WHOLE_HALF: a whole row of at most BLOCK / 2 entries taken as a tile half as wide (the same)."""
+    WHOLE_HALF: a whole row of at most BLOCK / 2 entries taken as a tile half as wide (the same); MB: entries a step
+    of the group maxima's pass (not HAS_MAX)."""
     row = tl.program_id(0)
     length = n_cols
     if HAS_LEN:
@@ -343,24 +345,25 @@ def _row_select_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, glis
             _select_whole(base, length, out_row, K, BLOCK, SEL, HBITS)
     else:
         _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
-                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS, HALF)
+                          K, NGP, G, BLOCK, CAP, BITS, HAS_MAX, SEL, HBITS, BSTEPS, HALF, MB)
 
 
 @triton.jit
 def _select_by_groups(base, row, n_cols, length, max_ptr, n_groups, glist_ptr, cval_ptr, cidx_ptr, out_row,
                       K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
                       BITS: tl.constexpr, HAS_MAX: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr,
-                      BSTEPS: tl.constexpr, HALF: tl.constexpr):
+                      BSTEPS: tl.constexpr, HALF: tl.constexpr, MB: tl.constexpr):
     """`_row_select_kernel`'s row through its group maxima (see there)."""
     offs = tl.arange(0, BLOCK)
     mrow = max_ptr + row.to(tl.int64) * n_groups
-    if not HAS_MAX:
-        gl = tl.arange(0, BLOCK // G)
-        for start in range(0, n_cols, BLOCK):
-            idx = start + offs
-            x = tl.load(base + idx, mask=idx < length, other=float("-inf"))
+    if not HAS_MAX:  # the row's group maxima, MB entries a step as a [groups, G] tile: a warp reduces each group
+        # in registers and shuffles (a 1-D tile reshaped went through shared memory and two barriers a step)
+        gl = tl.arange(0, MB // G)
+        for start in range(0, n_cols, MB):
             g = start // G + gl
-            tl.store(mrow + g, tl.max(tl.reshape(x, (BLOCK // G, G)), axis=1), mask=g < n_groups)
+            idx = g[:, None] * G + tl.arange(0, G)[None, :]
+            x = tl.load(base + idx, mask=idx < length, other=float("-inf"))
+            tl.store(mrow + g, tl.max(x, axis=1), mask=g < n_groups)
         tl.debug_barrier()  # the maxima are read back by other threads of this program
     gi = tl.arange(0, NGP)
     mx = tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf"))
@@ -452,7 +455,7 @@ def group_size(n: int, groups: int = 2048) -> int:
 # (41e, the layer's causal rows over 4,096 / 2,048 entries: 193.2 / 95.3 us against 236.0 / 110.2)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 4096, "num_warps": 8, "select": "hist", "maxnreg": 64,
                       "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
-                      "half_tile": True, "whole_half": True}
+                      "half_tile": True, "whole_half": True, "max_block": 2048}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
@@ -520,16 +523,17 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
     return out
 
 
-def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None, form: dict) -> tuple[int, dict]:
-    """The rows path's form for rows of n: (the whole-row tile's width, 0 where the row is not taken whole;
-    the launch's HBITS, num_warps and register cap), unset knobs from ROWS_PATH_DEFAULTS."""
+def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None, form: dict,
+                 g: int = 1) -> tuple[int, dict]:
+    """The rows path's form for rows of n in groups of g: (the whole-row tile's width, 0 where the row is not taken
+    whole; the launch's HBITS, num_warps, register cap and maxima pass width), unset knobs from ROWS_PATH_DEFAULTS."""
     opt = {**ROWS_PATH_DEFAULTS, **{key: v for key, v in form.items() if v is not None}}
     whole = _pow2(n) if 0 < n <= opt["whole_row"] else 0
     if whole:  # the half-width tile only where it is a tile at all
         return whole, {"HBITS": opt["hist_bits"], "WHOLE_HALF": bool(opt["whole_half"]) and whole >= 32,
                        "num_warps": opt["whole_warps"], **register_cap(opt["whole_maxnreg"])}
     return whole, {"HBITS": opt["hist_bits"], "BSTEPS": opt["bound_steps"], "HALF": bool(opt["half_tile"]),
-                   "num_warps": num_warps or opt["num_warps"],
+                   "MB": max(_pow2(opt["max_block"]), g), "num_warps": num_warps or opt["num_warps"],
                    **register_cap(opt["maxnreg"] if maxnreg is None else maxnreg)}
 
 
@@ -546,7 +550,8 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     hist_bits, whole_row (rows path: rows of at most this many entries taken as one register tile, one k-th key
     search over it, launched with whole_warps and whole_maxnreg), bound_steps (rows path: the candidates' bound
     from the first this many digits of its search only, 0 all), half_tile (rows path: a row's candidates searched
-    over half the buffer where they fit it), whole_half (whole rows of at most half the tile on a tile half as wide).
+    over half the buffer where they fit it), whole_half (whole rows of at most half the tile on a tile half as wide),
+    max_block (rows path: entries a step of the group maxima's pass).
     Defaults per path: ROWS_PATH_DEFAULTS, SPLIT_PATH_DEFAULTS."""
     if values.dim() != 2 or values.dtype != torch.float32 or values.stride(1) != 1:
         raise ValueError("values must be a row-major float32 [R, L] tensor")
@@ -564,7 +569,7 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
     n_groups = triton.cdiv(n, g)
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
     if rows_path:
-        whole, launch = _rows_launch(n, block, tune.pop("num_warps", None), tune.pop("maxnreg", None), tune)
+        whole, launch = _rows_launch(n, block, tune.pop("num_warps", None), tune.pop("maxnreg", None), tune, g)
         out = torch.empty(r, k, dtype=torch.int32, device=dev)
         cap = max(min(_pow2(cap), _pow2(n)), k)
         # the whole-row tile needs no scratch: the maxima, the group list and the candidates are never touched

@@ -10,7 +10,7 @@
 # knobs, PARITY_NAME names its files, parity-gpu by default), ced (prefill timing),
 # kernels (benches/kernels.py), release (benches/release_layer.py; RELEASE_ARGS="--graph --profile" adds
 # the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels; NCU_PAIRS="case:kernel ..."
-# picks them; NCU_EXTRA adds ncu options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
+# picks them; source: the first pair's per-instruction profile; NCU_EXTRA adds ncu options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
 # NCU_EXTRA="--nvtx --nvtx-include attn_decode_default/" for the decode default's launch).
 # KERNELS_ARGS="--only attn,moe" narrows the kernels step. parallel: benches/parallel.py's ranks sharing
 # the one GPU (--share-gpus, gloo; PARALLEL_ARGS, default 2 ranks, 4 layers, 4,096 tokens): the parallel
@@ -69,6 +69,17 @@ for step in "$@"; do
               python3 benches/kernels.py --only "${pair%%:*}" --out "$R/ncu-run" >> "$R/ncu.txt" 2>&1
       done
       cp "$R/ncu.txt" "$R/ncu-report.md" ;;
+    source) # Nsight Compute per instruction (warp stall samples, executed instructions a SASS line, its CUDA
+      # line where line info is there): NCU_PAIRS' first pair, the full set, the source page exported as CSV (xz)
+      pair=${NCU_PAIRS%% *}; name=$(echo "${pair#*:}" | tr -c 'A-Za-z0-9_\n' _)
+      timeout "${NCU_LIMIT:-120}" ncu --clock-control none --kernel-name-base function -k "regex:${pair#*:}" -c 1 \
+            --set full --import-source yes ${NCU_EXTRA:-} -f -o "$R/ncu-$name" \
+            python3 benches/kernels.py --only "${pair%%:*}" --out "$R/ncu-run" >> "$R/ncu-source.log" 2>&1
+      ncu -i "$R/ncu-$name.ncu-rep" --page source --csv --print-source sass,cuda > "$R/ncu-$name-source.csv" 2>> "$R/ncu-source.log" \
+        || ncu -i "$R/ncu-$name.ncu-rep" --page source --csv > "$R/ncu-$name-source.csv" 2>> "$R/ncu-source.log"
+      ncu -i "$R/ncu-$name.ncu-rep" --page details > "$R/ncu-$name-details.txt" 2>> "$R/ncu-source.log"
+      xz -k -6 "$R/ncu-$name-source.csv"; cp "$R/ncu-$name-source.csv.xz" "$OUT/" 2>/dev/null
+      cp "$R/ncu-source.log" "$R/ncu-source.md" ;;
     gputests) # the GPU-only tests, each file in a pytest process of its own (the interpreter tests set
       # TRITON_INTERPRET=1 at import, which would make a GPU test in the same process run interpreted)
       # GPUTESTS_ONLY="fp8_linear glue" keeps the entries whose text holds one of the words; GPUTESTS_K a pytest -k
@@ -89,7 +100,7 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
   echo "$step exit $? in $(( $(date +%s) - start )) s" | tee -a "$R/steps.txt"
-  tar czf "$OUT/results.tar.gz" -C "$R" .
+  tar czf "$OUT/results.tar.gz" --exclude="*.ncu-rep" --exclude="*-source.csv" -C "$R" .
   cp "$R"/*.md "$R/steps.txt" "$OUT/" 2>/dev/null
   save_cache
 done

@@ -223,7 +223,7 @@ for m, n, k in ((4096, 384, 5120), (300, 1024, 5120), (5, 50, 96)):
 def test_topk_rows_path_forms_on_the_gpu():
     """The top-k's rows path compiled, in each form a prefill takes: a 4K prompt's causal indexer rows as whole-row
     tiles (short rows on half a tile) and through group maxima, 5- and 8-bit digit searches, the bound from its top
-    digits, the half-buffer search; rows with runs of exact ties (bf16-rounded scores). Every row against a stable
+    digits, the half-buffer search, the group maxima's pass at 4,096 and 8,192 entries a step; rows with runs of exact ties (bf16-rounded scores). Every row against a stable
     sort's picks (the earliest positions win a tie)."""
     _run("""
 from kernels import topk
@@ -233,7 +233,7 @@ for n, ratio in ((4096, 1), (2048, 2), (65536, 0)):
     nv = ((torch.arange(rows, dtype=torch.int32) + 1) // ratio if ratio else torch.full((rows,), n)).int().cuda()
     want = topk.topk_positions_reference(v, 512, nv)  # a stable sort's picks, in position order
     for form in ({}, dict(whole_row=4096), dict(whole_row=4096, whole_half=False), dict(hist_bits=8),
-                 dict(bound_steps=0, half_tile=False, groups=2048)):
+                 dict(bound_steps=0, half_tile=False, groups=2048), dict(max_block=4096), dict(max_block=8192)):
         got = topk.topk_positions_triton(v, 512, nv, **form)
         assert torch.equal(got, want), (n, form, (got != want).any(1).sum().item())
 """)

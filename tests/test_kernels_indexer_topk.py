@@ -252,10 +252,12 @@ def test_kth_largest_key_by_histograms(bits):
                                   dict(whole_row=4096, select="count"), dict(hist_bits=5), dict(hist_bits=6),
                                   dict(hist_bits=5, bound_steps=2), dict(bound_steps=1), dict(half_tile=True),
                                   dict(half_tile=True, cap=64),
-                                  dict(whole_row=4096, whole_half=True)])
+                                  dict(whole_row=4096, whole_half=True),
+                                  dict(max_block=64), dict(max_block=8), dict(max_block=4096)])
 def test_topk_rows_path_forms_exact(gen, form):
     """The rows path's whole-row tile (the layer's causal rows: lengths 1..n, rows of at most k taken whole
-    without a search) and the narrower histogram digits, against the reference: -inf entries, a run of exact
+    without a search), the narrower histogram digits and the group maxima's pass at any width (4 groups a step,
+    under one group: one, past the row: one masked step), against the reference: -inf entries, a run of exact
     ties at the k-th value, a row of equal values, a row of under k finite, rows of any length."""
     n, k = 700, 32
     v = _ties(gen, 8, n)
