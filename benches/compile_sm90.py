@@ -250,7 +250,7 @@ def cases():
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512()),
             ("top-512 prefill, 8-bit digits", top512(hist_bits=8)),
-            ("top-512 prefill, maxima pass 8192 wide", top512(max_block=8192)),
+            ("top-512 prefill, run 41's maxima pass (2,048 a step, 64 registers)", top512(max_block=2048, maxnreg=64)),
             ("top-512 prefill, 16 warps", top512(num_warps=16)),
             ("top-512 layer rows, one tile (short rows on half of it)", top512(4096, True, whole_row=4096)),
             ("top-512 layer rows, one tile for all", top512(4096, True, whole_row=4096, whole_half=False)),

@@ -151,15 +151,16 @@ def case_indexer(bw, mm):
 TOPK_CFGS = [{},
              # the group maxima's pass as a [groups, 16] tile (a group reduced in one warp's registers and shuffles;
              # the 1-D tile reshaped before run 42b went through shared memory, source-level Nsight 42a: 47% of the
-             # stall samples in that pass at 2,048 entries a step, two barriers each) at wider steps
-             dict(max_block=4096), dict(max_block=8192), dict(max_block=16384), dict(max_block=8192, maxnreg=80),
-             dict(max_block=8192, groups=8192), dict(max_block=8192, block=4096),
+             # stall samples in that pass at 2,048 entries a step, two barriers each) at its own width (run 42b, H100,
+             # us: 2,048 763.0 -- the 1-D tile's 765.0 in 42a --, 4,096 708.3, 8,192 689.8, 16,384 683.3; 8,192 under 80
+             # registers 621.5, the default since; 8,192 groups 1,901.0, block 4,096 985.4) and the register cap
+             dict(max_block=2048, maxnreg=64), dict(max_block=16384), dict(max_block=16384, maxnreg=96),
+             dict(maxnreg=72), dict(maxnreg=96), dict(maxnreg=88), dict(max_block=4096),
              # around the default (run 42a, H100, before the 2-D pass; us): uncapped 1,399.9, 56 registers 828.0, 48
              # 967.3, 16 warps 916.0, 4 warps 1,564.3, block 4,096 953.4, 1,024 groups 1,129.2, 8-bit digits
              # 1,274.8, 6-bit 868.4, bound_steps 3 / 4 782.9 / 772.9, 2,048 groups 795.4, no half tile 808.3 -- the
              # default 765.0
-             dict(maxnreg=80), dict(cap=1024), dict(bound_steps=4), dict(num_warps=16), dict(groups=2048),
-             dict(groups=8192)]
+             dict(cap=1024), dict(bound_steps=4), dict(groups=2048), dict(num_warps=16, maxnreg=64)]
 # a release prefill's own rows (the indexer's 4K queries, causal): the whole row one register tile, short rows on a
 # tile half as wide (what the engine asks for, knob topk_whole_row: run 41e's 193.2 / 95.3 us against 385.6 / 250.8
 # at run 40's defaults, the second config here)
