@@ -153,9 +153,9 @@ TOPK_CFGS = [{},
              # the 1-D tile reshaped before run 42b went through shared memory, source-level Nsight 42a: 47% of the
              # stall samples in that pass at 2,048 entries a step, two barriers each) at its own width (run 42b, H100,
              # us: 2,048 763.0 -- the 1-D tile's 765.0 in 42a --, 4,096 708.3, 8,192 689.8, 16,384 683.3; 8,192 under 80
-             # registers 621.5, the default since; 8,192 groups 1,901.0, block 4,096 985.4) and the register cap
-             dict(max_block=2048, maxnreg=64), dict(max_block=16384), dict(max_block=16384, maxnreg=96),
-             dict(maxnreg=72), dict(maxnreg=96), dict(maxnreg=88), dict(max_block=4096),
+             # registers 621.5; 8,192 groups 1,901.0, block 4,096 985.4) and the register cap (run 42c: 16,384 under 80 registers
+             # 608.6, the default since; 8,192 621.8; 16,384 under 96 689.6; 8,192 under 72 / 88 / 96 664.5 / 737.5 / 731.4)
+             dict(max_block=2048, maxnreg=64), dict(max_block=8192), dict(max_block=32768), dict(max_block=4096),
              # around the default (run 42a, H100, before the 2-D pass; us): uncapped 1,399.9, 56 registers 828.0, 48
              # 967.3, 16 warps 916.0, 4 warps 1,564.3, block 4,096 953.4, 1,024 groups 1,129.2, 8-bit digits
              # 1,274.8, 6-bit 868.4, bound_steps 3 / 4 782.9 / 772.9, 2,048 groups 795.4, no half tile 808.3 -- the

@@ -453,11 +453,12 @@ def group_size(n: int, groups: int = 2048) -> int:
 # 41e; loading the candidates' entries a chunk ahead: 818.0 at 2,048 groups, 750.8 at 4,096, 757.0 in 41g against
 # 773.6, within its noise: dropped). whole_half: whole rows of at most half the tile's width on a tile half as wide
 # (41e, the layer's causal rows over 4,096 / 2,048 entries: 193.2 / 95.3 us against 236.0 / 110.2)
-# max_block: the group maxima's pass 8,192 entries a step (4 barriers a row where 2,048 took 32), under an 80-register
-# cap (3 rows an SM, no spill in that pass): 4K x 64K 621.5 us against 763.0 at 2,048 and 64 registers (H100 run 42b)
+# max_block: the group maxima's pass 16,384 entries a step (2 barriers a row where 2,048 took 32), under an 80-register
+# cap (3 rows an SM; 84 B of spills against 396): 4K x 64K 608.6 us against 765.5 at 2,048 and 64 registers, 621.8 at
+# 8,192 (H100 run 42c; 42b: 8,192 621.5 against 763.0)
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 4096, "num_warps": 8, "select": "hist", "maxnreg": 80,
                       "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
-                      "half_tile": True, "whole_half": True, "max_block": 8192}
+                      "half_tile": True, "whole_half": True, "max_block": 16384}
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
