@@ -78,6 +78,7 @@ for step in "$@"; do
       ncu -i "$R/ncu-$name.ncu-rep" --page source --csv --print-source sass,cuda > "$R/ncu-$name-source.csv" 2>> "$R/ncu-source.log" \
         || ncu -i "$R/ncu-$name.ncu-rep" --page source --csv > "$R/ncu-$name-source.csv" 2>> "$R/ncu-source.log"
       ncu -i "$R/ncu-$name.ncu-rep" --page details > "$R/ncu-$name-details.txt" 2>> "$R/ncu-source.log"
+      python3 benches/ncu_source.py "$R/ncu-$name-source.csv" --out "$R/ncu-$name-source.md" >> "$R/ncu-source.log" 2>&1
       xz -k -6 "$R/ncu-$name-source.csv"; cp "$R/ncu-$name-source.csv.xz" "$OUT/" 2>/dev/null
       cp "$R/ncu-source.log" "$R/ncu-source.md" ;;
     gputests) # the GPU-only tests, each file in a pytest process of its own (the interpreter tests set
