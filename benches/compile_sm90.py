@@ -299,10 +299,6 @@ def cases():
              experts(256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
                      hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=(80, 96, 128),
                      split_n=64, split_maxnreg=0, ws="rs")),
-            ("MoE prefill, register operand, 64 / 80 / 96 / 128-pair blocks, an mbarrier a kind of copy (Gluon)",
-             experts(256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
-                     hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=(80, 96, 128),
-                     split_n=64, split_maxnreg=0, ws="rs", ws_split_bars=True)),
             ("MoE prefill, FP4 decoded into the wgmma's register operand, 128-wide stages (Gluon)", experts(
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
                 hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=128, split_n=64,

@@ -62,10 +62,7 @@ def case_moe_prefill(bw, mm, forms=None):
         # against the split tiles' 5,959.1), then with x ordered by its round trip (knob moe_rs_round_trip), then
         # stored by it a row a pair in expert order, no gather after it (knob moe_rs_scatter; untimed)
         forms = forms + [rs, dict(rs, split_m=(80, 96, 128)), dict(rs, split_m=(80, 96, 128), rs_round_trip=True),
-                         dict(rs, split_m=(80, 96, 128), rs_round_trip="scatter"),
-                         dict(rs, split_m=(80, 96, 128), rs_round_trip=True, ws_split_bars=True),
-                         dict(rs, split_m=(80, 96, 128), rs_round_trip=True, ws_split_bars=True, ws_stages=5),
-                         dict(rs, ws_stages=3),
+                         dict(rs, split_m=(80, 96, 128), rs_round_trip="scatter"), dict(rs, ws_stages=3),
                          dict(rs, ws_block_k=128, ws_stages=2), dict(rs, split_m=None), dict(rs, group_m=8)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,

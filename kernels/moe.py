@@ -305,14 +305,13 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
     register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`, block_k its stage_k; x_rs: xp
     is in its MMA order already, "scatter": a row a pair in expert order too)."""
     from kernels import moe_ws
-    split_bars = form.pop("split_bars", False)  # the register-operand form's alone
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
     flat = [w.view(-1, w.shape[-1]) for w in (w1, w3, w2)]
     if which == "rs":  # both GEMMs in the register-operand form: act and h in its MMA order along K
         from kernels import moe_rs
         rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
-        rs_form.update(stage_k=form.get("block_k", 64), split_bars=split_bars)
+        rs_form["stage_k"] = form.get("block_k", 64)
         if x_rs == "scatter":  # a row a pair in expert order already
             x_sorted = xp
         else:
@@ -373,7 +372,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
                    ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
                    ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96,
-                   ws_persistent: int = 0, rs_round_trip: bool | str = False, ws_split_bars: bool = False):
+                   ws_persistent: int = 0, rs_round_trip: bool | str = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -415,7 +414,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when not given, made once a scale tensor and kept
     while it lives: moe_ws.cached_transposed_scales). ws="rs": both GEMMs in the register-operand Gluon form
     (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply,
-    ws_block_k is the K of a ring stage, 64 or 128; ws_split_bars: an mbarrier a kind of copy); rs_round_trip: x's E4M3 round trip stores it in that form's MMA
+    ws_block_k is the K of a ring stage, 64 or 128); rs_round_trip: x's E4M3 round trip stores it in that form's MMA
     order itself (quant.fp8_roundtrip_triton rs=True) instead of a permuting copy after it (where x is already on
     the grid there is no round trip, and the copy stays); "scatter": each row stored straight at its pairs' rows in
     expert order too (to_rows), in place of the gather into that order after it."""
@@ -515,7 +514,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         _grouped_ws(xp, w1, w3, w2, w1_scale, w3_scale, w2_scale, scales_t, order, tiles, tw, h, out, swiglu_limit, k,
                     which, hidden == "reference", group_m=group_m, stages=ws_stages, block_k=ws_block_k,
                     decoders=ws_decoders, maxnreg=ws_maxnreg, decode_regs=ws_decode_regs, persistent=ws_persistent,
-                    x_rs=rs_x, split_bars=ws_split_bars)
+                    x_rs=rs_x)
     for (bexp, bbeg, bend), bm, _, bn, _, cap in (tiles if which in (None, "gate_up") else []):
         nbm = bexp.numel()
         _moe_down_kernel[(nbm * triton.cdiv(dim, bn),)](

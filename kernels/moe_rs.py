@@ -99,63 +99,42 @@ if moe_ws.HAVE_GLUON:
         return gl.convert_layout(y, gl.DotOperandLayout(0, _acc_layout(BM), 2), assert_trivial=True)
 
     @gluon.jit
-    def _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, bars, i, r0, wrow, srow,
-               nb, BX: gl.constexpr, SPLIT: gl.constexpr):
+    def _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, i, r0, wrow, srow,
+               nb, BX: gl.constexpr):
         """TMA copies of stage i (H 64-wide K steps): the activation rows of each step (BM, then BX more), then each
-        weight's words and E8M0 bytes. bars: the ring's mbarriers, one allocation (SPLIT False: every copy completes
-        it) or one a kind of copy (a, x, w0, s0, w1, s1): triton 3.6's barrier analysis takes each copy for a write
-        of its mbarrier, so copies sharing one were each put behind a CTA barrier (7 a stage, Nsight 42d)."""
-        STAGES: gl.constexpr = bars[0].shape[0]
+        weight's words and E8M0 bytes."""
+        STAGES: gl.constexpr = ready.shape[0]
         H: gl.constexpr = abuf.shape[0] // STAGES
         NW: gl.constexpr = wraw.shape[0] // STAGES
         BM: gl.constexpr = abuf.shape[1]
         BN: gl.constexpr = wraw.shape[1]
         s = i % STAGES
         xbytes: gl.constexpr = x_desc.block_type.nbytes if BX > 0 else 0
-        if SPLIT:  # every expect before any copy: the copies then meet no pending write of their own barrier
-            mbarrier.expect(bars[0].index(s), H * a_desc.block_type.nbytes)
-            if BX > 0:
-                mbarrier.expect(bars[1].index(s), H * xbytes)
-            for j in gl.static_range(NW):
-                mbarrier.expect(bars[2 + 2 * j].index(s), wa_desc.block_type.nbytes)
-                mbarrier.expect(bars[3 + 2 * j].index(s), sa_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(bars[0].index(s), H * (a_desc.block_type.nbytes + xbytes)
-                            + NW * (wa_desc.block_type.nbytes + sa_desc.block_type.nbytes))
+        mbarrier.expect(ready.index(s), H * (a_desc.block_type.nbytes + xbytes)
+                        + NW * (wa_desc.block_type.nbytes + sa_desc.block_type.nbytes))
         for h in gl.static_range(H):
-            tma.async_copy_global_to_shared(a_desc, [r0, (i * H + h) * 64], bars[0].index(s), abuf.index(s * H + h))
+            tma.async_copy_global_to_shared(a_desc, [r0, (i * H + h) * 64], ready.index(s), abuf.index(s * H + h))
             if BX > 0:
-                tma.async_copy_global_to_shared(x_desc, [r0 + BM, (i * H + h) * 64], bars[1].index(s),
+                tma.async_copy_global_to_shared(x_desc, [r0 + BM, (i * H + h) * 64], ready.index(s),
                                                 xbuf.index(s * H + h))
         for j in gl.static_range(NW):
             if j == 0:
                 w_desc, s_desc = wa_desc, sa_desc
             else:
                 w_desc, s_desc = wb_desc, sb_desc
-            tma.async_copy_global_to_shared(w_desc, [wrow, i * 8 * H], bars[2 + 2 * j].index(s),
-                                            wraw.index(j * STAGES + s))
-            tma.async_copy_global_to_shared(s_desc, [srow + i * 2 * H, nb * BN], bars[3 + 2 * j].index(s),
+            tma.async_copy_global_to_shared(w_desc, [wrow, i * 8 * H], ready.index(s), wraw.index(j * STAGES + s))
+            tma.async_copy_global_to_shared(s_desc, [srow + i * 2 * H, nb * BN], ready.index(s),
                                             sraw.index(j * STAGES + s))
 
     @gluon.jit
-    def _wait_stage(bars, s, phase, BX: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr):
-        """Wait for stage s's copies: on its one barrier, or on each kind's (SPLIT)."""
-        mbarrier.wait(bars[0].index(s), phase)
-        if SPLIT:
-            if BX > 0:
-                mbarrier.wait(bars[1].index(s), phase)
-            for j in gl.static_range(2, 2 + 2 * NW):
-                mbarrier.wait(bars[j].index(s), phase)
-
-    @gluon.jit
-    def _stage(ring, words, i, accs, KSTAGES: gl.constexpr, BM: gl.constexpr, BX: gl.constexpr, SPLIT: gl.constexpr):
+    def _stage(ring, words, i, accs, KSTAGES: gl.constexpr, BM: gl.constexpr, BX: gl.constexpr):
         """Stage i: wait for its copies; for each of its 64-wide K steps, decode each weight's tile into A registers
         and start its MMAs (over the BM rows, then the BX more), then wait until only these are in flight (the last
         step's done, this one's under the next decode). Once the last stage's MMAs are all done, copy stage
         i + STAGES - 1 into its place. accs: (a, b, a over the BX rows, b over them)."""
-        a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, bars, r0, wrow, srow, nb = ring
+        a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, r0, wrow, srow, nb = ring
         acc_a, acc_b, acc_ax, acc_bx = accs
-        STAGES: gl.constexpr = bars[0].shape[0]
+        STAGES: gl.constexpr = ready.shape[0]
         H: gl.constexpr = abuf.shape[0] // STAGES
         NW: gl.constexpr = wraw.shape[0] // STAGES
         BN: gl.constexpr = wraw.shape[1]
@@ -163,7 +142,7 @@ if moe_ws.HAVE_GLUON:
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         sbytes = sraw._reinterpret(gl.uint8, [sraw.shape[0], 2 * H, BN], moe_ws.PLAIN2)  # row-major, as copied
         s = i % STAGES
-        _wait_stage(bars, s, (i // STAGES) & 1, BX, NW, SPLIT)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         for h in gl.static_range(H):
             at = abuf.index(s * H + h).permute((1, 0))  # [64, BM], K-major
             wa = words.index(s).slice(2 * h, 2, dim=1).load(words_layout)
@@ -184,8 +163,8 @@ if moe_ws.HAVE_GLUON:
                                                               deps=(acc_a, acc_b, acc_ax, acc_bx))
             if h == 0:
                 if i + STAGES - 1 < KSTAGES:
-                    _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, bars,
-                           i + STAGES - 1, r0, wrow, srow, nb, BX, SPLIT)
+                    _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready,
+                           i + STAGES - 1, r0, wrow, srow, nb, BX)
         return acc_a, acc_b, acc_ax, acc_bx
 
     @gluon.jit
@@ -221,7 +200,7 @@ if moe_ws.HAVE_GLUON:
     def _moe_rs_kernel(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr,
                        out_ptr, tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr,
                        NW: gl.constexpr, BM: gl.constexpr, BX: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, H: gl.constexpr, RB: gl.constexpr, SPLIT: gl.constexpr = False):
+                       STAGES: gl.constexpr, H: gl.constexpr, RB: gl.constexpr):
         """One (token block, BN weight rows) tile of a grouped FP4 GEMM over K, in stages of H 64-wide K steps: NW = 2,
         gate/up (out: h, stored in RS_ORDER along I); NW = 1, down (out: the [T, dim] float32 sums, each expert's
         output added). A token block of BM + BX rows (BX 0, or 16 / 32 more in MMAs of their own: blocks of 80 or 96
@@ -233,17 +212,8 @@ if moe_ws.HAVE_GLUON:
         wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, 8 * H], wa_desc.layout)
         sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 2 * H, BN], sa_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        if SPLIT:  # a barrier allocation a kind of copy (x and the second weight's unused where BX = 0 / NW = 1)
-            bars = (ready, gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()),
-                    gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()),
-                    gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()),
-                    gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()),
-                    gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()))
-        else:
-            bars = (ready, ready, ready, ready, ready, ready)
-        for b in gl.static_range(6 if SPLIT else 1):
-            for j in gl.static_range(STAGES):
-                mbarrier.init(bars[b].index(j), count=1)
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
         words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2 * H, 4], moe_ws.PLAIN3)  # row-major, as copied
         e, nb, r0, r1 = moe_ws._tile(gl.program_id(0), (bexp_ptr, bbeg_ptr, bend_ptr, NBM, N // BN, GROUP_M))
         if e >= 0:
@@ -251,14 +221,14 @@ if moe_ws.HAVE_GLUON:
             srow = e * (K // 32)
             for i in gl.static_range(STAGES - 1):
                 if i < KSTAGES:
-                    _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, bars, i, r0,
-                           wrow, srow, nb, BX, SPLIT)
+                    _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, i, r0,
+                           wrow, srow, nb, BX)
             acc_a = gl.zeros([BN, BM], gl.float32, _acc_layout(BM))
             acc_b = gl.zeros([BN, BM], gl.float32, _acc_layout(BM))
             # the BX rows' sums (BX = 0: never written, so the compiler drops them)
             acc_ax = gl.zeros([BN, XR], gl.float32, _acc_layout(XR))
             acc_bx = gl.zeros([BN, XR], gl.float32, _acc_layout(XR))
-            ring = (a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, bars, r0, wrow, srow,
+            ring = (a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, r0, wrow, srow,
                     nb)
             # two K steps an iteration, each with its own A registers: a step's are written again only after the
             # wait that completes its MMAs (PTX forbids writing a wgmma's A registers while it is in flight)
@@ -266,7 +236,7 @@ if moe_ws.HAVE_GLUON:
             for i in range(0, KSTAGES, UNROLL):
                 for u in gl.static_range(UNROLL):
                     acc_a, acc_b, acc_ax, acc_bx = _stage(ring, words, i + u, (acc_a, acc_b, acc_ax, acc_bx), KSTAGES,
-                                                          BM, BX, SPLIT)
+                                                          BM, BX)
             acc_a, acc_b, acc_ax, acc_bx = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b, acc_ax, acc_bx))
             _epilogue(acc_a, acc_b, r0, r1, nb, order_ptr, out_ptr, tw_ptr, limit, N, TOPK, NW, RB)
             if BX > 0:
@@ -285,7 +255,7 @@ def token_tile(block_m: int) -> tuple[int, int]:
 
 def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
                block_n: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
-               maxnreg: int | None = None, stage_k: int = 64, split_bars: bool = False):
+               maxnreg: int | None = None, stage_k: int = 64):
     """One grouped FP4 GEMM of the MoE in the register-operand form: as moe_ws.grouped_ws (the same arguments,
     64-wide K steps), but act [P, K] in the MMA's order along K (`rs_columns` of the NIB order), and the gate/up's
     h stored in that order along I (the down GEMM's act). block_m: 64, 80, 96 or 128 pairs a token block
@@ -312,8 +282,7 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     _moe_rs_kernel[(nbm * (n_rows // block_n),)](
         a_desc, x_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
         tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=bm, BX=bx,
-        BN=block_n, GROUP_M=group_m, STAGES=stages, H=halves, RB=bf16_acts, SPLIT=bool(split_bars), num_warps=4,
-        **register_cap(maxnreg))
+        BN=block_n, GROUP_M=group_m, STAGES=stages, H=halves, RB=bf16_acts, num_warps=4, **register_cap(maxnreg))
     return out
 
 

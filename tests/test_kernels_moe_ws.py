@@ -120,19 +120,16 @@ if ws.get("rs_round_trip"):  # the order made by the round trip, not by a copy: 
                                   dict(ws="rs", split_m=[80, 96, 128], spread=True), dict(ws="rs", spread=True),
                                   dict(ws="rs", split_m=[80, 96, 128], rs_round_trip=True),
                                   dict(ws="rs", split_m=[80, 96, 128], rs_round_trip="scatter"),
-                                  dict(ws="rs", split_m=[80, 96, 128], spread=True, ws_split_bars=True),
-                                  dict(ws="rs", ws_block_k=128, ws_stages=2, ws_split_bars=True),
                                   dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
                          ids=["rs", "rs_3_stages_64_token_tiles", "rs_128_wide_stages", "rs_80_96_128",
-                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "rs_scatter", "rs_split_bars",
-                              "rs_split_bars_128_wide", "both", "gate_up",
+                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "rs_scatter", "both", "gate_up",
                               "two_decoders_persistent", "down_k128"])
 def test_ws_form_on_the_gpu(form):
     """The whole MoE in a Gluon form against the Triton form and the float64 reference: the register-operand form
     (kernels/moe_rs.py; with the split tiles, with 64-token tiles alone at three stages, with 128-wide stages, in token
     blocks of 64 / 80 / 96 / 128 pairs, also over counts at every block size's edges, with its input ordered by the
-    round trip, and stored a row a pair in expert order by it, with an mbarrier a kind of copy), then the
+    round trip, and stored a row a pair in expert order by it), then the
     warp-specialized one: both GEMMs, the gate/up alone, two decoders looping over tiles, the down alone at 128-wide
     K (a fresh process: another module's import may have set the interpreter)."""
     import json
