@@ -59,10 +59,9 @@ def case_moe_prefill(bw, mm, forms=None):
         # 6 stages 7,105, the warp-specialized form (ws=True, two decoders, a program a tile or persistent)
         # 9,038-10,345: those two dropped here
         # token blocks of 64 / 80 / 96 / 128 pairs (moe_align_classes; knob moe_tile_classes; run 40a: 5,646.5 us
-        # against the split tiles' 5,959.1), then with x ordered by its round trip (knob moe_rs_round_trip), then
-        # stored by it a row a pair in expert order, no gather after it (knob moe_rs_scatter; untimed)
+        # against the split tiles' 5,959.1), then with x ordered by its round trip (knob moe_rs_round_trip)
         forms = forms + [rs, dict(rs, split_m=(80, 96, 128)), dict(rs, split_m=(80, 96, 128), rs_round_trip=True),
-                         dict(rs, split_m=(80, 96, 128), rs_round_trip="scatter"), dict(rs, ws_stages=3),
+                         dict(rs, ws_stages=3),
                          dict(rs, ws_block_k=128, ws_stages=2), dict(rs, split_m=None), dict(rs, group_m=8)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,

@@ -303,7 +303,7 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
     """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
     (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders), or ("rs") both in the
     register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`, block_k its stage_k; x_rs: xp
-    is in its MMA order already, "scatter": a row a pair in expert order too)."""
+    is in its MMA order already)."""
     from kernels import moe_ws
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
@@ -312,10 +312,7 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
         from kernels import moe_rs
         rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
         rs_form["stage_k"] = form.get("block_k", 64)
-        if x_rs == "scatter":  # a row a pair in expert order already
-            x_sorted = xp
-        else:
-            x_sorted = (xp if x_rs else moe_rs.rs_columns(xp)).index_select(0, order.long() // k)
+        x_sorted = (xp if x_rs else moe_rs.rs_columns(xp)).index_select(0, order.long() // k)
         for blocks, bm, bn, *_ in tiles:
             moe_rs.grouped_rs(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
                               block_n=bn, bf16_acts=bf16_acts, **rs_form)
@@ -332,13 +329,6 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
         for blocks, bm, _, bn, *_ in tiles:
             moe_ws.grouped_ws(h, flat[2:], scales_t[2:], order, blocks, out, bm, topk=k, block_n=bn,
                               bf16_acts=bf16_acts, **form)
-
-
-def pair_slots(order: torch.Tensor, t: int, k: int) -> torch.Tensor:
-    """Each pair's row in expert order, [t, k] int32: the inverse of `order` (moe_align's pair ids by expert), so
-    that storing token i's row at slots[i] gives what gathering rows order // k gives."""
-    return torch.empty_like(order).scatter_(0, order.long(), torch.arange(t * k, dtype=order.dtype,
-                                                                           device=order.device)).view(t, k)
 
 
 def _ws_form(ws, possible: bool) -> str | None:
@@ -372,7 +362,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
                    ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
                    ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96,
-                   ws_persistent: int = 0, rs_round_trip: bool | str = False):
+                   ws_persistent: int = 0, rs_round_trip: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -416,8 +406,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply,
     ws_block_k is the K of a ring stage, 64 or 128); rs_round_trip: x's E4M3 round trip stores it in that form's MMA
     order itself (quant.fp8_roundtrip_triton rs=True) instead of a permuting copy after it (where x is already on
-    the grid there is no round trip, and the copy stays); "scatter": each row stored straight at its pairs' rows in
-    expert order too (to_rows), in place of the gather into that order after it."""
+    the grid there is no round trip, and the copy stays)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -429,8 +418,6 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     # x on the E4M3-per-32 grid, as the reference's GEMM sees it (the FP8 form quantizes x itself); the grouped
     # GEMM's round trip stores in the decoders' nibble order below (and the rs form's MMA order), at no extra pass
     round_x = fp8_hidden and not fp8_mma and not x_on_grid
-    if rs_round_trip not in (False, True, "scatter"):
-        raise ValueError(f"rs_round_trip must be False, True or 'scatter', got {rs_round_trip!r}")
     if rs_round_trip and which != "rs":
         raise ValueError("rs_round_trip: x stored in the register-operand form's order, for that form (ws='rs') alone")
     if dim % 32 or inter % 32:
@@ -493,11 +480,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     out = torch.zeros(t, dim, dtype=torch.float32, device=x.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16 if dt == tl.bfloat16 else torch.float32, device=x.device)
     sc = bool(scaled) and dt == tl.bfloat16  # the interpreter has no dot_scaled
-    rs_x = rs_round_trip if round_x else False  # x leaves its round trip in the rs form's order (never scaled)
-    if rs_x == "scatter":  # ... and a row a pair, in expert order
-        xp = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=True, rs=True, to_rows=pair_slots(order, t, k))
-    elif round_x:
-        xp = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=not sc, rs=bool(rs_x))
+    rs_x = rs_round_trip and round_x  # x leaves its round trip in the rs form's order (which is never scaled)
+    if round_x:
+        xp = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=not sc, rs=rs_x)
     else:
         xp = x.contiguous() if sc else nib_order(x.contiguous())
     if sc:  # raw FP4 bytes for dot_scaled instead of int32 words

@@ -94,8 +94,8 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, BLOCK: tl.constexpr, BG: tl
 
 
 @triton.jit
-def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, rows_ptr, groups_a_row, BLOCK: tl.constexpr, BG: tl.constexpr,
-                          NIB: tl.constexpr, RS: tl.constexpr, COPIES: tl.constexpr = 0):
+def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, BLOCK: tl.constexpr, BG: tl.constexpr, NIB: tl.constexpr,
+                          RS: tl.constexpr):
     v, scale, offs, g, gmask = fp8_groups(x_ptr, BLOCK, BG, n_groups)
     y = e4m3_rounded(v) * scale[:, None]  # the codes' values, no byte
     if NIB:  # the FP4 decoders' order (fp4_tiles.nib_order): each 8-group's halves interleaved, in registers (the
@@ -106,14 +106,7 @@ def _fp8_roundtrip_kernel(x_ptr, y_ptr, n_groups, rows_ptr, groups_a_row, BLOCK:
         # even group): stored column bits s5 (the group's parity) .. s0 -> MMA position bits s3 s2 s1 s5 s4 s0
         y = tl.reshape(y, (BG // 2, 2, 2, 2, 2, 2, 2))
         y = tl.reshape(tl.permute(y, (0, 3, 4, 5, 1, 2, 6)), (BG, BLOCK))
-    if COPIES == 0:
-        tl.store(y_ptr + offs, y, mask=gmask[:, None])
-    else:  # each row stored at COPIES rows of the output (rows_ptr [rows, COPIES]; -1: not stored)
-        row = g // groups_a_row
-        col = (g - row * groups_a_row).to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-        for c in tl.static_range(COPIES):
-            dst = tl.load(rows_ptr + row * COPIES + c, mask=gmask, other=-1).to(tl.int64)
-            tl.store(y_ptr + dst[:, None] * (groups_a_row * BLOCK) + col, y, mask=(gmask & (dst >= 0))[:, None])
+    tl.store(y_ptr + offs, y, mask=gmask[:, None])
 
 
 def quantize_fp4_triton(x: torch.Tensor, block: int, scale_kind: str = "e8m0", values: bool = False):
@@ -152,40 +145,30 @@ def quantize_fp8_triton(x: torch.Tensor, block: int = 32):
 
 
 def fp8_roundtrip_reference(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
-                            nib: bool = False, rs: bool = False, to_rows: torch.Tensor | None = None) -> torch.Tensor:
+                            nib: bool = False, rs: bool = False) -> torch.Tensor:
     """engine.quant.fp8_roundtrip: x as an E4M3 store (E8M0 per `block`) and load leave it, float32
     (bf16_out: bf16, the same values; nib: the last dimension in the FP4 decoders' order, fp4_tiles.nib_order;
-    rs: then in the register-operand experts' MMA order, moe_rs.rs_columns; to_rows int [rows, c]: each row of a
-    2-D x stored at those rows of a [rows * c, dim] output, -1 none; rows no one stores are zero here)."""
+    rs: then in the register-operand experts' MMA order, moe_rs.rs_columns)."""
     y = Q.fp8_roundtrip(x, block)
     y = y.bfloat16() if bf16_out else y
-    if nib:
-        rows = nib_order(y.reshape(-1, y.shape[-1]))
-        if rs:
-            from kernels.moe_rs import rs_columns  # (moe_rs imports the Gluon forms where they exist)
-            rows = rs_columns(rows)
-        y = rows.view(y.shape)
-    if to_rows is None:
+    if not nib:
         return y
-    out = y.new_zeros(to_rows.numel(), y.shape[-1])
-    dst = to_rows.reshape(-1).long()
-    src = torch.arange(y.shape[0], device=y.device).repeat_interleave(to_rows.shape[1])
-    stored = dst >= 0
-    out[dst[stored]] = y[src[stored]]
-    return out
+    rows = nib_order(y.reshape(-1, y.shape[-1]))
+    if rs:
+        from kernels.moe_rs import rs_columns  # (moe_rs imports the Gluon forms where they exist)
+        rows = rs_columns(rows)
+    return rows.view(y.shape)
 
 
 def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = False,
-                         nib: bool = False, rs: bool = False, to_rows: torch.Tensor | None = None) -> torch.Tensor:
+                         nib: bool = False, rs: bool = False) -> torch.Tensor:
     """The quantizer's codes and scales turned back into values in the same launch (the engine's form takes
     ~20 launches): dequantize_fp8(*quantize_fp8(x)) bit for bit, so the engine's fp8_roundtrip too. bf16_out:
     stored bf16, the same values (an E4M3 value times a power of two within float32's range is a bf16). nib:
     stored in the FP4 decoders' order inside each 8-group (fp4_tiles.nib_order), for the MoE's grouped GEMM:
     the permutation made in registers before the store, where a separate nib_order was a 58 us copy of a 4K
     prefill's expert input (H100 run 31f). rs (with nib): then in the register-operand experts' MMA order inside
-    each 64 columns (moe_rs.rs_columns of the nib output), in the same launch instead of a copy after it.
-    to_rows int32 [rows, c] (x 2-D): each row stored at those c rows of a [rows * c, dim] output (-1: none; rows no
-    one stores are left unwritten) -- the routed experts' input in expert order, a row a pair, without a gather."""
+    each 64 columns (moe_rs.rs_columns of the nib output), in the same launch instead of a copy after it."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"last dimension {k} is not a multiple of the FP8 group {block}")
@@ -194,17 +177,10 @@ def fp8_roundtrip_triton(x: torch.Tensor, block: int = 32, bf16_out: bool = Fals
     if rs and not (nib and block == 32 and k % 64 == 0):
         raise ValueError(f"the MMA order permutes the nibble order inside 64 columns: it needs nib, FP8 groups of "
                          f"32 (got {block}) and a last dimension of whole 64s (got {k})")
-    if to_rows is not None and (x.dim() != 2 or to_rows.dim() != 2 or to_rows.shape[0] != x.shape[0]):
-        raise ValueError(f"to_rows must be [rows, copies] for a 2-D x, got {tuple(to_rows.shape)} for "
-                         f"{tuple(x.shape)}")
     xc = x.contiguous()  # widened as the kernel loads it
-    shape = xc.shape if to_rows is None else (to_rows.numel(), k)
-    y = torch.empty(shape, dtype=torch.bfloat16 if bf16_out else torch.float32, device=xc.device)
+    y = torch.empty(xc.shape, dtype=torch.bfloat16 if bf16_out else torch.float32, device=xc.device)
     n_groups = xc.numel() // block
-    rows = y if to_rows is None else to_rows.to(torch.int32).contiguous()
     if n_groups:
         bg = 64
-        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, rows, k // block, BLOCK=block, BG=bg,
-                                                            NIB=nib, RS=rs,
-                                                            COPIES=0 if to_rows is None else to_rows.shape[1])
+        _fp8_roundtrip_kernel[(triton.cdiv(n_groups, bg),)](xc, y, n_groups, BLOCK=block, BG=bg, NIB=nib, RS=rs)
     return y

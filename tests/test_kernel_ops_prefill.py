@@ -400,8 +400,7 @@ def test_float32_gemms_of_bf16_operands_take_one_pass(tmp_path, monkeypatch):
 def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path, monkeypatch):
     """moe_rs and moe_ws: a prefill's folded experts take the Gluon form the knob names (moe_rs first) where
     moe_ws.runs_on says the device has one, moe_tile_classes its 64 / 80 / 96 / 128-pair token blocks and
-    moe_rs_round_trip its input's order made by the round trip (the register-operand form's alone), moe_rs_scatter
-    its rows stored there in expert order too; nowhere else,
+    moe_rs_round_trip its input's order made by the round trip (the register-operand form's alone); nowhere else,
     and no knob moves a pick."""
     import kernels.dispatch as dispatch
     import kernels.moe_ws as moe_ws
@@ -430,10 +429,6 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
                                     {"ws": "rs", "split_m": (80, 96, 128), "rs_round_trip": True}),
                                    (True, True, "moe_fold=1,moe_rs=0,moe_ws=1,moe_tile_classes=1,moe_rs_round_trip=1",
                                     {"ws": True, "ws_decoders": 2}),  # the rs form's order: rs alone
-                                   (True, True, "moe_fold=1,moe_rs=1,moe_rs_round_trip=1,moe_rs_scatter=1",
-                                    {"ws": "rs", "rs_round_trip": "scatter"}),  # a row a pair in expert order
-                                   (True, True, "moe_fold=1,moe_rs=1,moe_rs_round_trip=0,moe_rs_scatter=1",
-                                    {"ws": "rs"}),  # the scatter is the round trip's: nothing without it
                                    (False, True, "moe_fold=1,moe_rs=1,moe_ws=1", {}),
                                    (True, False, "moe_fold=1,moe_rs=1,moe_ws=1", {})):  # experts too narrow to tile
         monkeypatch.setattr(moe_ws, "runs_on", lambda device, _runs=runs: _runs)

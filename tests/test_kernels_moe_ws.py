@@ -48,26 +48,9 @@ def test_ws_forms_are_refused_by_name_and_where_they_cannot_run():
         moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws="both ways")
     with pytest.raises(ValueError, match="rs_round_trip: .* for that form"):  # its order is the rs form's
         moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, hidden="reference", rs_round_trip=True)
-    with pytest.raises(ValueError, match="rs_round_trip must be"):
-        moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, hidden="reference", rs_round_trip="gather")
     for form in (dict(), dict(hidden="reference", fp8_mma=True)):
         with pytest.raises(ValueError, match="engine's hidden state"):
             moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws=True, **form)
-
-
-def test_pair_slots_store_what_the_expert_order_gathers():
-    """moe.pair_slots: token i's row stored at slots[i] (the round trip's to_rows) gives the rows gathered by the
-    expert order (order // k), for a routing with an unused expert and an expert past one token block."""
-    from kernels import moe
-    g = torch.Generator().manual_seed(7)
-    t, k, e = 40, 6, 12
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
-    ids[ids == 3] = 0  # expert 3 unused, expert 0 crowded
-    order = moe.moe_align(ids, e, 16)[0]
-    x = torch.randn(t, 8, generator=g)
-    stored = torch.empty(t * k, 8)
-    stored[moe.pair_slots(order, t, k).long().flatten()] = x.repeat_interleave(k, 0)
-    assert torch.equal(stored, x.index_select(0, order.long() // k))
 
 
 _GPU_CHECK = """
@@ -119,17 +102,16 @@ if ws.get("rs_round_trip"):  # the order made by the round trip, not by a copy: 
                                   dict(ws="rs", ws_block_k=128, ws_stages=2), dict(ws="rs", split_m=[80, 96, 128]),
                                   dict(ws="rs", split_m=[80, 96, 128], spread=True), dict(ws="rs", spread=True),
                                   dict(ws="rs", split_m=[80, 96, 128], rs_round_trip=True),
-                                  dict(ws="rs", split_m=[80, 96, 128], rs_round_trip="scatter"),
                                   dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
                          ids=["rs", "rs_3_stages_64_token_tiles", "rs_128_wide_stages", "rs_80_96_128",
-                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "rs_scatter", "both", "gate_up",
+                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "both", "gate_up",
                               "two_decoders_persistent", "down_k128"])
 def test_ws_form_on_the_gpu(form):
     """The whole MoE in a Gluon form against the Triton form and the float64 reference: the register-operand form
     (kernels/moe_rs.py; with the split tiles, with 64-token tiles alone at three stages, with 128-wide stages, in token
     blocks of 64 / 80 / 96 / 128 pairs, also over counts at every block size's edges, with its input ordered by the
-    round trip, and stored a row a pair in expert order by it), then the
+    round trip), then the
     warp-specialized one: both GEMMs, the gate/up alone, two decoders looping over tiles, the down alone at 128-wide
     K (a fresh process: another module's import may have set the interpreter)."""
     import json

@@ -77,23 +77,6 @@ def test_fp8_quantizer_bit_exact(poisoned, gen):
         by_position = torch.stack([nib_rows[:, b + rs_position(m)] for b in range(0, 512, 64) for m in range(64)], 1)
         assert torch.equal(rs, by_position) and not torch.equal(rs, nib_rows)
         assert torch.equal(quant.fp8_roundtrip_reference(rows, 32, bf16_out=True, nib=True, rs=True), rs)
-    # stored straight at the rows a sorted pair order gives them (the routed experts' input in expert order, a row
-    # a pair: sorted slot s holds row order[s] // copies), as the rs rows gathered by that order; a -1 slot unstored
-    g = torch.Generator().manual_seed(11)
-    order = torch.randperm(rows.shape[0] * 3, generator=g)
-    slots = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view(-1, 3)
-    sorted_rows = quant.fp8_roundtrip_triton(rows, 32, bf16_out=True, nib=True, rs=True, to_rows=slots)
-    assert sorted_rows.shape == (order.numel(), 512) and torch.equal(sorted_rows, rs.index_select(0, order // 3))
-    assert torch.equal(quant.fp8_roundtrip_reference(rows, 32, bf16_out=True, nib=True, rs=True, to_rows=slots),
-                       sorted_rows)
-    skip = slots.clone()
-    skip[4, 1] = -1
-    partial = quant.fp8_roundtrip_triton(rows, 32, bf16_out=True, nib=True, rs=True, to_rows=skip)
-    kept = torch.ones(order.numel(), dtype=torch.bool)
-    kept[slots[4, 1]] = False
-    assert torch.equal(partial[kept], sorted_rows[kept])
-    with pytest.raises(ValueError, match="to_rows must be"):
-        quant.fp8_roundtrip_triton(rows, 32, bf16_out=True, to_rows=slots[:4])
     for bad in (dict(nib=False), dict(block=16)):
         with pytest.raises(ValueError, match="MMA order"):
             quant.fp8_roundtrip_triton(x, bad.get("block", 32), bf16_out=True, nib=bad.get("nib", True), rs=True)

@@ -127,10 +127,6 @@ class KernelKnobs:
     # 225, shared w1 181 / 311, wkv 87 / 136); the layer's prefill graph 15.99 / 18.19 ms against 16.80 / 18.99
     # (Reuse / Full m=1); every E4M3 byte exact on the GPU (run 26a)
     linear_cublas = True
-    # with moe_rs_round_trip: each row stored by the round trip straight at its pairs' rows in expert order
-    # (quant.fp8_roundtrip_triton to_rows: six rows written a token), in place of the gather into that order after it
-    # (vectorized_gather 133 us of every 4K prefill layer, H100 run 41c); the same values. Untimed, off
-    moe_rs_scatter = False
     # a prefill's indexer rows of at most TOPK_WHOLE_ROW entries (a 4K prompt's, at m=1 or 2) selected as one
     # register tile each (kernels/topk.py whole_row: one k-th key search over the row, no group maxima, no scratch)
     # instead of through group maxima and a candidate buffer; the same picks. H100 run 41b, the kernel bench's 4K
@@ -144,7 +140,7 @@ class KernelKnobs:
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
-             "moe_tile_classes", "moe_rs_round_trip", "moe_rs_scatter", "topk_whole_row")
+             "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row")
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

@@ -526,7 +526,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                             if self.moe_tile_classes:  # 64 / 80 / 96 / 128-pair token blocks
                                 form["split_m"] = (80, 96, 128)
                             if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
-                                form["rs_round_trip"] = "scatter" if self.moe_rs_scatter else True
+                                form["rs_round_trip"] = True
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
