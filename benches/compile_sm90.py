@@ -263,6 +263,10 @@ def cases():
                 4096, layout="wgmma", wgmma=dict(late_sum=True))),
             ("sparse attention prefill 4K, one pass on wgmma, copies staged a tile ahead (Gluon)", attention(
                 4096, layout="wgmma", wgmma=dict(staged=True))),
+            ("sparse attention prefill 4K, staged copies, the mask loaded early (Gluon)",
+             attention(4096, layout="wgmma", wgmma=dict(staged=True, early_mask=True))),
+            ("sparse attention prefill 4K, staged copies, 16-byte output stores (Gluon)",
+             attention(4096, layout="wgmma", wgmma=dict(staged=True, wide_store=True))),
             ("sparse attention prefill 4K, one pass on wgmma, S a tile ahead (Gluon)", attention(
                 4096, layout="wgmma", block_n=32, wgmma=dict(ahead=True))),
             ("sparse attention decode b64, window only", attention(64, selected=0)),

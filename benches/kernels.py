@@ -153,8 +153,9 @@ TOPK_CFGS = [{},
              # the 1-D tile reshaped before run 42b went through shared memory, source-level Nsight 42a: 47% of the
              # stall samples in that pass at 2,048 entries a step, two barriers each) at its own width (run 42b, H100,
              # us: 2,048 763.0 -- the 1-D tile's 765.0 in 42a --, 4,096 708.3, 8,192 689.8, 16,384 683.3; 8,192 under 80
-             # registers 621.5; 8,192 groups 1,901.0, block 4,096 985.4) and the register cap (run 42c: 16,384 under 80 registers
-             # 608.6, the default since; 8,192 621.8; 16,384 under 96 689.6; 8,192 under 72 / 88 / 96 664.5 / 737.5 / 731.4)
+             # registers 621.5; 8,192 groups 1,901.0, block 4,096 985.4) and the register cap (run 42c: 16,384 under
+             # 80 registers 608.6, the default since; 8,192 621.8; 16,384 under 96 689.6; 8,192 under 72 / 88 / 96
+             # 664.5 / 737.5 / 731.4)
              dict(max_block=2048, maxnreg=64), dict(max_block=8192), dict(max_block=32768), dict(max_block=4096),
              # around the default (run 42a, H100, before the 2-D pass; us): uncapped 1,399.9, 56 registers 828.0, 48
              # 967.3, 16 warps 916.0, 4 warps 1,564.3, block 4,096 953.4, 1,024 groups 1,129.2, 8-bit digits
@@ -251,12 +252,18 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
 # MMA's M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile),
 # BH 32 spills ~116 B (2 programs per token)
 ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
+             # the engine's prefill form first among the Gluon ones (Nsight's launch): each selected tile's raw bytes
+             # copied (cp.async) into shared memory a tile ahead (since run 40); then the softmax's mask loaded before
+             # each tile's fill and the output stored in 16-byte pieces (per-line Nsight 42d, untimed before run 43)
+             dict(layout="wgmma", wgmma=dict(staged=True)),
+             dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True)),
+             dict(layout="wgmma", wgmma=dict(staged=True, wide_store=True)),
+             dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True, wide_store=True)),
+             dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True)),
              # the one-pass Gluon form on wgmma (kernels/sparse_attn_wgmma.py; untimed before run 38), 64- and 32-entry
              # tiles
              dict(layout="wgmma"), dict(layout="wgmma", block_n=32),
              dict(layout="wgmma", block_n=32, wgmma=dict(ahead=True)), dict(layout="wgmma", wgmma=dict(late_sum=True)),
-             # each selected tile's raw bytes copied (cp.async) into shared memory a tile ahead (untimed before run 39)
-             dict(layout="wgmma", wgmma=dict(staged=True)), dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True)),
              dict(layout="entries", block_h=32, block_n=64, num_warps=8),
              dict(layout="two_pass", two_pass=dict(decode="bf16x2", maxnreg=128, block_v=64)),
              # candidates after run 24a: two tiles a scoring program; 128-entry tiles (the decode's winner)
