@@ -311,8 +311,8 @@ if moe_ws.HAVE_GLUON:
             l_i = gl.sum(l_i, axis=1)
         factor = gl.convert_layout(_sink_scale(sink_ptr, heads, m_i, l_i), gl.SliceLayout(1, o_layout))
         out = (o * gl.expand_dims(factor, 1)).to(gl.bfloat16)
-        if WIDE_STORE:  # through the query's buffer (its last reader, tile n_t's S, done in every warp past the
-            # barrier) into the query's load layout: 16-byte stores, where the MMA layout's are 4-byte pairs
+        if WIDE_STORE:  # through the query's buffer (its last readers, the S MMAs, waited on in every warp before
+            # the barrier) into the query's load layout: 16-byte stores, where the MMA layout's are 4-byte pairs
             _sync_warps()
             qs.store(out)
             _sync_warps()
