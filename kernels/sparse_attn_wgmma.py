@@ -313,11 +313,15 @@ if moe_ws.HAVE_GLUON:
         out = (o * gl.expand_dims(factor, 1)).to(gl.bfloat16)
         if WIDE_STORE:  # through the query's buffer (its last readers, the S MMAs, waited on in every warp before
             # the barrier) into the query's load layout: 16-byte stores, where the MMA layout's are 4-byte pairs
+            # (in a layout of its own: the query's offsets, reused here, were kept across the loop and spilled)
+            st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
             _sync_warps()
             qs.store(out)
             _sync_warps()
-            gl.store(out_ptr + (t * H + h0 + gl.expand_dims(qh, 1)) * D + gl.expand_dims(qd, 0),
-                     qs.load(q_layout).to(out_ptr.dtype.element_ty))
+            sh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
+            sd = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
+            gl.store(out_ptr + (t * H + gl.expand_dims(sh, 1)) * D + gl.expand_dims(sd, 0),
+                     qs.load(st_layout).to(out_ptr.dtype.element_ty))
         else:
             oh = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
             od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
