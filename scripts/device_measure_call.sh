@@ -10,7 +10,8 @@
 # knobs, PARITY_NAME names its files, parity-gpu by default), ced (prefill timing),
 # kernels (benches/kernels.py), release (benches/release_layer.py; RELEASE_ARGS="--graph --profile" adds
 # the CUDA-graph decode and profiled passes), profile (ncu on the slowest kernels; NCU_PAIRS="case:kernel ..."
-# picks them; source: the first pair's per-instruction profile; NCU_EXTRA adds ncu options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
+# picks them; source: the first pair's per-line profile, as benches/ncu_source.py's table; NCU_EXTRA adds ncu
+# options, e.g. NCU_PAIRS="attn_decode:_sparse_attn_t_kernel"
 # NCU_EXTRA="--nvtx --nvtx-include attn_decode_default/" for the decode default's launch).
 # KERNELS_ARGS="--only attn,moe" narrows the kernels step. parallel: benches/parallel.py's ranks sharing
 # the one GPU (--share-gpus, gloo; PARALLEL_ARGS, default 2 ranks, 4 layers, 4,096 tokens): the parallel

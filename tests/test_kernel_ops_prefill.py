@@ -444,4 +444,3 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
     first = next(iter(out.values()))
     for picks in out.values():
         _assert_same_picks(first, picks)
-

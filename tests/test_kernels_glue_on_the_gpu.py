@@ -223,8 +223,8 @@ for m, n, k in ((4096, 384, 5120), (300, 1024, 5120), (5, 50, 96)):
 def test_topk_rows_path_forms_on_the_gpu():
     """The top-k's rows path compiled, in each form a prefill takes: a 4K prompt's causal indexer rows as whole-row
     tiles (short rows on half a tile) and through group maxima, 5- and 8-bit digit searches, the bound from its top
-    digits, the half-buffer search, the group maxima's pass at 4,096 and 8,192 entries a step; rows with runs of exact ties (bf16-rounded scores). Every row against a stable
-    sort's picks (the earliest positions win a tie)."""
+    digits, the half-buffer search, the group maxima's pass at 4,096 and 8,192 entries a step; rows with runs of
+    exact ties (bf16-rounded scores). Every row against a stable sort's picks (the earliest positions win a tie)."""
     _run("""
 from kernels import topk
 for n, ratio in ((4096, 1), (2048, 2), (65536, 0)):
