@@ -60,9 +60,16 @@ def case_moe_prefill(bw, mm, forms=None):
         # 9,038-10,345: those two dropped here
         # token blocks of 64 / 80 / 96 / 128 pairs (moe_align_classes; knob moe_tile_classes; run 40a: 5,646.5 us
         # against the split tiles' 5,959.1), then with x ordered by its round trip (knob moe_rs_round_trip)
-        forms = forms + [rs, dict(rs, split_m=(80, 96, 128)), dict(rs, split_m=(80, 96, 128), rs_round_trip=True),
-                         dict(rs, ws_stages=3),
-                         dict(rs, ws_block_k=128, ws_stages=2), dict(rs, split_m=None), dict(rs, group_m=8)]
+        sized = dict(rs, split_m=(80, 96, 128))
+        # candidates after per-line Nsight 42d (47% of the MMA warps' instructions issue TMA copies): the copies
+        # issued by a producer warp (two warpgroups, launched at 128 registers: the MMA warps get 232, 2 programs an
+        # SM where the plain form has 3 at 64-pair blocks; 128-pair blocks need 245, so ptxas serializes their MMAs:
+        # also without them), at 64- and 128-wide stages; 128-wide stages at 3 stages (half the copies a K step).
+        # Dropped after runs 38a/40a: 3 stages, 64-token tiles alone, 8 blocks a group
+        producer = dict(rs, split_m=(80, 96), ws_producer=True, ws_maxnreg=128)
+        forms = forms + [rs, sized, dict(sized, rs_round_trip=True), producer,
+                         dict(producer, split_m=(80, 96, 128)), dict(producer, ws_block_k=128, ws_stages=3),
+                         dict(sized, ws_block_k=128, ws_stages=3), dict(rs, ws_block_k=128, ws_stages=2)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out),
