@@ -74,6 +74,12 @@ def test_attn_wgmma_knob_takes_the_one_pass_gluon_form_only_where_it_runs_and_fi
     monkeypatch.setattr(sparse_attn_wgmma, "runs_on", lambda device: True)
     assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"staged": True}}
     assert ops._attn_launch(args(131)) == {}
+    ops.set_knobs("attn_early_mask=1,attn_wide_store=1")  # the options after Nsight 42d, beside the staged copies
+    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"staged": True, "early_mask": True,
+                                                                       "wide_store": True}}
+    ops.set_knobs("attn_staged=0,attn_wide_store=0")
+    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"early_mask": True}}
+    assert ops._attn_launch(args(131)) == {}
 
 
 def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):

@@ -11,6 +11,7 @@ case list less those two. The two tables, rows in the bench's case order and a k
 kept once (as the bench's one run keeps it), are the table the bench writes in one run."""
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -153,10 +154,14 @@ def test_compiled_bf16_rounding_is_the_native_cast(tmp_path):
     assert found == {"0": ["True", "False"], "1": ["True", "True"]}, run.stdout[-2000:]
 
 
-def test_global_stores_are_read_by_width():
+def test_global_stores_are_read_by_width(monkeypatch):
     """The census's store column against a hand-written SASS listing: predicated stores count, loads do not,
     a store without a width suffix is 32 bits."""
     sys.path.insert(0, str(REPO))
+    # the bench's import drops TRITON_INTERPRET (its kernels must compile); monkeypatch puts this process's value
+    # back afterwards, for the interpreter tests that run after this one here (a kernel module first imported
+    # after it would otherwise be compiled, and launch with no driver)
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))
     from benches.compile_sm90 import global_stores, sass_rows
     listing = "\n".join([
         "        /*0080*/                   STG.E.128 desc[UR4][R2.64], R4 ;",

@@ -135,12 +135,34 @@ class KernelKnobs:
     # graph 1.005x (Full m=1), 0.992x (Full m=2), 0.995x (Reindex): within the A/B's noise (~0.5%) of the 0.6% / 0.9%
     # the kernel predicts; in the layer's profile (41f) the row select 199 / 93 / 200 us against 407 / 396 / 405 (40b)
     topk_whole_row = True
+    # candidates after per-line Nsight 42d, built in the forty-second and forty-third sessions, off until timed: the
+    # one-pass attention's softmax mask loaded before each tile's fill and S MMA, its output stored in 16-byte pieces
+    # (kernels/sparse_attn_wgmma.py early_mask / wide_store); the register-operand experts' TMA copies issued by a
+    # producer warp (kernels/moe_rs.py producer: two warpgroups at 128 registers, token blocks to 96 pairs)
+    attn_early_mask = False
+    attn_wide_store = False
+    moe_rs_producer = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
-             "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row")
+             "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row", "attn_early_mask", "attn_wide_store",
+             "moe_rs_producer")
+
+    def attn_wgmma_options(self) -> dict:
+        """The one-pass wgmma attention's options (kernels/sparse_attn_wgmma.py) the knobs ask for."""
+        chosen = {"staged": self.attn_staged, "early_mask": self.attn_early_mask, "wide_store": self.attn_wide_store}
+        return {"wgmma": {name: True for name, on in chosen.items() if on}} if any(chosen.values()) else {}
+
+    def moe_rs_options(self) -> dict:
+        """The register-operand experts' options (kernels/moe.py, ws="rs") the knobs ask for, beside ws itself."""
+        form = {"split_m": (80, 96, 128)} if self.moe_tile_classes else {}  # 64 / 80 / 96 / 128-pair token blocks
+        if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
+            form["rs_round_trip"] = True
+        if self.moe_rs_producer:  # 128-pair blocks would need 245 registers: ptxas would serialize their MMAs
+            form.update(ws_producer=True, ws_maxnreg=128, split_m=(80, 96))
+        return form
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

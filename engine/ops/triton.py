@@ -384,7 +384,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             t, h, d = q.shape
             if (t * (h // 64) >= sm_count(q.device) and sparse_attn_wgmma.wgmma_fits(h, d)
                     and sparse_attn_wgmma.runs_on(q.device)):
-                return {"layout": "wgmma", **({"wgmma": {"staged": True}} if self.attn_staged else {})}
+                return {"layout": "wgmma", **self.attn_wgmma_options()}
         if self.attn_one_pass:
             return {"layout": "entries" if int32_offsets_reach(kv_p, win_q, q.shape[-1]) else "heads"}
         options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
@@ -522,11 +522,7 @@ class TritonOps(KernelKnobs, PointwiseKernels):
                         if not self.moe_rs:
                             form.update(ws=True, ws_decoders=2)
                         else:
-                            form["ws"] = "rs"
-                            if self.moe_tile_classes:  # 64 / 80 / 96 / 128-pair token blocks
-                                form["split_m"] = (80, 96, 128)
-                            if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
-                                form["rs_round_trip"] = True
+                            form.update(ws="rs", **self.moe_rs_options())
             self._record(layer, "moe_fp4", f"{x.shape[0]} tokens x top-{experts.shape[1]}", args, form)
             if self.compute:
                 return self._kernel("moe_fp4")(*args, **form).float()
