@@ -300,7 +300,9 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     64-wide K steps), but act [P, K] in the MMA's order along K (`rs_columns` of the NIB order), and the gate/up's
     h stored in that order along I (the down GEMM's act). block_m: 64, 80, 96 or 128 pairs a token block
     (`token_tile`). stage_k: the K of a ring stage, 64 or 128 (one wait and one set of copies for two steps).
-    producer: the TMA copies issued by a warp of their own (`_produce`; untimed before run 43)."""
+    producer: the TMA copies issued by a warp of their own (`_produce`; untimed before run 43), in a launch of two
+    warpgroups held to 128 registers unless maxnreg says otherwise (Triton pads the warp to a warpgroup and, uncapped,
+    launches at 256: one program an SM; at 128 the MMA warps get 232 after setmaxnreg, two programs an SM)."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the register-operand MoE form needs triton.experimental.gluon (triton >= 3.6)")
     p, kdim = act.shape
@@ -313,6 +315,8 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
                          f"stage_k 64 or 128 (got {stage_k}) and stages at least 2 (got {stages}: one copy ahead)")
     bm, bx = token_tile(block_m)
     halves = stage_k // 64
+    if producer and maxnreg is None:
+        maxnreg = 128
     words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a stage: BN rows of 8 words a step
     a_desc = moe_ws._descriptor(act, [bm, 64], 16, 128)
     x_desc = moe_ws._descriptor(act, [bx or 8, 64], 16, 128)  # the BX rows past BM (bx = 0: never read)
