@@ -291,18 +291,21 @@ ATTN_DECODE_CFGS = [dict(layout="two_pass", block_n=128, two_pass=dict(decode="b
                     dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", tiles_per_program=2))]
 
 
-def case_attn(bw, mm):
+def case_attn(bw, mm, cfgs=ATTN_CFGS, decode=True):
+    """The 4K prefill over `cfgs`, then (decode) the decode case. `--only attn_prefill`: the prefill alone, over
+    ATTN_CFGS' first six (the two passes, the engine's staged form and the candidates beside it)."""
     h, d = 64, 512
     a = _attn_inputs(4096, 1 << 18, 4096 + 128)
     ref = attn_eager(*[x[:64] if x.dim() and x.shape[0] == 4096 else x for x in a])
-    cfg, t, r = sweep("attn_cfgs", "attn", ATTN_CFGS, lambda **c: sparse_attn.sparse_attn_triton(*a, **c),
+    cfg, t, r = sweep("attn_cfgs", "attn", cfgs, lambda **c: sparse_attn.sparse_attn_triton(*a, **c),
                       lambda out: rel(ref, out[:64]), valid=lambda r: r < 1e-2, rep=100)
     te = bench(lambda: [attn_eager(*[x[c:c + 512] if x.dim() and x.shape[0] == 4096 else x for x in a])
                         for c in range(0, 4096, 512)], rep=100)
     flops = 4.0 * 4096 * h * 628 * d
     row("sparse attention prefill 4K (500 sel + 128 win)", t, flops / mm * 1e6, "bf16 MMA",
         f"{flops / t / 1e6:.0f} TFLOP/s; cfg {cfg}", te, f"rows 0-63 rel {r:.1e}", 700)
-    case_attn_decode(bw, mm)
+    if decode:
+        case_attn_decode(bw, mm)
 
 
 def case_attn_decode(bw, mm):
@@ -436,15 +439,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
-                    "half), indexer, topk, topk_layer (a 4K prefill's causal rows), moe, moe_prefill (the engine's 4K "
-                    "forms alone), linear, norm, engram, f32, run in the order given (default: all; topk is the "
-                    "top-512 sweep alone, on its own logits)")
+                    "half; attn_prefill: its prefill over the engine's form and the candidates beside it), indexer, "
+                    "topk, topk_layer (a 4K prefill's causal rows), moe, moe_prefill (the engine's 4K forms alone), "
+                    "linear, norm, engram, f32, run in the order given (default: all; topk is the top-512 sweep alone, "
+                    "on its own logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
                     help="the mHC rows to sweep (the 4K sweep compiles ~16 shapes: ~5 minutes on a fresh machine)")
     args = ap.parse_args()
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
-                 attn_decode=case_attn_decode, indexer=case_indexer, topk=case_topk, topk_layer=case_topk_layer,
+                 attn_decode=case_attn_decode, indexer=case_indexer,
+                 attn_prefill=functools.partial(case_attn, cfgs=ATTN_CFGS[:6], decode=False), topk=case_topk,
+                 topk_layer=case_topk_layer,
                  moe=case_moe, moe_prefill=case_moe_prefill, linear=case_linear,
                  norm=case_norm, engram=case_engram, f32=case_f32, router=case_router)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
