@@ -421,6 +421,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     round_x = fp8_hidden and not fp8_mma and not x_on_grid
     if rs_round_trip and which != "rs":
         raise ValueError("rs_round_trip: x stored in the register-operand form's order, for that form (ws='rs') alone")
+    if ws_producer and which != "rs":
+        raise ValueError("ws_producer: the copies' producer warp is the register-operand form's (ws='rs') alone")
     if dim % 32 or inter % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
     u8 = torch.uint8

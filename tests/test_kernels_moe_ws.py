@@ -48,6 +48,8 @@ def test_ws_forms_are_refused_by_name_and_where_they_cannot_run():
         moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws="both ways")
     with pytest.raises(ValueError, match="rs_round_trip: .* for that form"):  # its order is the rs form's
         moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, hidden="reference", rs_round_trip=True)
+    with pytest.raises(ValueError, match="ws_producer: .* form's .* alone"):  # no Gluon form asked for
+        moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, hidden="reference", ws_producer=True)
     for form in (dict(), dict(hidden="reference", fp8_mma=True)):
         with pytest.raises(ValueError, match="engine's hidden state"):
             moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws=True, **form)
