@@ -251,15 +251,17 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
 # float32 two passes 4,078, "entries" 32 heads x 64 entries 4,394, "heads" 4,643). layout="entries": entries as the
 # MMA's M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile),
 # BH 32 spills ~116 B (2 programs per token)
-ATTN_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
-             # the engine's prefill form first among the Gluon ones (Nsight's launch): each selected tile's raw bytes
-             # copied (cp.async) into shared memory a tile ahead (since run 40); then the softmax's mask loaded before
-             # each tile's fill and the output stored in 16-byte pieces (per-line Nsight 42d, untimed before run 43)
-             dict(layout="wgmma", wgmma=dict(staged=True)),
-             dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True)),
-             dict(layout="wgmma", wgmma=dict(staged=True, wide_store=True)),
-             dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True, wide_store=True)),
-             dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True)),
+# the two passes, then the engine's prefill form first among the Gluon ones (Nsight's launch): each selected tile's
+# raw bytes copied (cp.async) into shared memory a tile ahead (since run 40); then the softmax's mask loaded before
+# each tile's fill and the output stored in 16-byte pieces (per-line Nsight 42d, untimed before run 43). `--only
+# attn_prefill` sweeps these alone
+ATTN_PREFILL_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
+                     dict(layout="wgmma", wgmma=dict(staged=True)),
+                     dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True)),
+                     dict(layout="wgmma", wgmma=dict(staged=True, wide_store=True)),
+                     dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True, wide_store=True)),
+                     dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True))]
+ATTN_CFGS = [*ATTN_PREFILL_CFGS,
              # the one-pass Gluon form on wgmma (kernels/sparse_attn_wgmma.py; untimed before run 38), 64- and 32-entry
              # tiles
              dict(layout="wgmma"), dict(layout="wgmma", block_n=32),
@@ -293,7 +295,7 @@ ATTN_DECODE_CFGS = [dict(layout="two_pass", block_n=128, two_pass=dict(decode="b
 
 def case_attn(bw, mm, cfgs=ATTN_CFGS, decode=True):
     """The 4K prefill over `cfgs`, then (decode) the decode case. `--only attn_prefill`: the prefill alone, over
-    ATTN_CFGS' first six (the two passes, the engine's staged form and the candidates beside it)."""
+    ATTN_PREFILL_CFGS (the two passes, the engine's staged form and the candidates beside it)."""
     h, d = 64, 512
     a = _attn_inputs(4096, 1 << 18, 4096 + 128)
     ref = attn_eager(*[x[:64] if x.dim() and x.shape[0] == 4096 else x for x in a])
@@ -449,7 +451,7 @@ def main():
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
                  attn_decode=case_attn_decode, indexer=case_indexer,
-                 attn_prefill=functools.partial(case_attn, cfgs=ATTN_CFGS[:6], decode=False), topk=case_topk,
+                 attn_prefill=functools.partial(case_attn, cfgs=ATTN_PREFILL_CFGS, decode=False), topk=case_topk,
                  topk_layer=case_topk_layer,
                  moe=case_moe, moe_prefill=case_moe_prefill, linear=case_linear,
                  norm=case_norm, engram=case_engram, f32=case_f32, router=case_router)

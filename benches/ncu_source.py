@@ -31,7 +31,8 @@ def source_lines(rows: list[list[str]]) -> list[dict]:
             path = r[1] if len(r) > 1 else ""
         elif r[0] == "Line No":
             header = {name: i for i, name in enumerate(r)}  # the metrics' names are unique ("Source" is not: unused)
-        elif header and r[0] and len(r) > 2 and r[2] == "-":  # a source line (its SASS rows have no line number and an address)
+        # a source line (its SASS rows have no line number, and an address)
+        elif header and r[0] and len(r) > 2 and r[2] == "-":
             stalls = {name[len("stall_"):]: _number(r[i]) for name, i in header.items()
                       if name.startswith("stall_") and "(Not Issued)" not in name}
             out.append({"file": path, "line": int(r[0]), "source": r[1].strip(), "samples": _number(r[header[SAMPLES]]),

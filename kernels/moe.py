@@ -299,19 +299,19 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
 
 
 def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, limit, k, which: str, bf16_acts,
-                x_rs: bool | str = False, **form):
+                x_rs: bool | str = False, producer: bool = False, **form):
     """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
     (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders), or ("rs") both in the
     register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`, block_k its stage_k; x_rs: xp
-    is in its MMA order already)."""
+    is in its MMA order already; producer: its copies issued by a warp of their own)."""
     from kernels import moe_ws
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
     flat = [w.view(-1, w.shape[-1]) for w in (w1, w3, w2)]
     if which == "rs":  # both GEMMs in the register-operand form: act and h in its MMA order along K
         from kernels import moe_rs
-        rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg", "producer") if key in form}
-        rs_form["stage_k"] = form.get("block_k", 64)
+        rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
+        rs_form.update(stage_k=form.get("block_k", 64), producer=producer)
         x_sorted = (xp if x_rs else moe_rs.rs_columns(xp)).index_select(0, order.long() // k)
         for blocks, bm, bn, *_ in tiles:
             moe_rs.grouped_rs(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
@@ -502,7 +502,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         _grouped_ws(xp, w1, w3, w2, w1_scale, w3_scale, w2_scale, scales_t, order, tiles, tw, h, out, swiglu_limit, k,
                     which, hidden == "reference", group_m=group_m, stages=ws_stages, block_k=ws_block_k,
                     decoders=ws_decoders, maxnreg=ws_maxnreg, decode_regs=ws_decode_regs, persistent=ws_persistent,
-                    x_rs=rs_x, **({"producer": True} if ws_producer else {}))
+                    x_rs=rs_x, producer=ws_producer)
     for (bexp, bbeg, bend), bm, _, bn, _, cap in (tiles if which in (None, "gate_up") else []):
         nbm = bexp.numel()
         _moe_down_kernel[(nbm * triton.cdiv(dim, bn),)](

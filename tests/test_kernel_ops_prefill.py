@@ -401,8 +401,8 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
     """moe_rs and moe_ws: a prefill's folded experts take the Gluon form the knob names (moe_rs first) where
     moe_ws.runs_on says the device has one, moe_tile_classes its 64 / 80 / 96 / 128-pair token blocks and
     moe_rs_round_trip its input's order made by the round trip, moe_rs_producer its copies issued by a warp of their
-    own at 128 registers in blocks to 96 pairs (the register-operand form's alone); nowhere else, and no knob moves
-    a pick."""
+    own in blocks to 96 pairs, at the kernel's own register cap (the register-operand form's alone); nowhere else,
+    and no knob moves a pick."""
     import kernels.dispatch as dispatch
     import kernels.moe_ws as moe_ws
 
@@ -432,7 +432,7 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
                                    (True, True, "moe_fold=1,moe_rs=0,moe_ws=1,moe_tile_classes=1,moe_rs_round_trip=1",
                                     {"ws": True, "ws_decoders": 2}),  # the rs form's order: rs alone
                                    (True, True, "moe_fold=1,moe_rs=1,moe_tile_classes=1,moe_rs_producer=1",
-                                    {"ws": "rs", "split_m": (80, 96), "ws_producer": True, "ws_maxnreg": 128}),
+                                    {"ws": "rs", "split_m": (80, 96), "ws_producer": True}),
                                    (True, True, "moe_fold=1,moe_rs=0,moe_ws=1,moe_rs_producer=1",
                                     {"ws": True, "ws_decoders": 2}),  # the producer warp: rs alone
                                    (False, True, "moe_fold=1,moe_rs=1,moe_ws=1", {}),

@@ -160,8 +160,8 @@ class KernelKnobs:
         form = {"split_m": (80, 96, 128)} if self.moe_tile_classes else {}  # 64 / 80 / 96 / 128-pair token blocks
         if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
             form["rs_round_trip"] = True
-        if self.moe_rs_producer:  # 128-pair blocks would need 245 registers: ptxas would serialize their MMAs
-            form.update(ws_producer=True, ws_maxnreg=128, split_m=(80, 96))
+        if self.moe_rs_producer:  # blocks to 96 pairs: at its 128-register launch 128-pair MMAs would be serialized
+            form.update(ws_producer=True, split_m=(80, 96))
         return form
 
     def set_knobs(self, spec: str) -> dict:
