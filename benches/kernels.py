@@ -41,11 +41,17 @@ INDEXER_DECODE_CFGS = [{}, dict(maxnreg=128), dict(maxnreg=96), dict(num_warps=8
 # FP8 MMA's 13-bit chained accumulation leaves its rows 1.3e-4 off (the check rejects it: timed and
 # logged, never picked). Not in the decode list: there its top-512 may match the fp32 eager one and win
 # (131.8 us at 4 warps against 138.6) while 1.5e-4 off a float64 reference.
+# the decode select on the scoring kernel's maxima (topk_split: 8,192 groups of 128, 256 filter programs, each finding
+# the bound over all 8,192 maxima): the counting search (the default; 54.3 us on the H100, 41b) against histograms
+INDEXER_DECODE_SELECT_CFGS = [{}, dict(select="hist"), dict(select="hist", bound_steps=3),
+                              dict(select="hist", hist_bits=5, bound_steps=5), dict(select="hist", bound_steps=2),
+                              dict(select="hist", bound_steps=3, num_warps=4)]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]
 
 
-def case_indexer(bw, mm):
+def case_indexer(bw, mm, prefill=True):
+    """The decode (1 query over 1M entries, its select's forms) and, with prefill, the 4K x 64K logits and top-512."""
     h, d = 32, 128
     # decode: 1 query, 1M entries
     n = 1 << 20
@@ -77,6 +83,11 @@ def case_indexer(bw, mm):
     _, mx, cnt = indexer._launch(*args, None, 8, topk=512)
     LOG["indexer_decode_select_only_us"] = bench(
         lambda: (cnt.zero_(), topk.select_from_maxima(scores, 512, nv, mx, cnt)), graph=True)
+    want_sel = topk.topk_positions_reference(scores, 512, nv)
+    sweep("indexer_decode_select_cfgs", "indexer decode select", INDEXER_DECODE_SELECT_CFGS,
+          lambda **c: (cnt.zero_(), topk.select_from_maxima(scores, 512, nv, mx, cnt, **c))[1],
+          lambda out: torch.equal(out, want_sel), valid=bool, graph=True)
+    print(f"[kernels] indexer decode: {kernel_breakdown(lambda: indexer.indexer_topk_triton(*args))}", flush=True)
     # launch shapes of the decode scoring (the default first): register caps (168 registers held it to 3
     # blocks of 4 warps per SM, ncu run 6), warps, programs (chunk: keys per program), key tile
     cfg, t, same = sweep("indexer_decode_cfgs", "indexer decode", INDEXER_DECODE_CFGS,
@@ -87,6 +98,8 @@ def case_indexer(bw, mm):
     floor = n * 68 / bw * 1e6
     row("indexer + top-512, decode, 1M entries", t, floor, "HBM", f"{n * 68 / t / 1e6:.2f} TB/s", te, chk, 28)
     del kp, ks, scores
+    if not prefill:
+        return
 
     # prefill: 4K queries x 64K entries (all visible)
     tq, n = 4096, 65536
@@ -441,7 +454,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
-                    "half; attn_prefill: its prefill over the engine's form and the candidates beside it), indexer, "
+                    "half; attn_prefill: its prefill over the engine's form and the candidates beside it), indexer "
+                    "(indexer_decode: its decode half), "
                     "topk, topk_layer (a 4K prefill's causal rows), moe, moe_prefill (the engine's 4K forms alone), "
                     "linear, norm, engram, f32, run in the order given (default: all; topk is the top-512 sweep alone, "
                     "on its own logits)")
@@ -451,6 +465,7 @@ def main():
     mhc_tokens = tuple(int(v) for v in args.mhc_tokens.split(","))
     cases = dict(quant=case_quant, mhc=functools.partial(case_mhc, tokens=mhc_tokens), attn=case_attn,
                  attn_decode=case_attn_decode, indexer=case_indexer,
+                 indexer_decode=functools.partial(case_indexer, prefill=False),
                  attn_prefill=functools.partial(case_attn, cfgs=ATTN_PREFILL_CFGS, decode=False), topk=case_topk,
                  topk_layer=case_topk_layer,
                  moe=case_moe, moe_prefill=case_moe_prefill, linear=case_linear,
@@ -467,7 +482,8 @@ def main():
     LOG["ceilings"] = dict(hbm_copy_TBps=bw / 1e12, bf16_mm_TFLOPs=mm / 1e12)
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     table = ""
-    for name in args.only.split(",") if args.only else cases:
+    halves = ("attn_decode", "attn_prefill", "indexer_decode")  # parts of attn and indexer: not run twice by default
+    for name in args.only.split(",") if args.only else [c for c in cases if c not in halves]:
         fn = cases[name]
         t0 = time.time()
         try:

@@ -17,11 +17,10 @@ indexer rows) skips the groups: one search over the row as one register tile.
      indexer's scoring kernel wrote them), t1, the qualifying groups' entries >= t1 appended in
      position order to a per-row buffer, the exact k-th value among them, and the winners written by
      a running count (they are already in position order).
-  split path (few long rows, decode): the group maxima (from the scoring kernel or _group_max_kernel),
-     then _filter_kernel (each program takes a range of groups, reads only qualifying ones, appends
-     candidates through one atomic counter per row), then _resolve_kernel (each program takes a slice
-     of the candidates, finds the k-th value and the tie cut by counting, and each winner's output slot
-     as the number of winners at smaller positions).
+  split path (few long rows, decode; kernels/topk_split.py): the group maxima (from the scoring kernel or
+     `split_group_maxima`), then a filter launch (each program a range of groups, candidates appended through one
+     atomic counter a row), then a resolve launch (each winner's output slot by counting smaller positions).
+The k-th key searches both paths share are in kernels/topk_search.py.
 More than `cap` candidates (many exact ties) fall back to the exact radix select over the row.
 No host tensor is made or copied per call: the entry points can be captured in a CUDA graph.
 """
@@ -33,6 +32,10 @@ import triton
 import triton.language as tl
 
 from kernels._formats import register_cap
+from kernels.topk_search import (_candidate_bound, _kth_key, _kth_largest_key, _kth_largest_key_hist,  # noqa: F401
+                                 _ordered_key, _pow2, _radix_select_row, _select_code)
+from kernels.topk_split import (SPLIT_PATH_DEFAULTS, _filter_kernel, _group_max_kernel,  # noqa: F401
+                                _resolve_kernel, split_group_maxima, split_select)
 
 
 def topk_positions_reference(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
@@ -51,247 +54,6 @@ def topk_positions_reference(values: torch.Tensor, k: int, lengths: torch.Tensor
     out = torch.full((r, k), -1, dtype=torch.int32, device=values.device)
     out[:, :picks.shape[1]] = torch.where(picks == n, -1, picks).to(torch.int32)
     return out
-
-
-@triton.jit
-def _ordered_key(x):
-    bits = x.to(tl.int32, bitcast=True)
-    flip = (bits >> 31) | (-2147483647 - 1)
-    return (bits ^ flip).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _pick_digit(hist, need, NB: tl.constexpr):
-    """Largest digit d with #(digit >= d) >= need; returns (d, need - #(digit > d))."""
-    bins = tl.arange(0, NB)
-    total = tl.sum(hist, axis=0)
-    suffix = total - tl.cumsum(hist, axis=0) + hist
-    d = tl.max(tl.where(suffix >= need, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins == d, suffix - hist, 0), axis=0)
-    return d, need - above
-
-
-@triton.jit
-def _radix_select_row(base, length, out_row, K: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """Exact top-K positions of base[0:length] (-inf never chosen) -> out_row[0:K], ascending, -1 padded.
-    32/BITS histogram passes find the K-th largest ordered key digit by digit; a last pass writes."""
-    offs = tl.arange(0, BLOCK)
-    neg_inf = float("-inf")
-    n_valid = 0
-    for start in range(0, length, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < length, other=neg_inf)
-        n_valid += tl.sum((x > neg_inf).to(tl.int32), axis=0)
-    take_all = n_valid <= K
-    need = tl.maximum(tl.minimum(n_valid, K), 1)
-    NB: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, NB)
-    prefix = tl.zeros([], dtype=tl.uint32)
-    for p in tl.static_range(32 // BITS):
-        hist = tl.zeros([NB], dtype=tl.int32)
-        n_miss = 0
-        if not take_all:
-            for start in range(0, length, BLOCK):
-                idx = start + offs
-                x = tl.load(base + idx, mask=idx < length, other=neg_inf)
-                key = _ordered_key(x)
-                hit = x > neg_inf
-                if p > 0:
-                    hit = hit & ((key >> (32 - p * BITS)) == prefix)
-                digit = ((key >> (32 - (p + 1) * BITS)) & (NB - 1)).to(tl.int32)
-                hist += tl.histogram(tl.where(hit, digit, 0), NB)
-                n_miss += BLOCK - tl.sum(hit.to(tl.int32), axis=0)
-        hist -= tl.where(bins == 0, n_miss, 0)
-        d, need = _pick_digit(hist, need, NB)
-        prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
-    need_eq = need
-    thr = prefix
-    count = 0
-    eq_seen = 0
-    for start in range(0, length, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < length, other=neg_inf)
-        valid = x > neg_inf
-        key = _ordered_key(x)
-        eq = valid & (key == thr)
-        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        sel = valid & (take_all | (key > thr) | (eq & (eq_rank < need_eq)))
-        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(out_row + pos, idx, mask=sel)
-        count += tl.sum(sel.to(tl.int32), axis=0)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-    slots = tl.arange(0, K)
-    tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= count)
-
-
-@triton.jit
-def _group_max_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, chunk,
-                      G: tl.constexpr, BLOCK: tl.constexpr, HAS_LEN: tl.constexpr):
-    """Maxima of groups of G entries (-inf past the row's length) -> max_ptr[row, :n_groups]; zeroes
-    the row's candidate counter. Grid (rows, column chunks of `chunk`, a multiple of BLOCK >= G)."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    length = n_cols
-    if HAS_LEN:
-        length = tl.minimum(length, tl.load(len_ptr + row))
-    if c == 0:
-        tl.store(cnt_ptr + row, 0)
-    base = v_ptr + row.to(tl.int64) * stride_v
-    offs = tl.arange(0, BLOCK)
-    gl = tl.arange(0, BLOCK // G)
-    for start in range(c * chunk, tl.minimum(c * chunk + chunk, n_cols), BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < length, other=float("-inf"))
-        m = tl.max(tl.reshape(x, (BLOCK // G, G)), axis=1)
-        g = start // G + gl
-        tl.store(max_ptr + row.to(tl.int64) * n_groups + g, m, mask=g < n_groups)
-
-
-@triton.jit
-def _kth_largest_key(key, valid, need):
-    """The need-th largest (1 <= need <= #valid) of the uint32 keys where valid: two bits per step,
-    each the largest digit keeping #(key >= prefix) >= need."""
-    prefix = tl.zeros([], dtype=tl.uint32)
-    for step in tl.static_range(16):
-        unit = tl.full([], 1, tl.uint32) << (30 - 2 * step)
-        c1 = prefix | unit
-        c2 = prefix | (unit << 1)
-        c3 = c1 | (unit << 1)
-        n1 = tl.sum((valid & (key >= c1)).to(tl.int32), axis=0)
-        n2 = tl.sum((valid & (key >= c2)).to(tl.int32), axis=0)
-        n3 = tl.sum((valid & (key >= c3)).to(tl.int32), axis=0)
-        prefix = tl.where(n3 >= need, c3, tl.where(n2 >= need, c2, tl.where(n1 >= need, c1, prefix)))
-    return prefix
-
-
-@triton.jit
-def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr, STEPS: tl.constexpr = 0):
-    """`_kth_largest_key` by histograms: ceil(32 / BITS) dependent steps (4 at 8 bits, not 16), each one
-    tl.histogram of the next digit over the keys matching the prefix so far, then the largest digit keeping
-    #(key >= prefix) >= need (as `_radix_select_row`'s passes, on a register tile). The first step takes the
-    32 mod BITS top bits (or BITS), the others BITS each. A histogram costs ~log2(bins) ballots plus bins / 32
-    popcounts an entry a warp (Triton's lowering), so 5-bit digits in 7 steps take ~2x fewer instructions than
-    8-bit digits in 4, at more steps. STEPS > 0: only the first STEPS digits, the rest zero -- a lower bound
-    of the key with at least `need` valid keys at or above it (the candidates' bound needs no more)."""
-    NB: tl.constexpr = 1 << BITS
-    NSTEP: tl.constexpr = (32 + BITS - 1) // BITS
-    TAKE: tl.constexpr = NSTEP if STEPS == 0 or STEPS > NSTEP else STEPS
-    prefix = tl.zeros([], dtype=tl.uint32)
-    for p in tl.static_range(TAKE):
-        lo = (NSTEP - 1 - p) * BITS  # the digit's lowest bit (a constant: p is)
-        if p == 0:
-            hit = valid
-            digit = (key >> lo).to(tl.int32)
-        else:
-            hit = valid & ((key >> (lo + BITS)) == prefix)
-            digit = ((key >> lo) & (NB - 1)).to(tl.int32)
-        d, need = _pick_digit(tl.histogram(digit, NB, mask=hit), need, NB)
-        prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
-    if TAKE < NSTEP:
-        prefix = prefix << ((NSTEP - TAKE) * BITS)
-    return prefix
-
-
-@triton.jit
-def _kth_key(key, valid, need, SEL: tl.constexpr, HBITS: tl.constexpr = 8, STEPS: tl.constexpr = 0):
-    """The need-th largest valid key: SEL 0 by counting (2 bits a step), 1 by HBITS-bit histograms (STEPS > 0:
-    its first STEPS digits, a lower bound)."""
-    if SEL == 1:
-        return _kth_largest_key_hist(key, valid, need, HBITS, STEPS)
-    else:
-        return _kth_largest_key(key, valid, need)
-
-
-@triton.jit
-def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, BSTEPS: tl.constexpr = 0):
-    """Group maxima [NGP] -> the ordered key an entry must reach to be a candidate: the K-th largest
-    finite maximum's key, or 0 (every finite entry) when fewer than K groups are finite. BSTEPS > 0 (histogram
-    search): that key's first BSTEPS digits only, a lower bound -- any key at or under the K-th largest maximum
-    keeps every winner a candidate (K groups reach it), at a few more candidates for fewer search steps."""
-    fin = mx > float("-inf")
-    n_fin = tl.sum(fin.to(tl.int32), axis=0)
-    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL, HBITS, BSTEPS)
-    return tl.where(n_fin >= K, t1, 0)
-
-
-@triton.jit
-def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
-                   K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
-                   CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
-    """Program (row, c) takes groups [c*GPP, (c+1)*GPP): reads the entries of those whose maximum reaches
-    the bound (GB columns at a time), appends the candidates to the row's buffer via its counter."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    length = n_cols
-    if HAS_LEN:
-        length = tl.minimum(length, tl.load(len_ptr + row))
-    mrow = max_ptr + row.to(tl.int64) * n_groups
-    gi = tl.arange(0, NGP)
-    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL, HBITS)
-    g = c * GPP + tl.arange(0, GPP)
-    mo = tl.load(mrow + g, mask=g < n_groups, other=float("-inf"))
-    qual = (mo > float("-inf")) & (_ordered_key(mo) >= t1)
-    if tl.sum(qual.to(tl.int32), axis=0) > 0:
-        base = v_ptr + row.to(tl.int64) * stride_v
-        for j0 in tl.static_range(0, G, GB):
-            idx = g[:, None] * G + j0 + tl.arange(0, GB)[None, :]  # [GPP, GB]
-            ok = qual[:, None] & (idx < length)
-            x = tl.load(base + idx, mask=ok, other=float("-inf"))
-            cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
-            cand = tl.reshape(cand, (GPP * GB,))
-            n_c = tl.sum(cand.to(tl.int32), axis=0)
-            if n_c > 0:
-                # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
-                slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-                ok2 = cand & (slot < CAP)
-                tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (GPP * GB,)), mask=ok2)
-                tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (GPP * GB,)), mask=ok2)
-
-
-@triton.jit
-def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_ptr, out_ptr,
-                    K: tl.constexpr, CAP: tl.constexpr, SL: tl.constexpr, BLOCK: tl.constexpr,
-                    BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
-    """Program (row, s): the winners among candidate slots [s*SL, (s+1)*SL) of the row's (unordered)
-    buffer, each written at its rank by position among all winners. Winners: value desc, then position
-    asc; the K-th value and the tie cut found by counting over the whole buffer."""
-    row = tl.program_id(0)
-    sl = tl.program_id(1)
-    n_cand = tl.load(cnt_ptr + row)
-    out_row = out_ptr + row.to(tl.int64) * K
-    n_sel = tl.minimum(n_cand, K)
-    if n_cand <= CAP:
-        if sl == 0:
-            slots = tl.arange(0, K)
-            tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
-        if sl * SL < n_cand:
-            s = tl.arange(0, CAP)
-            ok = s < n_cand
-            x = tl.load(cval_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=float("-inf"))
-            p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
-            key = _ordered_key(x)
-            inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
-            thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL, HBITS)
-            gt = ok & (key > thr)
-            eq = ok & (key == thr)
-            need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
-            cut = tl.zeros([], dtype=tl.uint32)
-            if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
-                cut = _kth_key(inv, eq, need_eq, SEL, HBITS)
-            sel = gt | (eq & (inv >= cut))
-            m = sl * SL + tl.arange(0, SL)
-            okm = m < n_cand
-            xm = tl.load(cval_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=float("-inf"))
-            pm = tl.load(cidx_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=0)
-            km = _ordered_key(xm)
-            selm = okm & ((km > thr) | ((km == thr) & ((pm ^ -1).to(tl.uint32, bitcast=True) >= cut)))
-            slot = tl.sum((sel[None, :] & (p[None, :] < pm[:, None])).to(tl.int32), axis=1)
-            tl.store(out_row + slot, pm, mask=selm)
-    elif sl == 0:
-        length = n_cols
-        if HAS_LEN:
-            length = tl.minimum(length, tl.load(len_ptr + row))
-        _radix_select_row(v_ptr + row.to(tl.int64) * stride_v, tl.maximum(length, 0), out_row, K, BLOCK, BITS)
 
 
 @triton.jit
@@ -427,10 +189,6 @@ def _select_from_buffer(cval, cidx, count, out_row, K: tl.constexpr, W: tl.const
 ROWS_MIN = 64  # rows at or above this: one program per row (prefill); below: split path (decode)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def group_size(n: int, groups: int = 2048) -> int:
     """Entries per group-maximum for a row of n (a power of two, about `groups` groups)."""
     return _pow2(max(1, -(-n // groups)))
@@ -459,20 +217,12 @@ def group_size(n: int, groups: int = 2048) -> int:
 ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 4096, "num_warps": 8, "select": "hist", "maxnreg": 80,
                       "hist_bits": 5, "whole_row": 0, "whole_warps": 8, "whole_maxnreg": 0, "bound_steps": 5,
                       "half_tile": True, "whole_half": True, "max_block": 16384}
-SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count"}
 
 
 def default_groups(rows: int) -> int:
     """Group maxima per row where no measured default applies (the indexer's fused maxima; the split
     path): more groups, fewer entries re-read (~k groups qualify), dearer bound."""
     return 4096 if rows >= ROWS_MIN else 8192
-
-
-def _select_code(select: str) -> int:
-    codes = {"count": 0, "hist": 1}
-    if select not in codes:
-        raise ValueError(f"select must be 'count' or 'hist', got {select!r}")
-    return codes[select]
 
 
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int | None = None,
@@ -482,9 +232,9 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
     """Top-k of values [R, L] given maxima [R, n_groups] of groups of G = ceil-pow2(L / n_groups)
     entries, and counts int32 [R] already zeroed (split path). -> int32 [R, k].
     The maxima buffer is scratch afterwards (the rows path lists group ids over it).
-    select: how the k-th keys are found, "count" (2 bits a step) or "hist" (8-bit histograms);
-    maxnreg: the rows path's register cap (0: none); form: hist_bits (`topk_positions_triton`; no whole-row
-    tile here, the maxima being given). Unset knobs: ROWS_PATH_DEFAULTS or
+    select: how the k-th keys are found, "count" (2 bits a step) or "hist" (histograms of digits);
+    maxnreg: the rows path's register cap (0: none); form: hist_bits, bound_steps and the rows path's others
+    (`topk_positions_triton`; no whole-row tile here, the maxima being given). Unset knobs: ROWS_PATH_DEFAULTS or
     SPLIT_PATH_DEFAULTS (the indexer's 4K x 64K prefill select: 668 us tuned vs 1,370 us with the split
     path's knobs, benches/results/kernels-h200-run8.md)."""
     r, n = values.shape
@@ -512,18 +262,9 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
                                  K=k, NGP=ngp, G=g, BLOCK=max(block, g), CAP=cap, BITS=bits,
                                  HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, **launch)
         return out
-    hbits = form.get("hist_bits", 8)
-    gb = min(g, block)
-    gpp = max(1, block // g)
-    _filter_kernel[(r, triton.cdiv(n_groups, gpp))](values, values.stride(0), n, lens, maxima, n_groups, counts,
-                                                    cval, cidx, K=k, NGP=ngp, G=g, GPP=gpp, GB=gb, CAP=cap,
-                                                    HAS_LEN=lengths is not None, SEL=sel, HBITS=hbits,
-                                                    num_warps=num_warps)
-    sl = min(slice_len, cap)
-    _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
-                                    SL=sl, BLOCK=block, BITS=bits, HAS_LEN=lengths is not None,
-                                    SEL=sel, HBITS=hbits, num_warps=num_warps)
-    return out
+    return split_select(values, k, lengths, maxima, counts, cval, cidx, out, block=block, bits=bits,
+                        slice_len=slice_len, num_warps=num_warps, select=select, hist_bits=form.get("hist_bits"),
+                        bound_steps=form.get("bound_steps"))
 
 
 def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None, form: dict,
@@ -585,14 +326,6 @@ def topk_positions_triton(values: torch.Tensor, k: int, lengths: torch.Tensor | 
                                  BLOCK=max(whole or block, g), CAP=cap, BITS=bits, HAS_LEN=lens is not None,
                                  HAS_MAX=False, SEL=_select_code(select), WHOLE=bool(whole), **launch)
         return out
-    maxima = torch.empty(r, n_groups, dtype=torch.float32, device=dev)
-    counts = torch.empty(r, dtype=torch.int32, device=dev)
-    mblock = max(min(block, 1024), g)
-    if chunk is None:  # ~512 programs over all rows
-        chunk = mblock * max(1, triton.cdiv(n, mblock * max(1, triton.cdiv(512, r))))
-    chunk = -(-max(chunk, mblock) // mblock) * mblock
-    _group_max_kernel[(r, triton.cdiv(n, chunk))](values, values.stride(0), n, lens if lens is not None else dummy,
-                                                  maxima, n_groups, counts, chunk, G=g, BLOCK=mblock,
-                                                  HAS_LEN=lens is not None)
+    maxima, counts = split_group_maxima(values, lens, n_groups, g, block, chunk)
     return select_from_maxima(values, k, lens, maxima, counts, cap=cap, block=block, bits=bits, rows_path=False,
                               select=select, **tune)

@@ -12,7 +12,7 @@ import torch
 
 from engine import quant as Q
 
-_, _, indexer = interpreted("_formats", "topk", "indexer")
+_, _, _, _, indexer = interpreted("_formats", "topk_search", "topk_split", "topk", "indexer")
 
 
 def _pack(codes):

@@ -9,7 +9,7 @@ import torch
 
 from engine import quant as Q
 
-_, topk, indexer = interpreted("_formats", "topk", "indexer")
+_, _, topk_split, topk, indexer = interpreted("_formats", "topk_search", "topk_split", "topk", "indexer")
 
 
 def _ties(gen, rows, n):
@@ -114,8 +114,8 @@ def test_entry_points_capturable_in_a_cuda_graph(monkeypatch):
             return out
 
     seen = []
-    for mod, name in [(topk, "_group_max_kernel"), (topk, "_filter_kernel"), (topk, "_resolve_kernel"),
-                      (topk, "_row_select_kernel"), (indexer, "_indexer_kernel")]:
+    for mod, name in [(topk_split, "_group_max_kernel"), (topk_split, "_filter_kernel"),
+                      (topk_split, "_resolve_kernel"), (topk, "_row_select_kernel"), (indexer, "_indexer_kernel")]:
         monkeypatch.setattr(mod, name, _Launches(name, seen))
     meta = torch.device("meta")
     h, d = 32, 128
@@ -218,6 +218,21 @@ def test_topk_hist_select_exact(gen, rows_path, num_warps):
     assert torch.equal(got[2], torch.arange(32, dtype=torch.int32))
 
 
+
+
+@pytest.mark.parametrize("hist_bits, bound_steps", [(5, 5), (8, 2), (5, 1), (8, 0)])
+def test_split_path_hist_forms_exact(gen, hist_bits, bound_steps):
+    """The split path's histogram forms (kernels/topk_split.py: digits of hist_bits, the filter's bound from its
+    first bound_steps digits, a lower bound that lets more candidates in) pick the reference's positions: ties at
+    the k-th value, row lengths, -inf entries, a row of equal keys, and a bound so coarse (one 2- or 8-bit digit)
+    that the candidates overflow a small buffer into the radix fallback."""
+    v = _ties(gen, 3, 700)
+    v[2] = -0.0
+    lengths = torch.tensor([700, 650, 300], dtype=torch.int32)
+    form = dict(rows_path=False, select="hist", hist_bits=hist_bits, bound_steps=bound_steps)
+    for cap in (2048, 64):
+        got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, cap=cap, **form)
+        assert torch.equal(got, topk.topk_positions_reference(v, 32, lengths)), (gen.initial_seed(), cap)
 @pytest.mark.parametrize("bits", [8, 5, 6])
 def test_kth_largest_key_by_histograms(bits):
     """The histogram search gives the counting search's key (duplicates, a validity mask, negatives), at

@@ -12,8 +12,9 @@ import torch
 from engine import quant as Q
 from tests.test_kernels_mhc import _inputs as mhc_inputs
 
-_, quant, topk, indexer, sparse_attn, _, moe, mhc, fp8_linear, dispatch = interpreted(
-    "_formats", "quant", "topk", "indexer", "sparse_attn", "fp4_tiles", "moe", "mhc", "fp8_linear", "dispatch")
+_, quant, _, _, topk, indexer, sparse_attn, _, moe, mhc, fp8_linear, dispatch = interpreted(
+    "_formats", "quant", "topk_search", "topk_split", "topk", "indexer", "sparse_attn", "fp4_tiles", "moe", "mhc",
+    "fp8_linear", "dispatch")
 
 
 def _rel(a, b):

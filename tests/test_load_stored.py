@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-interpreted("_formats", "quant", "topk", "indexer", "sparse_attn", "fp4_tiles", "moe_f8", "moe_gemv", "moe", "mhc", "fp8_linear", "dispatch")
+interpreted("_formats", "quant", "topk_search", "topk_split", "topk", "indexer", "sparse_attn", "fp4_tiles", "moe_f8",
+            "moe_gemv", "moe", "mhc", "fp8_linear", "dispatch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -1,0 +1,170 @@
+"""The top-k's split path (kernels/topk.py's docstring): few long rows (decode), each row's work spread over many
+programs. Three launches: the group maxima (`split_group_maxima`, unless the indexer's scoring kernel wrote them),
+then `_filter_kernel` (each program a range of groups: the bound over all the row's maxima, the qualifying groups'
+entries at or above it appended through one atomic counter a row), then `_resolve_kernel` (each program a slice of
+the candidates: the k-th value and the tie cut over the whole buffer, each winner's output slot as the number of
+winners at smaller positions)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2, _radix_select_row, _select_code
+
+# select "count": the k-th keys by 16 steps of three block counts (H200 run 2: the select of a 1M-entry decode row
+# 55 us on the scoring kernel's maxima); "hist" with hist_bits / bound_steps: by histograms of digits (the bound
+# from its first bound_steps digits, 0 all), untimed on this path
+SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count", "hist_bits": 8,
+                       "bound_steps": 0}
+
+
+@triton.jit
+def _group_max_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, chunk,
+                      G: tl.constexpr, BLOCK: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Maxima of groups of G entries (-inf past the row's length) -> max_ptr[row, :n_groups]; zeroes
+    the row's candidate counter. Grid (rows, column chunks of `chunk`, a multiple of BLOCK >= G)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    length = n_cols
+    if HAS_LEN:
+        length = tl.minimum(length, tl.load(len_ptr + row))
+    if c == 0:
+        tl.store(cnt_ptr + row, 0)
+    base = v_ptr + row.to(tl.int64) * stride_v
+    offs = tl.arange(0, BLOCK)
+    gl = tl.arange(0, BLOCK // G)
+    for start in range(c * chunk, tl.minimum(c * chunk + chunk, n_cols), BLOCK):
+        idx = start + offs
+        x = tl.load(base + idx, mask=idx < length, other=float("-inf"))
+        m = tl.max(tl.reshape(x, (BLOCK // G, G)), axis=1)
+        g = start // G + gl
+        tl.store(max_ptr + row.to(tl.int64) * n_groups + g, m, mask=g < n_groups)
+
+
+@triton.jit
+def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
+                   K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
+                   CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8,
+                   BSTEPS: tl.constexpr = 0):
+    """Program (row, c) takes groups [c*GPP, (c+1)*GPP): reads the entries of those whose maximum reaches
+    the bound (GB columns at a time), appends the candidates to the row's buffer via its counter. Every program
+    finds the bound itself (BSTEPS: `_candidate_bound`'s digits): redundant work on idle SMs, no launch between."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    length = n_cols
+    if HAS_LEN:
+        length = tl.minimum(length, tl.load(len_ptr + row))
+    mrow = max_ptr + row.to(tl.int64) * n_groups
+    gi = tl.arange(0, NGP)
+    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL, HBITS, BSTEPS)
+    g = c * GPP + tl.arange(0, GPP)
+    mo = tl.load(mrow + g, mask=g < n_groups, other=float("-inf"))
+    qual = (mo > float("-inf")) & (_ordered_key(mo) >= t1)
+    if tl.sum(qual.to(tl.int32), axis=0) > 0:
+        base = v_ptr + row.to(tl.int64) * stride_v
+        for j0 in tl.static_range(0, G, GB):
+            idx = g[:, None] * G + j0 + tl.arange(0, GB)[None, :]  # [GPP, GB]
+            ok = qual[:, None] & (idx < length)
+            x = tl.load(base + idx, mask=ok, other=float("-inf"))
+            cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
+            cand = tl.reshape(cand, (GPP * GB,))
+            n_c = tl.sum(cand.to(tl.int32), axis=0)
+            if n_c > 0:
+                # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
+                slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                ok2 = cand & (slot < CAP)
+                tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (GPP * GB,)), mask=ok2)
+                tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (GPP * GB,)), mask=ok2)
+
+
+@triton.jit
+def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_ptr, out_ptr,
+                    K: tl.constexpr, CAP: tl.constexpr, SL: tl.constexpr, BLOCK: tl.constexpr,
+                    BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
+    """Program (row, s): the winners among candidate slots [s*SL, (s+1)*SL) of the row's (unordered)
+    buffer, each written at its rank by position among all winners. Winners: value desc, then position
+    asc; the K-th value and the tie cut found by counting over the whole buffer."""
+    row = tl.program_id(0)
+    sl = tl.program_id(1)
+    n_cand = tl.load(cnt_ptr + row)
+    out_row = out_ptr + row.to(tl.int64) * K
+    n_sel = tl.minimum(n_cand, K)
+    if n_cand <= CAP:
+        if sl == 0:
+            slots = tl.arange(0, K)
+            tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
+        if sl * SL < n_cand:
+            s = tl.arange(0, CAP)
+            ok = s < n_cand
+            x = tl.load(cval_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=float("-inf"))
+            p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
+            key = _ordered_key(x)
+            inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
+            thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL, HBITS)
+            gt = ok & (key > thr)
+            eq = ok & (key == thr)
+            need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
+            cut = tl.zeros([], dtype=tl.uint32)
+            if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
+                cut = _kth_key(inv, eq, need_eq, SEL, HBITS)
+            sel = gt | (eq & (inv >= cut))
+            m = sl * SL + tl.arange(0, SL)
+            okm = m < n_cand
+            xm = tl.load(cval_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=float("-inf"))
+            pm = tl.load(cidx_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=0)
+            km = _ordered_key(xm)
+            selm = okm & ((km > thr) | ((km == thr) & ((pm ^ -1).to(tl.uint32, bitcast=True) >= cut)))
+            slot = tl.sum((sel[None, :] & (p[None, :] < pm[:, None])).to(tl.int32), axis=1)
+            tl.store(out_row + slot, pm, mask=selm)
+    elif sl == 0:
+        length = n_cols
+        if HAS_LEN:
+            length = tl.minimum(length, tl.load(len_ptr + row))
+        _radix_select_row(v_ptr + row.to(tl.int64) * stride_v, tl.maximum(length, 0), out_row, K, BLOCK, BITS)
+
+
+def split_group_maxima(values, lens, n_groups: int, g: int, block: int, chunk: int | None):
+    """The group maxima of values [R, L] (groups of g, -inf past lens) and zeroed candidate counters -> (maxima
+    [R, n_groups], counts [R]); chunk: entries a program (None: ~512 programs over all rows)."""
+    r, n = values.shape
+    maxima = torch.empty(r, n_groups, dtype=torch.float32, device=values.device)
+    counts = torch.empty(r, dtype=torch.int32, device=values.device)
+    mblock = max(min(block, 1024), g)
+    if chunk is None:
+        chunk = mblock * max(1, triton.cdiv(n, mblock * max(1, triton.cdiv(512, r))))
+    chunk = -(-max(chunk, mblock) // mblock) * mblock
+    _group_max_kernel[(r, triton.cdiv(n, chunk))](values, values.stride(0), n, lens if lens is not None else counts,
+                                                  maxima, n_groups, counts, chunk, G=g, BLOCK=mblock,
+                                                  HAS_LEN=lens is not None)
+    return maxima, counts
+
+
+def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: int | None = None, bits: int = 8,
+                 slice_len: int = 64, num_warps: int | None = None, select: str | None = None,
+                 hist_bits: int | None = None, bound_steps: int | None = None) -> torch.Tensor:
+    """The filter and resolve launches over given maxima [R, n_groups] and zeroed counts (kernels/topk.py
+    `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. Unset knobs:
+    SPLIT_PATH_DEFAULTS."""
+    opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in dict(block=block, num_warps=num_warps, select=select,
+                                                               hist_bits=hist_bits, bound_steps=bound_steps).items()
+                                     if v is not None}}
+    r, n = values.shape
+    n_groups = maxima.shape[1]
+    g = _pow2(-(-n // n_groups))
+    cap = cval.shape[1]
+    sel, hbits, nw = _select_code(opt["select"]), opt["hist_bits"], opt["num_warps"]
+    gpp = max(1, opt["block"] // g)
+    has_len = lens is not None
+    lens = lens if has_len else counts
+    _filter_kernel[(r, triton.cdiv(n_groups, gpp))](values, values.stride(0), n, lens, maxima, n_groups, counts,
+                                                    cval, cidx, K=k, NGP=_pow2(n_groups),
+                                                    G=g, GPP=gpp, GB=min(g, opt["block"]), CAP=cap,
+                                                    HAS_LEN=has_len, SEL=sel, HBITS=hbits,
+                                                    BSTEPS=opt["bound_steps"] if sel == 1 else 0, num_warps=nw)
+    sl = min(slice_len, cap)
+    _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
+                                    SL=sl, BLOCK=opt["block"], BITS=bits, HAS_LEN=has_len, SEL=sel, HBITS=hbits,
+                                    num_warps=nw)
+    return out
