@@ -33,8 +33,11 @@ dec_scores = None
 
 # -- cases ---------------------------------------------------------------------------------------
 
-INDEXER_DECODE_CFGS = [{}, dict(maxnreg=128), dict(maxnreg=96), dict(num_warps=8), dict(num_warps=8, maxnreg=128),
-                       dict(chunk=2816), dict(chunk=704), dict(block_n=64), dict(block_n=256, maxnreg=128)]
+# the decode scoring's launch shapes (8 warps the default; 122 registers on sm_90 since the E4M3 bit assembly: two
+# programs an SM at 8 warps, four at 4), its key loop without the next tile's loads ahead (prefetch_keys=False)
+INDEXER_DECODE_CFGS = [{}, dict(maxnreg=128), dict(maxnreg=96), dict(num_warps=4), dict(num_warps=4, chunk=704),
+                       dict(prefetch_keys=False), dict(chunk=2816), dict(chunk=704), dict(block_n=64),
+                       dict(block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
 # 7.71 against 7.87 ms; 2 queries 12.6, 128-key tiles at 8 warps 8.5). key_fold: the keys' group exponents
 # in their E4M3 operands, one K = 128 dot a tile: 5.13 ms, 3.82-3.98 with more programs per SM, but the
