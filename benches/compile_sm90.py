@@ -187,13 +187,13 @@ def cases():
         ws = torch.randint(118, 124, (160, 256), dtype=torch.uint8).view(torch.float8_e8m0fnu)
         return lambda: fp8_linear.fp8_linear_triton(torch.randn(m, 8192).bfloat16(), w, ws, **form)
 
-    def index(tq, n, fused):
+    def index(tq, n, fused, **form):
         qp, qs = rand_fp4((tq, 32, 128), 32)
         kp, ks = rand_fp4((n, 128), 32)
         w = torch.randn(tq, 32) * 0.02
         nv = torch.full((tq,), n, dtype=torch.int32)
         fn = indexer.indexer_topk_triton if fused else indexer.indexer_scores_triton
-        return lambda: fn(qp, qs, kp, ks, w, nv)
+        return lambda: fn(qp, qs, kp, ks, w, nv, **form)
 
     def top512(n=65536, causal=False, **form):
         lengths = torch.arange(1, 65, dtype=torch.int32) * (n // 64) if causal else None  # a prefill's visible counts
@@ -248,6 +248,7 @@ def cases():
             ("fp8 linear cuBLAS form's weight values 5120x8192", linear(128, mma="cublas")),
             ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
+            ("indexer + top-512 decode, keys decoded into the wgmma's registers (Gluon)", index(1, 1 << 19, True, rs=True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512()),
             ("top-512 prefill, 8-bit digits", top512(hist_bits=8)),
             ("top-512 prefill, run 41's maxima pass (2,048 a step, 64 registers)", top512(max_block=2048, maxnreg=64)),

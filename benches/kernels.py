@@ -35,9 +35,12 @@ dec_scores = None
 
 # the decode scoring's launch shapes (8 warps the default; 122 registers on sm_90 since the E4M3 bit assembly: two
 # programs an SM at 8 warps, four at 4), its key loop without the next tile's loads ahead (prefetch_keys=False)
-INDEXER_DECODE_CFGS = [{}, dict(maxnreg=128), dict(maxnreg=96), dict(num_warps=4), dict(num_warps=4, chunk=704),
-                       dict(prefetch_keys=False), dict(chunk=2816), dict(chunk=704), dict(block_n=64),
-                       dict(block_n=256, maxnreg=128)]
+# and the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py, Gluon; 78 registers, 364 SASS
+# instructions a thread a 64-key tile against the Triton loop's 448 for 128 at 8 warps: ~23 warp instructions a key
+# against ~28) at its default (~8 programs an SM) and other chunks
+INDEXER_DECODE_CFGS = [{}, dict(rs=True), dict(rs=True, chunk=1408), dict(rs=True, chunk=768),
+                       dict(rs=True, chunk=2816), dict(maxnreg=128), dict(num_warps=4), dict(num_warps=4, chunk=704), dict(prefetch_keys=False),
+                       dict(chunk=2816), dict(chunk=704), dict(block_n=64), dict(block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
 # 7.71 against 7.87 ms; 2 queries 12.6, 128-key tiles at 8 warps 8.5). key_fold: the keys' group exponents
 # in their E4M3 operands, one K = 128 dot a tile: 5.13 ms, 3.82-3.98 with more programs per SM, but the
@@ -81,6 +84,12 @@ def case_indexer(bw, mm, prefill=True):
     global dec_scores
     dec_scores = scores.clone()
     LOG["indexer_decode_scores_only_us"] = bench(lambda: indexer.indexer_scores_triton(*args), graph=True)
+    try:
+        LOG["indexer_decode_scores_only_rs_us"] = bench(lambda: indexer.indexer_scores_triton(*args, rs=True),
+                                                        graph=True)
+        LOG["indexer_decode_scores_rs_rel"] = rel(scores[0], indexer.indexer_scores_triton(*args, rs=True)[0])
+    except Exception as ex:  # noqa: BLE001
+        LOG["errors"].append(f"indexer decode rs scores: {ex!r}"[:400])
     ref_s = (torch.relu(dec(qp, qs)[0] @ dec(kp, ks).T) * w[0][:, None]).sum(0)
     # the top-k stages alone on the scoring kernel's maxima (counts re-zeroed inside the timing)
     _, mx, cnt = indexer._launch(*args, None, 8, topk=512)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
+from kernels import indexer_rs
 from kernels._formats import (E2M1_AS_E4M3_PTX, e2m1_as_e4m3, e4m3_code, e4m3_operand, e4m3_value, e8m0_value,
                              fp4_value, interpreted, register_cap, sm_count)
 from kernels.topk import _pow2, default_groups, select_from_maxima, topk_positions_reference
@@ -324,8 +325,10 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
 
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
             block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
-            prefetch_keys=None, maxnreg=None, key_fold=False):
-    """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None)."""
+            prefetch_keys=None, maxnreg=None, key_fold=False, rs=False):
+    """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None). rs: the
+    register-operand Gluon form (kernels/indexer_rs.py) where it applies (decode rows, D = 128, 32 heads, groups of
+    64 keys or more, no pool; Hopper), its own chunk default; block_t, block_n, num_warps, key_* do not apply."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
         raise ValueError(f"indexer kernel takes D in (32, 64, 128) and a power-of-two head count, got {d}, {h}")
@@ -341,6 +344,7 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
         gm = gm if gm < bn else max(gm, bn)
     step = max(gm, bn)
     prefetch = decode and d == 128 and gm <= bn
+    asked_chunk = chunk
     if chunk is None:  # decode: ~6 programs per SM (2 waves at 3 resident); prefill: 4K entries (keys stay in
         # L2), fewer where the query blocks alone leave SMs idle (a 64-query decode step over 4K entries:
         # 16 programs at 4K, 126 us on the H200 in run 15c)
@@ -351,6 +355,12 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     out = torch.empty(t, n, dtype=torch.float32, device=dev)
     maxima = torch.empty(t, n_groups, dtype=torch.float32, device=dev) if topk is not None else out
     counts = torch.empty(t, dtype=torch.int32, device=dev) if topk is not None else out
+    rs_gm = gm if topk is not None else indexer_rs.BN
+    if rs and not interp and indexer_rs.supports(t, h, d, n, rs_gm, pool_mask):
+        indexer_rs.indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, out,
+                                     maxima if topk is not None else None, counts if topk is not None else None,
+                                     gm=rs_gm, chunk=asked_chunk, maxnreg=maxnreg)
+        return out, (maxima if topk is not None else None), (counts if topk is not None else None)
     pool = pool_mask.contiguous().view(torch.uint8) if pool_mask is not None else out
     _indexer_kernel[(triton.cdiv(t, bt), triton.cdiv(n, chunk))](
         q_packed.contiguous(), q_scale.contiguous().view(torch.uint8), k_packed.contiguous(),

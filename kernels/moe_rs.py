@@ -87,8 +87,16 @@ if moe_ws.HAVE_GLUON:
         """Words [BN, 2, 4] int32 (`_words_layout`) and their groups' E8M0 bytes [BN, 2, 1] -> the decoded tile
         [BN, 64] bf16 in the wgmma's A layout (MMA K order: RS_ORDER), the scale folded in as
         fp4_tiles.fp4_decoded_folded does (NaN past FOLD_MAX_SCALE_BYTE)."""
-        BN: gl.constexpr = words.shape[0]
         f, words = moe_ws.fold_factors(sbytes, words)
+        return a_operand_scaled(words, f, BM)
+
+    @gluon.jit
+    def a_operand_scaled(words, f, BM: gl.constexpr):
+        """Words [BN, 2, 4] int32 (`_words_layout`) and a bf16 factor a word (int32 lanes holding it twice) -> the
+        tile [BN, 64] bf16 in the wgmma's A layout (MMA K order: RS_ORDER), each E2M1 value times 2^-126 times its
+        word's factor (one rounding: the product, exact where it is a bf16 number)."""
+        BN: gl.constexpr = words.shape[0]
+        f, words = gl.broadcast(f, words)
         v = gl.inline_asm_elementwise(_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f],
                                       dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
         # pair k = (v[2k], v[2k + 1]); [BN, group, word, e, p1, p0] after the joins (join adds the last axis)
