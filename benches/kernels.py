@@ -48,10 +48,12 @@ INDEXER_DECODE_CFGS = [{}, dict(rs=True), dict(rs=True, chunk=1408), dict(rs=Tru
 # logged, never picked). Not in the decode list: there its top-512 may match the fp32 eager one and win
 # (131.8 us at 4 warps against 138.6) while 1.5e-4 off a float64 reference.
 # the decode select on the scoring kernel's maxima (topk_split: 8,192 groups of 128, 256 filter programs, each finding
-# the bound over all 8,192 maxima): the counting search (the default; 54.3 us on the H100, 41b) against histograms
-INDEXER_DECODE_SELECT_CFGS = [{}, dict(select="hist"), dict(select="hist", bound_steps=3),
-                              dict(select="hist", hist_bits=5, bound_steps=5), dict(select="hist", bound_steps=2),
-                              dict(select="hist", bound_steps=3, num_warps=4)]
+# the bound over all 8,192 maxima), the default first (5-bit histograms, the bound from 5 of 7 digits: 43.2 us on the
+# H100 in run 44a), then the counting search (54.8; run 41b 54.3) and other histograms (8-bit digits 75.3, the bound
+# from 3 of 4 digits 61.7, 4 warps 122.4)
+INDEXER_DECODE_SELECT_CFGS = [{}, dict(select="count"), dict(select="hist", hist_bits=8, bound_steps=2),
+                              dict(select="hist", hist_bits=5, bound_steps=4), dict(select="hist", hist_bits=6,
+                                                                                    bound_steps=4)]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]
 

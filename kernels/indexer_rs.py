@@ -42,9 +42,11 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _natural(m):
-        """The natural K index (inside a 64-wide step) at MMA position m: moe_rs.rs_position."""
-        return (m & 1) | ((m >> 3) & 1) << 1 | ((m >> 4) & 1) << 2 | ((m >> 5) & 1) << 3 | ((m >> 1) & 1) << 4 \
+        """The natural K index (inside a 64-wide step) at MMA position m: its NIB column c = moe_rs.rs_position(m),
+        whose value is nibble (c & 7) // 2 + 4 (c & 1) of word c // 8 (fp4_tiles.nib_position's inverse)."""
+        c = (m & 1) | ((m >> 3) & 1) << 1 | ((m >> 4) & 1) << 2 | ((m >> 5) & 1) << 3 | ((m >> 1) & 1) << 4 \
             | ((m >> 2) & 1) << 5
+        return (c & -8) | ((c >> 1) & 3) | ((c & 1) << 2)
 
     @gluon.jit
     def _pow2(e):

@@ -9,9 +9,9 @@ The Triton version never sorts (Triton's tl.sort of 2048 keys costs tens of micr
 program). Both paths start from group maxima: the row is cut into groups of G entries (a power of
 two); the k-th largest group maximum t1 is a lower bound of the row's k-th largest value (k groups
 hold an entry >= t1), so every winner lies in a group whose maximum is >= t1: about k groups, so
-only ~k*G entries are read again. The k-th largest key of a set is found by counting (16 steps of
-three counts fix the 32-bit ordered key two bits at a time, `_kth_largest_key`) or, on the rows path, by
-histograms of 5-bit digits (7 steps, `_kth_largest_key_hist`). A row short enough (whole_row: a 4K prefill's
+only ~k*G entries are read again. The k-th largest key of a set is found by histograms of 5-bit digits (7 steps,
+`_kth_largest_key_hist`; both paths' default) or by counting (select="count": 16 steps of three counts fix the
+32-bit ordered key two bits at a time, `_kth_largest_key`). A row short enough (whole_row: a 4K prefill's
 indexer rows) skips the groups: one search over the row as one register tile.
   rows path (R >= ROWS_MIN, prefill): one program per row does it all: group maxima (unless the
      indexer's scoring kernel wrote them), t1, the qualifying groups' entries >= t1 appended in

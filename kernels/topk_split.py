@@ -13,11 +13,12 @@ import triton.language as tl
 
 from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2, _radix_select_row, _select_code
 
-# select "count": the k-th keys by 16 steps of three block counts (H200 run 2: the select of a 1M-entry decode row
-# 55 us on the scoring kernel's maxima); "hist" with hist_bits / bound_steps: by histograms of digits (the bound
-# from its first bound_steps digits, 0 all), untimed on this path
-SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "count", "hist_bits": 8,
-                       "bound_steps": 0}
+# select "hist" with 5-bit digits, the filter's bound from its first 5 of 7 (its top 22 bits): a 1M-entry decode row's
+# select on the scoring kernel's maxima (8,192 groups of 128) 43.2 us against 54.8 by counting (16 steps of three block
+# counts), 8-bit digits 75.3 (bound from 3 of 4 digits 61.7, from 2 47.9), 4 warps 122.4; every form's picks the
+# reference's (H100 run 44a, benches/results/kernels-h100-run44a.log)
+SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
+                       "bound_steps": 5}
 
 
 @triton.jit
