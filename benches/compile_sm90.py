@@ -237,12 +237,6 @@ def cases():
                 torch.softmax(torch.randn(tq, 4, 4), -1))
         return lambda: mhc.mhc_triton(*args, **({"bf16_values": True} if wide else {}))
 
-    # the experts' copies issued by a producer warp: two warpgroups launched at 128 registers (grouped_rs's cap for
-    # it; 232 for the MMA warps after setmaxnreg), token blocks to 96 pairs (128-pair blocks need 245: serialized)
-    producer = dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
-                    hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=(80, 96), split_n=64,
-                    split_maxnreg=0, ws="rs", ws_producer=True)
-
     return [("quantizers", quantizers), ("fp8 linear 128x5120x8192", linear(128)),
             ("fp8 linear 64x5120x8192", linear(64)),
             ("fp8 linear cuBLAS form's weight values 5120x8192", linear(128, mma="cublas")),
@@ -272,8 +266,6 @@ def cases():
                 4096, layout="wgmma", wgmma=dict(late_sum=True))),
             ("sparse attention prefill 4K, one pass on wgmma, copies staged a tile ahead (Gluon)", attention(
                 4096, layout="wgmma", wgmma=dict(staged=True))),
-            ("sparse attention prefill 4K, staged copies, the mask loaded early (Gluon)",
-             attention(4096, layout="wgmma", wgmma=dict(staged=True, early_mask=True))),
             ("sparse attention prefill 4K, staged copies, 16-byte output stores (Gluon)",
              attention(4096, layout="wgmma", wgmma=dict(staged=True, wide_store=True))),
             ("sparse attention prefill 4K, one pass on wgmma, S a tile ahead (Gluon)", attention(
@@ -310,9 +302,6 @@ def cases():
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",
                 hidden="reference", maxnreg=168, down_block_n=64, down_maxnreg=0, split_m=128, split_n=64,
                 split_maxnreg=0, ws="rs", ws_block_k=128, ws_stages=2)),
-            ("MoE prefill, register operand, a producer warp (Gluon)", experts(256, **producer)),
-            ("MoE prefill, register operand, a producer warp, 128-wide stages (Gluon)", experts(
-                256, **producer, ws_block_k=128, ws_stages=3)),
             # a positive control for the wgmma column: at 128 registers ptxas serializes this form's MMAs (C7512)
             ("MoE prefill, register operand capped at 128 registers (serialized)", experts(
                 256, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, bf16_decode="fold",

@@ -33,14 +33,15 @@ dec_scores = None
 
 # -- cases ---------------------------------------------------------------------------------------
 
-# the decode scoring's launch shapes (8 warps the default; 122 registers on sm_90 since the E4M3 bit assembly: two
-# programs an SM at 8 warps, four at 4), its key loop without the next tile's loads ahead (prefetch_keys=False)
-# and the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py, Gluon; 78 registers, 364 SASS
-# instructions a thread a 64-key tile against the Triton loop's 448 for 128 at 8 warps: ~23 warp instructions a key
-# against ~28) at its default (~8 programs an SM) and other chunks
-INDEXER_DECODE_CFGS = [{}, dict(rs=True), dict(rs=True, chunk=1408), dict(rs=True, chunk=768),
-                       dict(rs=True, chunk=2816), dict(maxnreg=128), dict(num_warps=4), dict(num_warps=4, chunk=704), dict(prefetch_keys=False),
-                       dict(chunk=2816), dict(chunk=704), dict(block_n=64), dict(block_n=256, maxnreg=128)]
+# the decode scoring's forms, the default first: the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py,
+# Gluon; 78 registers, 364 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps:
+# ~23 warp instructions a key against ~28; 1M keys with the top-512 103.3 us against 111.8, H100 run 44b) at ~8 programs
+# an SM and other chunks (44b: 1,408 keys 104.0, 768 104.1, 2,816 111.1); then the Triton kernel (8 warps; 122
+# registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (44b: 128 registers 112.6, 4 warps
+# 138.3, no prefetch 132.3, 64-key tiles 151.1)
+INDEXER_DECODE_CFGS = [{}, dict(chunk=1408), dict(chunk=768), dict(rs=False), dict(rs=False, maxnreg=128),
+                       dict(rs=False, num_warps=4), dict(rs=False, prefetch_keys=False), dict(rs=False, chunk=2816),
+                       dict(rs=False, chunk=704), dict(rs=False, block_n=64), dict(rs=False, block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
 # 7.71 against 7.87 ms; 2 queries 12.6, 128-key tiles at 8 warps 8.5). key_fold: the keys' group exponents
 # in their E4M3 operands, one K = 128 dot a tile: 5.13 ms, 3.82-3.98 with more programs per SM, but the
@@ -48,12 +49,11 @@ INDEXER_DECODE_CFGS = [{}, dict(rs=True), dict(rs=True, chunk=1408), dict(rs=Tru
 # logged, never picked). Not in the decode list: there its top-512 may match the fp32 eager one and win
 # (131.8 us at 4 warps against 138.6) while 1.5e-4 off a float64 reference.
 # the decode select on the scoring kernel's maxima (topk_split: 8,192 groups of 128, 256 filter programs, each finding
-# the bound over all 8,192 maxima), the default first (5-bit histograms, the bound from 5 of 7 digits: 43.2 us on the
-# H100 in run 44a), then the counting search (54.8; run 41b 54.3) and other histograms (8-bit digits 75.3, the bound
-# from 3 of 4 digits 61.7, 4 warps 122.4)
-INDEXER_DECODE_SELECT_CFGS = [{}, dict(select="count"), dict(select="hist", hist_bits=8, bound_steps=2),
-                              dict(select="hist", hist_bits=5, bound_steps=4), dict(select="hist", hist_bits=6,
-                                                                                    bound_steps=4)]
+# the bound over all 8,192 maxima), the default first (5-bit histograms, the bound from 4 of 7 digits, 32 candidates a
+# resolve program: 35.8 us on the H100 in run 44b), then around it (44b: the bound from 5 digits 39.6, 64 candidates a
+# program 43.2, 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3, the counting search 51.2; 44a: 8-bit digits 75.3, 4
+# warps 122.4)
+INDEXER_DECODE_SELECT_CFGS = [{}, dict(bound_steps=3), dict(bound_steps=5), dict(select="count")]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]
 
@@ -86,12 +86,8 @@ def case_indexer(bw, mm, prefill=True):
     global dec_scores
     dec_scores = scores.clone()
     LOG["indexer_decode_scores_only_us"] = bench(lambda: indexer.indexer_scores_triton(*args), graph=True)
-    try:
-        LOG["indexer_decode_scores_only_rs_us"] = bench(lambda: indexer.indexer_scores_triton(*args, rs=True),
+    LOG["indexer_decode_scores_only_triton_us"] = bench(lambda: indexer.indexer_scores_triton(*args, rs=False),
                                                         graph=True)
-        LOG["indexer_decode_scores_rs_rel"] = rel(scores[0], indexer.indexer_scores_triton(*args, rs=True)[0])
-    except Exception as ex:  # noqa: BLE001
-        LOG["errors"].append(f"indexer decode rs scores: {ex!r}"[:400])
     ref_s = (torch.relu(dec(qp, qs)[0] @ dec(kp, ks).T) * w[0][:, None]).sum(0)
     # the top-k stages alone on the scoring kernel's maxima (counts re-zeroed inside the timing)
     _, mx, cnt = indexer._launch(*args, None, 8, topk=512)
@@ -279,15 +275,14 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
 # MMA's M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile),
 # BH 32 spills ~116 B (2 programs per token)
 # the two passes, then the engine's prefill form first among the Gluon ones (Nsight's launch): each selected tile's
-# raw bytes copied (cp.async) into shared memory a tile ahead (since run 40); then the softmax's mask loaded before
-# each tile's fill and the output stored in 16-byte pieces (per-line Nsight 42d, untimed before run 43). `--only
-# attn_prefill` sweeps these alone
+# raw bytes copied (cp.async) into shared memory a tile ahead (since run 40); then the output stored in 16-byte pieces
+# (per-line Nsight 42d; H100 run 44a: 1,354.6 us against 1,480.0; the softmax's mask loaded before each tile's fill
+# 1,595.6, both 1,500.4: that option removed). `--only attn_prefill` sweeps these alone
 ATTN_PREFILL_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
                      dict(layout="wgmma", wgmma=dict(staged=True)),
-                     dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True)),
                      dict(layout="wgmma", wgmma=dict(staged=True, wide_store=True)),
-                     dict(layout="wgmma", wgmma=dict(staged=True, early_mask=True, wide_store=True)),
-                     dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True))]
+                     dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True)),
+                     dict(layout="wgmma", wgmma=dict(staged=True, wide_store=True, late_sum=True))]
 ATTN_CFGS = [*ATTN_PREFILL_CFGS,
              # the one-pass Gluon form on wgmma (kernels/sparse_attn_wgmma.py; untimed before run 38), 64- and 32-entry
              # tiles

@@ -61,15 +61,11 @@ def case_moe_prefill(bw, mm, forms=None):
         # token blocks of 64 / 80 / 96 / 128 pairs (moe_align_classes; knob moe_tile_classes; run 40a: 5,646.5 us
         # against the split tiles' 5,959.1), then with x ordered by its round trip (knob moe_rs_round_trip)
         sized = dict(rs, split_m=(80, 96, 128))
-        # candidates after per-line Nsight 42d (47% of the MMA warps' instructions issue TMA copies): the copies
-        # issued by a producer warp (two warpgroups, launched at 128 registers by grouped_rs: the MMA warps get 232,
-        # 2 programs an SM where the plain form has 3 at 64-pair blocks; 128-pair blocks need 245, so ptxas serializes
-        # their MMAs: also without them), at 64- and 128-wide stages; 128-wide stages at 3 stages (half the copies a
-        # K step). Dropped after runs 38a/40a: 3 stages, 64-token tiles alone, 8 blocks a group
-        producer = dict(rs, split_m=(80, 96), ws_producer=True)
-        forms = forms + [rs, sized, dict(sized, rs_round_trip=True), producer,
-                         dict(producer, split_m=(80, 96, 128)), dict(producer, ws_block_k=128, ws_stages=3),
-                         dict(sized, ws_block_k=128, ws_stages=3), dict(rs, ws_block_k=128, ws_stages=2)]
+        # dropped after run 44a (H100, us; the default 5,616.3): the copies issued by a producer warp (two
+        # warpgroups at 128 registers, 2 programs an SM where the plain form has 3) 5,865.3 with blocks to 96 pairs,
+        # 6,075.8 to 128, 5,664.4 with 128-wide stages at 3 stages; 128-wide stages at 3 stages 5,646.8, at 2 5,907.4.
+        # Dropped after runs 38a/40a: 3 stages, 64-token tiles alone, 8 blocks a group
+        forms = forms + [rs, sized, dict(sized, rs_round_trip=True)]
     base = moe.moe_fp4_triton(x, *W, ids, tw, **forms[0])
     best, t, r = sweep("moe_cfgs_engine_hidden", "moe prefill, engine's hidden", forms,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(base, out),

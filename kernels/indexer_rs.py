@@ -168,6 +168,11 @@ if moe_ws.HAVE_GLUON:
             w0, w1, sw = w0_next, w1_next, sw_next
 
 
+def runs_on(device) -> bool:
+    """Whether this form runs on the device: Gluon there and a Hopper GPU (the wgmma)."""
+    return moe_ws.runs_on(device)
+
+
 def supports(t: int, h: int, d: int, n: int, gm: int, pool_mask) -> bool:
     """Whether the register-operand form takes this call: Gluon there, decode rows, D = 128, 32 heads (the wgmma's N
     and the query tile's layout), groups of at least a tile, no candidate pool."""

@@ -299,11 +299,11 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_
 
 
 def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, limit, k, which: str, bf16_acts,
-                x_rs: bool | str = False, producer: bool = False, **form):
+                x_rs: bool | str = False, **form):
     """The GEMMs `which` ("both", "gate_up", "down") of every tile list in the warp-specialized form
     (kernels/moe_ws.py; form: grouped_ws's group_m, stages, block_k, decoders), or ("rs") both in the
     register-operand form (kernels/moe_rs.py: group_m, stages and maxnreg of `form`, block_k its stage_k; x_rs: xp
-    is in its MMA order already; producer: its copies issued by a warp of their own)."""
+    is in its MMA order already)."""
     from kernels import moe_ws
     if scales_t is None:
         scales_t = tuple(moe_ws.cached_transposed_scales(s, w.shape[0]) for s, w in ((s1, w1), (s3, w3), (s2, w2)))
@@ -311,7 +311,7 @@ def _grouped_ws(xp, w1, w3, w2, s1, s3, s2, scales_t, order, tiles, tw, h, out, 
     if which == "rs":  # both GEMMs in the register-operand form: act and h in its MMA order along K
         from kernels import moe_rs
         rs_form = {key: form[key] for key in ("group_m", "stages", "maxnreg") if key in form}
-        rs_form.update(stage_k=form.get("block_k", 64), producer=producer)
+        rs_form["stage_k"] = form.get("block_k", 64)
         x_sorted = (xp if x_rs else moe_rs.rs_columns(xp)).index_select(0, order.long() // k)
         for blocks, bm, bn, *_ in tiles:
             moe_rs.grouped_rs(x_sorted, flat[:2], scales_t[:2], order, blocks, h, bm, tw=tw.view(-1), limit=limit,
@@ -356,13 +356,13 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
                    gemv_iters: int = 1, gemv_down_block_n: int = 16, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
-                   gemv_down_num_warps: int | None = None, maxnreg: int | None = None, bf16_decode: bool | str = True,
-                   scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
+                   gemv_down_num_warps: int | None = None, maxnreg: int | None = None,
+                   bf16_decode: bool | str = True, scaled: bool = False, fp8_mma: bool = False, hidden: str | None = None,
                    x_on_grid: bool = False, split_m: int | tuple | None = None, down_block_n: int | None = None,
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
                    ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
                    ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96,
-                   ws_persistent: int = 0, rs_round_trip: bool = False, ws_producer: bool = False):
+                   ws_persistent: int = 0, rs_round_trip: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -404,10 +404,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     w1_scale, w3_scale and w2_scale (moe_ws.transposed_scales; when not given, made once a scale tensor and kept
     while it lives: moe_ws.cached_transposed_scales). ws="rs": both GEMMs in the register-operand Gluon form
     (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply,
-    ws_block_k is the K of a ring stage, 64 or 128; ws_producer: its copies issued by a warp of their own);
-    rs_round_trip: x's E4M3 round trip stores it in that form's MMA order itself (quant.fp8_roundtrip_triton
-    rs=True) instead of a permuting copy after it (where x is already on the grid there is no round trip, and the
-    copy stays)."""
+    ws_block_k is the K of a ring stage, 64 or 128); rs_round_trip: x's E4M3 round trip stores it in that form's MMA
+    order itself (quant.fp8_roundtrip_triton rs=True) instead of a permuting copy after it (where x is already on
+    the grid there is no round trip, and the copy stays)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -421,8 +420,6 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     round_x = fp8_hidden and not fp8_mma and not x_on_grid
     if rs_round_trip and which != "rs":
         raise ValueError("rs_round_trip: x stored in the register-operand form's order, for that form (ws='rs') alone")
-    if ws_producer and which != "rs":
-        raise ValueError("ws_producer: the copies' producer warp is the register-operand form's (ws='rs') alone")
     if dim % 32 or inter % 32:
         raise ValueError(f"dim {dim} and I {inter} must be multiples of the FP4 group 32")
     u8 = torch.uint8
@@ -502,7 +499,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         _grouped_ws(xp, w1, w3, w2, w1_scale, w3_scale, w2_scale, scales_t, order, tiles, tw, h, out, swiglu_limit, k,
                     which, hidden == "reference", group_m=group_m, stages=ws_stages, block_k=ws_block_k,
                     decoders=ws_decoders, maxnreg=ws_maxnreg, decode_regs=ws_decode_regs, persistent=ws_persistent,
-                    x_rs=rs_x, producer=ws_producer)
+                    x_rs=rs_x)
     for (bexp, bbeg, bend), bm, _, bn, _, cap in (tiles if which in (None, "gate_up") else []):
         nbm = bexp.numel()
         _moe_down_kernel[(nbm * triton.cdiv(dim, bn),)](

@@ -30,8 +30,7 @@ from kernels.fp4_tiles import nib_position
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 
 def rs_position(m: int) -> int:
@@ -136,13 +135,11 @@ if moe_ws.HAVE_GLUON:
                                             sraw.index(j * STAGES + s))
 
     @gluon.jit
-    def _stage(ring, words, i, accs, empty, KSTAGES: gl.constexpr, BM: gl.constexpr, BX: gl.constexpr,
-               PRODUCER: gl.constexpr):
+    def _stage(ring, words, i, accs, KSTAGES: gl.constexpr, BM: gl.constexpr, BX: gl.constexpr):
         """Stage i: wait for its copies; for each of its 64-wide K steps, decode each weight's tile into A registers
         and start its MMAs (over the BM rows, then the BX more), then wait until only these are in flight (the last
         step's done, this one's under the next decode). Once the last stage's MMAs are all done, copy stage
-        i + STAGES - 1 into its place, or (PRODUCER) release it to the producer warp (`empty`).
-        accs: (a, b, a over the BX rows, b over them)."""
+        i + STAGES - 1 into its place. accs: (a, b, a over the BX rows, b over them)."""
         a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, r0, wrow, srow, nb = ring
         acc_a, acc_b, acc_ax, acc_bx = accs
         STAGES: gl.constexpr = ready.shape[0]
@@ -173,9 +170,7 @@ if moe_ws.HAVE_GLUON:
             acc_a, acc_b, acc_ax, acc_bx = warpgroup_mma_wait(num_outstanding=NW * (2 if BX > 0 else 1),
                                                               deps=(acc_a, acc_b, acc_ax, acc_bx))
             if h == 0:
-                if PRODUCER:
-                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-                elif i + STAGES - 1 < KSTAGES:
+                if i + STAGES - 1 < KSTAGES:
                     _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready,
                            i + STAGES - 1, r0, wrow, srow, nb, BX)
         return acc_a, acc_b, acc_ax, acc_bx
@@ -210,85 +205,50 @@ if moe_ws.HAVE_GLUON:
                           moe_f8.act(acc_a, RB), mask=gl.expand_dims(rmask, 0), sem="relaxed")
 
     @gluon.jit
-    def _consume(ring, words, empty, tile, order_ptr, out_ptr, tw_ptr, limit, K: gl.constexpr, N: gl.constexpr,
-                 TOPK: gl.constexpr, NW: gl.constexpr, BM: gl.constexpr, BX: gl.constexpr, BN: gl.constexpr,
-                 STAGES: gl.constexpr, H: gl.constexpr, RB: gl.constexpr, PRODUCER: gl.constexpr):
-        """The 4 MMA warps' work on one tile: (unless PRODUCER) the first STAGES - 1 stages' copies, every stage's
-        decodes and MMAs, the epilogue."""
-        a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, r0, wrow, srow, nb = ring
-        e, r1 = tile
-        KSTAGES: gl.constexpr = K // (64 * H)  # even where H = 1: grouped_rs checks K
-        XR: gl.constexpr = BX if BX > 0 else 8  # (BX = 0: a placeholder never copied into)
-        if e >= 0:
-            if not PRODUCER:
-                for i in gl.static_range(STAGES - 1):
-                    if i < KSTAGES:
-                        _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, i,
-                               r0, wrow, srow, nb, BX)
-            acc_a = gl.zeros([BN, BM], gl.float32, _acc_layout(BM))
-            acc_b = gl.zeros([BN, BM], gl.float32, _acc_layout(BM))
-            # the BX rows' sums (BX = 0: never written, so the compiler drops them)
-            acc_ax = gl.zeros([BN, XR], gl.float32, _acc_layout(XR))
-            acc_bx = gl.zeros([BN, XR], gl.float32, _acc_layout(XR))
-            # two K steps an iteration, each with its own A registers: a step's are written again only after the
-            # wait that completes its MMAs (PTX forbids writing a wgmma's A registers while it is in flight)
-            UNROLL: gl.constexpr = 2 // H
-            for i in range(0, KSTAGES, UNROLL):
-                for u in gl.static_range(UNROLL):
-                    acc_a, acc_b, acc_ax, acc_bx = _stage(ring, words, i + u, (acc_a, acc_b, acc_ax, acc_bx), empty,
-                                                          KSTAGES, BM, BX, PRODUCER)
-            acc_a, acc_b, acc_ax, acc_bx = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b, acc_ax, acc_bx))
-            _epilogue(acc_a, acc_b, r0, r1, nb, order_ptr, out_ptr, tw_ptr, limit, N, TOPK, NW, RB)
-            if BX > 0:
-                _epilogue(acc_ax, acc_bx, r0 + BM, r1, nb, order_ptr, out_ptr, tw_ptr, limit, N, TOPK, NW, RB)
-
-    @gluon.jit
-    def _produce(ring, empty, e, KSTAGES: gl.constexpr, BX: gl.constexpr):
-        """The producer warp (PRODUCER): every stage's copies, each once the MMA warps have released its slot. One
-        warp issues them, where otherwise all four run each copy's issue (Nsight 42d: 47% of the MMA warps'
-        instructions)."""
-        a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, r0, wrow, srow, nb = ring
-        STAGES: gl.constexpr = ready.shape[0]
-        if e >= 0:
-            for i in range(KSTAGES):
-                s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # passes at once the first time round
-                fence_async_shared()  # the MMA warps' reads of the slot's words before the copies' writes
-                _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, i, r0,
-                       wrow, srow, nb, BX)
-
-    @gluon.jit
     def _moe_rs_kernel(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr,
                        out_ptr, tw_ptr, limit, NBM, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr,
                        NW: gl.constexpr, BM: gl.constexpr, BX: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, H: gl.constexpr, RB: gl.constexpr, PRODUCER: gl.constexpr):
+                       STAGES: gl.constexpr, H: gl.constexpr, RB: gl.constexpr):
         """One (token block, BN weight rows) tile of a grouped FP4 GEMM over K, in stages of H 64-wide K steps: NW = 2,
         gate/up (out: h, stored in RS_ORDER along I); NW = 1, down (out: the [T, dim] float32 sums, each expert's
         output added). A token block of BM + BX rows (BX 0, or 16 / 32 more in MMAs of their own: blocks of 80 or 96
-        pairs, where a power of two would leave a tile a third empty). PRODUCER: the copies issued by a warp of
-        their own (`_produce`), the slots released through `empty` barriers."""
-        XR: gl.constexpr = BX if BX > 0 else 8
+        pairs, where a power of two would leave a tile a third empty)."""
+        KSTAGES: gl.constexpr = K // (64 * H)  # even where H = 1: grouped_rs checks K
+        XR: gl.constexpr = BX if BX > 0 else 8  # (BX = 0: a placeholder never copied into)
         abuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * H, BM, 64], a_desc.layout)
         xbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * H if BX > 0 else 1, XR, 64], x_desc.layout)
         wraw = gl.allocate_shared_memory(gl.int32, [NW * STAGES, BN, 8 * H], wa_desc.layout)
         sraw = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 2 * H, BN], sa_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES if PRODUCER else 1, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
-            if PRODUCER:
-                mbarrier.init(empty.index(j), count=1)
         words = wraw._reinterpret(gl.int32, [NW * STAGES, BN, 2 * H, 4], moe_ws.PLAIN3)  # row-major, as copied
         e, nb, r0, r1 = moe_ws._tile(gl.program_id(0), (bexp_ptr, bbeg_ptr, bend_ptr, NBM, N // BN, GROUP_M))
-        ring = (a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, r0, e * N + nb * BN,
-                e * (K // 32), nb)
-        if PRODUCER:  # (the partitions' arguments written in place: a tuple assigned first makes constants tensors)
-            gl.warp_specialize([(_consume, (ring, words, empty, (e, r1), order_ptr, out_ptr, tw_ptr, limit, K, N, TOPK,
-                                            NW, BM, BX, BN, STAGES, H, RB, PRODUCER)),
-                                (_produce, (ring, empty, e, K // (64 * H), BX))], [1], [40])
-        else:
-            _consume(ring, words, empty, (e, r1), order_ptr, out_ptr, tw_ptr, limit, K, N, TOPK, NW, BM, BX, BN, STAGES,
-                     H, RB, PRODUCER)
+        if e >= 0:
+            wrow = e * N + nb * BN
+            srow = e * (K // 32)
+            for i in gl.static_range(STAGES - 1):
+                if i < KSTAGES:
+                    _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, i, r0,
+                           wrow, srow, nb, BX)
+            acc_a = gl.zeros([BN, BM], gl.float32, _acc_layout(BM))
+            acc_b = gl.zeros([BN, BM], gl.float32, _acc_layout(BM))
+            # the BX rows' sums (BX = 0: never written, so the compiler drops them)
+            acc_ax = gl.zeros([BN, XR], gl.float32, _acc_layout(XR))
+            acc_bx = gl.zeros([BN, XR], gl.float32, _acc_layout(XR))
+            ring = (a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, r0, wrow, srow,
+                    nb)
+            # two K steps an iteration, each with its own A registers: a step's are written again only after the
+            # wait that completes its MMAs (PTX forbids writing a wgmma's A registers while it is in flight)
+            UNROLL: gl.constexpr = 2 // H
+            for i in range(0, KSTAGES, UNROLL):
+                for u in gl.static_range(UNROLL):
+                    acc_a, acc_b, acc_ax, acc_bx = _stage(ring, words, i + u, (acc_a, acc_b, acc_ax, acc_bx), KSTAGES,
+                                                          BM, BX)
+            acc_a, acc_b, acc_ax, acc_bx = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b, acc_ax, acc_bx))
+            _epilogue(acc_a, acc_b, r0, r1, nb, order_ptr, out_ptr, tw_ptr, limit, N, TOPK, NW, RB)
+            if BX > 0:
+                _epilogue(acc_ax, acc_bx, r0 + BM, r1, nb, order_ptr, out_ptr, tw_ptr, limit, N, TOPK, NW, RB)
 
 
 def token_tile(block_m: int) -> tuple[int, int]:
@@ -303,14 +263,11 @@ def token_tile(block_m: int) -> tuple[int, int]:
 
 def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None, limit: float = 0.0, topk: int = 1,
                block_n: int = 64, group_m: int = 4, stages: int = 4, bf16_acts: bool = True,
-               maxnreg: int | None = None, stage_k: int = 64, producer: bool = False):
+               maxnreg: int | None = None, stage_k: int = 64):
     """One grouped FP4 GEMM of the MoE in the register-operand form: as moe_ws.grouped_ws (the same arguments,
     64-wide K steps), but act [P, K] in the MMA's order along K (`rs_columns` of the NIB order), and the gate/up's
     h stored in that order along I (the down GEMM's act). block_m: 64, 80, 96 or 128 pairs a token block
-    (`token_tile`). stage_k: the K of a ring stage, 64 or 128 (one wait and one set of copies for two steps).
-    producer: the TMA copies issued by a warp of their own (`_produce`; untimed before run 43), in a launch of two
-    warpgroups held to 128 registers unless maxnreg says otherwise (Triton pads the warp to a warpgroup and, uncapped,
-    launches at 256: one program an SM; at 128 the MMA warps get 232 after setmaxnreg, two programs an SM)."""
+    (`token_tile`). stage_k: the K of a ring stage, 64 or 128 (one wait and one set of copies for two steps)."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the register-operand MoE form needs triton.experimental.gluon (triton >= 3.6)")
     p, kdim = act.shape
@@ -323,8 +280,6 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
                          f"stage_k 64 or 128 (got {stage_k}) and stages at least 2 (got {stages}: one copy ahead)")
     bm, bx = token_tile(block_m)
     halves = stage_k // 64
-    if producer and maxnreg is None:
-        maxnreg = 128
     words = [w.contiguous().view(torch.int32) for w in weights]  # [E * N, K / 8]: a stage: BN rows of 8 words a step
     a_desc = moe_ws._descriptor(act, [bm, 64], 16, 128)
     x_desc = moe_ws._descriptor(act, [bx or 8, 64], 16, 128)  # the BX rows past BM (bx = 0: never read)
@@ -335,8 +290,7 @@ def grouped_rs(act, weights, scales_t, order, blocks, out, block_m: int, tw=None
     _moe_rs_kernel[(nbm * (n_rows // block_n),)](
         a_desc, x_desc, w_descs[0], w_descs[-1], s_descs[0], s_descs[-1], order, bexp, bbeg, bend, out,
         tw if tw is not None else out, float(limit), nbm, K=kdim, N=n_rows, TOPK=topk, NW=nw, BM=bm, BX=bx,
-        BN=block_n, GROUP_M=group_m, STAGES=stages, H=halves, RB=bf16_acts, PRODUCER=producer, num_warps=4,
-        **register_cap(maxnreg))
+        BN=block_n, GROUP_M=group_m, STAGES=stages, H=halves, RB=bf16_acts, num_warps=4, **register_cap(maxnreg))
     return out
 
 

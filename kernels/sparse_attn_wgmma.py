@@ -217,15 +217,14 @@ if moe_ws.HAVE_GLUON:
     def _sparse_attn_wgmma_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
                                   n_sel, n_win, qk2, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
                                   DC: gl.constexpr, AHEAD: gl.constexpr, LATE_SUM: gl.constexpr,
-                                  STAGED: gl.constexpr, EARLY_MASK: gl.constexpr = False,
-                                  WIDE_STORE: gl.constexpr = False):
+                                  STAGED: gl.constexpr, WIDE_STORE: gl.constexpr = False):
         """Token t = program 0, heads [64 program 1, +64): softmax(scale q . kv) . kv over its selected entries and
         window slots, with the sink in the denominator. AHEAD: S of tile i + 1 issued right after tile i's O MMAs
         and tile i + 2 decoded under both (three tile buffers); else S waited on as issued (two buffers). LATE_SUM:
         the softmax's sums kept per slot, added once at the end (two CTA barriers a tile fewer). STAGED (two
         buffers): each selected tile's raw bytes copied (cp.async) into shared memory a tile ahead, so the gather's
-        latency runs under the tile before's S, softmax and O. EARLY_MASK (two buffers): each tile's mask entries loaded
-        before its fill; WIDE_STORE: the output stored from the query's buffer in 16-byte pieces."""
+        latency runs under the tile before's S, softmax and O. WIDE_STORE: the output stored from the query's buffer
+        in 16-byte pieces."""
         t = gl.program_id(0).to(gl.int64)
         h0 = gl.program_id(1) * 64
         s_layout: gl.constexpr = _acc_layout(BN)
@@ -281,8 +280,6 @@ if moe_ws.HAVE_GLUON:
                 eb, es = _staged_entries(idx_row, BN, n_sel, BN)  # tile 1's indices, for its copies under tile 0
             for i in range(gl.maximum(n_t, 1)):
                 b = i % 2
-                if EARLY_MASK:  # the softmax's mask loaded before the tile's fill and S MMA, its latency under them
-                    ent = _tile_entries(i, n_st, idx_row, widx_row, n_sel, n_win, BN, s_layout)
                 # tile i into its buffer (its last readers, tile i - 2's MMAs, are done: every warp has waited since),
                 # under tile i - 1's O MMAs
                 if STAGED and i < n_st:
@@ -299,8 +296,7 @@ if moe_ws.HAVE_GLUON:
                           BN, D, DC)
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 s = warpgroup_mma(qs, kb.index(b).permute((1, 0)), s0, use_acc=False)
-                if not EARLY_MASK:
-                    ent = _tile_entries(i, n_st, idx_row, widx_row, n_sel, n_win, BN, s_layout)
+                ent = _tile_entries(i, n_st, idx_row, widx_row, n_sel, n_win, BN, s_layout)
                 p, m_i, l_i, o = _softmax_step(s, ent, qk2, m_i, l_i, o)
                 o = _weighted_sum(pb.index(i % NP), kb.index(b), p, o)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
@@ -352,7 +348,7 @@ def shared_bytes(d: int, block_n: int, ahead: bool, staged: bool = False) -> int
 
 def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, scale: float, block_n: int = 64,
                       ahead: bool = False, late_sum: bool = False, staged: bool = False, float_out: bool = False,
-                      n_sel: int | None = None, early_mask: bool = False, wide_store: bool = False) -> torch.Tensor:
+                      n_sel: int | None = None, wide_store: bool = False) -> torch.Tensor:
     """The one-pass wgmma form. q bf16 [T, H, D]; kvb the FP4 bytes (uint8 [N, D/2]), kv_scale their E4M3 bytes
     (uint8 [N, D/16]), winb the window's E4M3 bytes (uint8 [W, D]), win_scale its E8M0 bytes (uint8 [W, D/32]),
     indices int32 (-1 = none), sink float32 [H], all contiguous (sparse_attn_triton prepares them). block_n: entries a
@@ -360,20 +356,19 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
     runs under it too (three tile buffers: at D = 512, 32-entry tiles only). late_sum: the softmax's sums kept per
     slot and added once at the end (the same sum in another order; two CTA barriers a tile fewer). staged: each
     selected tile's raw bytes copied into shared memory a tile ahead (cp.async; not with ahead). n_sel: the
-    selected slots a row (None: idx's width). early_mask (not with ahead): each tile's softmax mask loaded before its
-    fill and S MMA, not after (per-line Nsight 42d: that load's wait 10% of the stall samples); wide_store: the
-    output stored through shared memory in 16-byte pieces (42d: the MMA layout's 4-byte stores 13.5%, LSU throttle
-    and drain). Returns bf16 [T, H, D] (float_out: those values as float32). Host side:
-    nothing made on or read from the host."""
+    selected slots a row (None: idx's width). wide_store: the output stored through shared memory in 16-byte pieces
+    (per-line Nsight 42d: the MMA layout's 4-byte stores 13.5% of the stall samples, LSU throttle and drain; the 4K
+    prefill 1,354.6 us against 1,480.0, H100 run 44a; loading each tile's softmax mask before its fill and S MMA
+    instead, for the 10% of the samples on that load's wait, was 1,595.6: removed). Returns bf16 [T, H, D]
+    (float_out: those values as float32). Host side: nothing made on or read from the host."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the wgmma sparse attention needs triton.experimental.gluon (triton >= 3.6)")
     t, h, d = q.shape
     if not wgmma_fits(h, d) or block_n not in (32, 64):
         raise ValueError(f"sparse attention (wgmma): needs heads a multiple of 64 (got {h}), head dim 128, 256 or 512 "
                          f"(got {d}) and block_n 32 or 64 (got {block_n})")
-    if ahead and (staged or early_mask):
-        raise ValueError("sparse attention (wgmma): staged copies and the early mask run in the two-buffer loop, "
-                         "not with ahead")
+    if ahead and staged:
+        raise ValueError("sparse attention (wgmma): staged copies run in the two-buffer loop, not with ahead")
     need = shared_bytes(d, block_n, ahead, staged)
     if need > _SHARED_LIMIT:
         raise ValueError(f"sparse attention (wgmma): {need} bytes of shared memory at head dim {d}, {block_n}-entry "
@@ -384,7 +379,7 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
         _sparse_attn_wgmma_kernel[(t, h // 64)](
             q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
             win_scale.view(torch.uint8), win_idx, sink, out, n_sel, win_idx.shape[1], qk_log2(scale), H=h, D=d,
-            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, STAGED=staged, EARLY_MASK=early_mask,
+            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, STAGED=staged,
             WIDE_STORE=wide_store, num_warps=8)
     return out
 

@@ -226,7 +226,7 @@ def default_groups(rows: int) -> int:
 
 
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int | None = None,
-                       bits: int = 8, rows_path: bool | None = None, slice_len: int = 64,
+                       bits: int = 8, rows_path: bool | None = None, slice_len: int | None = None,
                        num_warps: int | None = None, select: str | None = None,
                        maxnreg: int | None = None, **form) -> torch.Tensor:
     """Top-k of values [R, L] given maxima [R, n_groups] of groups of G = ceil-pow2(L / n_groups)

@@ -13,12 +13,14 @@ import triton.language as tl
 
 from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2, _radix_select_row, _select_code
 
-# select "hist" with 5-bit digits, the filter's bound from its first 5 of 7 (its top 22 bits): a 1M-entry decode row's
-# select on the scoring kernel's maxima (8,192 groups of 128) 43.2 us against 54.8 by counting (16 steps of three block
-# counts), 8-bit digits 75.3 (bound from 3 of 4 digits 61.7, from 2 47.9), 4 warps 122.4; every form's picks the
-# reference's (H100 run 44a, benches/results/kernels-h100-run44a.log)
+# select "hist" with 5-bit digits, the filter's bound from its first 4 of 7 (its top 17 bits): a 1M-entry decode row's
+# select on the scoring kernel's maxima (8,192 groups of 128) 35.8 us against 39.6 from 5 digits and 51.2 by counting
+# (16 steps of three block counts), 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3 (H100 run 44b; 44a: 5 of 7 43.2,
+# counting 54.8, 8-bit digits 75.3, 4 warps 122.4), every form's picks the reference's. slice_len: candidates a
+# resolve program ranks (each finds the k-th key over all of them): 32, where triton 3.7 spills the histogram form's
+# 64 (32 B at 128 registers; 3.6: 150 registers, no spill): 39.6 us against 43.2 (44b)
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
-                       "bound_steps": 5}
+                       "bound_steps": 4, "slice_len": 32}
 
 
 @triton.jit
@@ -143,13 +145,14 @@ def split_group_maxima(values, lens, n_groups: int, g: int, block: int, chunk: i
 
 
 def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: int | None = None, bits: int = 8,
-                 slice_len: int = 64, num_warps: int | None = None, select: str | None = None,
+                 slice_len: int | None = None, num_warps: int | None = None, select: str | None = None,
                  hist_bits: int | None = None, bound_steps: int | None = None) -> torch.Tensor:
     """The filter and resolve launches over given maxima [R, n_groups] and zeroed counts (kernels/topk.py
     `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. Unset knobs:
     SPLIT_PATH_DEFAULTS."""
     opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in dict(block=block, num_warps=num_warps, select=select,
-                                                               hist_bits=hist_bits, bound_steps=bound_steps).items()
+                                                               hist_bits=hist_bits, bound_steps=bound_steps,
+                                                               slice_len=slice_len).items()
                                      if v is not None}}
     r, n = values.shape
     n_groups = maxima.shape[1]
@@ -164,7 +167,7 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
                                                     G=g, GPP=gpp, GB=min(g, opt["block"]), CAP=cap,
                                                     HAS_LEN=has_len, SEL=sel, HBITS=hbits,
                                                     BSTEPS=opt["bound_steps"] if sel == 1 else 0, num_warps=nw)
-    sl = min(slice_len, cap)
+    sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
                                     SL=sl, BLOCK=opt["block"], BITS=bits, HAS_LEN=has_len, SEL=sel, HBITS=hbits,
                                     num_warps=nw)

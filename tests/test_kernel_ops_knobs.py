@@ -60,7 +60,7 @@ def test_attn_wgmma_knob_takes_the_one_pass_gluon_form_only_where_it_runs_and_fi
 
     ops = T.TritonOps.__new__(T.TritonOps)
     ops.device = torch.device("cpu")
-    ops.set_knobs("attn_wgmma=1,attn_staged=0")  # the staged copies (on by default) come in below
+    ops.set_knobs("attn_wgmma=1,attn_staged=0,attn_wide_store=0")  # its options (on by default) come in below
     monkeypatch.setattr(T, "interpreter_active", lambda: True)
     small = torch.empty(100, 256, device="meta")
     args = lambda t, h=64, d=512: (torch.empty(t, h, d, device="meta"), small, None, None, small)
@@ -74,12 +74,12 @@ def test_attn_wgmma_knob_takes_the_one_pass_gluon_form_only_where_it_runs_and_fi
     monkeypatch.setattr(sparse_attn_wgmma, "runs_on", lambda device: True)
     assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"staged": True}}
     assert ops._attn_launch(args(131)) == {}
-    ops.set_knobs("attn_early_mask=1,attn_wide_store=1")  # the options after Nsight 42d, beside the staged copies
-    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"staged": True, "early_mask": True,
-                                                                       "wide_store": True}}
-    ops.set_knobs("attn_staged=0,attn_wide_store=0")
-    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"early_mask": True}}
+    ops.set_knobs("attn_wide_store=1")  # the 16-byte output stores (after Nsight 42d), beside the staged copies
+    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"staged": True, "wide_store": True}}
+    ops.set_knobs("attn_staged=0,attn_late_sum=1")
+    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"wide_store": True, "late_sum": True}}
     assert ops._attn_launch(args(131)) == {}
+    assert T.KernelKnobs.attn_wide_store and not T.KernelKnobs.attn_late_sum  # the defaults (run 44b's layer A/B)
 
 
 def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):

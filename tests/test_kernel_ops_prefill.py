@@ -400,8 +400,7 @@ def test_float32_gemms_of_bf16_operands_take_one_pass(tmp_path, monkeypatch):
 def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path, monkeypatch):
     """moe_rs and moe_ws: a prefill's folded experts take the Gluon form the knob names (moe_rs first) where
     moe_ws.runs_on says the device has one, moe_tile_classes its 64 / 80 / 96 / 128-pair token blocks and
-    moe_rs_round_trip its input's order made by the round trip, moe_rs_producer its copies issued by a warp of their
-    own in blocks to 96 pairs, at the kernel's own register cap (the register-operand form's alone); nowhere else,
+    moe_rs_round_trip its input's order made by the round trip (the register-operand form's alone); nowhere else,
     and no knob moves a pick."""
     import kernels.dispatch as dispatch
     import kernels.moe_ws as moe_ws
@@ -412,7 +411,7 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
     def recorded(*args, **kwargs):
         classes = {"split_m": kwargs["split_m"]} if isinstance(kwargs.get("split_m"), tuple) else {}
         seen.append((args[7].numel() > 4 * args[1].shape[0], kwargs.get("bf16_decode"),
-                     {**{k: kwargs[k] for k in ("ws", "ws_decoders", "rs_round_trip", "ws_producer", "ws_maxnreg")
+                     {**{k: kwargs[k] for k in ("ws", "ws_decoders", "rs_round_trip")
                          if k in kwargs}, **classes}))
         return reference(*args, **{k: v for k, v in kwargs.items() if not k.startswith(("ws", "rs_"))})
 
@@ -431,10 +430,6 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
                                     {"ws": "rs", "split_m": (80, 96, 128), "rs_round_trip": True}),
                                    (True, True, "moe_fold=1,moe_rs=0,moe_ws=1,moe_tile_classes=1,moe_rs_round_trip=1",
                                     {"ws": True, "ws_decoders": 2}),  # the rs form's order: rs alone
-                                   (True, True, "moe_fold=1,moe_rs=1,moe_tile_classes=1,moe_rs_producer=1",
-                                    {"ws": "rs", "split_m": (80, 96), "ws_producer": True}),
-                                   (True, True, "moe_fold=1,moe_rs=0,moe_ws=1,moe_rs_producer=1",
-                                    {"ws": True, "ws_decoders": 2}),  # the producer warp: rs alone
                                    (False, True, "moe_fold=1,moe_rs=1,moe_ws=1", {}),
                                    (True, False, "moe_fold=1,moe_rs=1,moe_ws=1", {})):  # experts too narrow to tile
         monkeypatch.setattr(moe_ws, "runs_on", lambda device, _runs=runs: _runs)

@@ -48,8 +48,6 @@ def test_ws_forms_are_refused_by_name_and_where_they_cannot_run():
         moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws="both ways")
     with pytest.raises(ValueError, match="rs_round_trip: .* for that form"):  # its order is the rs form's
         moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, hidden="reference", rs_round_trip=True)
-    with pytest.raises(ValueError, match="ws_producer: .* form's .* alone"):  # no Gluon form asked for
-        moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, hidden="reference", ws_producer=True)
     for form in (dict(), dict(hidden="reference", fp8_mma=True)):
         with pytest.raises(ValueError, match="engine's hidden state"):
             moe.moe_fp4_triton(x, w, s, w, s, w, s, ids, tw, ws=True, **form)
@@ -104,19 +102,16 @@ if ws.get("rs_round_trip"):  # the order made by the round trip, not by a copy: 
                                   dict(ws="rs", ws_block_k=128, ws_stages=2), dict(ws="rs", split_m=[80, 96, 128]),
                                   dict(ws="rs", split_m=[80, 96, 128], spread=True), dict(ws="rs", spread=True),
                                   dict(ws="rs", split_m=[80, 96, 128], rs_round_trip=True),
-                                  dict(ws="rs", split_m=[80, 96], ws_producer=True, spread=True),
-                                  dict(ws="rs", split_m=[80, 96, 128], ws_producer=True, ws_block_k=128, ws_stages=3),
                                   dict(ws=True), dict(ws="gate_up"), dict(ws=True, ws_decoders=2, ws_persistent=1),
                                   dict(ws="down", ws_block_k=128, ws_stages=3)],
                          ids=["rs", "rs_3_stages_64_token_tiles", "rs_128_wide_stages", "rs_80_96_128",
-                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "rs_producer_spread",
-                              "rs_producer_128_wide", "both", "gate_up",
+                              "rs_80_96_128_spread", "rs_spread", "rs_round_trip", "both", "gate_up",
                               "two_decoders_persistent", "down_k128"])
 def test_ws_form_on_the_gpu(form):
     """The whole MoE in a Gluon form against the Triton form and the float64 reference: the register-operand form
     (kernels/moe_rs.py; with the split tiles, with 64-token tiles alone at three stages, with 128-wide stages, in token
     blocks of 64 / 80 / 96 / 128 pairs, also over counts at every block size's edges, with its input ordered by the
-    round trip, with its copies issued by a producer warp), then the
+    round trip), then the
     warp-specialized one: both GEMMs, the gate/up alone, two decoders looping over tiles, the down alone at 128-wide
     K (a fresh process: another module's import may have set the interpreter)."""
     import json

@@ -34,9 +34,8 @@ def test_wgmma_form_refuses_what_it_cannot_tile_before_any_launch():
     assert W.shared_bytes(512, 32, True) == 2 * (64 * 512 + 3 * 32 * 512 + 2 * 64 * 32)
     # staged: one weights buffer, and a tile's packed bytes and E4M3 scales (288 bytes an entry at D = 512)
     assert W.shared_bytes(512, 64, False, staged=True) == 2 * (64 * 512 + 2 * 64 * 512 + 64 * 64) + 64 * 288
-    for opts in (dict(staged=True), dict(early_mask=True)):
-        with pytest.raises(ValueError, match="early mask run in the two-buffer loop, not with ahead"):
-            A.sparse_attn_triton(*big, layout="wgmma", block_n=32, wgmma=dict(ahead=True, **opts))
+    with pytest.raises(ValueError, match="staged copies run in the two-buffer loop, not with ahead"):
+        A.sparse_attn_triton(*big, layout="wgmma", block_n=32, wgmma=dict(ahead=True, staged=True))
     with pytest.raises(ValueError, match="'two_pass' or 'wgmma', got 'flash'"):
         A.sparse_attn_triton(*args, layout="flash")
     assert W.wgmma_fits(64, 512) and W.wgmma_fits(128, 128) and not W.wgmma_fits(32, 512)
@@ -80,10 +79,10 @@ for t, h, d, n, w, k, wn, bn, opts in ((300, 64, 512, 4096, 256, 500, 128, 64, {
                                        (40, 128, 256, 512, 64, 70, 37, 64, dict(staged=True)),
                                        (40, 64, 256, 512, 64, 0, 128, 64, {}),
                                        (40, 64, 512, 512, 64, 0, 128, 64, dict(staged=True)),
-                                       (300, 64, 512, 4096, 256, 500, 128, 64, dict(staged=True, early_mask=True)),
-                                       (40, 128, 256, 512, 64, 70, 37, 32, dict(early_mask=True, wide_store=True)),
+                                       (300, 64, 512, 4096, 256, 500, 128, 64, dict(staged=True, wide_store=True)),
+                                       (40, 128, 256, 512, 64, 70, 37, 32, dict(wide_store=True)),
                                        (300, 64, 512, 4096, 256, 500, 128, 64,
-                                        dict(staged=True, early_mask=True, wide_store=True, late_sum=True))):
+                                        dict(staged=True, wide_store=True, late_sum=True))):
     args = [x.cuda() for x in attention_inputs(g, t=t, h=h, d=d, n=n, w=w, k=k, wn=wn)]
     args[3][1] = -1  # a token with nothing selected and nothing in its window: zeros
     args[6][1] = -1
@@ -105,7 +104,7 @@ for t, h, d, n, w, k, wn, bn, opts in ((300, 64, 512, 4096, 256, 500, 128, 64, {
 @pytest.mark.skipif(not W.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
 def test_wgmma_form_on_the_gpu():
     """Release shapes (500 selected FP4 entries + 128 FP8 window slots, 64 heads of 512, both tile sizes, S a tile
-    ahead, the sums late, the copies staged, the mask loaded early, the output stored 16 bytes at a time), other head
+    ahead, the sums late, the copies staged, the output stored 16 bytes at a time), other head
     dims and counts, window-only layers and an empty token,
     against the float64 reference and the two passes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -135,24 +135,24 @@ class KernelKnobs:
     # graph 1.005x (Full m=1), 0.992x (Full m=2), 0.995x (Reindex): within the A/B's noise (~0.5%) of the 0.6% / 0.9%
     # the kernel predicts; in the layer's profile (41f) the row select 199 / 93 / 200 us against 407 / 396 / 405 (40b)
     topk_whole_row = True
-    # candidates after per-line Nsight 42d, built in the forty-second and forty-third sessions, off until timed: the
-    # one-pass attention's softmax mask loaded before each tile's fill and S MMA, its output stored in 16-byte pieces
-    # (kernels/sparse_attn_wgmma.py early_mask / wide_store); the register-operand experts' TMA copies issued by a
-    # producer warp (kernels/moe_rs.py producer: two warpgroups at 128 registers, token blocks to 96 pairs)
-    attn_early_mask = False
-    attn_wide_store = False
-    moe_rs_producer = False
+    # the one-pass attention's output stored in 16-byte pieces through the query's buffer (kernels/sparse_attn_wgmma.py
+    # wide_store, after per-line Nsight 42d): the kernel bench's 4K prefill 1,369.5 us against 1,457.9 (H100 run 44b;
+    # 1,354.6 / 1,480.0 in 44a), the layer's prefill graph 0.978x (Reuse 9.773 ms against 9.984) and 0.982x (Full m=1
+    # 11.088 against 11.287) in one process each (44b). attn_late_sum: its softmax sums kept per slot, added once at
+    # the end (late_sum): with wide_store 1,283.2 us in the kernel bench (44b), untimed in the layer: off
+    attn_wide_store = True
+    attn_late_sum = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
-             "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row", "attn_early_mask", "attn_wide_store",
-             "moe_rs_producer")
+             "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row", "attn_wide_store",
+             "attn_late_sum")
 
     def attn_wgmma_options(self) -> dict:
         """The one-pass wgmma attention's options (kernels/sparse_attn_wgmma.py) the knobs ask for."""
-        chosen = {"staged": self.attn_staged, "early_mask": self.attn_early_mask, "wide_store": self.attn_wide_store}
+        chosen = {"staged": self.attn_staged, "wide_store": self.attn_wide_store, "late_sum": self.attn_late_sum}
         return {"wgmma": {name: True for name, on in chosen.items() if on}} if any(chosen.values()) else {}
 
     def moe_rs_options(self) -> dict:
@@ -160,8 +160,6 @@ class KernelKnobs:
         form = {"split_m": (80, 96, 128)} if self.moe_tile_classes else {}  # 64 / 80 / 96 / 128-pair token blocks
         if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
             form["rs_round_trip"] = True
-        if self.moe_rs_producer:  # blocks to 96 pairs: at its 128-register launch 128-pair MMAs would be serialized
-            form.update(ws_producer=True, split_m=(80, 96))
         return form
 
     def set_knobs(self, spec: str) -> dict:
