@@ -247,8 +247,7 @@ def cases():
             ("top-512 prefill, 8-bit digits", top512(hist_bits=8)),
             ("top-512 prefill, run 41's maxima pass (2,048 a step, 64 registers)", top512(max_block=2048, maxnreg=64)),
             ("top-512 prefill, 16 warps", top512(num_warps=16)),
-            ("top-512 decode split path, histograms", lambda: topk.topk_positions_triton(
-                torch.randn(1, 1 << 20), 512, select="hist", hist_bits=5, bound_steps=5)),
+            ("top-512 decode split path, 1M entries", lambda: topk.topk_positions_triton(torch.randn(1, 1 << 20), 512)),
             ("top-512 layer rows, one tile (short rows on half of it)", top512(4096, True, whole_row=4096)),
             ("top-512 layer rows, one tile for all", top512(4096, True, whole_row=4096, whole_half=False)),
             ("sparse attention decode b64", attention(64)),

@@ -21,6 +21,10 @@ from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2,
 # 64 (32 B at 128 registers; 3.6: 150 registers, no spill): 39.6 us against 43.2 (44b)
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
                        "bound_steps": 4, "slice_len": 32}
+# the resolve's fallback (the exact radix select over a whole row, where its candidates overflow the buffer: many exact
+# ties) in tiles of at most this many entries: at 4,096 triton 3.7 held the kernel to 128 registers and spilled 32 B
+# (3.6: 150 registers, no spill); at 1,024 it takes 80, none spilled
+RADIX_BLOCK = 1024
 
 
 @triton.jit
@@ -169,6 +173,6 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
                                                     BSTEPS=opt["bound_steps"] if sel == 1 else 0, num_warps=nw)
     sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
-                                    SL=sl, BLOCK=opt["block"], BITS=bits, HAS_LEN=has_len, SEL=sel, HBITS=hbits,
+                                    SL=sl, BLOCK=min(opt["block"], RADIX_BLOCK), BITS=bits, HAS_LEN=has_len, SEL=sel, HBITS=hbits,
                                     num_warps=nw)
     return out
