@@ -50,9 +50,9 @@ INDEXER_DECODE_CFGS = [{}, dict(chunk=1408), dict(chunk=768), dict(rs=False), di
 # (131.8 us at 4 warps against 138.6) while 1.5e-4 off a float64 reference.
 # the decode select on the scoring kernel's maxima (topk_split: 8,192 groups of 128, 256 filter programs, each finding
 # the bound over all 8,192 maxima), the default first (5-bit histograms, the bound from 4 of 7 digits, 32 candidates a
-# resolve program: 35.8 us on the H100 in run 44b), then around it (44b: the bound from 5 digits 39.6, 64 candidates a
-# program 43.2, 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3, the counting search 51.2; 44a: 8-bit digits 75.3, 4
-# warps 122.4)
+# resolve program: 35.5 us on the H100 in run 44d), then around it (44d: the bound from 3 digits 30.5, a coarse bound
+# kept off the default (topk_split), from 5 39.3, the counting search 51.3; 44b: 64 candidates a program 43.2, 8-bit
+# digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit digits 75.3, 4 warps 122.4)
 INDEXER_DECODE_SELECT_CFGS = [{}, dict(bound_steps=3), dict(bound_steps=5), dict(select="count")]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]

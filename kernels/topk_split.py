@@ -13,17 +13,21 @@ import triton.language as tl
 
 from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2, _radix_select_row, _select_code
 
-# select "hist" with 5-bit digits, the filter's bound from its first 4 of 7 (its top 17 bits): a 1M-entry decode row's
-# select on the scoring kernel's maxima (8,192 groups of 128) 35.8 us against 39.6 from 5 digits and 51.2 by counting
-# (16 steps of three block counts), 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3 (H100 run 44b; 44a: 5 of 7 43.2,
-# counting 54.8, 8-bit digits 75.3, 4 warps 122.4), every form's picks the reference's. slice_len: candidates a
-# resolve program ranks (each finds the k-th key over all of them): 32, where triton 3.7 spills the histogram form's
-# 64 (32 B at 128 registers; 3.6: 150 registers, no spill): 39.6 us against 43.2 (44b)
+# select "hist" with 5-bit digits, the filter's bound from its first 4 of 7 (its top 17 bits: a bucket of 2^-8
+# relative, a few more candidates than the exact bound's for three fewer dependent steps): a 1M-entry decode row's
+# select on the scoring kernel's maxima (8,192 groups of 128) 35.5 us against 39.3 from 5 digits and 51.3 by counting
+# (16 steps of three block counts; H100 run 44d; 44b: 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit
+# digits 75.3, 4 warps 122.4), every form's picks the reference's. From 3 digits (12 bits: a bucket of 2^-3 relative)
+# it took 30.5 us on the bench's random scores, but scores bunched within an eighth of the bound would pass the 2,048
+# candidates and fall back to the radix select over the whole row (milliseconds): not the default. slice_len:
+# candidates a resolve program ranks (each finds the k-th key over all of them): 32, where triton 3.7 spills the
+# histogram form's 64 (32 B at 128 registers; 3.6: 150, no spill): 39.6 us against 43.2 (44b)
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
                        "bound_steps": 4, "slice_len": 32}
+
 # the resolve's fallback (the exact radix select over a whole row, where its candidates overflow the buffer: many exact
 # ties) in tiles of at most this many entries: at 4,096 triton 3.7 held the kernel to 128 registers and spilled 32 B
-# (3.6: 150 registers, no spill); at 1,024 it takes 80, none spilled
+# (3.6: 150 registers, no spill); at 1,024 it takes 80, none spilled (the decode 96.2 us with it, 44d)
 RADIX_BLOCK = 1024
 
 
