@@ -177,6 +177,7 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
                                                     BSTEPS=opt["bound_steps"] if sel == 1 else 0, num_warps=nw)
     sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
-                                    SL=sl, BLOCK=min(opt["block"], RADIX_BLOCK), BITS=bits, HAS_LEN=has_len, SEL=sel, HBITS=hbits,
+                                    SL=sl, BLOCK=min(opt["block"], RADIX_BLOCK), BITS=bits, HAS_LEN=has_len, SEL=sel,
+                                    HBITS=hbits,
                                     num_warps=nw)
     return out
