@@ -38,8 +38,10 @@ dec_scores = None
 # ~23 warp instructions a key against ~28; 1M keys with the top-512 103.3 us against 111.8, H100 run 44b) at ~8 programs
 # an SM and other chunks (44b: 1,408 keys 104.0, 768 104.1, 2,816 111.1); then the Triton kernel (8 warps; 122
 # registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (44b: 128 registers 112.6, 4 warps
-# 138.3, no prefetch 132.3, 64-key tiles 151.1)
-INDEXER_DECODE_CFGS = [{}, dict(chunk=1408), dict(chunk=768), dict(rs=False), dict(rs=False, maxnreg=128),
+# 138.3, no prefetch 132.3, 64-key tiles 151.1). groups: the group maxima a row (8,192 by default for decode rows: the
+# filter's 256 programs each search the bound over all of them, 30.5 us under the profiler in 44d; fewer groups, a
+# cheaper search, more entries read again), untimed
+INDEXER_DECODE_CFGS = [{}, dict(groups=4096), dict(groups=2048), dict(chunk=1408), dict(chunk=768), dict(rs=False), dict(rs=False, maxnreg=128),
                        dict(rs=False, num_warps=4), dict(rs=False, prefetch_keys=False), dict(rs=False, chunk=2816),
                        dict(rs=False, chunk=704), dict(rs=False, block_n=64), dict(rs=False, block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
