@@ -41,9 +41,10 @@ dec_scores = None
 # 138.3, no prefetch 132.3, 64-key tiles 151.1). groups: the group maxima a row (8,192 by default for decode rows: the
 # filter's 256 programs each search the bound over all of them, 30.5 us under the profiler in 44d; fewer groups, a
 # cheaper search, more entries read again), untimed
-INDEXER_DECODE_CFGS = [{}, dict(groups=4096), dict(groups=2048), dict(chunk=1408), dict(chunk=768), dict(rs=False), dict(rs=False, maxnreg=128),
-                       dict(rs=False, num_warps=4), dict(rs=False, prefetch_keys=False), dict(rs=False, chunk=2816),
-                       dict(rs=False, chunk=704), dict(rs=False, block_n=64), dict(rs=False, block_n=256, maxnreg=128)]
+INDEXER_DECODE_CFGS = [{}, dict(groups=4096), dict(groups=2048), dict(chunk=1408), dict(chunk=768), dict(rs=False),
+                       dict(rs=False, maxnreg=128), dict(rs=False, num_warps=4), dict(rs=False, prefetch_keys=False),
+                       dict(rs=False, chunk=2816), dict(rs=False, chunk=704), dict(rs=False, block_n=64),
+                       dict(rs=False, block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
 # 7.71 against 7.87 ms; 2 queries 12.6, 128-key tiles at 8 warps 8.5). key_fold: the keys' group exponents
 # in their E4M3 operands, one K = 128 dot a tile: 5.13 ms, 3.82-3.98 with more programs per SM, but the
@@ -55,7 +56,9 @@ INDEXER_DECODE_CFGS = [{}, dict(groups=4096), dict(groups=2048), dict(chunk=1408
 # resolve program: 35.5 us on the H100 in run 44d), then around it (44d: the bound from 3 digits 30.5, a coarse bound
 # kept off the default (topk_split), from 5 39.3, the counting search 51.3; 44b: 64 candidates a program 43.2, 8-bit
 # digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit digits 75.3, 4 warps 122.4)
-INDEXER_DECODE_SELECT_CFGS = [{}, dict(bound_steps=3), dict(bound_steps=5), dict(select="count")]
+# and a filter program's block of 8,192 / 16,384 entries read 4,096 at a time (128 / 64 programs: one wave; untimed)
+INDEXER_DECODE_SELECT_CFGS = [{}, dict(block=8192), dict(block=16384), dict(bound_steps=3), dict(bound_steps=5),
+                              dict(select="count")]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]
 

@@ -21,9 +21,11 @@ from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2,
 # it took 30.5 us on the bench's random scores, but scores bunched within an eighth of the bound would pass the 2,048
 # candidates and fall back to the radix select over the whole row (milliseconds): not the default. slice_len:
 # candidates a resolve program ranks (each finds the k-th key over all of them): 32, where triton 3.7 spills the
-# histogram form's 64 (32 B at 128 registers; 3.6: 150, no spill): 39.6 us against 43.2 (44b)
+# histogram form's 64 (32 B at 128 registers; 3.6: 150, no spill): 39.6 us against 43.2 (44b). filter_tile: entries a
+# filter program reads at a time (its 4,096-entry block at once by default: 256 programs of 219 registers for a 1M row,
+# two waves on 132 SMs; block 8,192 read 4,096 at a time is 128 programs, one wave, untimed; at once it spills)
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
-                       "bound_steps": 4, "slice_len": 32}
+                       "bound_steps": 4, "slice_len": 32, "filter_tile": 4096}
 
 # the resolve's fallback (the exact radix select over a whole row, where its candidates overflow the buffer: many exact
 # ties) in tiles of at most this many entries: at 4,096 triton 3.7 held the kernel to 128 registers and spilled 32 B
@@ -58,10 +60,11 @@ def _group_max_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_p
 def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
                    K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
                    CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8,
-                   BSTEPS: tl.constexpr = 0):
-    """Program (row, c) takes groups [c*GPP, (c+1)*GPP): reads the entries of those whose maximum reaches
-    the bound (GB columns at a time), appends the candidates to the row's buffer via its counter. Every program
-    finds the bound itself (BSTEPS: `_candidate_bound`'s digits): redundant work on idle SMs, no launch between."""
+                   BSTEPS: tl.constexpr = 0, SUB: tl.constexpr = 0):
+    """Program (row, c) takes groups [c*GPP, (c+1)*GPP), SUB at a time (0: all at once): reads the entries of those
+    whose maximum reaches the bound (GB columns at a time), appends the candidates to the row's buffer via its counter.
+    Every program finds the bound itself (BSTEPS: `_candidate_bound`'s digits): redundant work on idle SMs, no launch
+    between."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     length = n_cols
@@ -70,24 +73,26 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
     mrow = max_ptr + row.to(tl.int64) * n_groups
     gi = tl.arange(0, NGP)
     t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL, HBITS, BSTEPS)
-    g = c * GPP + tl.arange(0, GPP)
-    mo = tl.load(mrow + g, mask=g < n_groups, other=float("-inf"))
-    qual = (mo > float("-inf")) & (_ordered_key(mo) >= t1)
-    if tl.sum(qual.to(tl.int32), axis=0) > 0:
-        base = v_ptr + row.to(tl.int64) * stride_v
-        for j0 in tl.static_range(0, G, GB):
-            idx = g[:, None] * G + j0 + tl.arange(0, GB)[None, :]  # [GPP, GB]
-            ok = qual[:, None] & (idx < length)
-            x = tl.load(base + idx, mask=ok, other=float("-inf"))
-            cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
-            cand = tl.reshape(cand, (GPP * GB,))
-            n_c = tl.sum(cand.to(tl.int32), axis=0)
-            if n_c > 0:
-                # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
-                slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-                ok2 = cand & (slot < CAP)
-                tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (GPP * GB,)), mask=ok2)
-                tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (GPP * GB,)), mask=ok2)
+    S: tl.constexpr = GPP if SUB == 0 else SUB
+    base = v_ptr + row.to(tl.int64) * stride_v
+    for s0 in tl.static_range(0, GPP, S):
+        g = c * GPP + s0 + tl.arange(0, S)
+        mo = tl.load(mrow + g, mask=g < n_groups, other=float("-inf"))
+        qual = (mo > float("-inf")) & (_ordered_key(mo) >= t1)
+        if tl.sum(qual.to(tl.int32), axis=0) > 0:
+            for j0 in tl.static_range(0, G, GB):
+                idx = g[:, None] * G + j0 + tl.arange(0, GB)[None, :]  # [S, GB]
+                ok = qual[:, None] & (idx < length)
+                x = tl.load(base + idx, mask=ok, other=float("-inf"))
+                cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
+                cand = tl.reshape(cand, (S * GB,))
+                n_c = tl.sum(cand.to(tl.int32), axis=0)
+                if n_c > 0:
+                    # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
+                    slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                    ok2 = cand & (slot < CAP)
+                    tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (S * GB,)), mask=ok2)
+                    tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (S * GB,)), mask=ok2)
 
 
 @triton.jit
@@ -154,13 +159,15 @@ def split_group_maxima(values, lens, n_groups: int, g: int, block: int, chunk: i
 
 def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: int | None = None, bits: int = 8,
                  slice_len: int | None = None, num_warps: int | None = None, select: str | None = None,
-                 hist_bits: int | None = None, bound_steps: int | None = None) -> torch.Tensor:
+                 hist_bits: int | None = None, bound_steps: int | None = None,
+                 filter_tile: int | None = None) -> torch.Tensor:
     """The filter and resolve launches over given maxima [R, n_groups] and zeroed counts (kernels/topk.py
-    `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. Unset knobs:
-    SPLIT_PATH_DEFAULTS."""
+    `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. block: entries a filter program
+    (its groups' share of the row), read filter_tile entries at a time (more entries a program, fewer programs: at
+    most one wave of them); unset knobs: SPLIT_PATH_DEFAULTS."""
     opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in dict(block=block, num_warps=num_warps, select=select,
                                                                hist_bits=hist_bits, bound_steps=bound_steps,
-                                                               slice_len=slice_len).items()
+                                                               slice_len=slice_len, filter_tile=filter_tile).items()
                                      if v is not None}}
     r, n = values.shape
     n_groups = maxima.shape[1]
@@ -174,7 +181,9 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
                                                     cval, cidx, K=k, NGP=_pow2(n_groups),
                                                     G=g, GPP=gpp, GB=min(g, opt["block"]), CAP=cap,
                                                     HAS_LEN=has_len, SEL=sel, HBITS=hbits,
-                                                    BSTEPS=opt["bound_steps"] if sel == 1 else 0, num_warps=nw)
+                                                    BSTEPS=opt["bound_steps"] if sel == 1 else 0,
+                                                    SUB=min(gpp, max(1, opt["filter_tile"] // min(g, opt["block"]))),
+                                                    num_warps=nw)
     sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
                                     SL=sl, BLOCK=min(opt["block"], RADIX_BLOCK), BITS=bits, HAS_LEN=has_len, SEL=sel,

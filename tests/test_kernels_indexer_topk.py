@@ -233,6 +233,9 @@ def test_split_path_hist_forms_exact(gen, hist_bits, bound_steps):
     for cap in (2048, 64):
         got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, cap=cap, **form)
         assert torch.equal(got, topk.topk_positions_reference(v, 32, lengths)), (gen.initial_seed(), cap)
+    # a filter program's groups read a few at a time (filter_tile under its block: 16 groups of 16, 4 at a time)
+    got = topk.topk_positions_triton(v, 32, lengths, block=256, groups=64, filter_tile=64, **form)
+    assert torch.equal(got, topk.topk_positions_reference(v, 32, lengths)), gen.initial_seed()
 @pytest.mark.parametrize("bits", [8, 5, 6])
 def test_kth_largest_key_by_histograms(bits):
     """The histogram search gives the counting search's key (duplicates, a validity mask, negatives), at
