@@ -32,10 +32,8 @@ import triton
 import triton.language as tl
 
 from kernels._formats import register_cap
-from kernels.topk_search import (_candidate_bound, _kth_key, _kth_largest_key, _kth_largest_key_hist,  # noqa: F401
-                                 _ordered_key, _pow2, _radix_select_row, _select_code)
-from kernels.topk_split import (SPLIT_PATH_DEFAULTS, _filter_kernel, _group_max_kernel,  # noqa: F401
-                                _resolve_kernel, split_group_maxima, split_select)
+from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2, _radix_select_row, _select_code
+from kernels.topk_split import SPLIT_PATH_DEFAULTS, split_group_maxima, split_select
 
 
 def topk_positions_reference(values: torch.Tensor, k: int, lengths: torch.Tensor | None = None,

@@ -9,7 +9,7 @@ import torch
 
 from engine import quant as Q
 
-_, _, topk_split, topk, indexer = interpreted("_formats", "topk_search", "topk_split", "topk", "indexer")
+_, topk_search, topk_split, topk, indexer = interpreted("_formats", "topk_search", "topk_split", "topk", "indexer")
 
 
 def _ties(gen, rows, n):
@@ -67,8 +67,8 @@ def test_kth_largest_key_by_counting():
     @triton.jit
     def k(x_ptr, m_ptr, need_ptr, o_ptr):
         i = tl.arange(0, 256)
-        key = topk._ordered_key(tl.load(x_ptr + i))
-        o = topk._kth_largest_key(key, tl.load(m_ptr + i) != 0, tl.load(need_ptr))
+        key = topk_search._ordered_key(tl.load(x_ptr + i))
+        o = topk_search._kth_largest_key(key, tl.load(m_ptr + i) != 0, tl.load(need_ptr))
         tl.store(o_ptr, o.to(tl.int32, bitcast=True))
 
     g = torch.Generator().manual_seed(3)
@@ -246,12 +246,12 @@ def test_kth_largest_key_by_histograms(bits):
     @triton.jit
     def k(x_ptr, m_ptr, need_ptr, o_ptr, BITS: tl.constexpr):
         i = tl.arange(0, 256)
-        key = topk._ordered_key(tl.load(x_ptr + i))
+        key = topk_search._ordered_key(tl.load(x_ptr + i))
         ok = tl.load(m_ptr + i) != 0
         need = tl.load(need_ptr)
-        tl.store(o_ptr, topk._kth_largest_key_hist(key, ok, need, BITS).to(tl.int32, bitcast=True))
-        tl.store(o_ptr + 1, topk._kth_largest_key(key, ok, need).to(tl.int32, bitcast=True))
-        tl.store(o_ptr + 2, topk._kth_largest_key_hist(key, ok, need, BITS, 3).to(tl.int32, bitcast=True))
+        tl.store(o_ptr, topk_search._kth_largest_key_hist(key, ok, need, BITS).to(tl.int32, bitcast=True))
+        tl.store(o_ptr + 1, topk_search._kth_largest_key(key, ok, need).to(tl.int32, bitcast=True))
+        tl.store(o_ptr + 2, topk_search._kth_largest_key_hist(key, ok, need, BITS, 3).to(tl.int32, bitcast=True))
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-5, 6, (256,), generator=g).float() * torch.rand(256, generator=g).round(decimals=1)
