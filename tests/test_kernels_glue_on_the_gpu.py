@@ -275,6 +275,8 @@ for t, n, vis in ((1, 1 << 20, 1 << 20), (3, (1 << 19) + 333, 400_001)):
     pad = torch.full((t, mx.shape[1] * gm - n), float("-inf"), dtype=torch.float64)
     assert torch.equal(mx.double().cpu(), torch.cat([got, pad], 1).view(t, -1, gm).amax(2))
     assert (cnt.cpu() == 0).all()
+    # the scores alone (the engine's call: no maxima written) are the same numbers
+    assert torch.equal(indexer.indexer_scores_triton(*args).double().cpu(), got)
     picks = indexer.indexer_topk_triton(*args, topk=512, rs=True).cpu()
     assert torch.equal(picks, topk.topk_positions_reference(ref.float(), 512))
 """, hang_s=300)
