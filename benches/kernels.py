@@ -280,12 +280,13 @@ def attn_eager(q, kvp, kvs, idx, w8, ws, widx, sink):
 # MMA's M, heads as N; BH 16 compiles without spills on triton 3.6 (4 programs per token, each decoding the tile),
 # BH 32 spills ~116 B (2 programs per token)
 # the two passes, then the engine's prefill form first among the Gluon ones (Nsight's launch): each selected tile's
-# raw bytes copied (cp.async) into shared memory a tile ahead (since run 40); then the output stored in 16-byte pieces
-# (per-line Nsight 42d; H100 run 44a: 1,354.6 us against 1,480.0; the softmax's mask loaded before each tile's fill
-# 1,595.6, both 1,500.4: that option removed). `--only attn_prefill` sweeps these alone
+# raw bytes copied (cp.async) into shared memory a tile ahead (since run 40) and the output stored in 16-byte pieces
+# (per-line Nsight 42d; since run 44b; 44b: 1,369.5 us against 1,457.9 for the staged copies alone; 44a: 1,354.6
+# against 1,480.0; the softmax's mask loaded before each tile's fill 1,595.6, both 1,500.4: that option removed).
+# `--only attn_prefill` sweeps these alone
 ATTN_PREFILL_CFGS = [dict(layout="two_pass", two_pass=dict(decode="bf16x2")),
-                     dict(layout="wgmma", wgmma=dict(staged=True)),
                      dict(layout="wgmma", wgmma=dict(staged=True, wide_store=True)),
+                     dict(layout="wgmma", wgmma=dict(staged=True)),
                      dict(layout="wgmma", wgmma=dict(staged=True, late_sum=True)),
                      dict(layout="wgmma", wgmma=dict(staged=True, wide_store=True, late_sum=True))]
 ATTN_CFGS = [*ATTN_PREFILL_CFGS,

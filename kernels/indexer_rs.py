@@ -32,7 +32,7 @@ import torch
 import triton
 
 from kernels import moe_rs, moe_ws
-from kernels._formats import register_cap, sm_count
+from kernels._formats import e8m0_value, fp4_value, register_cap, sm_count
 
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
@@ -54,7 +54,8 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _pow2(e):
-        """float32 2^e for integer lanes -149 <= e <= 127 (exact: subnormal below -126)."""
+        """float32 2^e for integer lanes -149 <= e <= 127 (exact: subnormal below -126; _formats.e8m0_value covers
+        only e >= -127)."""
         normal = ((gl.maximum(e, -126) + 127) << 23).to(gl.float32, bitcast=True)
         tiny = (1 << gl.maximum(e + 149, 0)).to(gl.float32, bitcast=True)
         return gl.where(e >= -126, normal, tiny)
@@ -69,15 +70,6 @@ if moe_ws.HAVE_GLUON:
         return gl.maximum(gl.maximum(b0, b1), gl.maximum(b2, b3))
 
     @gluon.jit
-    def _e2m1(code):
-        """float32 value of E2M1 codes (int32 lanes, 0..15)."""
-        mag = code & 7
-        e = mag >> 1
-        half = (mag & 1).to(gl.float32) * 0.5
-        v = gl.where(e == 0, half, (1.0 + half) * (1 << gl.maximum(e - 1, 0)).to(gl.float32))
-        return gl.where((code & 8) != 0, -v, v)
-
-    @gluon.jit
     def _query_step(qp_ptr, qs_ptr, qsb_ptr, row0, step: gl.constexpr, H: gl.constexpr):
         """The query's heads at the MMA positions of 64-wide K step `step`: [H, 64] bf16, each head's values
         E2M1 * 2^(s_g - s_max) (exact). qs_ptr: the heads' scale bytes as one int32 word a head, qsb_ptr: bytes."""
@@ -90,7 +82,7 @@ if moe_ws.HAVE_GLUON:
         b = gl.load(qp_ptr + hk * 64 + kk // 2).to(gl.int32) & 255
         code = (b >> ((kk & 1) * 4)) & 15
         sg = gl.load(qsb_ptr + hk * 4 + kk // 32).to(gl.int32)
-        return (_e2m1(code) * _pow2(sg - gl.expand_dims(hmax, 1))).to(gl.bfloat16)
+        return (fp4_value(code) * _pow2(sg - gl.expand_dims(hmax, 1))).to(gl.bfloat16)
 
     @gluon.jit
     def _key_words(kw_ptr, rows, lim, step: gl.constexpr, layout: gl.constexpr):
@@ -134,7 +126,7 @@ if moe_ws.HAVE_GLUON:
         fence_async_shared()
         heads = t * H + gl.arange(0, H, layout=acols)
         # each head's factor 2^(s_max - 127) folded into its weight (ReLU commutes with it)
-        wq = gl.load(w_ptr + heads) * _pow2(_largest_byte(gl.load(qs_ptr + heads)) - 127)
+        wq = gl.load(w_ptr + heads) * e8m0_value(_largest_byte(gl.load(qs_ptr + heads)))
         n_vis = gl.minimum(gl.load(nvis_ptr + t), N)
         if WRITE_MAX:
             if c == 0:
@@ -160,7 +152,9 @@ if moe_ws.HAVE_GLUON:
             acc = warpgroup_mma(a1, q1.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             cols = start + gl.arange(0, BN, layout=arows)
-            kf = _pow2(_largest_byte(gl.load(ks_ptr + cols, mask=cols < n_vis, other=0)) - 127)
+            # the keys' largest scale bytes again, in the accumulator's row layout (an L1 hit, where converting kmax's
+            # layout would go through shared memory)
+            kf = e8m0_value(_largest_byte(gl.load(ks_ptr + cols, mask=cols < n_vis, other=0)))
             score = gl.sum(gl.maximum(acc, 0.0) * gl.expand_dims(wq, 0), axis=1) * kf
             score = gl.where(cols < n_vis, score, float("-inf"))
             gl.store(out_row + cols, score, mask=cols < N)
