@@ -33,32 +33,31 @@ dec_scores = None
 
 # -- cases ---------------------------------------------------------------------------------------
 
-# the decode scoring's forms, the default first: the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py,
-# Gluon; 78 registers, 364 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps:
-# ~23 warp instructions a key against ~28; 1M keys with the top-512 103.3 us against 111.8, H100 run 44b) at ~8 programs
-# an SM and other chunks (44b: 1,408 keys 104.0, 768 104.1, 2,816 111.1); then the Triton kernel (8 warps; 122
-# registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (44b: 128 registers 112.6, 4 warps
-# 138.3, no prefetch 132.3, 64-key tiles 151.1). groups: the group maxima a row (8,192 by default for decode rows: the
-# filter's 256 programs each search the bound over all of them, 30.5 us under the profiler in 44d; fewer groups, a
-# cheaper search, more entries read again), untimed
-INDEXER_DECODE_CFGS = [{}, dict(groups=4096), dict(groups=2048), dict(chunk=1408), dict(chunk=768), dict(rs=False),
+# the decode's forms, the default first: the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py,
+# Gluon; ~95 registers, 364 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps;
+# 1M keys with the top-512 69.4 us, H100 run 45c) over 2,048 group maxima (indexer.DECODE_GROUPS; 45c: 4,096 78.9,
+# 1,024 71.0; 45b: 8,192 91.3) with the filter's slots a candidate at a time (45c: a tile's by a scan 71.5); its
+# programs (chunk, rounded up to a group of 512: 1,024 keys by default, 1,024 programs, ~1.6 waves at 5 resident an
+# SM; 45c: 1,536 77.5) and a register cap; the select's filter block (45c: 8,192 73.8); then the Triton kernel (8
+# warps; 122 registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (45c: 128 registers 110.2,
+# 4 warps 89.9, no prefetch 110.4, 64-key tiles 132.9, 256 at 128 registers 87.4, at 113.0 by default)
+INDEXER_DECODE_CFGS = [{}, dict(groups=1024), dict(select_tune=dict(atomic_slots=False)), dict(chunk=512),
+                       dict(chunk=2048), dict(maxnreg=80), dict(maxnreg=80, chunk=512), dict(rs=False),
                        dict(rs=False, maxnreg=128), dict(rs=False, num_warps=4), dict(rs=False, prefetch_keys=False),
-                       dict(rs=False, chunk=2816), dict(rs=False, chunk=704), dict(rs=False, block_n=64),
-                       dict(rs=False, block_n=256, maxnreg=128)]
+                       dict(rs=False, block_n=64), dict(rs=False, block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
 # 7.71 against 7.87 ms; 2 queries 12.6, 128-key tiles at 8 warps 8.5). key_fold: the keys' group exponents
 # in their E4M3 operands, one K = 128 dot a tile: 5.13 ms, 3.82-3.98 with more programs per SM, but the
 # FP8 MMA's 13-bit chained accumulation leaves its rows 1.3e-4 off (the check rejects it: timed and
 # logged, never picked). Not in the decode list: there its top-512 may match the fp32 eager one and win
 # (131.8 us at 4 warps against 138.6) while 1.5e-4 off a float64 reference.
-# the decode select on the scoring kernel's maxima (topk_split: 8,192 groups of 128, 256 filter programs, each finding
-# the bound over all 8,192 maxima), the default first (5-bit histograms, the bound from 4 of 7 digits, 32 candidates a
-# resolve program: 35.5 us on the H100 in run 44d), then around it (44d: the bound from 3 digits 30.5, a coarse bound
-# kept off the default (topk_split), from 5 39.3, the counting search 51.3; 44b: 64 candidates a program 43.2, 8-bit
-# digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit digits 75.3, 4 warps 122.4)
-# and a filter program's block of 8,192 / 16,384 entries read 4,096 at a time (128 / 64 programs: one wave; untimed)
-INDEXER_DECODE_SELECT_CFGS = [{}, dict(block=8192), dict(block=16384), dict(bound_steps=3), dict(bound_steps=5),
-                              dict(select="count")]
+# the decode select on the scoring kernel's maxima (topk_split: 2,048 groups of 512, 256 filter programs, each finding
+# the bound over all 2,048 maxima), the default first (5-bit histograms, the bound from 4 of 7 digits, 32 candidates a
+# resolve program, a filter slot a candidate: 18.6 us on the H100 in run 45c), then around it (45c: the slots by a
+# tile's scan 21.3, a filter block of 8,192 21.3, the bound from 3 digits 21.1 (a coarse bound kept off the default:
+# topk_split), the counting search 33.6; 44d on 8,192 groups of 128: from 5 digits 39.3; 44b: 64 candidates a program
+# 43.2, 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit digits 75.3, 4 warps 122.4)
+INDEXER_DECODE_SELECT_CFGS = [{}, dict(atomic_slots=False), dict(bound_steps=3), dict(select="count")]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]
 

@@ -23,9 +23,13 @@ from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2,
 # candidates a resolve program ranks (each finds the k-th key over all of them): 32, where triton 3.7 spills the
 # histogram form's 64 (32 B at 128 registers; 3.6: 150, no spill): 39.6 us against 43.2 (44b). filter_tile: entries a
 # filter program reads at a time (its 4,096-entry block at once by default: 256 programs of 219 registers for a 1M row,
-# two waves on 132 SMs; block 8,192 read 4,096 at a time is 128 programs, one wave, untimed; at once it spills)
+# two waves on 132 SMs; block 8,192 read 4,096 at a time is 128 programs, one wave: no faster, 45b; at once it spills).
+# On the indexer decode's maxima since run 45b (2,048 groups of 512): 21.3 us, from 3 digits 21.1, counting 33.6.
+# atomic_slots: each candidate's slot by an atomic of its own, where the tile's slots were numbered by a scan over its
+# 4,096 entries (24% of the filter's stall samples, 45b): 18.6 us against 21.3, the 1M-key decode with its top-512 69.4
+# against 71.5 (45c), 85 registers against 119
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
-                       "bound_steps": 4, "slice_len": 32, "filter_tile": 4096}
+                       "bound_steps": 4, "slice_len": 32, "filter_tile": 4096, "atomic_slots": True}
 
 # the resolve's fallback (the exact radix select over a whole row, where its candidates overflow the buffer: many exact
 # ties) in tiles of at most this many entries: at 4,096 triton 3.7 held the kernel to 128 registers and spilled 32 B
@@ -60,11 +64,12 @@ def _group_max_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_p
 def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
                    K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
                    CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8,
-                   BSTEPS: tl.constexpr = 0, SUB: tl.constexpr = 0):
+                   BSTEPS: tl.constexpr = 0, SUB: tl.constexpr = 0, ATOMIC_SLOTS: tl.constexpr = False):
     """Program (row, c) takes groups [c*GPP, (c+1)*GPP), SUB at a time (0: all at once): reads the entries of those
     whose maximum reaches the bound (GB columns at a time), appends the candidates to the row's buffer via its counter.
     Every program finds the bound itself (BSTEPS: `_candidate_bound`'s digits): redundant work on idle SMs, no launch
-    between."""
+    between. ATOMIC_SLOTS: each candidate takes its slot by an atomic of its own (the buffer is unordered), where the
+    default reserves a tile's slots with one atomic and numbers them by a scan over the tile."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     length = n_cols
@@ -86,13 +91,20 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
                 x = tl.load(base + idx, mask=ok, other=float("-inf"))
                 cand = ok & (x > float("-inf")) & (_ordered_key(x) >= t1)
                 cand = tl.reshape(cand, (S * GB,))
-                n_c = tl.sum(cand.to(tl.int32), axis=0)
-                if n_c > 0:
-                    # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
-                    slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
+                if ATOMIC_SLOTS:
+                    slot = tl.atomic_add(cnt_ptr + row + tl.zeros([S * GB], tl.int32), 1, mask=cand, sem="relaxed")
                     ok2 = cand & (slot < CAP)
                     tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (S * GB,)), mask=ok2)
                     tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (S * GB,)), mask=ok2)
+                else:
+                    n_c = tl.sum(cand.to(tl.int32), axis=0)
+                    if n_c > 0:
+                        slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") \
+                            + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                        ok2 = cand & (slot < CAP)
+                        tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (S * GB,)), mask=ok2)
+                        tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (S * GB,)), mask=ok2)
 
 
 @triton.jit
@@ -160,14 +172,15 @@ def split_group_maxima(values, lens, n_groups: int, g: int, block: int, chunk: i
 def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: int | None = None, bits: int = 8,
                  slice_len: int | None = None, num_warps: int | None = None, select: str | None = None,
                  hist_bits: int | None = None, bound_steps: int | None = None,
-                 filter_tile: int | None = None) -> torch.Tensor:
+                 filter_tile: int | None = None, atomic_slots: bool | None = None) -> torch.Tensor:
     """The filter and resolve launches over given maxima [R, n_groups] and zeroed counts (kernels/topk.py
     `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. block: entries a filter program
     (its groups' share of the row), read filter_tile entries at a time (more entries a program, fewer programs: at
     most one wave of them); unset knobs: SPLIT_PATH_DEFAULTS."""
     opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in dict(block=block, num_warps=num_warps, select=select,
                                                                hist_bits=hist_bits, bound_steps=bound_steps,
-                                                               slice_len=slice_len, filter_tile=filter_tile).items()
+                                                               slice_len=slice_len, filter_tile=filter_tile,
+                                                               atomic_slots=atomic_slots).items()
                                      if v is not None}}
     r, n = values.shape
     n_groups = maxima.shape[1]
@@ -183,6 +196,7 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
                                                     HAS_LEN=has_len, SEL=sel, HBITS=hbits,
                                                     BSTEPS=opt["bound_steps"] if sel == 1 else 0,
                                                     SUB=min(gpp, max(1, opt["filter_tile"] // min(g, opt["block"]))),
+                                                    ATOMIC_SLOTS=bool(opt["atomic_slots"]),
                                                     num_warps=nw)
     sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,

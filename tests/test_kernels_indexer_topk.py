@@ -218,24 +218,29 @@ def test_topk_hist_select_exact(gen, rows_path, num_warps):
     assert torch.equal(got[2], torch.arange(32, dtype=torch.int32))
 
 
-
-
 @pytest.mark.parametrize("hist_bits, bound_steps", [(5, 5), (8, 2), (5, 1), (8, 0)])
 def test_split_path_hist_forms_exact(gen, hist_bits, bound_steps):
     """The split path's histogram forms (kernels/topk_split.py: digits of hist_bits, the filter's bound from its
     first bound_steps digits, a lower bound that lets more candidates in) pick the reference's positions: ties at
     the k-th value, row lengths, -inf entries, a row of equal keys, and a bound so coarse (one 2- or 8-bit digit)
-    that the candidates overflow a small buffer into the radix fallback."""
+    that the candidates overflow a small buffer into the radix fallback; each with the filter's slots reserved a
+    tile at a time and a candidate at a time (atomic_slots)."""
     v = _ties(gen, 3, 700)
     v[2] = -0.0
     lengths = torch.tensor([700, 650, 300], dtype=torch.int32)
+    want = topk.topk_positions_reference(v, 32, lengths)
     form = dict(rows_path=False, select="hist", hist_bits=hist_bits, bound_steps=bound_steps)
-    for cap in (2048, 64):
-        got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, cap=cap, **form)
-        assert torch.equal(got, topk.topk_positions_reference(v, 32, lengths)), (gen.initial_seed(), cap)
-    # a filter program's groups read a few at a time (filter_tile under its block: 16 groups of 16, 4 at a time)
-    got = topk.topk_positions_triton(v, 32, lengths, block=256, groups=64, filter_tile=64, **form)
-    assert torch.equal(got, topk.topk_positions_reference(v, 32, lengths)), gen.initial_seed()
+    for atomic_slots in (False, True):
+        for cap in (2048, 64):
+            got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, cap=cap, atomic_slots=atomic_slots,
+                                             **form)
+            assert torch.equal(got, want), (gen.initial_seed(), cap, atomic_slots)
+        # a filter program's groups read a few at a time (filter_tile under its block: 16 groups of 16, 4 at a time)
+        got = topk.topk_positions_triton(v, 32, lengths, block=256, groups=64, filter_tile=64,
+                                         atomic_slots=atomic_slots, **form)
+        assert torch.equal(got, want), (gen.initial_seed(), atomic_slots)
+
+
 @pytest.mark.parametrize("bits", [8, 5, 6])
 def test_kth_largest_key_by_histograms(bits):
     """The histogram search gives the counting search's key (duplicates, a validity mask, negatives), at
