@@ -29,7 +29,8 @@ from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2,
 # 4,096 entries (24% of the filter's stall samples, 45b): 18.6 us against 21.3, the 1M-key decode with its top-512 69.4
 # against 71.5 (45c), 85 registers against 119
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
-                       "bound_steps": 4, "slice_len": 32, "filter_tile": 4096, "atomic_slots": True}
+                       "bound_steps": 4, "slice_len": 32, "filter_tile": 4096, "atomic_slots": True,
+                       "half_cap": False}
 
 # the resolve's fallback (the exact radix select over a whole row, where its candidates overflow the buffer: many exact
 # ties) in tiles of at most this many entries: at 4,096 triton 3.7 held the kernel to 128 registers and spilled 32 B
@@ -108,12 +109,43 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
 
 
 @triton.jit
+def _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP: tl.constexpr, W: tl.constexpr,
+                   SL: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr):
+    """The winners among slots [sl*SL, (sl+1)*SL) of the row's buffer of n_cand <= W candidates (its stride CAP),
+    each written at its rank by position among all winners (`_resolve_kernel`)."""
+    s = tl.arange(0, W)
+    ok = s < n_cand
+    x = tl.load(cval_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=float("-inf"))
+    p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
+    key = _ordered_key(x)
+    inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
+    thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL, HBITS)
+    gt = ok & (key > thr)
+    eq = ok & (key == thr)
+    need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
+    cut = tl.zeros([], dtype=tl.uint32)
+    if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
+        cut = _kth_key(inv, eq, need_eq, SEL, HBITS)
+    sel = gt | (eq & (inv >= cut))
+    m = sl * SL + tl.arange(0, SL)
+    okm = m < n_cand
+    xm = tl.load(cval_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=float("-inf"))
+    pm = tl.load(cidx_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=0)
+    km = _ordered_key(xm)
+    selm = okm & ((km > thr) | ((km == thr) & ((pm ^ -1).to(tl.uint32, bitcast=True) >= cut)))
+    slot = tl.sum((sel[None, :] & (p[None, :] < pm[:, None])).to(tl.int32), axis=1)
+    tl.store(out_row + slot, pm, mask=selm)
+
+
+@triton.jit
 def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_ptr, out_ptr,
                     K: tl.constexpr, CAP: tl.constexpr, SL: tl.constexpr, BLOCK: tl.constexpr,
-                    BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8):
+                    BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8,
+                    HALF: tl.constexpr = False):
     """Program (row, s): the winners among candidate slots [s*SL, (s+1)*SL) of the row's (unordered)
     buffer, each written at its rank by position among all winners. Winners: value desc, then position
-    asc; the K-th value and the tie cut found by counting over the whole buffer."""
+    asc; the K-th value and the tie cut found by counting over the whole buffer (HALF: over its first half, where
+    the candidates fit there)."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
     n_cand = tl.load(cnt_ptr + row)
@@ -124,28 +156,10 @@ def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_pt
             slots = tl.arange(0, K)
             tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
         if sl * SL < n_cand:
-            s = tl.arange(0, CAP)
-            ok = s < n_cand
-            x = tl.load(cval_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=float("-inf"))
-            p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
-            key = _ordered_key(x)
-            inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
-            thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL, HBITS)
-            gt = ok & (key > thr)
-            eq = ok & (key == thr)
-            need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
-            cut = tl.zeros([], dtype=tl.uint32)
-            if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
-                cut = _kth_key(inv, eq, need_eq, SEL, HBITS)
-            sel = gt | (eq & (inv >= cut))
-            m = sl * SL + tl.arange(0, SL)
-            okm = m < n_cand
-            xm = tl.load(cval_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=float("-inf"))
-            pm = tl.load(cidx_ptr + row.to(tl.int64) * CAP + m, mask=okm, other=0)
-            km = _ordered_key(xm)
-            selm = okm & ((km > thr) | ((km == thr) & ((pm ^ -1).to(tl.uint32, bitcast=True) >= cut)))
-            slot = tl.sum((sel[None, :] & (p[None, :] < pm[:, None])).to(tl.int32), axis=1)
-            tl.store(out_row + slot, pm, mask=selm)
+            if HALF and n_cand <= CAP // 2:
+                _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP, CAP // 2, SL, SEL, HBITS)
+            else:
+                _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP, CAP, SL, SEL, HBITS)
     elif sl == 0:
         length = n_cols
         if HAS_LEN:
@@ -172,15 +186,17 @@ def split_group_maxima(values, lens, n_groups: int, g: int, block: int, chunk: i
 def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: int | None = None, bits: int = 8,
                  slice_len: int | None = None, num_warps: int | None = None, select: str | None = None,
                  hist_bits: int | None = None, bound_steps: int | None = None,
-                 filter_tile: int | None = None, atomic_slots: bool | None = None) -> torch.Tensor:
+                 filter_tile: int | None = None, atomic_slots: bool | None = None,
+                 half_cap: bool | None = None) -> torch.Tensor:
     """The filter and resolve launches over given maxima [R, n_groups] and zeroed counts (kernels/topk.py
     `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. block: entries a filter program
     (its groups' share of the row), read filter_tile entries at a time (more entries a program, fewer programs: at
-    most one wave of them); unset knobs: SPLIT_PATH_DEFAULTS."""
+    most one wave of them); atomic_slots: a filter slot a candidate (else a tile's by a scan); half_cap: the resolve
+    searches the buffer's first half where the candidates fit there; unset knobs: SPLIT_PATH_DEFAULTS."""
     opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in dict(block=block, num_warps=num_warps, select=select,
                                                                hist_bits=hist_bits, bound_steps=bound_steps,
                                                                slice_len=slice_len, filter_tile=filter_tile,
-                                                               atomic_slots=atomic_slots).items()
+                                                               atomic_slots=atomic_slots, half_cap=half_cap).items()
                                      if v is not None}}
     r, n = values.shape
     n_groups = maxima.shape[1]
@@ -201,6 +217,6 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
     sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
                                     SL=sl, BLOCK=min(opt["block"], RADIX_BLOCK), BITS=bits, HAS_LEN=has_len, SEL=sel,
-                                    HBITS=hbits,
+                                    HBITS=hbits, HALF=bool(opt["half_cap"]) and cap & (cap - 1) == 0 and cap >= 2 * sl,
                                     num_warps=nw)
     return out

@@ -224,17 +224,18 @@ def test_split_path_hist_forms_exact(gen, hist_bits, bound_steps):
     first bound_steps digits, a lower bound that lets more candidates in) pick the reference's positions: ties at
     the k-th value, row lengths, -inf entries, a row of equal keys, and a bound so coarse (one 2- or 8-bit digit)
     that the candidates overflow a small buffer into the radix fallback; each with the filter's slots reserved a
-    tile at a time and a candidate at a time (atomic_slots)."""
+    tile at a time and a candidate at a time (atomic_slots), and the resolve over the buffer's first half where the
+    candidates fit there (half_cap: a 1,024-slot buffer holds more than 512 of them with the bound at 0)."""
     v = _ties(gen, 3, 700)
     v[2] = -0.0
     lengths = torch.tensor([700, 650, 300], dtype=torch.int32)
     want = topk.topk_positions_reference(v, 32, lengths)
     form = dict(rows_path=False, select="hist", hist_bits=hist_bits, bound_steps=bound_steps)
-    for atomic_slots in (False, True):
-        for cap in (2048, 64):
+    for atomic_slots, half_cap in ((False, False), (True, False), (True, True)):
+        for cap in (2048, 1024, 64):
             got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, cap=cap, atomic_slots=atomic_slots,
-                                             **form)
-            assert torch.equal(got, want), (gen.initial_seed(), cap, atomic_slots)
+                                             half_cap=half_cap, **form)
+            assert torch.equal(got, want), (gen.initial_seed(), cap, atomic_slots, half_cap)
         # a filter program's groups read a few at a time (filter_tile under its block: 16 groups of 16, 4 at a time)
         got = topk.topk_positions_triton(v, 32, lengths, block=256, groups=64, filter_tile=64,
                                          atomic_slots=atomic_slots, **form)
