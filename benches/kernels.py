@@ -35,12 +35,13 @@ dec_scores = None
 
 # the decode's forms, the default first: the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py,
 # Gluon; ~95 registers, 364 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps;
-# 1M keys with the top-512 69.4 us, H100 run 45c) over 2,048 group maxima (indexer.DECODE_GROUPS; 45c: 4,096 78.9,
-# 1,024 71.0; 45b: 8,192 91.3) with the filter's slots a candidate at a time (45c: a tile's by a scan 71.5); its
-# programs (chunk, rounded up to a group of 512: 1,024 keys by default, 1,024 programs, ~1.6 waves at 5 resident an
-# SM; 45c: 1,536 77.5) and a register cap; the select's filter block (45c: 8,192 73.8); then the Triton kernel (8
-# warps; 122 registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (45c: 128 registers 110.2,
-# 4 warps 89.9, no prefetch 110.4, 64-key tiles 132.9, 256 at 128 registers 87.4, at 113.0 by default)
+# 1M keys with the top-512 69.4 us, H100 run 45c) over 2,048 group maxima (topk_split's SPLIT_PATH_DEFAULTS; 45c:
+# 4,096 78.9, 1,024 71.0; 45b: 8,192 91.3) with the filter's slots a candidate at a time (45c: a tile's by a scan
+# 71.5); the resolve over half its buffer (half_cap, untimed); the rs programs (chunk, rounded up to a group of 512:
+# 1,024 keys by default, 1,024 programs, ~1.6 waves at 5 resident an SM; 45c: 1,536 77.5) and a register cap (80: 6
+# an SM, 24-32 B spilled; untimed); then the Triton kernel (8 warps; 122 registers on sm_90: two programs an SM, four
+# at 4 warps) and its launch shapes (45c: 128 registers 110.2, 4 warps 89.9, no prefetch 110.4, 64-key tiles 132.9,
+# 256 at 128 registers 87.4, at 113.0 by default)
 INDEXER_DECODE_CFGS = [{}, dict(groups=1024), dict(select_tune=dict(atomic_slots=False)),
                        dict(select_tune=dict(half_cap=True)), dict(chunk=512),
                        dict(chunk=2048), dict(maxnreg=80), dict(maxnreg=80, chunk=512), dict(rs=False),

@@ -323,13 +323,6 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
                 tl.store(max_ptr + t.to(tl.int64) * n_groups + g0 // GM, gmax, mask=t_mask)
 
 
-# group maxima a decode row's scoring writes (at least 2 x top-k): fewer, longer groups make the filter's bound over
-# them cheaper and read more entries again. A 1M-key decode with its top-512: 77.5 us at 2,048 against 85.0 at 4,096
-# and 95.4 at 8,192 (H100 run 45a, the scoring's register-operand form; picks the reference's in each); 1,024: 71.0
-# against 71.5 (45c), within the runs' spread
-DECODE_GROUPS = 2048
-
-
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
             block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
             prefetch_keys=None, maxnreg=None, key_fold=False, rs=True):
@@ -349,7 +342,7 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     bn = block_n or (128 if decode else 64)
     gm = bn
     if topk is not None:
-        gm = _pow2(-(-n // max(_pow2(groups or (DECODE_GROUPS if decode else default_groups(t))), 2 * topk)))
+        gm = _pow2(-(-n // max(_pow2(groups or default_groups(t)), 2 * topk)))
         gm = gm if gm < bn else max(gm, bn)
     step = max(gm, bn)
     prefetch = decode and d == 128 and gm <= bn

@@ -218,9 +218,9 @@ ROWS_PATH_DEFAULTS = {"block": 2048, "groups": 4096, "num_warps": 8, "select": "
 
 
 def default_groups(rows: int) -> int:
-    """Group maxima per row where no measured default applies (the indexer's fused maxima; the split
-    path): more groups, fewer entries re-read (~k groups qualify), dearer bound."""
-    return 4096 if rows >= ROWS_MIN else 8192
+    """Group maxima per row for the path these rows take (the indexer's fused maxima too): more groups, fewer
+    entries re-read (~k groups qualify), a dearer bound."""
+    return (ROWS_PATH_DEFAULTS if rows >= ROWS_MIN else SPLIT_PATH_DEFAULTS)["groups"]
 
 
 def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, block: int | None = None,

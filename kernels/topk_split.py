@@ -28,7 +28,11 @@ from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2,
 # atomic_slots: each candidate's slot by an atomic of its own, where the tile's slots were numbered by a scan over its
 # 4,096 entries (24% of the filter's stall samples, 45b): 18.6 us against 21.3, the 1M-key decode with its top-512 69.4
 # against 71.5 (45c), 85 registers against 119
-SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": None, "num_warps": 8, "select": "hist", "hist_bits": 5,
+# groups: a row's group maxima (every filter program searches the bound over all of them): 2,048, where 8,192 had been
+# the default; the select on the indexer decode's maxima 21.3 us at 2,048 (45b) against 35.5 at 8,192 (45a), the 1M-key
+# decode with its top-512 77.5 against 95.4 (45a) and 85.0 at 4,096; 1,024 (2 x k, the least at top-512) 71.0 against
+# 71.5 (45c)
+SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": 2048, "num_warps": 8, "select": "hist", "hist_bits": 5,
                        "bound_steps": 4, "slice_len": 32, "filter_tile": 4096, "atomic_slots": True,
                        "half_cap": False}
 
@@ -69,8 +73,8 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
     """Program (row, c) takes groups [c*GPP, (c+1)*GPP), SUB at a time (0: all at once): reads the entries of those
     whose maximum reaches the bound (GB columns at a time), appends the candidates to the row's buffer via its counter.
     Every program finds the bound itself (BSTEPS: `_candidate_bound`'s digits): redundant work on idle SMs, no launch
-    between. ATOMIC_SLOTS: each candidate takes its slot by an atomic of its own (the buffer is unordered), where the
-    default reserves a tile's slots with one atomic and numbers them by a scan over the tile."""
+    between. ATOMIC_SLOTS: each candidate takes its slot by an atomic of its own (the buffer is unordered); else a
+    tile's slots are reserved by one atomic and numbered by a scan over the tile."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     length = n_cols
