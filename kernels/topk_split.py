@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._formats import register_cap
 from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2, _radix_select_row, _select_code
 
 # select "hist" with 5-bit digits, the filter's bound from its first 4 of 7 (its top 17 bits: a bucket of 2^-8
@@ -34,7 +35,7 @@ from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2,
 # 71.5 (45c)
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": 2048, "num_warps": 8, "select": "hist", "hist_bits": 5,
                        "bound_steps": 4, "slice_len": 32, "filter_tile": 4096, "atomic_slots": True,
-                       "half_cap": False}
+                       "half_cap": False, "filter_maxnreg": 0}
 
 # the resolve's fallback (the exact radix select over a whole row, where its candidates overflow the buffer: many exact
 # ties) in tiles of at most this many entries: at 4,096 triton 3.7 held the kernel to 128 registers and spilled 32 B
@@ -191,16 +192,18 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
                  slice_len: int | None = None, num_warps: int | None = None, select: str | None = None,
                  hist_bits: int | None = None, bound_steps: int | None = None,
                  filter_tile: int | None = None, atomic_slots: bool | None = None,
-                 half_cap: bool | None = None) -> torch.Tensor:
+                 half_cap: bool | None = None, filter_maxnreg: int | None = None) -> torch.Tensor:
     """The filter and resolve launches over given maxima [R, n_groups] and zeroed counts (kernels/topk.py
     `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. block: entries a filter program
     (its groups' share of the row), read filter_tile entries at a time (more entries a program, fewer programs: at
     most one wave of them); atomic_slots: a filter slot a candidate (else a tile's by a scan); half_cap: the resolve
-    searches the buffer's first half where the candidates fit there; unset knobs: SPLIT_PATH_DEFAULTS."""
+    searches the buffer's first half where the candidates fit there; filter_maxnreg: the filter's register cap (0:
+    none); unset knobs: SPLIT_PATH_DEFAULTS."""
     opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in dict(block=block, num_warps=num_warps, select=select,
                                                                hist_bits=hist_bits, bound_steps=bound_steps,
                                                                slice_len=slice_len, filter_tile=filter_tile,
-                                                               atomic_slots=atomic_slots, half_cap=half_cap).items()
+                                                               atomic_slots=atomic_slots, half_cap=half_cap,
+                                                               filter_maxnreg=filter_maxnreg).items()
                                      if v is not None}}
     r, n = values.shape
     n_groups = maxima.shape[1]
@@ -217,7 +220,7 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: i
                                                     BSTEPS=opt["bound_steps"] if sel == 1 else 0,
                                                     SUB=min(gpp, max(1, opt["filter_tile"] // min(g, opt["block"]))),
                                                     ATOMIC_SLOTS=bool(opt["atomic_slots"]),
-                                                    num_warps=nw)
+                                                    num_warps=nw, **register_cap(opt["filter_maxnreg"]))
     sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
                                     SL=sl, BLOCK=min(opt["block"], RADIX_BLOCK), BITS=bits, HAS_LEN=has_len, SEL=sel,

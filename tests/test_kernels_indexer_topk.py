@@ -236,9 +236,10 @@ def test_split_path_hist_forms_exact(gen, hist_bits, bound_steps):
             got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, cap=cap, atomic_slots=atomic_slots,
                                              half_cap=half_cap, **form)
             assert torch.equal(got, want), (gen.initial_seed(), cap, atomic_slots, half_cap)
-        # a filter program's groups read a few at a time (filter_tile under its block: 16 groups of 16, 4 at a time)
+        # a filter program's groups read a few at a time (filter_tile under its block: 16 groups of 16, 4 at a time),
+        # the filter launched under a register cap
         got = topk.topk_positions_triton(v, 32, lengths, block=256, groups=64, filter_tile=64,
-                                         atomic_slots=atomic_slots, **form)
+                                         atomic_slots=atomic_slots, filter_maxnreg=128, **form)
         assert torch.equal(got, want), (gen.initial_seed(), atomic_slots)
 
 
