@@ -355,27 +355,27 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     chunk = -(-max(chunk, step) // step) * step
     n_groups = triton.cdiv(n, gm)
     out = torch.empty(t, n, dtype=torch.float32, device=dev)
-    maxima = torch.empty(t, n_groups, dtype=torch.float32, device=dev) if topk is not None else out
-    counts = torch.empty(t, dtype=torch.int32, device=dev) if topk is not None else out
+    maxima = torch.empty(t, n_groups, dtype=torch.float32, device=dev) if topk is not None else None
+    counts = torch.empty(t, dtype=torch.int32, device=dev) if topk is not None else None
     rs_gm = gm if topk is not None else indexer_rs.BN
     if rs and not interp and indexer_rs.supports(t, h, d, n, rs_gm, pool_mask) \
             and (dev.type != "cuda" or indexer_rs.runs_on(dev)):  # (CPU tensors: the sm_90 compile bench)
-        indexer_rs.indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, out,
-                                     maxima if topk is not None else None, counts if topk is not None else None,
+        indexer_rs.indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, out, maxima, counts,
                                      gm=rs_gm, chunk=asked_chunk, maxnreg=maxnreg)
-        return out, (maxima if topk is not None else None), (counts if topk is not None else None)
+        return out, maxima, counts
     pool = pool_mask.contiguous().view(torch.uint8) if pool_mask is not None else out
     _indexer_kernel[(triton.cdiv(t, bt), triton.cdiv(n, chunk))](
         q_packed.contiguous(), q_scale.contiguous().view(torch.uint8), k_packed.contiguous(),
         k_scale.contiguous().view(torch.uint8), weights.float().contiguous(),
-        n_visible.to(torch.int32).contiguous(), pool, out, maxima, counts, t, n,
+        n_visible.to(torch.int32).contiguous(), pool, out, out if maxima is None else maxima,
+        out if counts is None else counts, t, n,
         pool_mask.shape[1] if pool_mask is not None else 0, out.stride(0), n_groups, chunk,
         POOL_BLOCK=pool_block, H=h, D=d, BT=bt, BN=bn, GM=gm, HAS_POOL=pool_mask is not None,
         WRITE_MAX=topk is not None, FP8=not interp, ASM=(not interp) if key_asm is None else key_asm,
         PREFETCH=prefetch if prefetch_keys is None else prefetch_keys, KEY_FOLD=bool(key_fold),
         num_warps=num_warps or (8 if decode else 4),
         **register_cap(maxnreg))
-    return out, (maxima if topk is not None else None), (counts if topk is not None else None)
+    return out, maxima, counts
 
 
 def indexer_scores_triton(q_packed, q_scale, k_packed, k_scale, weights, n_visible,

@@ -260,11 +260,9 @@ def select_from_maxima(values, k, lengths, maxima, counts, cap: int = 2048, bloc
                                  K=k, NGP=ngp, G=g, BLOCK=max(block, g), CAP=cap, BITS=bits,
                                  HAS_LEN=lengths is not None, HAS_MAX=True, SEL=sel, **launch)
         return out
-    return split_select(values, k, lengths, maxima, counts, cval, cidx, out, block=block, bits=bits,
-                        slice_len=slice_len, num_warps=num_warps, select=select, hist_bits=form.get("hist_bits"),
-                        bound_steps=form.get("bound_steps"), filter_tile=form.get("filter_tile"),
-                        atomic_slots=form.get("atomic_slots"), half_cap=form.get("half_cap"),
-                        filter_maxnreg=form.get("filter_maxnreg"))
+    split_form = {key: v for key, v in form.items() if key in SPLIT_PATH_DEFAULTS and key != "groups"}
+    return split_select(values, k, lengths, maxima, counts, cval, cidx, out, bits=bits, block=block,
+                        slice_len=slice_len, num_warps=num_warps, select=select, **split_form)
 
 
 def _rows_launch(n: int, block: int, num_warps: int | None, maxnreg: int | None, form: dict,

@@ -67,6 +67,15 @@ def _group_max_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_p
 
 
 @triton.jit
+def _append(cval_ptr, cidx_ptr, row, slot, cand, x, idx, CAP: tl.constexpr):
+    """The candidates (cand, flat) x at positions idx (a tile, flattened here) into the row's buffer at their slots,
+    those past CAP dropped (the count still holds them: the resolve falls back)."""
+    ok = cand & (slot < CAP)
+    tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, slot.shape), mask=ok)
+    tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, slot.shape), mask=ok)
+
+
+@triton.jit
 def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
                    K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
                    CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8,
@@ -100,17 +109,13 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
                 # relaxed: a slot reservation needs only atomicity (the slots are read by the next launch)
                 if ATOMIC_SLOTS:
                     slot = tl.atomic_add(cnt_ptr + row + tl.zeros([S * GB], tl.int32), 1, mask=cand, sem="relaxed")
-                    ok2 = cand & (slot < CAP)
-                    tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (S * GB,)), mask=ok2)
-                    tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (S * GB,)), mask=ok2)
+                    _append(cval_ptr, cidx_ptr, row, slot, cand, x, idx, CAP)
                 else:
                     n_c = tl.sum(cand.to(tl.int32), axis=0)
                     if n_c > 0:
                         slot = tl.atomic_add(cnt_ptr + row, n_c, sem="relaxed") \
                             + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-                        ok2 = cand & (slot < CAP)
-                        tl.store(cval_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(x, (S * GB,)), mask=ok2)
-                        tl.store(cidx_ptr + row.to(tl.int64) * CAP + slot, tl.reshape(idx, (S * GB,)), mask=ok2)
+                        _append(cval_ptr, cidx_ptr, row, slot, cand, x, idx, CAP)
 
 
 @triton.jit
@@ -188,23 +193,18 @@ def split_group_maxima(values, lens, n_groups: int, g: int, block: int, chunk: i
     return maxima, counts
 
 
-def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, block: int | None = None, bits: int = 8,
-                 slice_len: int | None = None, num_warps: int | None = None, select: str | None = None,
-                 hist_bits: int | None = None, bound_steps: int | None = None,
-                 filter_tile: int | None = None, atomic_slots: bool | None = None,
-                 half_cap: bool | None = None, filter_maxnreg: int | None = None) -> torch.Tensor:
+def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, bits: int = 8, **form) -> torch.Tensor:
     """The filter and resolve launches over given maxima [R, n_groups] and zeroed counts (kernels/topk.py
-    `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. block: entries a filter program
+    `select_from_maxima`); candidate buffers cval / cidx [R, cap]; writes out [R, k]. form: SPLIT_PATH_DEFAULTS' knobs
+    (None: the default's), groups aside (the maxima are given). block: entries a filter program
     (its groups' share of the row), read filter_tile entries at a time (more entries a program, fewer programs: at
     most one wave of them); atomic_slots: a filter slot a candidate (else a tile's by a scan); half_cap: the resolve
     searches the buffer's first half where the candidates fit there; filter_maxnreg: the filter's register cap (0:
-    none); unset knobs: SPLIT_PATH_DEFAULTS."""
-    opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in dict(block=block, num_warps=num_warps, select=select,
-                                                               hist_bits=hist_bits, bound_steps=bound_steps,
-                                                               slice_len=slice_len, filter_tile=filter_tile,
-                                                               atomic_slots=atomic_slots, half_cap=half_cap,
-                                                               filter_maxnreg=filter_maxnreg).items()
-                                     if v is not None}}
+    none)."""
+    unknown = set(form) - set(SPLIT_PATH_DEFAULTS)
+    if unknown:
+        raise TypeError(f"split_select: no knob {sorted(unknown)} (knobs: {sorted(SPLIT_PATH_DEFAULTS)})")
+    opt = {**SPLIT_PATH_DEFAULTS, **{key: v for key, v in form.items() if v is not None}}
     r, n = values.shape
     n_groups = maxima.shape[1]
     g = _pow2(-(-n // n_groups))
