@@ -251,6 +251,8 @@ def cases():
             ("top-512 decode split path, 1M entries", lambda: topk.topk_positions_triton(torch.randn(1, 1 << 20), 512)),
             ("top-512 decode split path, 8,192-entry filter blocks read 4,096 at a time",
              lambda: topk.topk_positions_triton(torch.randn(1, 1 << 20), 512, block=8192)),
+            ("top-512 decode split path, searches skipping shared digits",
+             lambda: topk.topk_positions_triton(torch.randn(1, 1 << 20), 512, skip_common=True)),
             ("top-512 layer rows, one tile (short rows on half of it)", top512(4096, True, whole_row=4096)),
             ("top-512 layer rows, one tile for all", top512(4096, True, whole_row=4096, whole_half=False)),
             ("sparse attention decode b64", attention(64)),

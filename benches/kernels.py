@@ -43,8 +43,8 @@ dec_scores = None
 # at 4 warps) and its launch shapes (45c: 128 registers 110.2, 4 warps 89.9, no prefetch 110.4, 64-key tiles 132.9,
 # 256 at 128 registers 87.4, at 113.0 by default)
 INDEXER_DECODE_CFGS = [{}, dict(groups=1024), dict(select_tune=dict(atomic_slots=False)),
-                       dict(select_tune=dict(half_cap=True)), dict(chunk=512),
-                       dict(chunk=2048), dict(maxnreg=80), dict(maxnreg=80, chunk=512), dict(rs=False),
+                       dict(select_tune=dict(half_cap=True)), dict(select_tune=dict(skip_common=True)),
+                       dict(chunk=512), dict(chunk=2048), dict(maxnreg=80), dict(maxnreg=80, chunk=512), dict(rs=False),
                        dict(rs=False, maxnreg=128), dict(rs=False, num_warps=4), dict(rs=False, prefetch_keys=False),
                        dict(rs=False, block_n=64), dict(rs=False, block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
@@ -60,8 +60,9 @@ INDEXER_DECODE_CFGS = [{}, dict(groups=1024), dict(select_tune=dict(atomic_slots
 # 8,192 21.3, the bound from 3 digits 21.1 (a coarse bound kept off the default: topk_split), the counting search
 # 33.6; 44d on 8,192 groups of 128: from 5 digits 39.3; 44b: 64 candidates a program
 # 43.2, 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit digits 75.3, 4 warps 122.4)
-INDEXER_DECODE_SELECT_CFGS = [{}, dict(half_cap=True), dict(filter_maxnreg=128), dict(atomic_slots=False),
-                              dict(bound_steps=3), dict(select="count")]
+INDEXER_DECODE_SELECT_CFGS = [{}, dict(half_cap=True), dict(skip_common=True), dict(skip_common=True, half_cap=True),
+                              dict(filter_maxnreg=128), dict(atomic_slots=False), dict(bound_steps=3),
+                              dict(select="count")]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]
 
