@@ -34,19 +34,21 @@ dec_scores = None
 # -- cases ---------------------------------------------------------------------------------------
 
 # the decode's forms, the default first: the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py,
-# Gluon; ~95 registers, 364 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps;
-# 1M keys with the top-512 69.4 us, H100 run 45c) over 2,048 group maxima (topk_split's SPLIT_PATH_DEFAULTS; 45c:
-# 4,096 78.9, 1,024 71.0; 45b: 8,192 91.3) with the filter's slots a candidate at a time (45c: a tile's by a scan
-# 71.5); the resolve over half its buffer (half_cap, untimed); the rs programs (chunk, rounded up to a group of 512:
-# 1,024 keys by default, 1,024 programs, ~1.6 waves at 5 resident an SM; 45c: 1,536 77.5) and a register cap (80: 6
-# an SM, 24-32 B spilled; untimed); then the Triton kernel (8 warps; 122 registers on sm_90: two programs an SM, four
-# at 4 warps) and its launch shapes (45c: 128 registers 110.2, 4 warps 89.9, no prefetch 110.4, 64-key tiles 132.9,
-# 256 at 128 registers 87.4, at 113.0 by default)
-INDEXER_DECODE_CFGS = [{}, dict(groups=1024), dict(select_tune=dict(atomic_slots=False)),
-                       dict(select_tune=dict(half_cap=True)), dict(select_tune=dict(skip_common=True)),
-                       dict(chunk=512), dict(chunk=2048), dict(maxnreg=80), dict(maxnreg=80, chunk=512), dict(rs=False),
-                       dict(rs=False, maxnreg=128), dict(rs=False, num_warps=4), dict(rs=False, prefetch_keys=False),
-                       dict(rs=False, block_n=64), dict(rs=False, block_n=256, maxnreg=128)]
+# Gluon; ~95 registers, 356 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps;
+# 1M keys with the top-512 65.6 us, H100 run 46a) over 2,048 group maxima (topk_split's SPLIT_PATH_DEFAULTS; 46a: 1,024
+# 68.0 against 67.9 before half_cap; 45c: 4,096 78.9; 45b: 8,192 91.3) with the filter's slots a candidate at a time
+# (46a: a tile's by a scan 71.6) and the resolve over half its buffer (46a: the whole 67.9); abs_scale (the keys'
+# groups scaled absolutely: 310 instructions a tile, no key factor; untimed); then the Triton kernel (8 warps; 122
+# registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (46a: 128 registers 110.1, 4 warps
+# 88.2, no prefetch 108.9, 64-key tiles 132.6, 256 at 128 registers 85.8, at 112.1 by default). The rs programs'
+# count (chunk, rounded up to a group of 512: 1,024 keys by default, 1,024 programs, ~1.55 waves at 5 resident an SM)
+# and a register cap timed in 46a, none faster: chunk 512 73.0, 2,048 69.5 (one wave at 4 an SM), 1,536 77.5 (45c),
+# a cap of 80 (6 an SM, 24-32 B spilled) 69.7, with chunk 512 74.6
+INDEXER_DECODE_CFGS = [{}, dict(abs_scale=True), dict(groups=1024), dict(select_tune=dict(atomic_slots=False)),
+                       dict(select_tune=dict(half_cap=False)), dict(abs_scale=True, select_tune=dict(half_cap=False)),
+                       dict(rs=False), dict(rs=False, maxnreg=128), dict(rs=False, num_warps=4),
+                       dict(rs=False, prefetch_keys=False), dict(rs=False, block_n=64),
+                       dict(rs=False, block_n=256, maxnreg=128)]
 # prefill 4K x 64K scoring, the default first (4 queries x 32 heads a tile, 4 warps; 8 queries at 8 warps:
 # 7.71 against 7.87 ms; 2 queries 12.6, 128-key tiles at 8 warps 8.5). key_fold: the keys' group exponents
 # in their E4M3 operands, one K = 128 dot a tile: 5.13 ms, 3.82-3.98 with more programs per SM, but the
@@ -55,14 +57,14 @@ INDEXER_DECODE_CFGS = [{}, dict(groups=1024), dict(select_tune=dict(atomic_slots
 # (131.8 us at 4 warps against 138.6) while 1.5e-4 off a float64 reference.
 # the decode select on the scoring kernel's maxima (topk_split: 2,048 groups of 512, 256 filter programs, each finding
 # the bound over all 2,048 maxima), the default first (5-bit histograms, the bound from 4 of 7 digits, 32 candidates a
-# resolve program, a filter slot a candidate: 18.6 us on the H100 in run 45c), then around it (untimed: the resolve
-# over half its buffer, the filter under a 128-register cap; 45c: the slots by a tile's scan 21.3, a filter block of
-# 8,192 21.3, the bound from 3 digits 21.1 (a coarse bound kept off the default: topk_split), the counting search
-# 33.6; 44d on 8,192 groups of 128: from 5 digits 39.3; 44b: 64 candidates a program
-# 43.2, 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit digits 75.3, 4 warps 122.4)
-INDEXER_DECODE_SELECT_CFGS = [{}, dict(half_cap=True), dict(skip_common=True), dict(skip_common=True, half_cap=True),
-                              dict(filter_maxnreg=128), dict(atomic_slots=False), dict(bound_steps=3),
-                              dict(select="count")]
+# resolve program over its buffer's first half, a filter slot a candidate: 16.3 us on the H100 in run 46a), then
+# around it (46a: the resolve over the whole buffer 18.7, the filter under a 128-register cap 18.5 there, the slots
+# by a tile's scan 21.6, the bound from 3 digits 18.4 (a coarse bound kept off the default: topk_split), the
+# counting search 31.0; the histogram searches skipping the digits their keys share 20.3, 17.0 with the half buffer:
+# removed; 45c: a filter block of 8,192 21.3; 44d on 8,192 groups of 128: from 5 digits 39.3; 44b: 64 candidates a
+# program 43.2, 8-bit digits from 2 of 4 44.4, 6-bit from 4 42.3; 44a: 8-bit digits 75.3, 4 warps 122.4)
+INDEXER_DECODE_SELECT_CFGS = [{}, dict(half_cap=False), dict(filter_maxnreg=128), dict(atomic_slots=False),
+                              dict(bound_steps=3), dict(select="count")]
 INDEXER_PREFILL_CFGS = [{}, dict(block_t=8, num_warps=8), dict(key_fold=True), dict(key_fold=True, maxnreg=128),
                         dict(key_fold=True, block_t=8), dict(key_fold=True, block_t=8, num_warps=8, maxnreg=128)]
 

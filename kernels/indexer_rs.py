@@ -40,9 +40,12 @@ if moe_ws.HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 BN = 64  # keys a tile: the M of one warpgroup's wgmma
+ABS_SHIFT = 64  # abs_scale: the keys' values carry 2^-64, the head weights 2^64 (the exact range's middle)
 
 if moe_ws.HAVE_GLUON:
     _OPERAND = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _ABS_SHIFT = gl.constexpr(ABS_SHIFT)
+    _ABS_WEIGHT = gl.constexpr(2.0 ** ABS_SHIFT)
 
     @gluon.jit
     def _natural(m):
@@ -86,11 +89,12 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _key_words(kw_ptr, rows, lim, step: gl.constexpr, layout: gl.constexpr):
-        """Step `step`'s words [BN, 2, 4] of key rows `rows` (0 past lim) in `layout` (moe_rs._words_layout)."""
+        """Step `step`'s words [BN, 2, 4] of key rows `rows` (0 past lim) in `layout` (moe_rs._words_layout); rows
+        count from kw_ptr (a tile's first key: int32 offsets within it)."""
         gi = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
         wi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         r3 = gl.expand_dims(gl.expand_dims(rows, 1), 2)
-        offs = r3.to(gl.int64) * 16 + gl.expand_dims(gl.expand_dims(step * 8 + gi * 4, 0), 2) \
+        offs = r3 * 16 + gl.expand_dims(gl.expand_dims(step * 8 + gi * 4, 0), 2) \
             + gl.expand_dims(gl.expand_dims(wi, 0), 1)
         return gl.load(kw_ptr + offs, mask=r3 < lim, other=0)
 
@@ -105,14 +109,26 @@ if moe_ws.HAVE_GLUON:
         return gl.expand_dims(f | (f << 16), 2)
 
     @gluon.jit
+    def _factors_absolute(sw, step: gl.constexpr, layout: gl.constexpr):
+        """`_factors` without the key's largest byte: 2^(s_g - 65) (ABS_SHIFT = 64 under 2^(s_g - 1)), so that a
+        value is E2M1 * 2^(s_g - 127 - 64), exact in bf16 while 66 <= s_g <= 192 (scales 2^-61 .. 2^65); bytes past
+        192 held there (finite, inexact)."""
+        gi = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        byte = (gl.expand_dims(sw, 1) >> gl.expand_dims((step * 2 + gi) * 8, 0)) & 255
+        f = gl.minimum(byte + (126 - _ABS_SHIFT), 254) << 7
+        return gl.expand_dims(f | (f << 16), 2)
+
+    @gluon.jit
     def _indexer_rs_kernel(kw_ptr, ks_ptr, qp_ptr, qs_ptr, qsb_ptr, w_ptr, nvis_ptr, out_ptr, max_ptr, cnt_ptr, N,
                            n_groups, chunk, stride_out, H: gl.constexpr, GM: gl.constexpr, WRITE_MAX: gl.constexpr,
-                           BN: gl.constexpr):
+                           BN: gl.constexpr, ABS: gl.constexpr = False):
         """Scores of query t (program column) over keys [c * chunk, (c + 1) * chunk): tiles of BN keys, decoded into
         A registers, two async wgmmas of K = 64 against the query's heads in shared memory; score = the key's factor
         x sum over heads of the head weight x ReLU(dot), -inf past the query's visible count. A tile's words are
         loaded under the one before (two tiles before: 73.0 us against 71.5 for a 1M-key decode with its top-512,
-        H100 run 45c). WRITE_MAX: the maxima of groups of GM keys (a multiple of BN) and the counter zeroed."""
+        H100 run 45c). WRITE_MAX: the maxima of groups of GM keys (a multiple of BN) and the counter zeroed. ABS: each
+        key's groups scaled absolutely (`_factors_absolute`: no largest byte a key, no factor a score; 2^64 in the head
+        weights), exact for scale bytes in [66, 192] where the relative form is exact for all."""
         t = gl.program_id(0)
         c = gl.program_id(1)
         acc_layout: gl.constexpr = moe_ws._acc_layout(H)
@@ -128,6 +144,8 @@ if moe_ws.HAVE_GLUON:
         heads = t * H + gl.arange(0, H, layout=acols)
         # each head's factor 2^(s_max - 127) folded into its weight (ReLU commutes with it)
         wq = gl.load(w_ptr + heads) * e8m0_value(_largest_byte(gl.load(qs_ptr + heads)))
+        if ABS:
+            wq = wq * _ABS_WEIGHT  # the keys' values carry 2^-ABS_SHIFT
         n_vis = gl.minimum(gl.load(nvis_ptr + t), N)
         if WRITE_MAX:
             if c == 0:
@@ -136,28 +154,35 @@ if moe_ws.HAVE_GLUON:
         mrow = max_ptr + t.to(gl.int64) * n_groups
         n0 = c * chunk
         n_end = gl.minimum(n0 + chunk, N)
-        rows = n0 + gl.arange(0, BN, layout=wrows)
-        w0 = _key_words(kw_ptr, rows, n_vis, 0, words_layout)
-        w1 = _key_words(kw_ptr, rows, n_vis, 1, words_layout)
-        sw = gl.load(ks_ptr + rows, mask=rows < n_vis, other=0)
+        rel = gl.arange(0, BN, layout=wrows)  # a tile's rows from its first key (the tile's pointers are scalars)
+        w0 = _key_words(kw_ptr + n0.to(gl.int64) * 16, rel, n_vis - n0, 0, words_layout)
+        w1 = _key_words(kw_ptr + n0.to(gl.int64) * 16, rel, n_vis - n0, 1, words_layout)
+        sw = gl.load(ks_ptr + n0 + rel, mask=rel < n_vis - n0, other=0)
         run = gl.full([BN], float("-inf"), gl.float32, arows)
         zero = gl.zeros([BN, H], gl.float32, acc_layout)
         for start in range(n0, n_end, BN):
-            nxt = start + BN + gl.arange(0, BN, layout=wrows)  # the next tile's words, loaded under this one's work
-            w0_next = _key_words(kw_ptr, nxt, n_vis, 0, words_layout)
-            w1_next = _key_words(kw_ptr, nxt, n_vis, 1, words_layout)
-            sw_next = gl.load(ks_ptr + nxt, mask=nxt < n_vis, other=0)
-            kmax = _largest_byte(sw)
-            a0 = moe_rs.a_operand_scaled(w0, _factors(sw, kmax, 0, words_layout), H)
+            nxt = start + BN  # the next tile's words, loaded under this one's work
+            w0_next = _key_words(kw_ptr + nxt.to(gl.int64) * 16, rel, n_vis - nxt, 0, words_layout)
+            w1_next = _key_words(kw_ptr + nxt.to(gl.int64) * 16, rel, n_vis - nxt, 1, words_layout)
+            sw_next = gl.load(ks_ptr + nxt + rel, mask=rel < n_vis - nxt, other=0)
+            if ABS:
+                f0 = _factors_absolute(sw, 0, words_layout)
+                f1 = _factors_absolute(sw, 1, words_layout)
+            else:
+                kmax = _largest_byte(sw)
+                f0 = _factors(sw, kmax, 0, words_layout)
+                f1 = _factors(sw, kmax, 1, words_layout)
+            a0 = moe_rs.a_operand_scaled(w0, f0, H)
             acc = warpgroup_mma(a0, q0.permute((1, 0)), zero, use_acc=False, is_async=True)
-            a1 = moe_rs.a_operand_scaled(w1, _factors(sw, kmax, 1, words_layout), H)
+            a1 = moe_rs.a_operand_scaled(w1, f1, H)
             acc = warpgroup_mma(a1, q1.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             cols = start + gl.arange(0, BN, layout=arows)
-            # the keys' largest scale bytes again, in the accumulator's row layout (an L1 hit, where converting kmax's
-            # layout would go through shared memory)
-            kf = e8m0_value(_largest_byte(gl.load(ks_ptr + cols, mask=cols < n_vis, other=0)))
-            score = gl.sum(gl.maximum(acc, 0.0) * gl.expand_dims(wq, 0), axis=1) * kf
+            score = gl.sum(gl.maximum(acc, 0.0) * gl.expand_dims(wq, 0), axis=1)
+            if not ABS:
+                # the keys' largest scale bytes again, in the accumulator's row layout (an L1 hit, where converting
+                # kmax's layout would go through shared memory)
+                score = score * e8m0_value(_largest_byte(gl.load(ks_ptr + cols, mask=cols < n_vis, other=0)))
             score = gl.where(cols < n_vis, score, float("-inf"))
             gl.store(out_row + cols, score, mask=cols < N)
             if WRITE_MAX:
@@ -182,10 +207,13 @@ def supports(t: int, h: int, d: int, n: int, gm: int, pool_mask) -> bool:
 
 
 def indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, out, maxima=None, counts=None,
-                      gm: int = BN, chunk: int | None = None, programs_per_sm: int = 8, maxnreg: int | None = None):
+                      gm: int = BN, chunk: int | None = None, programs_per_sm: int = 8, maxnreg: int | None = None,
+                      abs_scale: bool = False):
     """The scores [T, N] of `kernels.indexer.indexer_scores_triton`'s arguments into out (and, with maxima [T,
     n_groups], the maxima of groups of gm keys and the zeroed counts [T]) in the register-operand form (`supports`).
-    chunk: keys a program (a multiple of gm; default ~programs_per_sm programs an SM over all queries)."""
+    chunk: keys a program (a multiple of gm; default ~programs_per_sm programs an SM over all queries). abs_scale: the
+    keys' groups scaled absolutely (the kernel's ABS: fewer instructions a tile, exact for key scale bytes in [66,
+    192] only)."""
     t, h, half = q_packed.shape
     n = k_packed.shape[0]
     if not supports(t, h, 2 * half, n, gm, None):
@@ -202,5 +230,6 @@ def indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, 
     _indexer_rs_kernel[(t, triton.cdiv(n, chunk))](
         kw, ks, q_packed.contiguous(), qs, qsb, weights.float().contiguous(), n_visible.to(torch.int32).contiguous(),
         out, maxima if write_max else out, counts if write_max else out, n, maxima.shape[1] if write_max else 1, chunk,
-        out.stride(0), H=h, GM=gm, WRITE_MAX=write_max, BN=BN, num_warps=4, **register_cap(maxnreg))
+        out.stride(0), H=h, GM=gm, WRITE_MAX=write_max, BN=BN, ABS=bool(abs_scale), num_warps=4,
+        **register_cap(maxnreg))
     return out

@@ -109,24 +109,18 @@ def _kth_largest_key(key, valid, need):
 
 
 @triton.jit
-def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr, STEPS: tl.constexpr = 0, SKIP: tl.constexpr = False):
+def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr, STEPS: tl.constexpr = 0):
     """`_kth_largest_key` by histograms: ceil(32 / BITS) dependent steps (4 at 8 bits, not 16), each one
     tl.histogram of the next digit over the keys matching the prefix so far, then the largest digit keeping
     #(key >= prefix) >= need (as `_radix_select_row`'s passes, on a register tile). The first step takes the
     32 mod BITS top bits (or BITS), the others BITS each. A histogram costs ~log2(bins) ballots plus bins / 32
     popcounts an entry a warp (Triton's lowering), so 5-bit digits in 7 steps take ~2x fewer instructions than
     8-bit digits in 4, at more steps. STEPS > 0: only the first STEPS digits, the rest zero -- a lower bound
-    of the key with at least `need` valid keys at or above it (the candidates' bound needs no more). SKIP: a step
-    whose digit (and every bit above it) all valid keys share takes that digit without its histogram (the same
-    digit and need its histogram would give: one bin holds every key), for two reductions (the keys' largest and
-    smallest) -- a candidate buffer's keys, all near the k-th, share their top bits."""
+    of the key with at least `need` valid keys at or above it (the candidates' bound needs no more)."""
     NB: tl.constexpr = 1 << BITS
     NSTEP: tl.constexpr = (32 + BITS - 1) // BITS
     TAKE: tl.constexpr = NSTEP if STEPS == 0 or STEPS > NSTEP else STEPS
     prefix = tl.zeros([], dtype=tl.uint32)
-    if SKIP:  # the bits where two valid keys differ (none where none is valid: every digit 0, as the histograms')
-        kmax = tl.max(tl.where(valid, key, 0), axis=0)
-        differ = kmax ^ tl.min(tl.where(valid, key, kmax), axis=0)
     for p in tl.static_range(TAKE):
         lo = (NSTEP - 1 - p) * BITS  # the digit's lowest bit (a constant: p is)
         if p == 0:
@@ -135,39 +129,30 @@ def _kth_largest_key_hist(key, valid, need, BITS: tl.constexpr, STEPS: tl.conste
         else:
             hit = valid & ((key >> (lo + BITS)) == prefix)
             digit = ((key >> lo) & (NB - 1)).to(tl.int32)
-        if SKIP:
-            if (differ >> lo) == 0:
-                prefix = (prefix << BITS) | ((kmax >> lo) & (NB - 1))
-            else:
-                d, need = _pick_digit(tl.histogram(digit, NB, mask=hit), need, NB)
-                prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
-        else:
-            d, need = _pick_digit(tl.histogram(digit, NB, mask=hit), need, NB)
-            prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
+        d, need = _pick_digit(tl.histogram(digit, NB, mask=hit), need, NB)
+        prefix = (prefix << BITS) | tl.maximum(d, 0).to(tl.uint32)
     if TAKE < NSTEP:
         prefix = prefix << ((NSTEP - TAKE) * BITS)
     return prefix
 
 
 @triton.jit
-def _kth_key(key, valid, need, SEL: tl.constexpr, HBITS: tl.constexpr = 8, STEPS: tl.constexpr = 0,
-             SKIP: tl.constexpr = False):
+def _kth_key(key, valid, need, SEL: tl.constexpr, HBITS: tl.constexpr = 8, STEPS: tl.constexpr = 0):
     """The need-th largest valid key: SEL 0 by counting (2 bits a step), 1 by HBITS-bit histograms (STEPS > 0:
-    its first STEPS digits, a lower bound; SKIP: the digits all valid keys share without their histograms)."""
+    its first STEPS digits, a lower bound)."""
     if SEL == 1:
-        return _kth_largest_key_hist(key, valid, need, HBITS, STEPS, SKIP)
+        return _kth_largest_key_hist(key, valid, need, HBITS, STEPS)
     else:
         return _kth_largest_key(key, valid, need)
 
 
 @triton.jit
-def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, BSTEPS: tl.constexpr = 0,
-                     SKIP: tl.constexpr = False):
+def _candidate_bound(mx, K: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8, BSTEPS: tl.constexpr = 0):
     """Group maxima [NGP] -> the ordered key an entry must reach to be a candidate: the K-th largest
     finite maximum's key, or 0 (every finite entry) when fewer than K groups are finite. BSTEPS > 0 (histogram
     search): that key's first BSTEPS digits only, a lower bound -- any key at or under the K-th largest maximum
     keeps every winner a candidate (K groups reach it), at a few more candidates for fewer search steps."""
     fin = mx > float("-inf")
     n_fin = tl.sum(fin.to(tl.int32), axis=0)
-    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL, HBITS, BSTEPS, SKIP)
+    t1 = _kth_key(_ordered_key(mx), fin, tl.maximum(tl.minimum(n_fin, K), 1), SEL, HBITS, BSTEPS)
     return tl.where(n_fin >= K, t1, 0)

@@ -33,9 +33,12 @@ from kernels.topk_search import _candidate_bound, _kth_key, _ordered_key, _pow2,
 # the default; the select on the indexer decode's maxima 21.3 us at 2,048 (45b) against 35.5 at 8,192 (45a), the 1M-key
 # decode with its top-512 77.5 against 95.4 (45a) and 85.0 at 4,096; 1,024 (2 x k, the least at top-512) 71.0 against
 # 71.5 (45c)
+# half_cap: the resolve finds the k-th key over its buffer's first half where the candidates fit there (the bench's
+# ~600 of 2,048 slots): the select 16.3 us against 18.7, the 1M-key decode with its top-512 65.6 against 67.9 (H100
+# run 46a). filter_maxnreg: 128 18.5 (46a), not the default
 SPLIT_PATH_DEFAULTS = {"block": 4096, "groups": 2048, "num_warps": 8, "select": "hist", "hist_bits": 5,
                        "bound_steps": 4, "slice_len": 32, "filter_tile": 4096, "atomic_slots": True,
-                       "half_cap": False, "filter_maxnreg": 0, "skip_common": False}
+                       "half_cap": True, "filter_maxnreg": 0}
 
 # the resolve's fallback (the exact radix select over a whole row, where its candidates overflow the buffer: many exact
 # ties) in tiles of at most this many entries: at 4,096 triton 3.7 held the kernel to 128 registers and spilled 32 B
@@ -79,8 +82,7 @@ def _append(cval_ptr, cidx_ptr, row, slot, cand, x, idx, CAP: tl.constexpr):
 def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr, cval_ptr, cidx_ptr,
                    K: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr, GB: tl.constexpr,
                    CAP: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8,
-                   BSTEPS: tl.constexpr = 0, SUB: tl.constexpr = 0, ATOMIC_SLOTS: tl.constexpr = False,
-                   SKIP: tl.constexpr = False):
+                   BSTEPS: tl.constexpr = 0, SUB: tl.constexpr = 0, ATOMIC_SLOTS: tl.constexpr = False):
     """Program (row, c) takes groups [c*GPP, (c+1)*GPP), SUB at a time (0: all at once): reads the entries of those
     whose maximum reaches the bound (GB columns at a time), appends the candidates to the row's buffer via its counter.
     Every program finds the bound itself (BSTEPS: `_candidate_bound`'s digits): redundant work on idle SMs, no launch
@@ -93,7 +95,7 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
         length = tl.minimum(length, tl.load(len_ptr + row))
     mrow = max_ptr + row.to(tl.int64) * n_groups
     gi = tl.arange(0, NGP)
-    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL, HBITS, BSTEPS, SKIP)
+    t1 = _candidate_bound(tl.load(mrow + gi, mask=gi < n_groups, other=float("-inf")), K, SEL, HBITS, BSTEPS)
     S: tl.constexpr = GPP if SUB == 0 else SUB
     base = v_ptr + row.to(tl.int64) * stride_v
     for s0 in tl.static_range(0, GPP, S):
@@ -121,7 +123,7 @@ def _filter_kernel(v_ptr, stride_v, n_cols, len_ptr, max_ptr, n_groups, cnt_ptr,
 
 @triton.jit
 def _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP: tl.constexpr, W: tl.constexpr,
-                   SL: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr, SKIP: tl.constexpr):
+                   SL: tl.constexpr, SEL: tl.constexpr, HBITS: tl.constexpr):
     """The winners among slots [sl*SL, (sl+1)*SL) of the row's buffer of n_cand <= W candidates (its stride CAP),
     each written at its rank by position among all winners (`_resolve_kernel`)."""
     s = tl.arange(0, W)
@@ -130,13 +132,13 @@ def _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP: tl.
     p = tl.load(cidx_ptr + row.to(tl.int64) * CAP + s, mask=ok, other=0)
     key = _ordered_key(x)
     inv = (p ^ -1).to(tl.uint32, bitcast=True)  # larger = earlier position
-    thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL, HBITS, 0, SKIP)
+    thr = _kth_key(key, ok, tl.maximum(n_sel, 1), SEL, HBITS)
     gt = ok & (key > thr)
     eq = ok & (key == thr)
     need_eq = n_sel - tl.sum(gt.to(tl.int32), axis=0)  # >= 1
     cut = tl.zeros([], dtype=tl.uint32)
     if tl.sum(eq.to(tl.int32), axis=0) > need_eq:
-        cut = _kth_key(inv, eq, need_eq, SEL, HBITS, 0, SKIP)
+        cut = _kth_key(inv, eq, need_eq, SEL, HBITS)
     sel = gt | (eq & (inv >= cut))
     m = sl * SL + tl.arange(0, SL)
     okm = m < n_cand
@@ -152,7 +154,7 @@ def _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP: tl.
 def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_ptr, out_ptr,
                     K: tl.constexpr, CAP: tl.constexpr, SL: tl.constexpr, BLOCK: tl.constexpr,
                     BITS: tl.constexpr, HAS_LEN: tl.constexpr, SEL: tl.constexpr = 0, HBITS: tl.constexpr = 8,
-                    HALF: tl.constexpr = False, SKIP: tl.constexpr = False):
+                    HALF: tl.constexpr = False):
     """Program (row, s): the winners among candidate slots [s*SL, (s+1)*SL) of the row's (unordered)
     buffer, each written at its rank by position among all winners. Winners: value desc, then position
     asc; the K-th value and the tie cut found by counting over the whole buffer (HALF: over its first half, where
@@ -168,9 +170,9 @@ def _resolve_kernel(v_ptr, stride_v, n_cols, len_ptr, cnt_ptr, cval_ptr, cidx_pt
             tl.store(out_row + slots, tl.full([K], -1, tl.int32), mask=slots >= n_sel)
         if sl * SL < n_cand:
             if HALF and n_cand <= CAP // 2:
-                _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP, CAP // 2, SL, SEL, HBITS, SKIP)
+                _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP, CAP // 2, SL, SEL, HBITS)
             else:
-                _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP, CAP, SL, SEL, HBITS, SKIP)
+                _resolve_slice(cval_ptr, cidx_ptr, out_row, row, sl, n_cand, n_sel, CAP, CAP, SL, SEL, HBITS)
     elif sl == 0:
         length = n_cols
         if HAS_LEN:
@@ -201,7 +203,7 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, bits: in
     (its groups' share of the row), read filter_tile entries at a time (more entries a program, fewer programs: at
     most one wave of them); atomic_slots: a filter slot a candidate (else a tile's by a scan); half_cap: the resolve
     searches the buffer's first half where the candidates fit there; filter_maxnreg: the filter's register cap (0:
-    none); skip_common: the histogram searches skip the digits all their keys share (the bound's and the resolve's)."""
+    none)."""
     unknown = set(form) - set(SPLIT_PATH_DEFAULTS)
     if unknown:
         raise TypeError(f"split_select: no knob {sorted(unknown)} (knobs: {sorted(SPLIT_PATH_DEFAULTS)})")
@@ -221,11 +223,10 @@ def split_select(values, k: int, lens, maxima, counts, cval, cidx, out, bits: in
                                                     BSTEPS=opt["bound_steps"] if sel == 1 else 0,
                                                     SUB=min(gpp, max(1, opt["filter_tile"] // min(g, opt["block"]))),
                                                     ATOMIC_SLOTS=bool(opt["atomic_slots"]),
-                                                    SKIP=bool(opt["skip_common"]), num_warps=nw,
-                                                    **register_cap(opt["filter_maxnreg"]))
+                                                    num_warps=nw, **register_cap(opt["filter_maxnreg"]))
     sl = min(opt["slice_len"], cap)
     _resolve_kernel[(r, cap // sl)](values, values.stride(0), n, lens, counts, cval, cidx, out, K=k, CAP=cap,
                                     SL=sl, BLOCK=min(opt["block"], RADIX_BLOCK), BITS=bits, HAS_LEN=has_len, SEL=sel,
                                     HBITS=hbits, HALF=bool(opt["half_cap"]) and cap & (cap - 1) == 0 and cap >= 2 * sl,
-                                    SKIP=bool(opt["skip_common"]), num_warps=nw)
+                                    num_warps=nw)
     return out

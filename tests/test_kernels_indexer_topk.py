@@ -225,20 +225,17 @@ def test_split_path_hist_forms_exact(gen, hist_bits, bound_steps):
     the k-th value, row lengths, -inf entries, a row of equal keys, and a bound so coarse (one 2- or 8-bit digit)
     that the candidates overflow a small buffer into the radix fallback; each with the filter's slots reserved a
     tile at a time and a candidate at a time (atomic_slots), and the resolve over the buffer's first half where the
-    candidates fit there (half_cap: a 1,024-slot buffer holds more than 512 of them with the bound at 0); the
-    searches skipping the digits their keys share (skip_common) on a row whose entries share their top bits."""
-    v = _ties(gen, 4, 700)
+    candidates fit there (half_cap: a 1,024-slot buffer holds more than 512 of them with the bound at 0)."""
+    v = _ties(gen, 3, 700)
     v[2] = -0.0
-    v[3] = 3.0 + torch.randint(0, 300, (700,), generator=gen).float() * 2.0 ** -18  # ties among shared top bits
-    lengths = torch.tensor([700, 650, 300, 700], dtype=torch.int32)
+    lengths = torch.tensor([700, 650, 300], dtype=torch.int32)
     want = topk.topk_positions_reference(v, 32, lengths)
     form = dict(rows_path=False, select="hist", hist_bits=hist_bits, bound_steps=bound_steps)
-    for atomic_slots, half_cap, skip in ((False, False, False), (True, False, False), (True, True, False),
-                                         (True, False, True)):
+    for atomic_slots, half_cap in ((False, False), (True, False), (True, True)):
         for cap in (2048, 1024, 64):
             got = topk.topk_positions_triton(v, 32, lengths, block=64, groups=64, cap=cap, atomic_slots=atomic_slots,
-                                             half_cap=half_cap, skip_common=skip, **form)
-            assert torch.equal(got, want), (gen.initial_seed(), cap, atomic_slots, half_cap, skip)
+                                             half_cap=half_cap, **form)
+            assert torch.equal(got, want), (gen.initial_seed(), cap, atomic_slots, half_cap)
         # a filter program's groups read a few at a time (filter_tile under its block: 16 groups of 16, 4 at a time),
         # the filter launched under a register cap
         got = topk.topk_positions_triton(v, 32, lengths, block=256, groups=64, filter_tile=64,
@@ -262,26 +259,18 @@ def test_kth_largest_key_by_histograms(bits):
         tl.store(o_ptr, topk_search._kth_largest_key_hist(key, ok, need, BITS).to(tl.int32, bitcast=True))
         tl.store(o_ptr + 1, topk_search._kth_largest_key(key, ok, need).to(tl.int32, bitcast=True))
         tl.store(o_ptr + 2, topk_search._kth_largest_key_hist(key, ok, need, BITS, 3).to(tl.int32, bitcast=True))
-        # the digits every valid key shares taken without their histograms (skip_common)
-        tl.store(o_ptr + 3, topk_search._kth_largest_key_hist(key, ok, need, BITS, 0, True).to(tl.int32, bitcast=True))
-        tl.store(o_ptr + 4, topk_search._kth_largest_key_hist(key, ok, need, BITS, 3, True).to(tl.int32, bitcast=True))
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-5, 6, (256,), generator=g).float() * torch.rand(256, generator=g).round(decimals=1)
     x[:40] = torch.randn(40, generator=g) * 1e-30
-    # keys sharing their top 9 to 20 bits (one sign and exponent; the last also most of the mantissa), with duplicates
-    near = 3.0 + torch.rand(256, generator=g).round(decimals=2)
-    narrow = 3.0 + torch.randint(0, 40, (256,), generator=g).float() * 2.0 ** -20
     valid = torch.rand(256, generator=g) > 0.3
-    for values, mask in ((x, valid), (near, valid), (narrow, valid), (narrow, torch.zeros_like(valid))):
-        for need in (1, 7, 64, max(1, int(mask.sum()))):
-            o = torch.zeros(5, dtype=torch.int32)
-            k[(1,)](values, mask.to(torch.int8), torch.tensor([need], dtype=torch.int32), o, BITS=bits)
-            assert o[0].item() == o[1].item() == o[3].item(), need
-            # three steps only: the key's top digits, the rest zero (a lower bound for the candidates)
-            low = 32 - (32 - 32 // bits * bits or bits) - 2 * bits
-            assert (o[2].item() & 0xFFFFFFFF) == (o[1].item() & 0xFFFFFFFF) >> low << low, (need, bits)
-            assert o[4].item() == o[2].item(), (need, bits)
+    for need in (1, 7, 64, int(valid.sum())):
+        o = torch.zeros(3, dtype=torch.int32)
+        k[(1,)](x, valid.to(torch.int8), torch.tensor([need], dtype=torch.int32), o, BITS=bits)
+        assert o[0].item() == o[1].item(), need
+        # three steps only: the key's top digits, the rest zero (a lower bound for the candidates)
+        low = 32 - (32 - 32 // bits * bits or bits) - 2 * bits
+        assert (o[2].item() & 0xFFFFFFFF) == (o[1].item() & 0xFFFFFFFF) >> low << low, (need, bits)
 
 
 @pytest.mark.parametrize("form", [dict(whole_row=4096), dict(whole_row=4096, hist_bits=5),
