@@ -246,6 +246,8 @@ def cases():
              index(1, 1 << 19, True, rs=True)),
             ("indexer + top-512 decode, keys decoded into the wgmma's registers, absolute key scales (Gluon)",
              index(1, 1 << 19, True, rs=True, abs_scale=True)),
+            ("indexer + top-512 decode, keys decoded into the wgmma's registers, the query by the same pairs (Gluon)",
+             index(1, 1 << 19, True, rs=True, abs_scale=True, query_pairs=True)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512()),
             ("top-512 prefill, 8-bit digits", top512(hist_bits=8)),
             ("top-512 prefill, run 41's maxima pass (2,048 a step, 64 registers)", top512(max_block=2048, maxnreg=64)),

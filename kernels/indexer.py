@@ -325,11 +325,11 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
 
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
             block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
-            prefetch_keys=None, maxnreg=None, key_fold=False, rs=True, abs_scale=False):
+            prefetch_keys=None, maxnreg=None, key_fold=False, rs=True, abs_scale=False, query_pairs=False):
     """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None). rs: the
     register-operand Gluon form (kernels/indexer_rs.py) where it applies (decode rows, D = 128, 32 heads, groups of
     64 keys or more, no pool; Hopper), its own chunk default; block_t, block_n, num_warps, key_* do not apply; abs_scale
-    (rs only: `indexer_rs.indexer_scores_rs`) applies to it alone. On by
+    and query_pairs (`indexer_rs.indexer_scores_rs`) apply to it alone. On by
     default: a 1M-key decode with its top-512 103.3 us against 111.8 (H100 run 44b; the scores alone 47.1 against
     55.2, 44a), its picks the reference's."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
@@ -362,7 +362,8 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     if rs and not interp and indexer_rs.supports(t, h, d, n, rs_gm, pool_mask) \
             and (dev.type != "cuda" or indexer_rs.runs_on(dev)):  # (CPU tensors: the sm_90 compile bench)
         indexer_rs.indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, out, maxima, counts,
-                                     gm=rs_gm, chunk=asked_chunk, maxnreg=maxnreg, abs_scale=abs_scale)
+                                     gm=rs_gm, chunk=asked_chunk, maxnreg=maxnreg, abs_scale=abs_scale,
+                                     query_pairs=query_pairs)
         return out, maxima, counts
     pool = pool_mask.contiguous().view(torch.uint8) if pool_mask is not None else out
     _indexer_kernel[(triton.cdiv(t, bt), triton.cdiv(n, chunk))](

@@ -119,16 +119,19 @@ if moe_ws.HAVE_GLUON:
         return gl.expand_dims(f | (f << 16), 2)
 
     @gluon.jit
-    def _indexer_rs_kernel(kw_ptr, ks_ptr, qp_ptr, qs_ptr, qsb_ptr, w_ptr, nvis_ptr, out_ptr, max_ptr, cnt_ptr, N,
-                           n_groups, chunk, stride_out, H: gl.constexpr, GM: gl.constexpr, WRITE_MAX: gl.constexpr,
-                           BN: gl.constexpr, ABS: gl.constexpr = False):
+    def _indexer_rs_kernel(kw_ptr, ks_ptr, qp_ptr, qw_ptr, qs_ptr, qsb_ptr, w_ptr, nvis_ptr, out_ptr, max_ptr, cnt_ptr,
+                           N, n_groups, chunk, stride_out, H: gl.constexpr, GM: gl.constexpr, WRITE_MAX: gl.constexpr,
+                           BN: gl.constexpr, ABS: gl.constexpr = False, QPAIRS: gl.constexpr = False):
         """Scores of query t (program column) over keys [c * chunk, (c + 1) * chunk): tiles of BN keys, decoded into
         A registers, two async wgmmas of K = 64 against the query's heads in shared memory; score = the key's factor
         x sum over heads of the head weight x ReLU(dot), -inf past the query's visible count. A tile's words are
         loaded under the one before (two tiles before: 73.0 us against 71.5 for a 1M-key decode with its top-512,
         H100 run 45c). WRITE_MAX: the maxima of groups of GM keys (a multiple of BN) and the counter zeroed. ABS: each
         key's groups scaled absolutely (`_factors_absolute`: no largest byte a key, no factor a score; 2^64 in the head
-        weights), exact for scale bytes in [66, 192] where the relative form is exact for all."""
+        weights), exact for scale bytes in [66, 192] where the relative form is exact for all. QPAIRS: the query's
+        heads decoded as a key tile is (its words qw_ptr, BN rows of which H are heads: the pairs' bit placement,
+        where `_query_step` takes a byte load and a scale load a value), into [BN, 64] buffers of which the MMA reads
+        the first H rows."""
         t = gl.program_id(0)
         c = gl.program_id(1)
         acc_layout: gl.constexpr = moe_ws._acc_layout(H)
@@ -136,10 +139,24 @@ if moe_ws.HAVE_GLUON:
         wrows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
         arows: gl.constexpr = gl.SliceLayout(1, acc_layout)
         acols: gl.constexpr = gl.SliceLayout(0, acc_layout)
-        q0 = gl.allocate_shared_memory(gl.bfloat16, [H, 64], _OPERAND)
-        q1 = gl.allocate_shared_memory(gl.bfloat16, [H, 64], _OPERAND)
-        q0.store(_query_step(qp_ptr, qs_ptr, qsb_ptr, t * H, 0, H))
-        q1.store(_query_step(qp_ptr, qs_ptr, qsb_ptr, t * H, 1, H))
+        rel = gl.arange(0, BN, layout=wrows)  # a tile's rows from its first key (the tile's pointers are scalars)
+        if QPAIRS:
+            qsw = gl.load(qs_ptr + t * H + rel, mask=rel < H, other=0)
+            qmax = _largest_byte(qsw)
+            qrow = qw_ptr + t.to(gl.int64) * (H * 16)
+            qb0 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], _OPERAND)
+            qb1 = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], _OPERAND)
+            qb0.store(moe_rs.a_operand_scaled(_key_words(qrow, rel, H, 0, words_layout),
+                                              _factors(qsw, qmax, 0, words_layout), H))
+            qb1.store(moe_rs.a_operand_scaled(_key_words(qrow, rel, H, 1, words_layout),
+                                              _factors(qsw, qmax, 1, words_layout), H))
+            q0 = qb0.slice(0, H)
+            q1 = qb1.slice(0, H)
+        else:
+            q0 = gl.allocate_shared_memory(gl.bfloat16, [H, 64], _OPERAND)
+            q1 = gl.allocate_shared_memory(gl.bfloat16, [H, 64], _OPERAND)
+            q0.store(_query_step(qp_ptr, qs_ptr, qsb_ptr, t * H, 0, H))
+            q1.store(_query_step(qp_ptr, qs_ptr, qsb_ptr, t * H, 1, H))
         fence_async_shared()
         heads = t * H + gl.arange(0, H, layout=acols)
         # each head's factor 2^(s_max - 127) folded into its weight (ReLU commutes with it)
@@ -154,7 +171,6 @@ if moe_ws.HAVE_GLUON:
         mrow = max_ptr + t.to(gl.int64) * n_groups
         n0 = c * chunk
         n_end = gl.minimum(n0 + chunk, N)
-        rel = gl.arange(0, BN, layout=wrows)  # a tile's rows from its first key (the tile's pointers are scalars)
         w0 = _key_words(kw_ptr + n0.to(gl.int64) * 16, rel, n_vis - n0, 0, words_layout)
         w1 = _key_words(kw_ptr + n0.to(gl.int64) * 16, rel, n_vis - n0, 1, words_layout)
         sw = gl.load(ks_ptr + n0 + rel, mask=rel < n_vis - n0, other=0)
@@ -208,12 +224,12 @@ def supports(t: int, h: int, d: int, n: int, gm: int, pool_mask) -> bool:
 
 def indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, out, maxima=None, counts=None,
                       gm: int = BN, chunk: int | None = None, programs_per_sm: int = 8, maxnreg: int | None = None,
-                      abs_scale: bool = False):
+                      abs_scale: bool = False, query_pairs: bool = False):
     """The scores [T, N] of `kernels.indexer.indexer_scores_triton`'s arguments into out (and, with maxima [T,
     n_groups], the maxima of groups of gm keys and the zeroed counts [T]) in the register-operand form (`supports`).
     chunk: keys a program (a multiple of gm; default ~programs_per_sm programs an SM over all queries). abs_scale: the
     keys' groups scaled absolutely (the kernel's ABS: fewer instructions a tile, exact for key scale bytes in [66,
-    192] only)."""
+    192] only). query_pairs: the query decoded by the keys' pair placement (the kernel's QPAIRS)."""
     t, h, half = q_packed.shape
     n = k_packed.shape[0]
     if not supports(t, h, 2 * half, n, gm, None):
@@ -227,9 +243,10 @@ def indexer_scores_rs(q_packed, q_scale, k_packed, k_scale, weights, n_visible, 
     ks = k_scale.contiguous().view(torch.uint8).view(torch.int32).reshape(n)  # a key's four scale bytes, one word
     qsb = q_scale.contiguous().view(torch.uint8)
     qs = qsb.view(torch.int32).reshape(t * h)
+    qp = q_packed.contiguous()
     _indexer_rs_kernel[(t, triton.cdiv(n, chunk))](
-        kw, ks, q_packed.contiguous(), qs, qsb, weights.float().contiguous(), n_visible.to(torch.int32).contiguous(),
+        kw, ks, qp, qp.view(torch.int32), qs, qsb, weights.float().contiguous(), n_visible.to(torch.int32).contiguous(),
         out, maxima if write_max else out, counts if write_max else out, n, maxima.shape[1] if write_max else 1, chunk,
-        out.stride(0), H=h, GM=gm, WRITE_MAX=write_max, BN=BN, ABS=bool(abs_scale), num_warps=4,
-        **register_cap(maxnreg))
+        out.stride(0), H=h, GM=gm, WRITE_MAX=write_max, BN=BN, ABS=bool(abs_scale), QPAIRS=bool(query_pairs),
+        num_warps=4, **register_cap(maxnreg))
     return out

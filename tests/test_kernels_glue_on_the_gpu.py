@@ -244,16 +244,16 @@ def test_indexer_decode_register_operand_form_on_the_gpu():
     """The indexer's decode scoring with the keys decoded into the wgmma's registers (kernels/indexer_rs.py, Gluon),
     against the float64 reference: 1M keys and a row count off the tile, one query and three, fewer keys visible than
     stored, key and query scale bytes spread past the MoE fold's limit (128) and across 40 binades within a key (the
-    second case: key bytes over all of abs_scale's exact range, 66..192). Both scalings of the keys (relative to each
-    key's largest byte, and absolute: abs_scale). Scores within float32 rounding of the reference's terms, -inf
-    exactly where not visible, the group maxima those of the scores, and the top-512 the reference's picks (the
-    Triton form's FP8 query operand is exact only while a query's scale bytes span at most 14: not compared here)."""
+    second case: key bytes over all of abs_scale's exact range, 66..192). Each form: the keys scaled relative to
+    their largest byte, absolutely (abs_scale), and with the query decoded by the keys' pairs (query_pairs). Scores
+    within float32 rounding of the reference's terms, -inf exactly where not visible, the group maxima those of the
+    scores, and the top-512 the reference's picks (the Triton form's FP8 query operand is exact only while a query's
+    scale bytes span at most 14: not compared here)."""
     _run("""
 from engine import quant as Q
 from kernels import indexer, topk
-for t, n, vis, k_lo, k_hi, abs_scale in ((1, 1 << 20, 1 << 20, 100, 140, False), (1, 1 << 20, 1 << 20, 100, 140, True),
-                                         (3, (1 << 19) + 333, 400_001, 66, 193, False),
-                                         (3, (1 << 19) + 333, 400_001, 66, 193, True)):
+forms = ({}, dict(abs_scale=True), dict(query_pairs=True), dict(abs_scale=True, query_pairs=True))
+for t, n, vis, k_lo, k_hi in ((1, 1 << 20, 1 << 20, 100, 140), (3, (1 << 19) + 333, 400_001, 66, 193)):
     qp = torch.randint(-128, 128, (t, 32, 64), dtype=torch.int8, generator=g)
     qs = torch.randint(110, 150, (t, 32, 4), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
     kp = torch.randint(-128, 128, (n, 64), dtype=torch.int8, generator=g)
@@ -268,18 +268,19 @@ for t, n, vis, k_lo, k_hi, abs_scale in ((1, 1 << 20, 1 << 20, 100, 140, False),
     kd = Q.dequantize_fp4(kp, ks, 32).double()
     terms = torch.einsum("thd,nd->thn", qd.abs(), kd.abs())
     scale = torch.einsum("thn,th->tn", terms, w.double().abs())
-    got, mx, cnt = indexer._launch(*args, None, 8, topk=512, rs=True, abs_scale=abs_scale)
-    got = got.double().cpu()
     fin = torch.isfinite(ref)
-    assert torch.equal(fin, torch.isfinite(got)) and (got[~fin] == float("-inf")).all()
-    err = (got - ref)[fin].abs() / scale[fin].clamp_min(1e-30)
-    assert err.max().item() < 2e-6, (err.max().item(), abs_scale)
-    gm = -(-n // mx.shape[1])
-    pad = torch.full((t, mx.shape[1] * gm - n), float("-inf"), dtype=torch.float64)
-    assert torch.equal(mx.double().cpu(), torch.cat([got, pad], 1).view(t, -1, gm).amax(2))
-    assert (cnt.cpu() == 0).all()
-    # the scores alone (the engine's call: no maxima written) are the same numbers
-    assert torch.equal(indexer.indexer_scores_triton(*args, abs_scale=abs_scale).double().cpu(), got)
-    picks = indexer.indexer_topk_triton(*args, topk=512, rs=True, abs_scale=abs_scale).cpu()
-    assert torch.equal(picks, topk.topk_positions_reference(ref.float(), 512))
+    want = topk.topk_positions_reference(ref.float(), 512)
+    for form in forms:
+        got, mx, cnt = indexer._launch(*args, None, 8, topk=512, rs=True, **form)
+        got = got.double().cpu()
+        assert torch.equal(fin, torch.isfinite(got)) and (got[~fin] == float("-inf")).all(), form
+        err = (got - ref)[fin].abs() / scale[fin].clamp_min(1e-30)
+        assert err.max().item() < 2e-6, (err.max().item(), form)
+        gm = -(-n // mx.shape[1])
+        pad = torch.full((t, mx.shape[1] * gm - n), float("-inf"), dtype=torch.float64)
+        assert torch.equal(mx.double().cpu(), torch.cat([got, pad], 1).view(t, -1, gm).amax(2)), form
+        assert (cnt.cpu() == 0).all(), form
+        # the scores alone (the engine's call: no maxima written) are the same numbers
+        assert torch.equal(indexer.indexer_scores_triton(*args, **form).double().cpu(), got), form
+        assert torch.equal(indexer.indexer_topk_triton(*args, topk=512, rs=True, **form).cpu(), want), form
 """, hang_s=300)
