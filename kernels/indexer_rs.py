@@ -99,12 +99,24 @@ if moe_ws.HAVE_GLUON:
         return gl.load(kw_ptr + offs, mask=r3 < lim, other=0)
 
     @gluon.jit
+    def _key_tile(kw_ptr, ks_ptr, first, rel, n_vis, layout: gl.constexpr):
+        """The tile of keys first + rel (0 past n_vis): its two steps' words (`_key_words`) and its scale words."""
+        words = kw_ptr + first.to(gl.int64) * 16
+        lim = n_vis - first
+        return (_key_words(words, rel, lim, 0, layout), _key_words(words, rel, lim, 1, layout),
+                gl.load(ks_ptr + first + rel, mask=rel < lim, other=0))
+
+    @gluon.jit
+    def _group_bytes(sw, step: gl.constexpr, layout: gl.constexpr):
+        """The scale bytes of groups 2 step, 2 step + 1 of scale words sw [BN]: [BN, 2] int32 in `layout`'s slice."""
+        gi = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        return (gl.expand_dims(sw, 1) >> gl.expand_dims((step * 2 + gi) * 8, 0)) & 255
+
+    @gluon.jit
     def _factors(sw, kmax, step: gl.constexpr, layout: gl.constexpr):
         """The bf16 factor 2^(s_g - s_max + 126) of groups 2 step, 2 step + 1 (sw: the keys' scale words [BN], kmax
         their largest byte) as int32 lanes holding it twice, [BN, 2, 1] in `layout`; 0 below bf16's normal range."""
-        gi = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-        byte = (gl.expand_dims(sw, 1) >> gl.expand_dims((step * 2 + gi) * 8, 0)) & 255
-        e = byte - gl.expand_dims(kmax, 1) + 253  # the biased exponent: 126 + 127
+        e = _group_bytes(sw, step, layout) - gl.expand_dims(kmax, 1) + 253  # the biased exponent: 126 + 127
         f = gl.where(e >= 1, e << 7, 0)
         return gl.expand_dims(f | (f << 16), 2)
 
@@ -113,9 +125,7 @@ if moe_ws.HAVE_GLUON:
         """`_factors` without the key's largest byte: 2^(s_g - 65) (ABS_SHIFT = 64 under 2^(s_g - 1)), so that a
         value is E2M1 * 2^(s_g - 127 - 64), exact in bf16 while 66 <= s_g <= 192 (scales 2^-61 .. 2^65); bytes past
         192 held there (finite, inexact)."""
-        gi = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-        byte = (gl.expand_dims(sw, 1) >> gl.expand_dims((step * 2 + gi) * 8, 0)) & 255
-        f = gl.minimum(byte + (126 - _ABS_SHIFT), 254) << 7
+        f = gl.minimum(_group_bytes(sw, step, layout) + (126 - _ABS_SHIFT), 254) << 7
         return gl.expand_dims(f | (f << 16), 2)
 
     @gluon.jit
@@ -171,16 +181,12 @@ if moe_ws.HAVE_GLUON:
         mrow = max_ptr + t.to(gl.int64) * n_groups
         n0 = c * chunk
         n_end = gl.minimum(n0 + chunk, N)
-        w0 = _key_words(kw_ptr + n0.to(gl.int64) * 16, rel, n_vis - n0, 0, words_layout)
-        w1 = _key_words(kw_ptr + n0.to(gl.int64) * 16, rel, n_vis - n0, 1, words_layout)
-        sw = gl.load(ks_ptr + n0 + rel, mask=rel < n_vis - n0, other=0)
+        w0, w1, sw = _key_tile(kw_ptr, ks_ptr, n0, rel, n_vis, words_layout)
         run = gl.full([BN], float("-inf"), gl.float32, arows)
         zero = gl.zeros([BN, H], gl.float32, acc_layout)
         for start in range(n0, n_end, BN):
-            nxt = start + BN  # the next tile's words, loaded under this one's work
-            w0_next = _key_words(kw_ptr + nxt.to(gl.int64) * 16, rel, n_vis - nxt, 0, words_layout)
-            w1_next = _key_words(kw_ptr + nxt.to(gl.int64) * 16, rel, n_vis - nxt, 1, words_layout)
-            sw_next = gl.load(ks_ptr + nxt + rel, mask=rel < n_vis - nxt, other=0)
+            # the next tile's words, loaded under this one's work
+            w0_next, w1_next, sw_next = _key_tile(kw_ptr, ks_ptr, start + BN, rel, n_vis, words_layout)
             if ABS:
                 f0 = _factors_absolute(sw, 0, words_layout)
                 f1 = _factors_absolute(sw, 1, words_layout)
