@@ -95,6 +95,24 @@ def _padding_probe(x, W, ids, tw, form, flops, mm):
         f"{4096 * K} pairs", None, "timing only", 3200)
 
 
+def _mma_gemv(x, W, ids, tw, want, byt, bw, te):
+    """The 1-token experts on mma.sync (knob gemv_mma, kernels/moe_mma_gemv.py) in a row of their own: their h is
+    rounded to bf16 (the grouped forms' rounding; the CUDA-core GEMV keeps it float32), ~1e-3 off the float32 eager
+    output where the GEMV is ~1e-6, so the GEMV sweep's 1e-3 check would refuse them. Steps a program (gate/up, down):
+    8 / 6 (2,160 and 2,880 programs at the release's shapes, 78 / 52 registers on sm_90), then fewer and more."""
+    cfgs = [dict(gemv_mma=True, gemv_mma_steps=s) for s in ((8, 6), (4, 4), (16, 9))]
+    best, t, r = sweep("moe_decode_mma_cfgs", "moe decode mma", cfgs,
+                       lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out),
+                       valid=lambda v: v < 4e-3, graph=True)
+    try:
+        LOG["moe_decode_kernels_mma"] = kb = kernel_breakdown(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **best))
+        print(f"[kernels] moe decode mma {best}: {kb}", flush=True)
+    except Exception as ex:  # noqa: BLE001
+        LOG["errors"].append(f"moe decode mma breakdown: {ex!r}"[:300])
+    row("FP4 MoE decode, 1 token, 6 of 384 experts, on mma.sync", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (h in bf16)", 39)
+
+
 def case_moe(bw, mm):
     e, inter, dim, k = E, INTER, DIM, K
     W = _release_experts()
@@ -134,6 +152,8 @@ def case_moe(bw, mm):
     byt = k * per_expert
     row("FP4 MoE decode, 1 token, 6 of 384 experts", t, byt / bw * 1e6, "HBM",
         f"{byt / t / 1e6:.2f} TB/s; cfg {dbest}", te, f"rel {r:.1e}", 39)
+    if moe_ws.runs_on(DEV):
+        _mma_gemv(x, W, ids, tw, want, byt, bw, te)
     # prefill: 4K tokens, uniform routing
     tq = 4096
     x = torch.randn(tq, dim, device=DEV).bfloat16()
@@ -229,8 +249,9 @@ def case_moe(bw, mm):
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
     hg = dict(hidden="reference", x_on_grid=True)  # x made on the E4M3 grid below; the engine's form (the
     # kernel's own round trip, from run 32 on) is the 1-token sweep's dict(hidden="reference")
+    mma = [dict(hg, gemv_mma=True), dict(hidden="reference", gemv_mma=True)] if moe_ws.runs_on(DEV) else []
     for name, tq, cfgs in (("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
-                                           dict(hg, gemv_down_block_n=32), dict(f8)]),
+                                           dict(hg, gemv_down_block_n=32), dict(f8)] + mma),
                            ("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
                                                  dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)])):
         x = Q.fp8_roundtrip(torch.randn(tq, dim, device=DEV), 32).bfloat16()

@@ -230,6 +230,22 @@ def _gemv_split(kw: int, block_kw: int, iters: int) -> tuple[int, int, int]:
     return bkw, nit, steps // nit
 
 
+def pair_experts(topk_ids: torch.Tensor, tw: torch.Tensor):
+    """Each (token, expert) pair's expert id (int32) and weight: a negative id (another rank's slot) as expert 0 at
+    weight 0."""
+    elsewhere = topk_ids < 0
+    return topk_ids.clamp_min(0).to(torch.int32).contiguous(), tw.masked_fill(elsewhere, 0.0).contiguous()
+
+
+def split_k_buffers(t: int, dim: int, p: int, inter: int, nrb: int, nrb2: int, device):
+    """One zeroed buffer (one memset) for a split-K decode of p pairs of t tokens: out [T, dim], the gate and up
+    sums [2, P, I], their counters [P, nrb] (int32), and where nrb2 > 0 (the hidden state's down in K splits) the
+    down sums [P, dim] and their counters [P, nrb2]."""
+    sizes = (t * dim, 2 * p * inter, p * nrb, p * dim if nrb2 else 0, p * nrb2)
+    out, gu, cnt, ys, cnt2 = torch.zeros(sum(sizes), dtype=torch.float32, device=device).split(sizes)
+    return out.view(t, dim), gu, cnt.view(torch.int32), ys, cnt2.view(torch.int32)
+
+
 def moe_gemv(x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: float, hidden: str | None, *,
              block_n: int, block_kw: int, iters: int, down_block_n: int, down_block_kw: int, down_iters: int,
              num_warps: int, down_num_warps: int | None, prefetch: bool) -> torch.Tensor:
@@ -240,20 +256,13 @@ def moe_gemv(x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: float, hi
     p, k = topk_ids.numel(), topk_ids.shape[1]
     inter = w1w.shape[1]
     fp8_hidden, rb = hidden is not None, hidden == "reference"
-    elsewhere = topk_ids < 0
-    ids = topk_ids.clamp_min(0).to(torch.int32).contiguous()
-    tw = tw.masked_fill(elsewhere, 0.0).contiguous()
+    ids, tw = pair_experts(topk_ids, tw)
     if fp8_hidden:  # whole 32-row groups per gate/up block (the E4M3 quantization of w * h)
         block_n = -(-block_n // 32) * 32
     (bkw1, it1, ks1), (bkw2, it2, ks2) = (_gemv_split(dim // 8, block_kw, iters),
                                           _gemv_split(inter // 8, down_block_kw, down_iters))
     nrb, nrb2 = triton.cdiv(inter, block_n), triton.cdiv(dim, down_block_n)
-    ys_n = p * dim if fp8_hidden and ks2 > 1 else 0
-    # one zeroed buffer (one memset): out [T, dim], gate and up sums [2, P, I], counters [P, nrb], and for
-    # the hidden state's down sums [P, dim] and their counters [P, nrb2]
-    sizes = (t * dim, 2 * p * inter, p * nrb, ys_n, p * nrb2 if ys_n else 0)
-    out, gu, cnt, ys, cnt2 = torch.zeros(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
-    out, cnt, cnt2 = out.view(t, dim), cnt.view(torch.int32), cnt2.view(torch.int32)
+    out, gu, cnt, ys, cnt2 = split_k_buffers(t, dim, p, inter, nrb, nrb2 if fp8_hidden and ks2 > 1 else 0, x.device)
     h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
     _gemv_gate_up_kernel[(p, nrb, ks1)](
         x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p, float(swiglu_limit), DIM=dim, INTER=inter,

@@ -1,0 +1,216 @@
+"""The routed experts' decode path (a few (token, expert) pairs) on tensor cores: kernels/moe_gemv.py's split-K
+GEMV with each FP4 word decoded straight into an mma.sync A fragment (Gluon, Hopper; GPU only).
+
+Why: the CUDA-core GEMV spends ~6.5 SASS instructions a weight value (the fp16 placement, its convert, the scale,
+one FFMA a token): 34 us of issue at full rate for a 39 us goal (notes/kernels.md's census). Here a thread's words
+are the ones its A fragments hold (kernels/moe_rs.py's decode: two shifts, two lop3 and half a bf16x2 multiply a
+value, the scale folded in) and mma.sync m16n8k16 does the products and the float32 sums. The vector is the B
+operand, in registers: every one of its 8 columns is the token's vector, and the sums are read from column 0.
+
+A program is 64 weight rows (16 a warp) of one pair over a K slice of `steps` 64-wide steps; each step's word, scale
+and vector loads are straight-line code, so the compiler issues them ahead of the decodes. The vector comes in the
+MMA's K order (moe_rs.RS_ORDER inside each 64 of the NIB order: x from the E4M3 round trip's `rs` store, or
+permuted here; the gate/up stores h so for the down). Split K as the GEMV: partial sums added into a zeroed float32
+buffer, the last K split of a row block (an atomic counter) finishing it. The values: the same bf16 products and
+float32 sums as the grouped forms (the plain numerics' h rounded to bf16 as theirs; the engine's hidden state is a
+bf16 number already), in the MMA's order. Gluon has no interpreter: tests/test_kernels_moe_ws.py checks it on a
+Hopper GPU, tests/test_kernels_compile_sm90.py compiles it here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels import moe_f8, moe_gemv, moe_rs, moe_ws
+
+if moe_ws.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    _sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier  # gl.barrier from triton 3.7, 3.6's name
+
+    @triton.constexpr_function
+    def _mma_layout():
+        """The [64 weight rows, 8 columns] sums of 4 warps' mma.sync m16n8k16, 16 rows a warp."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+
+    @triton.constexpr_function
+    def _vector_layout():
+        """[64 MMA positions of a K step, 8 columns] as mma.sync's B fragments hold them (bf16, k_width 2): lane
+        (g, q) of every warp has positions 2q + {0, 1} + 8 r1 + 16 r2 + 32 r3 (registers r) of column g. A pair of
+        positions is adjacent in the vector's MMA order: one 32-bit load."""
+        return gl.DistributedLinearLayout([[1, 0], [8, 0], [16, 0], [32, 0]],
+                                          [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 0], [0, 0]], [], [64, 8])
+
+    @gluon.jit
+    def _row_sums(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, row0, k_first, KDIM: gl.constexpr, STEPS: gl.constexpr,
+                  TWO: gl.constexpr):
+        """W[row0 .. row0 + 63] v over K [k_first, k_first + 64 STEPS) (and Wb v if TWO, else W v again): two
+        float32 [64] in the sums' row layout. W: int32 words [rows, KDIM / 8] (NIB order), its E8M0 bytes [rows,
+        KDIM / 32]; v: bf16 in the MMA's K order. Two accumulators a weight (even and odd steps), so the MMAs of one
+        step do not wait on the last's."""
+        words_layout: gl.constexpr = moe_rs._words_layout(64)
+        bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+        mma: gl.constexpr = _mma_layout()
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+        b_layout: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+        vec_layout: gl.constexpr = _vector_layout()
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, bytes_layout))
+        grp = gl.arange(0, 2, layout=gl.SliceLayout(0, bytes_layout))
+        wrd = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+        rows = (row0 + r).to(gl.int64)
+        # a step's words: row, then its two 32-groups of four words; its bytes: row, then group
+        soff = gl.expand_dims(rows, 1) * (KDIM // 32) + gl.expand_dims(grp, 0) + k_first // 32
+        woff = gl.expand_dims(gl.expand_dims(rows, 1) * (KDIM // 8) + gl.expand_dims(grp * 4, 0), 2) \
+            + gl.expand_dims(gl.expand_dims(wrd, 0), 1) + k_first // 8
+        pos = gl.arange(0, 64, layout=gl.SliceLayout(1, vec_layout))
+        col = gl.arange(0, 8, layout=gl.SliceLayout(0, vec_layout))
+        voff = gl.expand_dims(pos, 1) + gl.expand_dims(col * 0, 0) + k_first  # every column the vector
+        zero = gl.zeros([64, 8], gl.float32, mma)
+        acc0, acc1, accb0, accb1 = zero, zero, zero, zero
+        for s in gl.static_range(STEPS):
+            vb = gl.convert_layout(gl.load(v_ptr + voff + 64 * s), b_layout, assert_trivial=True)
+            f, wd = moe_ws.fold_factors(gl.expand_dims(gl.load(s_ptr + soff + 2 * s), 2), gl.load(w_ptr + woff + 8 * s))
+            a = moe_rs.a_fragments(wd, f, a_layout)
+            if s % 2 == 0:
+                acc0 = mma_v2(a, vb, acc0)
+            else:
+                acc1 = mma_v2(a, vb, acc1)
+            if TWO:
+                fb, wdb = moe_ws.fold_factors(gl.expand_dims(gl.load(sb_ptr + soff + 2 * s), 2),
+                                              gl.load(wb_ptr + woff + 8 * s))
+                ab = moe_rs.a_fragments(wdb, fb, a_layout)
+                if s % 2 == 0:
+                    accb0 = mma_v2(ab, vb, accb0)
+                else:
+                    accb1 = mma_v2(ab, vb, accb1)
+        first = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, mma)), 0) == 0
+        y = gl.sum(gl.where(first, acc0 + acc1, 0.0), axis=1)  # column 0 (the others: the same sums, or NaN's)
+        if TWO:
+            return y, gl.sum(gl.where(first, accb0 + accb1, 0.0), axis=1)
+        else:
+            return y, y
+
+    @gluon.jit
+    def _arrived_last(cnt_ptr, KS: gl.constexpr):
+        """moe_gemv._arrived_last: after this program's relaxed partial adds, one acq_rel increment of its (pair, row
+        block) counter behind a barrier; True for the last of the KS K splits."""
+        _sync_warps()
+        done = gl.atomic_add(cnt_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1), 1, sem="acq_rel")
+        return done == KS - 1
+
+    @triton.constexpr_function
+    def _column_layout():
+        """[64 rows, 1] over 4 warps, a row a thread: the last arriver's epilogue (moe_f8's per-32-row groups)."""
+        return gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _mma_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, tw_ptr, NP,
+                            limit,
+                            DIM: gl.constexpr, INTER: gl.constexpr, TOPK: gl.constexpr, STEPS: gl.constexpr,
+                            KS: gl.constexpr, FH: gl.constexpr, RB: gl.constexpr):
+        """Program (pair, 64 rows of I, K split): W1 x and W3 x over its K slice added into gu [2, P, I] (float32,
+        zeroed); the last split of a row block (counter cnt [P, I / 64], zeroed) applies the clamped SwiGLU (FH: the
+        engine's hidden state, w included) and stores h [P, I] bf16 in the down's MMA order (moe_rs.rs_h_column)."""
+        p = gl.program_id(0)
+        e = gl.load(ids_ptr + p).to(gl.int64)
+        g, u = _row_sums(w1_ptr, s1_ptr, w3_ptr, s3_ptr, x_ptr + (p // TOPK).to(gl.int64) * DIM,
+                         e * INTER + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), DIM, STEPS, True)
+        flat: gl.constexpr = gl.SliceLayout(1, _column_layout())
+        rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=flat)
+        gp = gu_ptr + p.to(gl.int64) * INTER
+        if KS > 1:
+            sum_rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=g.type.layout)
+            gl.atomic_add(gp + sum_rows, g, sem="relaxed")  # ordered before the counter by _arrived_last
+            gl.atomic_add(gp + NP * INTER + sum_rows, u, sem="relaxed")
+            if _arrived_last(cnt_ptr, KS):
+                _swiglu_store(h_ptr, tw_ptr, p, rows, gl.load(gp + rows, cache_modifier=".cg"),
+                              gl.load(gp + NP * INTER + rows, cache_modifier=".cg"), limit, INTER, FH, RB)
+        else:
+            _swiglu_store(h_ptr, tw_ptr, p, rows, gl.convert_layout(g, flat), gl.convert_layout(u, flat), limit,
+                          INTER, FH, RB)
+
+    @gluon.jit
+    def _swiglu_store(h_ptr, tw_ptr, p, rows, g, u, limit, INTER: gl.constexpr, FH: gl.constexpr,
+                      RB: gl.constexpr):
+        """One pair's 64 rows of h ([64] in the column layout's rows) from their gate and up sums
+        (moe_gemv._gemv_swiglu_store's numerics), stored bf16 where the down reads them."""
+        g = gl.expand_dims(g, 1)
+        u = gl.expand_dims(u, 1)
+        if FH:  # as the grouped kernels' epilogue, for one pair: [64, 1]
+            tw = gl.load(tw_ptr + p + gl.arange(0, 1, layout=gl.SliceLayout(0, _column_layout())))
+            h = moe_f8.swiglu_e4m3_values(g, u, tw, limit, 64, 1, RB)
+        else:
+            g = gl.minimum(g, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+            h = g / (1.0 + gl.exp(-g)) * u
+        dst = h_ptr + p.to(gl.int64) * INTER + gl.expand_dims(moe_rs.rs_h_column(rows), 1)
+        gl.store(dst, gl.convert_layout(h, _column_layout()).to(gl.bfloat16))
+
+    @gluon.jit
+    def _mma_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, ys_ptr, cnt_ptr, DIM: gl.constexpr,
+                         INTER: gl.constexpr, TOPK: gl.constexpr, STEPS: gl.constexpr, KS: gl.constexpr,
+                         FH: gl.constexpr, RB: gl.constexpr):
+        """Program (pair, 64 rows of dim, K split): tw * W2 h over its K slice added into out (float32, relaxed
+        atomics); FH: act(W2 h) (w is in h), which needs the whole sum: the splits add into ys [P, dim] (zeroed) and
+        the last (counter cnt [P, dim / 64], zeroed) rounds it into out (moe_gemv._gemv_down_kernel)."""
+        p = gl.program_id(0)
+        e = gl.load(ids_ptr + p).to(gl.int64)
+        y, _ = _row_sums(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(gl.int64) * INTER,
+                         e * DIM + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), INTER, STEPS, False)
+        rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=y.type.layout)
+        dst = out_ptr + (p // TOPK).to(gl.int64) * DIM + rows
+        if not FH:
+            gl.atomic_add(dst, y * gl.load(tw_ptr + p), sem="relaxed")
+        elif KS > 1:
+            yp = ys_ptr + p.to(gl.int64) * DIM + rows
+            gl.atomic_add(yp, y, sem="relaxed")  # ordered before the counter by _arrived_last
+            if _arrived_last(cnt_ptr, KS):
+                gl.atomic_add(dst, moe_f8.act(gl.load(yp, cache_modifier=".cg"), RB), sem="relaxed")
+        else:
+            gl.atomic_add(dst, moe_f8.act(y, RB), sem="relaxed")
+
+
+def _steps(kdim: int, steps: int) -> tuple[int, int]:
+    """64-wide K steps a program (the largest divisor of the step count <= steps) and the number of K splits."""
+    n = kdim // 64
+    s = max(d for d in range(1, max(1, min(steps, n)) + 1) if n % d == 0)
+    return s, n // s
+
+
+def fits(dim: int, inter: int) -> bool:
+    """Whether this form tiles experts of these widths: 64-row blocks and 64-wide K steps both ways."""
+    return dim % 64 == 0 and inter % 64 == 0
+
+
+def moe_mma_gemv(x_mma, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: float, hidden: str | None, *,
+                 steps: int = 8, down_steps: int = 6) -> torch.Tensor:
+    """out float32 [T, dim] = the routed experts on T tokens (moe_fp4_triton's GEMV path in this form, knob
+    gemv_mma): x_mma bf16 [T, dim] in the MMA's K order (moe_rs.rs_columns of the NIB order), weights as int32 words,
+    scales as bytes, tw float32 [T, k]; hidden: moe._hidden's numerics or None; steps / down_steps: 64-wide K steps a
+    program of the gate/up and of the down (at most; a divisor of the step count)."""
+    if not moe_ws.HAVE_GLUON:
+        raise RuntimeError("the tensor-core GEMV needs triton.experimental.gluon (triton >= 3.6)")
+    t, dim = x_mma.shape
+    p, k = topk_ids.numel(), topk_ids.shape[1]
+    inter = w1w.shape[1]
+    if not fits(dim, inter):
+        raise ValueError(f"the tensor-core GEMV takes 64-row blocks and 64-wide K steps: dim {dim} and I {inter} "
+                         "must be multiples of 64")
+    fp8_hidden = hidden is not None
+    ids, tw = moe_gemv.pair_experts(topk_ids, tw)
+    (st1, ks1), (st2, ks2) = _steps(dim, steps), _steps(inter, down_steps)
+    nrb, nrb2 = inter // 64, dim // 64
+    out, gu, cnt, ys, cnt2 = moe_gemv.split_k_buffers(t, dim, p, inter, nrb, nrb2 if fp8_hidden and ks2 > 1 else 0,
+                                                      x_mma.device)
+    h = torch.empty(p, inter, dtype=torch.bfloat16, device=x_mma.device)
+    shared = dict(DIM=dim, INTER=inter, TOPK=k, FH=fp8_hidden, RB=hidden == "reference", num_warps=4)
+    _mma_gate_up_kernel[(p, nrb, ks1)](x_mma.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p,
+                                       float(swiglu_limit), STEPS=st1, KS=ks1, **shared)
+    _mma_down_kernel[(p, nrb2, ks2)](h, w2w, s2, ids, tw, out, ys, cnt2, STEPS=st2, KS=ks2, **shared)
+    return out
+
+
+__all__ = ["fits", "moe_mma_gemv"]
