@@ -85,6 +85,9 @@ def moe_fp4_reference(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, top
     return out.float()
 
 
+GEMV_MAX_PAIRS = 16  # moe_fp4_triton's default: up to this many (token, expert) pairs take the GEMV path
+
+
 def _hidden(hidden: str | None, fp8_mma: bool) -> str | None:
     """The hidden state's numerics: None (the bf16 form's own: w * h unquantized, w after the down GEMM),
     "reference" or "fp32" (engine/model/moe.py under those numerics: w * h quantized to E4M3 per 32; the
@@ -353,7 +356,7 @@ def _words(w: torch.Tensor) -> torch.Tensor:
 def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights,
                    swiglu_limit: float = 10.0, block_m: int | None = None, block_n: int | None = None,
                    block_k: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 4,
-                   gemv_max_pairs: int = 16, gemv_block_n: int = 16, gemv_block_kw: int = 128,
+                   gemv_max_pairs: int = GEMV_MAX_PAIRS, gemv_block_n: int = 16, gemv_block_kw: int = 128,
                    gemv_iters: int = 1, gemv_down_block_n: int = 16, gemv_down_block_kw: int = 32,
                    gemv_down_iters: int = 3, gemv_num_warps: int = 4, gemv_prefetch: bool = False,
                    gemv_down_num_warps: int | None = None, maxnreg: int | None = None, bf16_decode: bool | str = True,
@@ -409,7 +412,8 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     order itself (quant.fp8_roundtrip_triton rs=True) instead of a permuting copy after it (where x is already on
     the grid there is no round trip, and the copy stays).
     gemv_mma (the GEMV path, on a Hopper GPU; not with fp8_mma): the GEMVs on mma.sync, each FP4 word decoded into
-    the A fragment that holds it (kernels/moe_mma_gemv.py); gemv_mma_steps: its gate/up's and down's 64-wide K steps a
+    the A fragment that holds it (kernels/moe_mma_gemv.py; the folded decode's scale bytes, up to
+    fp4_tiles.FOLD_MAX_SCALE_BYTE: NaN beyond, as bf16_decode="fold"); gemv_mma_steps: its gate/up's and down's 64-wide K steps a
     program (at most). x goes in that form's K order: stored so by its E4M3 round trip, else permuted first."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)

@@ -445,3 +445,37 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
     first = next(iter(out.values()))
     for picks in out.values():
         _assert_same_picks(first, picks)
+
+
+def test_tensor_core_gemv_knob_reaches_the_gemv_widths_only_where_it_runs(tmp_path, monkeypatch):
+    """moe_gemv_mma: a 2-token forward's experts (at most kernels/moe.GEMV_MAX_PAIRS pairs: the GEMV path) take the
+    tensor-core GEMV on the folded decode where moe_ws.runs_on says the GPU has Gluon and the experts tile; with the
+    knob off, on another device, at widths it cannot tile or without the fold, they do not; no setting moves a pick."""
+    import kernels.dispatch as dispatch
+    import kernels.moe_mma_gemv as moe_mma_gemv
+    import kernels.moe_ws as moe_ws
+    from kernels.moe import GEMV_MAX_PAIRS
+
+    seen = []
+    reference, triton_version = dispatch._PAIRS["moe_fp4"]
+
+    def recorded(*args, **kwargs):
+        seen.append((args[7].numel(), kwargs.get("bf16_decode"), kwargs.get("gemv_mma", False)))
+        return reference(*args, **{k: v for k, v in kwargs.items() if not k.startswith("gemv_mma")})
+
+    monkeypatch.setitem(dispatch._PAIRS, "moe_fp4", (recorded, triton_version))
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None, tokens=2)
+    out = {}
+    for runs, fits, spec, want in ((True, True, "moe_gemv_mma=1", True), (True, True, "moe_gemv_mma=0", False),
+                                   (False, True, "moe_gemv_mma=1", False), (True, False, "moe_gemv_mma=1", False),
+                                   (True, True, "moe_gemv_mma=1,moe_fold=0", False)):
+        monkeypatch.setattr(moe_ws, "runs_on", lambda device, _runs=runs: _runs)
+        monkeypatch.setattr(moe_mma_gemv, "fits", lambda dim, inter, _fits=fits: _fits)
+        seen.clear()
+        out[(runs, fits, spec)] = run(lambda model: model.ops.set_knobs(spec))
+        assert seen and all(pairs <= GEMV_MAX_PAIRS for pairs, _, _ in seen), seen
+        assert all(mma == (want and fold == "fold") for _, fold, mma in seen), (spec, runs, fits, seen)
+        assert any(fold == "fold" for _, fold, _ in seen) == ("moe_fold=0" not in spec), seen
+    first = next(iter(out.values()))
+    for picks in out.values():
+        _assert_same_picks(first, picks)

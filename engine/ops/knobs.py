@@ -142,13 +142,17 @@ class KernelKnobs:
     # the end (late_sum): with wide_store 1,283.2 us in the kernel bench (44b), untimed in the layer: off
     attn_wide_store = True
     attn_late_sum = False
+    # a decode's experts (the GEMV widths) on mma.sync, each FP4 word decoded into the A fragment that holds it
+    # (kernels/moe_mma_gemv.py; the folded decode's scale range): sm_90 census 3.4 SASS instructions a weight value
+    # against the CUDA-core GEMV's 6.5 (triton 3.6). Untimed: off
+    moe_gemv_mma = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
              "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row", "attn_wide_store",
-             "attn_late_sum")
+             "attn_late_sum", "moe_gemv_mma")
 
     def attn_wgmma_options(self) -> dict:
         """The one-pass wgmma attention's options (kernels/sparse_attn_wgmma.py) the knobs ask for."""
@@ -161,6 +165,17 @@ class KernelKnobs:
         if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
             form["rs_round_trip"] = True
         return form
+
+    def moe_decode_options(self, device, dim: int, inter: int, pairs: int, form: dict) -> dict:
+        """The GEMV widths' expert options (kernels/moe.py) the knobs ask for, beside `form` as chosen so far:
+        moe_gemv_mma's tensor-core GEMV on the folded decode (its scale range checked), where it runs (a Hopper GPU)
+        and tiles the experts."""
+        from kernels.moe import GEMV_MAX_PAIRS
+        if not self.moe_gemv_mma or pairs > GEMV_MAX_PAIRS or form.get("fp8_mma") or form.get("bf16_decode") != "fold":
+            return {}
+        from kernels.moe_mma_gemv import fits
+        from kernels.moe_ws import runs_on
+        return {"gemv_mma": True} if runs_on(device) and fits(dim, inter) else {}
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""
