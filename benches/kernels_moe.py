@@ -225,6 +225,8 @@ def case_moe(bw, mm):
     cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
             dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128),
             dict(base, bf16_decode="fold"), dict(base, bf16_decode="fold", maxnreg=64)]  # fold: 336 vs 368 a K step
+    if moe_ws.runs_on(DEV):  # up to 8 pairs of one expert a program on mma.sync (kernels/moe_mma_gemv.py; untimed)
+        cfgs += [dict(gemv_mma="step", gemv_mma_steps=s) for s in ((8, 6), (16, 12), (20, 9))]
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)
@@ -242,6 +244,8 @@ def case_moe(bw, mm):
     # run 16b (scale bytes through tl.load, a shared-memory hop each): BN 64 3.20 ms, 128 2.55, BM 8 5.9
     cfgs = [dict(f8), dict(f8, num_warps=8), dict(f8, block_n=256, num_warps=8), dict(f8, block_n=64),
             dict(f8, block_m=8), dict(f8, num_stages=4), dict(hidden="reference")]  # the last: the bf16 form
+    if moe_ws.runs_on(DEV):  # the engine's bf16 form with knob moe_step_mma
+        cfgs += [dict(hidden="reference", bf16_decode="fold", gemv_mma="step")]
     best, t, r = sweep("moe_decode64_f8_cfgs", "moe decode 64 fp8", cfgs,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=True)

@@ -413,8 +413,10 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     the grid there is no round trip, and the copy stays).
     gemv_mma (the GEMV path, on a Hopper GPU; not with fp8_mma): the GEMVs on mma.sync, each FP4 word decoded into
     the A fragment that holds it (kernels/moe_mma_gemv.py; the folded decode's scale bytes, up to
-    fp4_tiles.FOLD_MAX_SCALE_BYTE: NaN beyond, as bf16_decode="fold"); gemv_mma_steps: its gate/up's and down's 64-wide K steps a
-    program (at most). x goes in that form's K order: stored so by its E4M3 round trip, else permuted first."""
+    fp4_tiles.FOLD_MAX_SCALE_BYTE: NaN beyond, as bf16_decode="fold"), a program a pair; gemv_mma="step": also the
+    decode step's grouped widths (16-token blocks), up to 8 pairs of one expert a program; gemv_mma_steps: its
+    gate/up's and down's 64-wide K steps a program (at most). x goes in that form's K order: stored so by its E4M3
+    round trip, else permuted first."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -434,7 +436,10 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     w1w, w3w, w2w = _words(w1), _words(w3), _words(w2)
     s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
     tw = topk_weights.float().contiguous()
-    if p <= gemv_max_pairs and gemv_mma:
+    if gemv_mma not in (False, True, "step"):
+        raise ValueError(f"gemv_mma must be False, True or 'step', got {gemv_mma!r}")
+    step_widths = gemv_mma == "step" and p > gemv_max_pairs and not fp8_mma and token_block(p, e) == 16
+    if gemv_mma and (p <= gemv_max_pairs or step_widths):
         if not (moe_ws.HAVE_GLUON and dot_dtype() == tl.bfloat16 and moe_mma_gemv.fits(dim, inter)):
             raise ValueError("gemv_mma: the tensor-core GEMV runs on a GPU (Gluon's mma.sync; not the interpreter)"
                              f", over experts of 64-row blocks and 64-wide K steps (dim {dim}, I {inter})")
@@ -443,6 +448,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
         else:
             xm = moe_rs.rs_columns(nib_order(x.contiguous().bfloat16()))
         return moe_mma_gemv.moe_mma_gemv(xm, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden,
+                                         blocks=moe_align(topk_ids, e, 8) if step_widths else None,
                                          steps=gemv_mma_steps[0], down_steps=gemv_mma_steps[1])
     if p <= gemv_max_pairs:
         xg = fp8_roundtrip_triton(x, 32, bf16_out=True) if round_x else x

@@ -44,19 +44,40 @@ if moe_ws.HAVE_GLUON:
         return gl.DistributedLinearLayout([[1, 0], [8, 0], [16, 0], [32, 0]],
                                           [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 0], [0, 0]], [], [64, 8])
 
+    @triton.constexpr_function
+    def _tile_layout():
+        """[64 rows, 8 pairs] over 4 warps, a row's four pairs a thread: the last arriver's epilogue (moe_f8's groups
+        of 32 rows)."""
+        return gl.BlockedLayout([1, 4], [32, 1], [2, 2], [1, 0])
+
     @gluon.jit
-    def _row_sums(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, row0, k_first, KDIM: gl.constexpr, STEPS: gl.constexpr,
-                  TWO: gl.constexpr):
-        """W[row0 .. row0 + 63] v over K [k_first, k_first + 64 STEPS) (and Wb v if TWO, else W v again): two
-        float32 [64] in the sums' row layout. W: int32 words [rows, KDIM / 8] (NIB order), its E8M0 bytes [rows,
-        KDIM / 32]; v: bf16 in the MMA's K order. Two accumulators a weight (even and odd steps), so the MMAs of one
-        step do not wait on the last's."""
+    def _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS: gl.constexpr, layout: gl.constexpr):
+        """This program's expert (< 0: an unused block) and its pairs [8] in `layout` (past its own: the first again,
+        read and never stored) with their mask. PAIRS 1: program b is pair b, bexp its expert; else up to 8 pairs of
+        one expert, a block of kernels/moe.py's moe_align (order, first and end rows)."""
+        b = gl.program_id(0)
+        j = gl.arange(0, 8, layout=layout)
+        e = gl.load(bexp_ptr + b)
+        if PAIRS == 1:
+            return e, b + j * 0, j == 0
+        else:
+            first = gl.load(bbeg_ptr + b)
+            rows = first + j
+            valid = rows < gl.load(bend_ptr + b)
+            return e, gl.load(order_ptr + gl.where(valid, rows, first)), valid
+
+    @gluon.jit
+    def _row_sums(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, vrows, row0, k_first, KDIM: gl.constexpr,
+                  STEPS: gl.constexpr, TWO: gl.constexpr):
+        """W[row0 .. row0 + 63] V over K [k_first, k_first + 64 STEPS) (and Wb V if TWO, else W V again): two float32
+        [64, 8] in the MMA's layout, column j the vector at v_ptr + vrows[j] (bf16, in the MMA's K order; vrows [8]
+        in the B operand's columns). W: int32 words [rows, KDIM / 8] (NIB order), its E8M0 bytes [rows, KDIM / 32].
+        Two accumulators a weight (even and odd steps), so the MMAs of one step do not wait on the last's."""
         words_layout: gl.constexpr = moe_rs._words_layout(64)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         mma: gl.constexpr = _mma_layout()
         a_layout: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
         b_layout: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
-        vec_layout: gl.constexpr = _vector_layout()
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, bytes_layout))
         grp = gl.arange(0, 2, layout=gl.SliceLayout(0, bytes_layout))
         wrd = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
@@ -65,9 +86,8 @@ if moe_ws.HAVE_GLUON:
         soff = gl.expand_dims(rows, 1) * (KDIM // 32) + gl.expand_dims(grp, 0) + k_first // 32
         woff = gl.expand_dims(gl.expand_dims(rows, 1) * (KDIM // 8) + gl.expand_dims(grp * 4, 0), 2) \
             + gl.expand_dims(gl.expand_dims(wrd, 0), 1) + k_first // 8
-        pos = gl.arange(0, 64, layout=gl.SliceLayout(1, vec_layout))
-        col = gl.arange(0, 8, layout=gl.SliceLayout(0, vec_layout))
-        voff = gl.expand_dims(pos, 1) + gl.expand_dims(col * 0, 0) + k_first  # every column the vector
+        pos = gl.arange(0, 64, layout=gl.SliceLayout(1, _vector_layout()))
+        voff = gl.expand_dims(pos, 1) + gl.expand_dims(vrows, 0) + k_first
         zero = gl.zeros([64, 8], gl.float32, mma)
         acc0, acc1, accb0, accb1 = zero, zero, zero, zero
         for s in gl.static_range(STEPS):
@@ -86,91 +106,101 @@ if moe_ws.HAVE_GLUON:
                     accb0 = mma_v2(ab, vb, accb0)
                 else:
                     accb1 = mma_v2(ab, vb, accb1)
-        first = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, mma)), 0) == 0
-        y = gl.sum(gl.where(first, acc0 + acc1, 0.0), axis=1)  # column 0 (the others: the same sums, or NaN's)
         if TWO:
-            return y, gl.sum(gl.where(first, accb0 + accb1, 0.0), axis=1)
+            return acc0 + acc1, accb0 + accb1
         else:
-            return y, y
+            return acc0 + acc1, acc0 + acc1
 
     @gluon.jit
     def _arrived_last(cnt_ptr, KS: gl.constexpr):
-        """moe_gemv._arrived_last: after this program's relaxed partial adds, one acq_rel increment of its (pair, row
+        """moe_gemv._arrived_last: after this program's relaxed partial adds, one acq_rel increment of its (block, row
         block) counter behind a barrier; True for the last of the KS K splits."""
         _sync_warps()
         done = gl.atomic_add(cnt_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1), 1, sem="acq_rel")
         return done == KS - 1
 
-    @triton.constexpr_function
-    def _column_layout():
-        """[64 rows, 1] over 4 warps, a row a thread: the last arriver's epilogue (moe_f8's per-32-row groups)."""
-        return gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+    @gluon.jit
+    def _tile_offsets(pair, valid, N: gl.constexpr, layout: gl.constexpr):
+        """[64 rows of this program's row block, 8 pairs] -> (offsets pair * N + row, int64; the pairs' mask)."""
+        rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        offs = gl.expand_dims(pair.to(gl.int64) * N, 0) + gl.expand_dims(rows, 1)
+        return offs, gl.expand_dims(valid, 0) & (offs >= 0)
 
     @gluon.jit
-    def _mma_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, tw_ptr, NP,
-                            limit,
-                            DIM: gl.constexpr, INTER: gl.constexpr, TOPK: gl.constexpr, STEPS: gl.constexpr,
-                            KS: gl.constexpr, FH: gl.constexpr, RB: gl.constexpr):
-        """Program (pair, 64 rows of I, K split): W1 x and W3 x over its K slice added into gu [2, P, I] (float32,
-        zeroed); the last split of a row block (counter cnt [P, I / 64], zeroed) applies the clamped SwiGLU (FH: the
-        engine's hidden state, w included) and stores h [P, I] bf16 in the down's MMA order (moe_rs.rs_h_column)."""
-        p = gl.program_id(0)
-        e = gl.load(ids_ptr + p).to(gl.int64)
-        g, u = _row_sums(w1_ptr, s1_ptr, w3_ptr, s3_ptr, x_ptr + (p // TOPK).to(gl.int64) * DIM,
-                         e * INTER + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), DIM, STEPS, True)
-        flat: gl.constexpr = gl.SliceLayout(1, _column_layout())
-        rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=flat)
-        gp = gu_ptr + p.to(gl.int64) * INTER
-        if KS > 1:
-            sum_rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=g.type.layout)
-            gl.atomic_add(gp + sum_rows, g, sem="relaxed")  # ordered before the counter by _arrived_last
-            gl.atomic_add(gp + NP * INTER + sum_rows, u, sem="relaxed")
-            if _arrived_last(cnt_ptr, KS):
-                _swiglu_store(h_ptr, tw_ptr, p, rows, gl.load(gp + rows, cache_modifier=".cg"),
-                              gl.load(gp + NP * INTER + rows, cache_modifier=".cg"), limit, INTER, FH, RB)
-        else:
-            _swiglu_store(h_ptr, tw_ptr, p, rows, gl.convert_layout(g, flat), gl.convert_layout(u, flat), limit,
-                          INTER, FH, RB)
+    def _mma_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, gu_ptr,
+                            cnt_ptr, h_ptr, tw_ptr, NP, limit, DIM: gl.constexpr, INTER: gl.constexpr,
+                            TOPK: gl.constexpr, PAIRS: gl.constexpr, STEPS: gl.constexpr, KS: gl.constexpr,
+                            FH: gl.constexpr, RB: gl.constexpr):
+        """Program (block of pairs, 64 rows of I, K split): W1 x and W3 x of each pair over its K slice added into gu
+        [2, P, I] (float32, zeroed); the last split of a row block (counter cnt [blocks, I / 64], zeroed) applies the
+        clamped SwiGLU (FH: the engine's hidden state, w included) and stores h [P, I] bf16 in the down's MMA order
+        (moe_rs.rs_h_column)."""
+        mma: gl.constexpr = _mma_layout()
+        tile: gl.constexpr = _tile_layout()
+        e, pair_v, valid_v = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, _vector_layout()))
+        if e >= 0:
+            g, u = _row_sums(w1_ptr, s1_ptr, w3_ptr, s3_ptr, x_ptr, (pair_v // TOPK).to(gl.int64) * DIM,
+                             e.to(gl.int64) * INTER + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), DIM,
+                             STEPS, True)
+            e_t, pair_t, valid_t = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, tile))
+            offs_t, mask_t = _tile_offsets(pair_t, valid_t, INTER, tile)
+            if KS > 1:
+                e_m, pair, valid = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, mma))
+                offs, mask = _tile_offsets(pair, valid, INTER, mma)
+                gl.atomic_add(gu_ptr + offs, g, mask=mask, sem="relaxed")  # ordered before the counter by _arrived_last
+                gl.atomic_add(gu_ptr + NP * INTER + offs, u, mask=mask, sem="relaxed")
+                if _arrived_last(cnt_ptr, KS):
+                    _swiglu_store(h_ptr, tw_ptr, pair_t, valid_t, mask_t,
+                                  gl.load(gu_ptr + offs_t, mask=mask_t, other=0.0, cache_modifier=".cg"),
+                                  gl.load(gu_ptr + NP * INTER + offs_t, mask=mask_t, other=0.0, cache_modifier=".cg"),
+                                  limit, INTER, FH, RB)
+            else:
+                _swiglu_store(h_ptr, tw_ptr, pair_t, valid_t, mask_t, gl.convert_layout(g, tile),
+                              gl.convert_layout(u, tile), limit, INTER, FH, RB)
 
     @gluon.jit
-    def _swiglu_store(h_ptr, tw_ptr, p, rows, g, u, limit, INTER: gl.constexpr, FH: gl.constexpr,
+    def _swiglu_store(h_ptr, tw_ptr, pair, valid, mask, g, u, limit, INTER: gl.constexpr, FH: gl.constexpr,
                       RB: gl.constexpr):
-        """One pair's 64 rows of h ([64] in the column layout's rows) from their gate and up sums
-        (moe_gemv._gemv_swiglu_store's numerics), stored bf16 where the down reads them."""
-        g = gl.expand_dims(g, 1)
-        u = gl.expand_dims(u, 1)
-        if FH:  # as the grouped kernels' epilogue, for one pair: [64, 1]
-            tw = gl.load(tw_ptr + p + gl.arange(0, 1, layout=gl.SliceLayout(0, _column_layout())))
-            h = moe_f8.swiglu_e4m3_values(g, u, tw, limit, 64, 1, RB)
+        """A row block's h [64 rows, 8 pairs] (the tile layout; pairs past the block's masked) from their gate and up
+        sums (moe_gemv._gemv_swiglu_store's numerics, the grouped kernels' epilogue), stored bf16 where the down reads
+        them."""
+        if FH:  # w included
+            h = moe_f8.swiglu_e4m3_values(g, u, gl.load(tw_ptr + pair, mask=valid, other=0.0), limit, 64, 8, RB)
         else:
             g = gl.minimum(g, limit)
             u = gl.minimum(gl.maximum(u, -limit), limit)
             h = g / (1.0 + gl.exp(-g)) * u
-        dst = h_ptr + p.to(gl.int64) * INTER + gl.expand_dims(moe_rs.rs_h_column(rows), 1)
-        gl.store(dst, gl.convert_layout(h, _column_layout()).to(gl.bfloat16))
+        rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _tile_layout()))
+        dst = h_ptr + gl.expand_dims(pair.to(gl.int64) * INTER, 0) + gl.expand_dims(moe_rs.rs_h_column(rows), 1)
+        gl.store(dst, gl.convert_layout(h, _tile_layout()).to(gl.bfloat16), mask=mask)
 
     @gluon.jit
-    def _mma_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, ys_ptr, cnt_ptr, DIM: gl.constexpr,
-                         INTER: gl.constexpr, TOPK: gl.constexpr, STEPS: gl.constexpr, KS: gl.constexpr,
-                         FH: gl.constexpr, RB: gl.constexpr):
-        """Program (pair, 64 rows of dim, K split): tw * W2 h over its K slice added into out (float32, relaxed
-        atomics); FH: act(W2 h) (w is in h), which needs the whole sum: the splits add into ys [P, dim] (zeroed) and
-        the last (counter cnt [P, dim / 64], zeroed) rounds it into out (moe_gemv._gemv_down_kernel)."""
-        p = gl.program_id(0)
-        e = gl.load(ids_ptr + p).to(gl.int64)
-        y, _ = _row_sums(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr + p.to(gl.int64) * INTER,
-                         e * DIM + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), INTER, STEPS, False)
-        rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=y.type.layout)
-        dst = out_ptr + (p // TOPK).to(gl.int64) * DIM + rows
-        if not FH:
-            gl.atomic_add(dst, y * gl.load(tw_ptr + p), sem="relaxed")
-        elif KS > 1:
-            yp = ys_ptr + p.to(gl.int64) * DIM + rows
-            gl.atomic_add(yp, y, sem="relaxed")  # ordered before the counter by _arrived_last
-            if _arrived_last(cnt_ptr, KS):
-                gl.atomic_add(dst, moe_f8.act(gl.load(yp, cache_modifier=".cg"), RB), sem="relaxed")
-        else:
-            gl.atomic_add(dst, moe_f8.act(y, RB), sem="relaxed")
+    def _mma_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, ys_ptr,
+                         cnt_ptr, DIM: gl.constexpr, INTER: gl.constexpr, TOPK: gl.constexpr, PAIRS: gl.constexpr,
+                         STEPS: gl.constexpr, KS: gl.constexpr, FH: gl.constexpr, RB: gl.constexpr):
+        """Program (block of pairs, 64 rows of dim, K split): tw * W2 h of each pair over its K slice added into its
+        token's row of out (float32, relaxed atomics); FH: act(W2 h) (w is in h), which needs the whole sum: the
+        splits add into ys [P, dim] (zeroed) and the last (counter cnt [blocks, dim / 64], zeroed) rounds it into
+        out (moe_gemv._gemv_down_kernel)."""
+        mma: gl.constexpr = _mma_layout()
+        e, pair_v, valid_v = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, _vector_layout()))
+        if e >= 0:
+            y, y_again = _row_sums(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr, pair_v.to(gl.int64) * INTER,
+                             e.to(gl.int64) * DIM + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), INTER,
+                             STEPS, False)
+            e_m, pair, valid = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, mma))
+            dst, mask = _tile_offsets(pair // TOPK, valid, DIM, mma)
+            if not FH:
+                gl.atomic_add(out_ptr + dst, y * gl.expand_dims(gl.load(tw_ptr + pair, mask=valid, other=0.0), 0),
+                              mask=mask, sem="relaxed")
+            elif KS > 1:
+                yp, ymask = _tile_offsets(pair, valid, DIM, mma)
+                gl.atomic_add(ys_ptr + yp, y, mask=mask, sem="relaxed")  # ordered before the counter by _arrived_last
+                if _arrived_last(cnt_ptr, KS):
+                    total = gl.load(ys_ptr + yp, mask=mask, other=0.0, cache_modifier=".cg")
+                    gl.atomic_add(out_ptr + dst, moe_f8.act(total, RB), mask=mask, sem="relaxed")
+            else:
+                gl.atomic_add(out_ptr + dst, moe_f8.act(y, RB), mask=mask, sem="relaxed")
 
 
 def _steps(kdim: int, steps: int) -> tuple[int, int]:
@@ -186,11 +216,13 @@ def fits(dim: int, inter: int) -> bool:
 
 
 def moe_mma_gemv(x_mma, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: float, hidden: str | None, *,
-                 steps: int = 8, down_steps: int = 6) -> torch.Tensor:
-    """out float32 [T, dim] = the routed experts on T tokens (moe_fp4_triton's GEMV path in this form, knob
-    gemv_mma): x_mma bf16 [T, dim] in the MMA's K order (moe_rs.rs_columns of the NIB order), weights as int32 words,
-    scales as bytes, tw float32 [T, k]; hidden: moe._hidden's numerics or None; steps / down_steps: 64-wide K steps a
-    program of the gate/up and of the down (at most; a divisor of the step count)."""
+                 blocks: tuple | None = None, steps: int = 8, down_steps: int = 6) -> torch.Tensor:
+    """out float32 [T, dim] = the routed experts on T tokens (moe_fp4_triton's knob gemv_mma): x_mma bf16 [T, dim] in
+    the MMA's K order (moe_rs.rs_columns of the NIB order), weights as int32 words, scales as bytes, tw float32 [T, k];
+    hidden: moe._hidden's numerics or None. blocks: None, a program a pair (a negative id: expert 0 at weight 0); or
+    kernels/moe.py moe_align's (order, expert, first, end) in blocks of up to 8 pairs of one expert, the B operand's
+    columns (the decode step's widths). steps / down_steps: 64-wide K steps a program of the gate/up and of the down
+    (at most; a divisor of the step count)."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the tensor-core GEMV needs triton.experimental.gluon (triton >= 3.6)")
     t, dim = x_mma.shape
@@ -201,15 +233,22 @@ def moe_mma_gemv(x_mma, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: f
                          "must be multiples of 64")
     fp8_hidden = hidden is not None
     ids, tw = moe_gemv.pair_experts(topk_ids, tw)
+    if blocks is None:
+        blocks, pairs = (ids, ids, ids, ids), 1  # program b: pair b of expert ids[b] (order, first, end unread)
+    else:
+        pairs = 8
     (st1, ks1), (st2, ks2) = _steps(dim, steps), _steps(inter, down_steps)
     nrb, nrb2 = inter // 64, dim // 64
     out, gu, cnt, ys, cnt2 = moe_gemv.split_k_buffers(t, dim, p, inter, nrb, nrb2 if fp8_hidden and ks2 > 1 else 0,
                                                       x_mma.device)
     h = torch.empty(p, inter, dtype=torch.bfloat16, device=x_mma.device)
-    shared = dict(DIM=dim, INTER=inter, TOPK=k, FH=fp8_hidden, RB=hidden == "reference", num_warps=4)
-    _mma_gate_up_kernel[(p, nrb, ks1)](x_mma.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p,
-                                       float(swiglu_limit), STEPS=st1, KS=ks1, **shared)
-    _mma_down_kernel[(p, nrb2, ks2)](h, w2w, s2, ids, tw, out, ys, cnt2, STEPS=st2, KS=ks2, **shared)
+    order, bexp, bbeg, bend = blocks
+    nb = bexp.numel()  # at most p: the counters' rows
+    shared = dict(DIM=dim, INTER=inter, TOPK=k, PAIRS=pairs, FH=fp8_hidden, RB=hidden == "reference", num_warps=4)
+    _mma_gate_up_kernel[(nb, nrb, ks1)](x_mma.contiguous(), w1w, s1, w3w, s3, order, bexp, bbeg, bend, gu, cnt, h, tw,
+                                        p, float(swiglu_limit), STEPS=st1, KS=ks1, **shared)
+    _mma_down_kernel[(nb, nrb2, ks2)](h, w2w, s2, order, bexp, bbeg, bend, tw, out, ys, cnt2, STEPS=st2, KS=ks2,
+                                      **shared)
     return out
 
 

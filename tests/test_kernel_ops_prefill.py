@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -447,35 +448,41 @@ def test_gluon_form_knobs_reach_the_prefill_experts_only_where_they_run(tmp_path
         _assert_same_picks(first, picks)
 
 
-def test_tensor_core_gemv_knob_reaches_the_gemv_widths_only_where_it_runs(tmp_path, monkeypatch):
-    """moe_gemv_mma: a 2-token forward's experts (at most kernels/moe.GEMV_MAX_PAIRS pairs: the GEMV path) take the
-    tensor-core GEMV on the folded decode where moe_ws.runs_on says the GPU has Gluon and the experts tile; with the
-    knob off, on another device, at widths it cannot tile or without the fold, they do not; no setting moves a pick."""
+@pytest.mark.parametrize("tokens,knob,form", [(2, "moe_gemv_mma", True), (4, "moe_step_mma", "step")])
+def test_tensor_core_gemv_knobs_reach_their_widths_only_where_they_run(tmp_path, monkeypatch, tokens, knob, form):
+    """moe_gemv_mma / moe_step_mma: a 2-token forward's experts (at most kernels/moe.GEMV_MAX_PAIRS pairs: the GEMV
+    path) / a 4-token one's (24 pairs of 8 experts: the decode step's 16-token blocks) take the tensor-core GEMV
+    (gemv_mma True / "step") on the folded decode where moe_ws.runs_on says the GPU has Gluon and the experts tile;
+    with the knob off, the other knob alone, on another device, at widths it cannot tile or without the fold, they do
+    not; no setting moves a pick."""
     import kernels.dispatch as dispatch
     import kernels.moe_mma_gemv as moe_mma_gemv
     import kernels.moe_ws as moe_ws
-    from kernels.moe import GEMV_MAX_PAIRS
+    from kernels.moe import GEMV_MAX_PAIRS, token_block
 
     seen = []
     reference, triton_version = dispatch._PAIRS["moe_fp4"]
 
     def recorded(*args, **kwargs):
-        seen.append((args[7].numel(), kwargs.get("bf16_decode"), kwargs.get("gemv_mma", False)))
+        seen.append((args[7].numel(), args[1].shape[0], kwargs.get("bf16_decode"), kwargs.get("gemv_mma", False)))
         return reference(*args, **{k: v for k, v in kwargs.items() if not k.startswith("gemv_mma")})
 
     monkeypatch.setitem(dispatch._PAIRS, "moe_fp4", (recorded, triton_version))
-    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None, tokens=2)
+    run = _tiny_prefill(tmp_path, monkeypatch, lambda args: None, tokens=tokens)
+    other = "moe_step_mma" if knob == "moe_gemv_mma" else "moe_gemv_mma"
     out = {}
-    for runs, fits, spec, want in ((True, True, "moe_gemv_mma=1", True), (True, True, "moe_gemv_mma=0", False),
-                                   (False, True, "moe_gemv_mma=1", False), (True, False, "moe_gemv_mma=1", False),
-                                   (True, True, "moe_gemv_mma=1,moe_fold=0", False)):
+    for runs, fits, spec, on in ((True, True, f"{knob}=1", True), (True, True, f"{knob}=0", False),
+                                 (True, True, f"{knob}=0,{other}=1", False), (False, True, f"{knob}=1", False),
+                                 (True, False, f"{knob}=1", False), (True, True, f"{knob}=1,moe_fold=0", False)):
         monkeypatch.setattr(moe_ws, "runs_on", lambda device, _runs=runs: _runs)
         monkeypatch.setattr(moe_mma_gemv, "fits", lambda dim, inter, _fits=fits: _fits)
         seen.clear()
         out[(runs, fits, spec)] = run(lambda model: model.ops.set_knobs(spec))
-        assert seen and all(pairs <= GEMV_MAX_PAIRS for pairs, _, _ in seen), seen
-        assert all(mma == (want and fold == "fold") for _, fold, mma in seen), (spec, runs, fits, seen)
-        assert any(fold == "fold" for _, fold, _ in seen) == ("moe_fold=0" not in spec), seen
+        assert seen, spec
+        for pairs, experts, fold, mma in seen:  # every call at the knob's widths
+            assert (pairs <= GEMV_MAX_PAIRS) == (knob == "moe_gemv_mma") and token_block(pairs, experts) == 16, seen
+            assert mma == (form if on and fold == "fold" else False), (spec, runs, fits, seen)
+        assert any(fold == "fold" for _, _, fold, _ in seen) == ("moe_fold=0" not in spec), seen
     first = next(iter(out.values()))
     for picks in out.values():
         _assert_same_picks(first, picks)

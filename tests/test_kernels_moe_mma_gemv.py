@@ -48,6 +48,14 @@ def test_refused_where_it_cannot_run():
         moe.moe_fp4_triton(x, w, s, w, s, w2, s2, ids, tw, gemv_mma=True)
     got = moe.moe_fp4_triton(x, w, s, w, s, w2, s2, ids, tw, gemv_mma=True, gemv_max_pairs=0)  # grouped: ignored
     assert torch.equal(got, moe.moe_fp4_triton(x, w, s, w, s, w2, s2, ids, tw, gemv_max_pairs=0))
+    with pytest.raises(ValueError, match="gemv_mma: .* not the interpreter"):  # the decode step's widths
+        moe.moe_fp4_triton(x, w, s, w, s, w2, s2, ids, tw, gemv_mma="step", gemv_max_pairs=1)
+    x8, ids8, tw8 = torch.zeros(8, 64).bfloat16(), torch.tensor([[0, 1]] * 8, dtype=torch.int32), torch.ones(8, 2)
+    # 16 pairs of 2 experts: a prefill's 64-token blocks, not the decode step's, so "step" leaves them grouped
+    wide = moe.moe_fp4_triton(x8, w, s, w, s, w2, s2, ids8, tw8, gemv_mma="step", gemv_max_pairs=1)
+    assert torch.equal(wide, moe.moe_fp4_triton(x8, w, s, w, s, w2, s2, ids8, tw8, gemv_max_pairs=1))
+    with pytest.raises(ValueError, match="gemv_mma must be"):
+        moe.moe_fp4_triton(x, w, s, w, s, w2, s2, ids, tw, gemv_mma="steps")
 
 
 _GPU_CHECK = """
@@ -56,7 +64,7 @@ import torch
 from kernels import moe
 torch.manual_seed(0)
 case = json.loads(sys.argv[1])
-e, inter, dim, k = 12, case["inter"], case["dim"], 6
+e, inter, dim, k = case.get("experts", 12), case["inter"], case["dim"], 6
 def fp4(n, kd):
     w = torch.randint(-128, 128, (e, n, kd // 2), dtype=torch.int8).cuda()
     s = torch.randint(116, 124, (e, n, kd // 32), dtype=torch.uint8).cuda().view(torch.float8_e8m0fnu)
@@ -64,13 +72,18 @@ def fp4(n, kd):
 W = (*fp4(inter, dim), *fp4(inter, dim), *fp4(dim, inter))
 t = case["tokens"]
 ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int().cuda()
+if case.get("crowded"):  # expert 0 in every token: more pairs than a block of 8 holds
+    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(e - 1)[:k - 1] + 1])
+                       for _ in range(t)]).int().cuda()
 if case.get("elsewhere"):  # another rank's slots: weight 0, never read as an expert's output
     ids[0, 1] = -1
 tw = torch.softmax(torch.randn(t, k).cuda(), -1) * 1.5
 x = (torch.randn(t, dim) * 0.5).bfloat16().cuda()
 hidden = case.get("hidden")
-form = dict(hidden=hidden, gemv_mma=True, gemv_mma_steps=tuple(case["steps"]))
-base = moe.moe_fp4_triton(x, *W, ids, tw, hidden=hidden)  # the CUDA-core GEMV, the same numerics
+form = dict(hidden=hidden, gemv_mma=case.get("mode", True), gemv_mma_steps=tuple(case["steps"]))
+if form["gemv_mma"] == "step":  # the decode step's widths: grouped in 16-token blocks, or 8 pairs a program here
+    assert 16 < t * k <= 4 * e, case
+base = moe.moe_fp4_triton(x, *W, ids, tw, hidden=hidden)  # the CUDA-core GEMV (or the grouped form), same numerics
 ref = moe.moe_fp4_reference(x.cpu(), *(w.cpu() for w in W), ids.cpu(), tw.cpu(), hidden=hidden).cuda().float()
 got = moe.moe_fp4_triton(x, *W, ids, tw, **form)
 rel = lambda a, b: float((a - b).norm() / b.norm())
@@ -92,13 +105,20 @@ assert rel(again, got) < 1e-6, case
                                   dict(tokens=2, dim=512, inter=256, steps=[3, 1], hidden="reference", elsewhere=1),
                                   dict(tokens=1, dim=512, inter=256, steps=[8, 4], hidden="fp32"),
                                   dict(tokens=2, dim=5120, inter=2304, steps=[8, 6], hidden="reference"),
-                                  dict(tokens=1, dim=5120, inter=2304, steps=[8, 6])],
+                                  dict(tokens=1, dim=5120, inter=2304, steps=[8, 6]),
+                                  dict(tokens=5, dim=512, inter=256, steps=[2, 2], hidden="reference", mode="step",
+                                       elsewhere=1),
+                                  dict(tokens=20, dim=512, inter=256, steps=[8, 4], mode="step", experts=32,
+                                       crowded=1),
+                                  dict(tokens=20, dim=512, inter=256, steps=[4, 1], hidden="reference", mode="step",
+                                       experts=32, crowded=1)],
                          ids=["plain", "hidden", "two_tokens_split_elsewhere", "fp32_hidden", "release_two_tokens",
-                              "release_plain"])
+                              "release_plain", "step_split_elsewhere", "step_crowded", "step_crowded_hidden_split"])
 def test_mma_gemv_on_the_gpu(case):
-    """The decode's experts on mma.sync against the CUDA-core GEMV and the float64 reference: both numerics (the
-    plain form's h rounded to bf16 as the grouped forms round it), with K splits and without (one program a row
-    block's whole K range: no counter), a slot of another rank's, the release's widths (a fresh process: another module's
+    """The decode's experts on mma.sync against the CUDA-core GEMV (the grouped form at the decode step's widths) and
+    the float64 reference: both numerics (the plain form's h rounded to bf16 as the grouped forms round it), with K
+    splits and without (one program a row block's whole K range: no counter), a slot of another rank's, a program a
+    pair and up to 8 pairs of one expert a program ("step": an expert of 20 pairs in three blocks), the release's widths (a fresh process: another module's
     import may have set the interpreter)."""
     import json
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -506,7 +506,8 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8}
             if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
-            form.update(self.moe_decode_options(x.device, x.shape[-1], raw[0].shape[1], ids.numel(), form))
+            form.update(self.moe_decode_options(x.device, x.shape[-1], raw[0].shape[1], ids.numel(), raw[0].shape[0],
+                                                form))
             if not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:  # a prefill's widths: the tile knobs
                 if self.moe_narrow_gate_up:
                     form.update(block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0)
