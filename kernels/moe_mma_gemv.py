@@ -51,20 +51,26 @@ if moe_ws.HAVE_GLUON:
         return gl.BlockedLayout([1, 4], [32, 1], [2, 2], [1, 0])
 
     @gluon.jit
-    def _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS: gl.constexpr, layout: gl.constexpr):
-        """This program's expert (< 0: an unused block) and its pairs [8] in `layout` (past its own: the first again,
-        read and never stored) with their mask. PAIRS 1: program b is pair b, bexp its expert; else up to 8 pairs of
-        one expert, a block of kernels/moe.py's moe_align (order, first and end rows)."""
-        b = gl.program_id(0)
+    def _block(b, order_ptr, bbeg_ptr, bend_ptr, PAIRS: gl.constexpr, layout: gl.constexpr):
+        """Block b's pairs [8] in `layout` (past its own: the first again, read and never stored) and their mask.
+        PAIRS 1: block b is pair b; else up to 8 pairs of one expert, a block of kernels/moe.py's moe_align (order,
+        first and end rows)."""
         j = gl.arange(0, 8, layout=layout)
-        e = gl.load(bexp_ptr + b)
         if PAIRS == 1:
-            return e, b + j * 0, j == 0
+            return b + j * 0, j == 0
         else:
             first = gl.load(bbeg_ptr + b)
             rows = first + j
             valid = rows < gl.load(bend_ptr + b)
-            return e, gl.load(order_ptr + gl.where(valid, rows, first)), valid
+            return gl.load(order_ptr + gl.where(valid, rows, first)), valid
+
+    @gluon.jit
+    def _next_block(b, bexp_ptr, NB):
+        """The block after b of this program's (its first: its program id; then a grid's width on) and its expert:
+        < 0 where the blocks end (moe_align's used blocks come first, its unused ones after: a program of the grid
+        takes ceil(used / width) blocks and no unused block costs a program)."""
+        nxt = b + gl.num_programs(0)
+        return nxt, gl.load(bexp_ptr + nxt, mask=nxt < NB, other=-1)
 
     @gluon.jit
     def _row_sums(w_ptr, s_ptr, wb_ptr, sb_ptr, v_ptr, vrows, row0, k_first, KDIM: gl.constexpr,
@@ -112,11 +118,11 @@ if moe_ws.HAVE_GLUON:
             return acc0 + acc1, acc0 + acc1
 
     @gluon.jit
-    def _arrived_last(cnt_ptr, KS: gl.constexpr):
-        """moe_gemv._arrived_last: after this program's relaxed partial adds, one acq_rel increment of its (block, row
-        block) counter behind a barrier; True for the last of the KS K splits."""
+    def _arrived_last(cnt_ptr, b, KS: gl.constexpr):
+        """moe_gemv._arrived_last: after this program's relaxed partial adds, one acq_rel increment of its (block b,
+        row block) counter behind a barrier; True for the last of the KS K splits."""
         _sync_warps()
-        done = gl.atomic_add(cnt_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1), 1, sem="acq_rel")
+        done = gl.atomic_add(cnt_ptr + b * gl.num_programs(1) + gl.program_id(1), 1, sem="acq_rel")
         return done == KS - 1
 
     @gluon.jit
@@ -128,28 +134,30 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _mma_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, gu_ptr,
-                            cnt_ptr, h_ptr, tw_ptr, NP, limit, DIM: gl.constexpr, INTER: gl.constexpr,
+                            cnt_ptr, h_ptr, tw_ptr, NP, NB, limit, DIM: gl.constexpr, INTER: gl.constexpr,
                             TOPK: gl.constexpr, PAIRS: gl.constexpr, STEPS: gl.constexpr, KS: gl.constexpr,
                             FH: gl.constexpr, RB: gl.constexpr):
-        """Program (block of pairs, 64 rows of I, K split): W1 x and W3 x of each pair over its K slice added into gu
-        [2, P, I] (float32, zeroed); the last split of a row block (counter cnt [blocks, I / 64], zeroed) applies the
-        clamped SwiGLU (FH: the engine's hidden state, w included) and stores h [P, I] bf16 in the down's MMA order
-        (moe_rs.rs_h_column)."""
+        """Program (blocks of pairs, 64 rows of I, K split): W1 x and W3 x of each pair over its K slice added into gu
+        [2, P, I] (float32, zeroed); the last split of a block's row block (counter cnt [blocks, I / 64], zeroed)
+        applies the clamped SwiGLU (FH: the engine's hidden state, w included) and stores h [P, I] bf16 in the down's
+        MMA order (moe_rs.rs_h_column)."""
         mma: gl.constexpr = _mma_layout()
         tile: gl.constexpr = _tile_layout()
-        e, pair_v, valid_v = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, _vector_layout()))
-        if e >= 0:
+        b = gl.program_id(0)
+        e = gl.load(bexp_ptr + b)
+        while e >= 0:
+            pair_v, valid_v = _block(b, order_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, _vector_layout()))
             g, u = _row_sums(w1_ptr, s1_ptr, w3_ptr, s3_ptr, x_ptr, (pair_v // TOPK).to(gl.int64) * DIM,
                              e.to(gl.int64) * INTER + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), DIM,
                              STEPS, True)
-            e_t, pair_t, valid_t = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, tile))
+            pair_t, valid_t = _block(b, order_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, tile))
             offs_t, mask_t = _tile_offsets(pair_t, valid_t, INTER, tile)
             if KS > 1:
-                e_m, pair, valid = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, mma))
+                pair, valid = _block(b, order_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, mma))
                 offs, mask = _tile_offsets(pair, valid, INTER, mma)
                 gl.atomic_add(gu_ptr + offs, g, mask=mask, sem="relaxed")  # ordered before the counter by _arrived_last
                 gl.atomic_add(gu_ptr + NP * INTER + offs, u, mask=mask, sem="relaxed")
-                if _arrived_last(cnt_ptr, KS):
+                if _arrived_last(cnt_ptr, b, KS):
                     _swiglu_store(h_ptr, tw_ptr, pair_t, valid_t, mask_t,
                                   gl.load(gu_ptr + offs_t, mask=mask_t, other=0.0, cache_modifier=".cg"),
                                   gl.load(gu_ptr + NP * INTER + offs_t, mask=mask_t, other=0.0, cache_modifier=".cg"),
@@ -157,6 +165,7 @@ if moe_ws.HAVE_GLUON:
             else:
                 _swiglu_store(h_ptr, tw_ptr, pair_t, valid_t, mask_t, gl.convert_layout(g, tile),
                               gl.convert_layout(u, tile), limit, INTER, FH, RB)
+            b, e = _next_block(b, bexp_ptr, NB)
 
     @gluon.jit
     def _swiglu_store(h_ptr, tw_ptr, pair, valid, mask, g, u, limit, INTER: gl.constexpr, FH: gl.constexpr,
@@ -176,19 +185,21 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _mma_down_kernel(h_ptr, w2_ptr, s2_ptr, order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, tw_ptr, out_ptr, ys_ptr,
-                         cnt_ptr, DIM: gl.constexpr, INTER: gl.constexpr, TOPK: gl.constexpr, PAIRS: gl.constexpr,
+                         cnt_ptr, NB, DIM: gl.constexpr, INTER: gl.constexpr, TOPK: gl.constexpr, PAIRS: gl.constexpr,
                          STEPS: gl.constexpr, KS: gl.constexpr, FH: gl.constexpr, RB: gl.constexpr):
-        """Program (block of pairs, 64 rows of dim, K split): tw * W2 h of each pair over its K slice added into its
+        """Program (blocks of pairs, 64 rows of dim, K split): tw * W2 h of each pair over its K slice added into its
         token's row of out (float32, relaxed atomics); FH: act(W2 h) (w is in h), which needs the whole sum: the
         splits add into ys [P, dim] (zeroed) and the last (counter cnt [blocks, dim / 64], zeroed) rounds it into
         out (moe_gemv._gemv_down_kernel)."""
         mma: gl.constexpr = _mma_layout()
-        e, pair_v, valid_v = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, _vector_layout()))
-        if e >= 0:
+        b = gl.program_id(0)
+        e = gl.load(bexp_ptr + b)
+        while e >= 0:
+            pair_v, valid_v = _block(b, order_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, _vector_layout()))
             y, y_again = _row_sums(w2_ptr, s2_ptr, w2_ptr, s2_ptr, h_ptr, pair_v.to(gl.int64) * INTER,
-                             e.to(gl.int64) * DIM + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS), INTER,
-                             STEPS, False)
-            e_m, pair, valid = _block(order_ptr, bexp_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, mma))
+                                   e.to(gl.int64) * DIM + gl.program_id(1) * 64, gl.program_id(2) * (64 * STEPS),
+                                   INTER, STEPS, False)
+            pair, valid = _block(b, order_ptr, bbeg_ptr, bend_ptr, PAIRS, gl.SliceLayout(0, mma))
             dst, mask = _tile_offsets(pair // TOPK, valid, DIM, mma)
             if not FH:
                 gl.atomic_add(out_ptr + dst, y * gl.expand_dims(gl.load(tw_ptr + pair, mask=valid, other=0.0), 0),
@@ -196,11 +207,12 @@ if moe_ws.HAVE_GLUON:
             elif KS > 1:
                 yp, ymask = _tile_offsets(pair, valid, DIM, mma)
                 gl.atomic_add(ys_ptr + yp, y, mask=mask, sem="relaxed")  # ordered before the counter by _arrived_last
-                if _arrived_last(cnt_ptr, KS):
+                if _arrived_last(cnt_ptr, b, KS):
                     total = gl.load(ys_ptr + yp, mask=mask, other=0.0, cache_modifier=".cg")
                     gl.atomic_add(out_ptr + dst, moe_f8.act(total, RB), mask=mask, sem="relaxed")
             else:
                 gl.atomic_add(out_ptr + dst, moe_f8.act(y, RB), mask=mask, sem="relaxed")
+            b, e = _next_block(b, bexp_ptr, NB)
 
 
 def _steps(kdim: int, steps: int) -> tuple[int, int]:
@@ -234,7 +246,7 @@ def moe_mma_gemv(x_mma, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: f
     fp8_hidden = hidden is not None
     ids, tw = moe_gemv.pair_experts(topk_ids, tw)
     if blocks is None:
-        blocks, pairs = (ids, ids, ids, ids), 1  # program b: pair b of expert ids[b] (order, first, end unread)
+        blocks, pairs = (ids, ids, ids, ids), 1  # block b: pair b of expert ids[b] (order, first, end unread)
     else:
         pairs = 8
     (st1, ks1), (st2, ks2) = _steps(dim, steps), _steps(inter, down_steps)
@@ -244,11 +256,13 @@ def moe_mma_gemv(x_mma, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: f
     h = torch.empty(p, inter, dtype=torch.bfloat16, device=x_mma.device)
     order, bexp, bbeg, bend = blocks
     nb = bexp.numel()  # at most p: the counters' rows
+    # a program a pair; blocks: programs over a third of the list each take its blocks b, b + width, ... while used
+    width = nb if pairs == 1 else -(-nb // 3)
     shared = dict(DIM=dim, INTER=inter, TOPK=k, PAIRS=pairs, FH=fp8_hidden, RB=hidden == "reference", num_warps=4)
-    _mma_gate_up_kernel[(nb, nrb, ks1)](x_mma.contiguous(), w1w, s1, w3w, s3, order, bexp, bbeg, bend, gu, cnt, h, tw,
-                                        p, float(swiglu_limit), STEPS=st1, KS=ks1, **shared)
-    _mma_down_kernel[(nb, nrb2, ks2)](h, w2w, s2, order, bexp, bbeg, bend, tw, out, ys, cnt2, STEPS=st2, KS=ks2,
-                                      **shared)
+    _mma_gate_up_kernel[(width, nrb, ks1)](x_mma.contiguous(), w1w, s1, w3w, s3, order, bexp, bbeg, bend, gu, cnt, h,
+                                           tw, p, nb, float(swiglu_limit), STEPS=st1, KS=ks1, **shared)
+    _mma_down_kernel[(width, nrb2, ks2)](h, w2w, s2, order, bexp, bbeg, bend, tw, out, ys, cnt2, nb, STEPS=st2,
+                                         KS=ks2, **shared)
     return out
 
 
