@@ -82,7 +82,6 @@ if moe_ws.HAVE_GLUON:
         words_layout: gl.constexpr = moe_rs._words_layout(64)
         bytes_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         mma: gl.constexpr = _mma_layout()
-        a_layout: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
         b_layout: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, bytes_layout))
         grp = gl.arange(0, 2, layout=gl.SliceLayout(0, bytes_layout))
@@ -98,24 +97,24 @@ if moe_ws.HAVE_GLUON:
         acc0, acc1, accb0, accb1 = zero, zero, zero, zero
         for s in gl.static_range(STEPS):
             vb = gl.convert_layout(gl.load(v_ptr + voff + 64 * s), b_layout, assert_trivial=True)
-            f, wd = moe_ws.fold_factors(gl.expand_dims(gl.load(s_ptr + soff + 2 * s), 2), gl.load(w_ptr + woff + 8 * s))
-            a = moe_rs.a_fragments(wd, f, a_layout)
-            if s % 2 == 0:
-                acc0 = mma_v2(a, vb, acc0)
-            else:
-                acc1 = mma_v2(a, vb, acc1)
+            acc0, acc1 = _step(w_ptr + woff + 8 * s, s_ptr + soff + 2 * s, vb, acc0, acc1, s % 2)
             if TWO:
-                fb, wdb = moe_ws.fold_factors(gl.expand_dims(gl.load(sb_ptr + soff + 2 * s), 2),
-                                              gl.load(wb_ptr + woff + 8 * s))
-                ab = moe_rs.a_fragments(wdb, fb, a_layout)
-                if s % 2 == 0:
-                    accb0 = mma_v2(ab, vb, accb0)
-                else:
-                    accb1 = mma_v2(ab, vb, accb1)
+                accb0, accb1 = _step(wb_ptr + woff + 8 * s, sb_ptr + soff + 2 * s, vb, accb0, accb1, s % 2)
         if TWO:
             return acc0 + acc1, accb0 + accb1
         else:
             return acc0 + acc1, acc0 + acc1
+
+    @gluon.jit
+    def _step(words_ptrs, bytes_ptrs, vb, acc_even, acc_odd, ODD: gl.constexpr):
+        """One 64-wide K step of a weight: its words and E8M0 bytes (`_row_sums`' pointers) decoded into A fragments
+        and multiplied with the vector's B fragments vb into the even or the odd steps' sums."""
+        f, words = moe_ws.fold_factors(gl.expand_dims(gl.load(bytes_ptrs), 2), gl.load(words_ptrs))
+        a = moe_rs.a_fragments(words, f, gl.DotOperandLayout(0, _mma_layout(), 2))
+        if ODD:
+            return acc_even, mma_v2(a, vb, acc_odd)
+        else:
+            return mma_v2(a, vb, acc_even), acc_odd
 
     @gluon.jit
     def _arrived_last(cnt_ptr, b, KS: gl.constexpr):

@@ -143,12 +143,12 @@ class KernelKnobs:
     attn_wide_store = True
     attn_late_sum = False
     # a decode's experts (the GEMV widths) on mma.sync, each FP4 word decoded into the A fragment that holds it
-    # (kernels/moe_mma_gemv.py; the folded decode's scale range): sm_90 census 3.4 SASS instructions a weight value
-    # against the CUDA-core GEMV's 6.5 (triton 3.6). Untimed: off
+    # (kernels/moe_mma_gemv.py; the folded decode's scale range): sm_90 census 3.5 SASS instructions a weight value
+    # against the CUDA-core GEMV's 6.5 (triton 3.6; 22.3 us at full issue on the H200 against 34). Untimed: off
     moe_gemv_mma = False
     # the decode step's grouped widths (16-token blocks) on that form, up to 8 pairs of one expert a program as the B
-    # operand's columns: census 2,304 SASS a thread for 512 values of up to 8 pairs (the grouped form's folded 16 x 64
-    # tiles: 336 a 64-wide K step, 64 values of up to 16). Untimed: off
+    # operand's columns: census 1,992 SASS a thread (2,344 with the engine's hidden state) for 512 values of up to 8
+    # pairs (the grouped form's folded 16 x 64 tiles: 336 a 64-wide K step, 64 values of up to 16). Untimed: off
     moe_step_mma = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
