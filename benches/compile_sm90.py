@@ -277,6 +277,8 @@ def cases():
             ("sparse attention prefill 4K, one pass on wgmma, S a tile ahead (Gluon)", attention(
                 4096, layout="wgmma", block_n=32, wgmma=dict(ahead=True))),
             ("sparse attention decode b64, window only", attention(64, selected=0)),
+            ("sparse attention decode b64 on wgmma, staged copies, 2 splits merged (Gluon)",
+             attention(64, layout="wgmma", wgmma=dict(staged=True, split=2))),
             ("MoE decode 1 token", experts(1)), ("MoE decode 1 token, the engine's hidden state", experts(1, hidden="reference")),
             ("MoE decode 1 token on mma.sync (Gluon)", experts(1, gemv_mma=True)),
             ("MoE decode 1 token on mma.sync, the engine's hidden state (Gluon)", experts(1, gemv_mma=True,

@@ -150,18 +150,31 @@ class KernelKnobs:
     # operand's columns: census 1,992 SASS a thread (2,344 with the engine's hidden state) for 512 values of up to 8
     # pairs (the grouped form's folded 16 x 64 tiles: 336 a 64-wide K step, 64 values of up to 16). Untimed: off
     moe_step_mma = False
+    # a decode step's sparse attention on the prefill's wgmma form too (attn_wgmma), in splits of each token's entries
+    # that fill the SMs about once (kernels/sparse_attn_wgmma.py split, merged after): never timed at a decode batch,
+    # where the two passes take 34.6 us (goal 17). Untimed: off
+    attn_wgmma_decode = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
              "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row", "attn_wide_store",
-             "attn_late_sum", "moe_gemv_mma", "moe_step_mma")
+             "attn_late_sum", "moe_gemv_mma", "moe_step_mma", "attn_wgmma_decode")
 
     def attn_wgmma_options(self) -> dict:
         """The one-pass wgmma attention's options (kernels/sparse_attn_wgmma.py) the knobs ask for."""
         chosen = {"staged": self.attn_staged, "wide_store": self.attn_wide_store, "late_sum": self.attn_late_sum}
         return {"wgmma": {name: True for name, on in chosen.items() if on}} if any(chosen.values()) else {}
+
+    def attn_wgmma_launch(self, programs: int, sms: int) -> dict:
+        """The wgmma attention's launch for `programs` (token, head block) programs on `sms` SMs: at a prefill's width
+        (filling the SMs at least once) as attn_wgmma_options says; narrower (attn_wgmma_decode), each program's
+        entries in splits that fill the SMs about once."""
+        options = self.attn_wgmma_options()
+        if programs < sms:
+            options = {"wgmma": dict(options.get("wgmma", {}), split=max(1, sms // programs))}
+        return {"layout": "wgmma", **options}
 
     def moe_rs_options(self) -> dict:
         """The register-operand experts' options (kernels/moe.py, ws="rs") the knobs ask for, beside ws itself."""

@@ -382,9 +382,10 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             from kernels import sparse_attn_wgmma
             from kernels._formats import sm_count
             t, h, d = q.shape
-            if (t * (h // 64) >= sm_count(q.device) and sparse_attn_wgmma.wgmma_fits(h, d)
-                    and sparse_attn_wgmma.runs_on(q.device)):
-                return {"layout": "wgmma", **self.attn_wgmma_options()}
+            programs, sms = t * (h // 64), sm_count(q.device)
+            if ((programs >= sms or self.attn_wgmma_decode) and sparse_attn_wgmma.wgmma_fits(h, d)
+                    and sparse_attn_wgmma.runs_on(q.device) and programs):
+                return self.attn_wgmma_launch(programs, sms)
         if self.attn_one_pass:
             return {"layout": "entries" if int32_offsets_reach(kv_p, win_q, q.shape[-1]) else "heads"}
         options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
