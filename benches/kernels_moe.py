@@ -99,8 +99,9 @@ def _mma_gemv(x, W, ids, tw, want, byt, bw, te):
     """The 1-token experts on mma.sync (knob gemv_mma, kernels/moe_mma_gemv.py) in a row of their own: their h is
     rounded to bf16 (the grouped forms' rounding; the CUDA-core GEMV keeps it float32), ~1e-3 off the float32 eager
     output where the GEMV is ~1e-6, so the GEMV sweep's 1e-3 check would refuse them. Steps a program (gate/up, down):
-    8 / 6 (2,160 and 2,880 programs at the release's shapes, 78 / 52 registers on sm_90), then fewer and more."""
-    cfgs = [dict(gemv_mma=True, gemv_mma_steps=s) for s in ((8, 6), (4, 4), (16, 9))]
+    8 / 6 (2,160 and 2,880 programs at the release's shapes, 80 / 60 registers on sm_90: six an SM, 2.7 and 3.6
+    waves), then about one wave each (20 / 18: 864 and 960 programs), and fewer and more."""
+    cfgs = [dict(gemv_mma=True, gemv_mma_steps=s) for s in ((8, 6), (20, 18), (4, 4), (16, 9))]
     best, t, r = sweep("moe_decode_mma_cfgs", "moe decode mma", cfgs,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out),
                        valid=lambda v: v < 4e-3, graph=True)
