@@ -118,10 +118,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         counter = r[1] in last_arriver or (r[1] in ("_gemv_down_kernel", "_mma_down_kernel") and "hidden" in r[0])
         assert int(r[9]) <= counter, (r[0], r[1], r[9])
     assert any(r[0] == "MoE decode 1 token, the engine's hidden state" and r[1] == "_gemv_down_kernel" for r in rows)
-    # the tensor-core GEMV (kernels/moe_mma_gemv.py): both kernels of both numerics built (their A and B fragments'
-    # layouts are asserted to move nothing), without spills (the decode bound above)
-    mma_gemv = {(r[0], r[1]) for r in rows if r[1] in ("_mma_gate_up_kernel", "_mma_down_kernel")}
-    assert len(mma_gemv) == 4, mma_gemv
+    # the tensor-core GEMV (kernels/moe_mma_gemv.py): both kernels of both numerics, a program a pair and 8 pairs a
+    # program, built (their A and B fragments' layouts are asserted to move nothing), without spills (the bound above)
+    mma_gemv = {(r[1], ("PAIRS=1" in r[2]), ("FH=True" in r[2])) for r in rows
+                if r[1] in ("_mma_gate_up_kernel", "_mma_down_kernel")}
+    assert len(mma_gemv) == 8, mma_gemv
     assert re.search(r"triton \d", table)
 
 
