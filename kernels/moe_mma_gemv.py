@@ -4,17 +4,18 @@ GEMV with each FP4 word decoded straight into an mma.sync A fragment (Gluon, Hop
 Why: the CUDA-core GEMV spends ~6.5 SASS instructions a weight value (the fp16 placement, its convert, the scale,
 one FFMA a token): 34 us of issue at full rate for a 39 us goal (notes/kernels.md's census). Here a thread's words
 are the ones its A fragments hold (kernels/moe_rs.py's decode: two shifts, two lop3 and half a bf16x2 multiply a
-value, the scale folded in) and mma.sync m16n8k16 does the products and the float32 sums. The vector is the B
-operand, in registers: every one of its 8 columns is the token's vector, and the sums are read from column 0.
+value, the scale folded in) and mma.sync m16n8k16 does the products and the float32 sums. The vectors are the B
+operand, in registers: its 8 columns a block's pairs' vectors (a program a pair: every column that pair's, the
+sums kept from column 0; the decode step's widths: up to 8 pairs of one expert, moe_align's blocks).
 
-A program is 64 weight rows (16 a warp) of one pair over a K slice of `steps` 64-wide steps; each step's word, scale
-and vector loads are straight-line code, so the compiler issues them ahead of the decodes. The vector comes in the
+A program is 64 weight rows (16 a warp) of a block over a K slice of `steps` 64-wide steps; each step's word, scale
+and vector loads are straight-line code, so the compiler issues them ahead of the decodes. The vectors come in the
 MMA's K order (moe_rs.RS_ORDER inside each 64 of the NIB order: x from the E4M3 round trip's `rs` store, or
-permuted here; the gate/up stores h so for the down). Split K as the GEMV: partial sums added into a zeroed float32
-buffer, the last K split of a row block (an atomic counter) finishing it. The values: the same bf16 products and
-float32 sums as the grouped forms (the plain numerics' h rounded to bf16 as theirs; the engine's hidden state is a
-bf16 number already), in the MMA's order. Gluon has no interpreter: tests/test_kernels_moe_ws.py checks it on a
-Hopper GPU, tests/test_kernels_compile_sm90.py compiles it here.
+permuted first; the gate/up stores h so for the down). Split K as the GEMV: partial sums added into a zeroed
+float32 buffer, the last K split of a row block (an atomic counter) finishing it. The values: the same bf16 products
+and float32 sums as the grouped forms (the plain numerics' h rounded to bf16 as theirs; the engine's hidden state
+is a bf16 number already), in the MMA's order. Gluon has no interpreter: tests/test_kernels_moe_mma_gemv.py checks
+it on a Hopper GPU, tests/test_kernels_compile_sm90.py compiles it here.
 """
 
 from __future__ import annotations
