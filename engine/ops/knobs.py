@@ -144,7 +144,7 @@ class KernelKnobs:
     attn_late_sum = False
     # a decode's experts (the GEMV widths) on mma.sync, each FP4 word decoded into the A fragment that holds it
     # (kernels/moe_mma_gemv.py; the folded decode's scale range): sm_90 census 3.5 SASS instructions a weight value
-    # against the CUDA-core GEMV's 6.5 (triton 3.6; 22.3 us at full issue on the H200 against 34). Untimed: off
+    # against the CUDA-core GEMV's 6.5 (triton 3.6; 22.5 us at full issue on the H200 against 34). Untimed: off
     moe_gemv_mma = False
     # the decode step's grouped widths (16-token blocks) on that form, up to 8 pairs of one expert a program as the B
     # operand's columns: census 1,992 SASS a thread (2,344 with the engine's hidden state) for 512 values of up to 8
