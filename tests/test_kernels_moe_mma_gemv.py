@@ -91,9 +91,10 @@ print(case, "mma vs gemv", rel(got, base), "mma vs ref", rel(got, ref), "gemv vs
 assert torch.isfinite(got).all()
 if hidden is None:  # h rounded to bf16 here (the grouped forms' rounding), float32 in the CUDA-core GEMV
     assert rel(got, ref) < 4e-3, case
-else:  # the same hidden state and products: sums in another order (a rounding step of h now and then)
-    assert rel(got, ref) <= 1.5 * rel(base, ref) + 1e-6, case
-    assert rel(got, base) < 2e-3, case
+else:  # the same hidden state and products, sums in another order: a rounding step of the hidden state may land
+    # the other way (one E4M3 step of one of a pair's 2,304 values moves its output ~2.6e-3; a wrong kernel ~1)
+    assert rel(got, ref) <= 1.5 * rel(base, ref) + 5e-3, case
+    assert rel(got, base) < 8e-3, case
 again = moe.moe_fp4_triton(x, *W, ids, tw, **form)  # the buffers start zeroed each call
 assert rel(again, got) < 1e-6, case
 """
