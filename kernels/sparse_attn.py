@@ -381,6 +381,26 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, T, S: tl.constexpr,
     tl.store(out_ptr + (t.to(tl.int64) * H + heads[:, None]) * D + dcol[None, :], bf16_output(out, out_ptr))
 
 
+def split_shares(n_sel: int, n_win: int, block_n: int, split: int) -> tuple[int, int, int]:
+    """(splits, selected slots a split, window slots a split) of a (token, head block)'s entries: whole tiles a
+    split, at most one split a tile of the longer list (split s takes slots [s * share, (s + 1) * share) of each,
+    clipped to its count)."""
+    split = max(1, min(int(split), max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)))
+    return (split, triton.cdiv(triton.cdiv(n_sel, block_n), split) * block_n,
+            triton.cdiv(triton.cdiv(n_win, block_n), split) * block_n)
+
+
+def split_outputs(q: torch.Tensor, split: int, float_out: bool):
+    """The output [T, H, D] (bf16, or float32 holding its values) and, for split > 1, the partials _merge_kernel
+    reads: sums [S, T, H, D], maxima and denominators [S, T, H] (float32); else the output in their places."""
+    out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
+    if split == 1:
+        return out, out, out, out
+    t, h, d = q.shape
+    pm = torch.empty(split, t, h, dtype=torch.float32, device=q.device)
+    return out, torch.empty(split, t, h, d, dtype=torch.float32, device=q.device), pm, torch.empty_like(pm)
+
+
 def int32_offsets_reach(kv_packed, win, d: int) -> bool:
     """Whether the "entries" and "two_pass" layouts' int32 offsets address every entry of both caches (else
     only the "heads" layout takes them)."""
@@ -482,19 +502,10 @@ def sparse_attn_triton(q, kv_packed, kv_scale, idx, win, win_scale, win_idx, sin
     n_win = win_idx.shape[1]
     if block_n is None:
         block_n = 64 if layout == "entries" else 32 if t * (h // bh) >= sm_count(q.device) else 16
-    tiles = max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)
     if split is None:
         split = max(1, sm_count(q.device) // max(1, t * (h // bh) * d_split))
-    split = max(1, min(int(split), tiles))
-    sel_per = triton.cdiv(triton.cdiv(n_sel, block_n), split) * block_n
-    win_per = triton.cdiv(triton.cdiv(n_win, block_n), split) * block_n
-    out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
-    if split > 1:
-        po = torch.empty(split, t, h, d, dtype=torch.float32, device=q.device)
-        pm = torch.empty(split, t, h, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-    else:
-        po = pm = pl = out  # unused
+    split, sel_per, win_per = split_shares(n_sel, n_win, block_n, split)
+    out, po, pm, pl = split_outputs(q, split, float_out)
     kernel = _sparse_attn_kernel if layout == "heads" else _sparse_attn_t_kernel
     kernel[(t, split, (h // bh) * d_split)](
         q.contiguous(), *caches, sink32, out, po, pm, pl, t, n_sel, n_win, sel_per, win_per, qk_log2(scale),

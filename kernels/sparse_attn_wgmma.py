@@ -24,7 +24,7 @@ import triton
 
 from kernels import moe_ws
 from kernels._formats import E2M1_BF16_SCALED_PTX
-from kernels.sparse_attn import _merge_kernel, _sink_scale, qk_log2
+from kernels.sparse_attn import _merge_kernel, _sink_scale, qk_log2, split_outputs, split_shares
 
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
@@ -371,14 +371,6 @@ def shared_bytes(d: int, block_n: int, ahead: bool, staged: bool = False) -> int
             + (block_n * (d // 2 + d // 16) if staged else 0))
 
 
-def split_shares(n_sel: int, n_win: int, block_n: int, split: int) -> tuple[int, int, int]:
-    """(splits, selected slots a split, window slots a split): whole tiles a split, at most one split a tile of the
-    longer list (split s takes slots [s * share, (s + 1) * share) of each, clipped to its count)."""
-    split = max(1, min(int(split), max(triton.cdiv(n_sel, block_n), triton.cdiv(n_win, block_n), 1)))
-    return (split, triton.cdiv(triton.cdiv(n_sel, block_n), split) * block_n,
-            triton.cdiv(triton.cdiv(n_win, block_n), split) * block_n)
-
-
 def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, scale: float, block_n: int = 64,
                       ahead: bool = False, late_sum: bool = False, staged: bool = False, float_out: bool = False,
                       n_sel: int | None = None, wide_store: bool = False, split: int = 1) -> torch.Tensor:
@@ -411,13 +403,7 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
     n_sel = idx.shape[1] if n_sel is None else n_sel
     n_win = win_idx.shape[1]
     split, sel_per, win_per = split_shares(n_sel, n_win, block_n, split)
-    out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
-    if split > 1:
-        po = torch.empty(split, t, h, d, dtype=torch.float32, device=q.device)
-        pm = torch.empty(split, t, h, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-    else:
-        po = pm = pl = out  # unused
+    out, po, pm, pl = split_outputs(q, split, float_out)
     if t:
         _sparse_attn_wgmma_kernel[(t, h // 64, split)](
             q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
@@ -429,4 +415,4 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
     return out
 
 
-__all__ = ["runs_on", "shared_bytes", "sparse_attn_wgmma", "split_shares", "wgmma_fits"]
+__all__ = ["runs_on", "shared_bytes", "sparse_attn_wgmma", "wgmma_fits"]

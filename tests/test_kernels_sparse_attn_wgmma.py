@@ -44,9 +44,10 @@ def test_wgmma_form_refuses_what_it_cannot_tile_before_any_launch():
 @pytest.mark.parametrize("n_sel,n_win,block_n,split", [(500, 128, 64, 2), (500, 128, 32, 4), (0, 128, 64, 3),
                                                       (500, 0, 64, 16), (7, 3, 64, 2), (0, 0, 64, 2)])
 def test_split_shares_cover_each_list_once_in_whole_tiles(n_sel, n_win, block_n, split):
-    """A decode batch's splits of a (token, head block): every selected and window slot in exactly one split, each
-    split's share whole tiles, no more splits than the longer list has tiles (so none of them is all empty)."""
-    s, sel_per, win_per = W.split_shares(n_sel, n_win, block_n, split)
+    """A decode batch's splits of a (token, head block) (the one-pass Triton kernels' and the wgmma form's): every
+    selected and window slot in exactly one split, each split's share whole tiles, no more splits than the longer
+    list has tiles (so none of them is all empty)."""
+    s, sel_per, win_per = A.split_shares(n_sel, n_win, block_n, split)
     tiles = max(-(-n_sel // block_n), -(-n_win // block_n), 1)
     assert 1 <= s <= min(split, tiles) and sel_per % block_n == 0 and win_per % block_n == 0
     for n, per in ((n_sel, sel_per), (n_win, win_per)):
