@@ -101,10 +101,11 @@ if moe_ws.HAVE_GLUON:
             acc0, acc1 = _step(w_ptr + woff + 8 * s, s_ptr + soff + 2 * s, vb, acc0, acc1, s % 2)
             if TWO:
                 accb0, accb1 = _step(wb_ptr + woff + 8 * s, sb_ptr + soff + 2 * s, vb, accb0, accb1, s % 2)
+        acc = acc0 + acc1
         if TWO:
-            return acc0 + acc1, accb0 + accb1
+            return acc, accb0 + accb1
         else:
-            return acc0 + acc1, acc0 + acc1
+            return acc, acc
 
     @gluon.jit
     def _step(words_ptrs, bytes_ptrs, vb, acc_even, acc_odd, ODD: gl.constexpr):
