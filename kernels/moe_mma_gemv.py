@@ -131,6 +131,8 @@ if moe_ws.HAVE_GLUON:
         """[64 rows of this program's row block, 8 pairs] -> (offsets pair * N + row, int64; the pairs' mask)."""
         rows = gl.program_id(1) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         offs = gl.expand_dims(pair.to(gl.int64) * N, 0) + gl.expand_dims(rows, 1)
+        # the mask over the whole tile (offs >= 0 always holds): gl.broadcast here spilled 4 B in the 8-pair
+        # hidden-state gate/up on sm_90
         return offs, gl.expand_dims(valid, 0) & (offs >= 0)
 
     @gluon.jit
