@@ -486,7 +486,8 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated cases: quant, mhc, attn (attn_decode: its decode "
                     "half; attn_prefill: its prefill over the engine's form and the candidates beside it), indexer "
                     "(indexer_decode: its decode half), "
-                    "topk, topk_layer (a 4K prefill's causal rows), moe, moe_prefill (the engine's 4K forms alone), "
+                    "topk, topk_layer (a 4K prefill's causal rows), moe (moe_decode: its decode rows), "
+                    "moe_prefill (the engine's 4K forms alone), "
                     "linear, norm, engram, f32, run in the order given (default: all; topk is the top-512 sweep alone, "
                     "on its own logits)")
     ap.add_argument("--mhc-tokens", default="4096,64,1",
@@ -498,7 +499,8 @@ def main():
                  indexer_decode=functools.partial(case_indexer, prefill=False),
                  attn_prefill=functools.partial(case_attn, cfgs=ATTN_PREFILL_CFGS, decode=False), topk=case_topk,
                  topk_layer=case_topk_layer,
-                 moe=case_moe, moe_prefill=case_moe_prefill, linear=case_linear,
+                 moe=case_moe, moe_decode=functools.partial(case_moe, prefill=False), moe_prefill=case_moe_prefill,
+                 linear=case_linear,
                  norm=case_norm, engram=case_engram, f32=case_f32, router=case_router)
     unknown = set(args.only.split(",")) - set(cases) if args.only else set()
     if unknown:
@@ -512,7 +514,7 @@ def main():
     LOG["ceilings"] = dict(hbm_copy_TBps=bw / 1e12, bf16_mm_TFLOPs=mm / 1e12)
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     table = ""
-    halves = ("attn_decode", "attn_prefill", "indexer_decode")  # parts of attn and indexer: not run twice by default
+    halves = ("attn_decode", "attn_prefill", "indexer_decode", "moe_decode")  # parts of cases: not run twice by default
     for name in args.only.split(",") if args.only else [c for c in cases if c not in halves]:
         fn = cases[name]
         t0 = time.time()

@@ -114,48 +114,9 @@ def _mma_gemv(x, W, ids, tw, want, byt, bw, te):
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (h in bf16)", 39)
 
 
-def case_moe(bw, mm):
+def _prefill_4k(W, eager, bw, mm):
+    """4K tokens, uniform routing: the tile decode's exactness, the bf16 form's sweep, the engine's forms."""
     e, inter, dim, k = E, INTER, DIM, K
-    W = _release_experts()
-    w1, s1, w3, s3, w2, s2 = W
-
-    def eager(x, ids, tw):
-        out = torch.zeros(x.shape[0], dim, device=DEV)
-        for ex in torch.unique(ids).tolist():
-            tok, slot = (ids == ex).nonzero(as_tuple=True)
-            a, b, c = fp4_dev(w1[ex], s1[ex], 32), fp4_dev(w3[ex], s3[ex], 32), fp4_dev(w2[ex], s2[ex], 32)
-            xe = x[tok].float()
-            hh = torch.nn.functional.silu((xe @ a.T).clamp(max=10)) * (xe @ b.T).clamp(-10, 10)
-            out.index_add_(0, tok, (hh @ c.T) * tw[tok, slot][:, None])
-        return out
-
-    per_expert = 3 * inter * dim // 2 + 3 * inter * dim // 32
-    # decode: 1 token
-    x = torch.randn(1, dim, device=DEV).bfloat16()
-    ids = torch.randperm(e, device=DEV)[:k][None].int()
-    tw = torch.softmax(torch.randn(1, k, device=DEV), -1) * 1.5
-    want = eager(x, ids, tw)
-    # GEMV split-K knobs (defaults first): runs 2-8 swept rows x words per step x unrolled steps and
-    # gemv_prefetch (every prefetch shape 20-60% slower, runs 5, 7, 8; logs in benches/results); kept:
-    # the default, the old 8-row gate/up and 32-row down blocks, and one larger shape
-    dcfgs = [dict(), dict(gemv_block_n=8), dict(gemv_down_block_n=32),
-             dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3)]
-    dbest, t, r = sweep("moe_decode_cfgs", "moe decode", dcfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
-                        lambda out: rel(want, out), valid=lambda v: v < 1e-3, graph=True)
-    # which launch holds the time (memset, gate/up, down), default and best configuration
-    for name, c in (("default", {}), ("best", dbest)):
-        try:
-            LOG[f"moe_decode_kernels_{name}"] = kb = kernel_breakdown(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **c))
-            print(f"[kernels] moe decode {name} {c}: {kb}", flush=True)
-        except Exception as ex:  # noqa: BLE001
-            LOG["errors"].append(f"moe decode breakdown: {ex!r}"[:300])
-    te = bench(lambda: eager(x, ids, tw), rep=40)
-    byt = k * per_expert
-    row("FP4 MoE decode, 1 token, 6 of 384 experts", t, byt / bw * 1e6, "HBM",
-        f"{byt / t / 1e6:.2f} TB/s; cfg {dbest}", te, f"rel {r:.1e}", 39)
-    if moe_ws.runs_on(DEV):
-        _mma_gemv(x, W, ids, tw, want, byt, bw, te)
-    # prefill: 4K tokens, uniform routing
     tq = 4096
     x = torch.randn(tq, dim, device=DEV).bfloat16()
     ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tq)]).int()
@@ -211,6 +172,53 @@ def case_moe(bw, mm):
     except Exception as ex:  # noqa: BLE001
         LOG["errors"].append(f"moe engine hidden: {ex!r}"[:400])
 
+
+def case_moe(bw, mm, prefill: bool = True):
+    """The experts' decode rows (1 token, the 64-token step, FP8 and hidden-state forms); prefill: the 4K rows too
+    (`--only moe_decode` leaves them out)."""
+    e, inter, dim, k = E, INTER, DIM, K
+    W = _release_experts()
+    w1, s1, w3, s3, w2, s2 = W
+
+    def eager(x, ids, tw):
+        out = torch.zeros(x.shape[0], dim, device=DEV)
+        for ex in torch.unique(ids).tolist():
+            tok, slot = (ids == ex).nonzero(as_tuple=True)
+            a, b, c = fp4_dev(w1[ex], s1[ex], 32), fp4_dev(w3[ex], s3[ex], 32), fp4_dev(w2[ex], s2[ex], 32)
+            xe = x[tok].float()
+            hh = torch.nn.functional.silu((xe @ a.T).clamp(max=10)) * (xe @ b.T).clamp(-10, 10)
+            out.index_add_(0, tok, (hh @ c.T) * tw[tok, slot][:, None])
+        return out
+
+    per_expert = 3 * inter * dim // 2 + 3 * inter * dim // 32
+    # decode: 1 token
+    x = torch.randn(1, dim, device=DEV).bfloat16()
+    ids = torch.randperm(e, device=DEV)[:k][None].int()
+    tw = torch.softmax(torch.randn(1, k, device=DEV), -1) * 1.5
+    want = eager(x, ids, tw)
+    # GEMV split-K knobs (defaults first): runs 2-8 swept rows x words per step x unrolled steps and
+    # gemv_prefetch (every prefetch shape 20-60% slower, runs 5, 7, 8; logs in benches/results); kept:
+    # the default, the old 8-row gate/up and 32-row down blocks, and one larger shape
+    dcfgs = [dict(), dict(gemv_block_n=8), dict(gemv_down_block_n=32),
+             dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3)]
+    dbest, t, r = sweep("moe_decode_cfgs", "moe decode", dcfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
+                        lambda out: rel(want, out), valid=lambda v: v < 1e-3, graph=True)
+    # which launch holds the time (memset, gate/up, down), default and best configuration
+    for name, c in (("default", {}), ("best", dbest)):
+        try:
+            LOG[f"moe_decode_kernels_{name}"] = kb = kernel_breakdown(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **c))
+            print(f"[kernels] moe decode {name} {c}: {kb}", flush=True)
+        except Exception as ex:  # noqa: BLE001
+            LOG["errors"].append(f"moe decode breakdown: {ex!r}"[:300])
+    te = bench(lambda: eager(x, ids, tw), rep=40)
+    byt = k * per_expert
+    row("FP4 MoE decode, 1 token, 6 of 384 experts", t, byt / bw * 1e6, "HBM",
+        f"{byt / t / 1e6:.2f} TB/s; cfg {dbest}", te, f"rel {r:.1e}", 39)
+    if moe_ws.runs_on(DEV):
+        _mma_gemv(x, W, ids, tw, want, byt, bw, te)
+    if prefill:
+        _prefill_4k(W, eager, bw, mm)
+
     # the release layer's decode step: 64 sequences x top-6 (~230 of 384 experts, 1-2 tokens each), the
     # grouped GEMM at 16-token blocks; weight streaming, so the floor is the touched experts' bytes.
     # The profile of benches/release_layer.py put 4.2 of a decode step's 5.8 ms of kernels here.
@@ -255,10 +263,12 @@ def case_moe(bw, mm):
     hg = dict(hidden="reference", x_on_grid=True)  # x made on the E4M3 grid below; the engine's form (the
     # kernel's own round trip, from run 32 on) is the 1-token sweep's dict(hidden="reference")
     mma = [dict(hg, gemv_mma=True), dict(hidden="reference", gemv_mma=True)] if moe_ws.runs_on(DEV) else []
-    for name, tq, cfgs in (("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
-                                           dict(hg, gemv_down_block_n=32), dict(f8)] + mma),
-                           ("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
-                                                 dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)])):
+    hidden_rows = [("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
+                                   dict(hg, gemv_down_block_n=32), dict(f8)] + mma)]
+    if prefill:
+        hidden_rows.append(("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
+                                                 dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)]))
+    for name, tq, cfgs in hidden_rows:
         x = Q.fp8_roundtrip(torch.randn(tq, dim, device=DEV), 32).bfloat16()
         ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(tq)]).int()
         tw = torch.softmax(torch.randn(tq, k, device=DEV), -1) * 1.5
@@ -266,5 +276,6 @@ def case_moe(bw, mm):
         run = lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c)  # noqa: E731 (this iteration's x, ids, tw)
         best, t, r = sweep(f"moe_f8_{name}_cfgs", f"moe fp8 {name}", cfgs, run, lambda out: rel(want8, out),
                            valid=lambda r: r < 1e-2, graph=tq == 1)
+        flops = 2.0 * tq * k * 3 * inter * dim
         floor, limit, goal = (k * per_expert / bw * 1e6, "HBM", 39) if tq == 1 else (flops / mm * 1e6, "bf16 MMA", 3200)
         row(f"FP4 MoE (hidden), {name}", t, floor, limit, f"cfg {best}", float("nan"), f"rel {r:.1e}", goal)
