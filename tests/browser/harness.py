@@ -143,6 +143,17 @@ def type_and_commit(page, box: str, text: str, committed: str | None = None, tim
     _until_settled(act, settled, f"the text typed into {box}")
 
 
+def press(page, button, done: str, timeout: int = 120_000) -> None:
+    """Clicks `button` (a locator) and waits, after the rerun, for `done` (a JS predicate) to hold; clicks again only
+    when the page has gone idle without it (a lost click: the callback never ran, so nothing happens twice)."""
+    def settled():
+        page_idle(page, timeout)
+        page.wait_for_function(done, timeout=timeout // 3)
+        return True
+
+    _until_settled(button.click, settled, f"the click on {button}")
+
+
 def choose(page, group: str, label: str, shows: str | None = None, timeout: int = 120_000) -> None:
     """Clicks the option `label` of the radio group or checkbox `group` (a selector); settled when, after the rerun,
     the option is checked and `shows` (a selector of what the choice brings up) is there. A checked option is not

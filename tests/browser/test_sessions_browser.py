@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from harness import ARTIFACTS, REPO, choose, page_idle, streamlit_server, type_and_commit
+from harness import ARTIFACTS, REPO, choose, page_idle, press, streamlit_server, type_and_commit
 
 LAYER = 29                 # a Reuse layer: its page shows layer 28's top-k, so two layers are stored
 RUN_TIMEOUT = 180_000      # ms: a CPU run of the tiny model on the sample prompt takes ~10-20 s
@@ -91,8 +91,9 @@ def test_save_share_open_replay_compare(server, browser):
     sidebar.locator(".st-key-save_name input").fill("Reuse at 29 <b>look</b>")
     sidebar.locator(".st-key-save_author input").fill("ana")
     sidebar.locator(".st-key-save_notes textarea").fill("Copy heads? *check* the routing")
-    sidebar.get_by_role("button", name="Save session").click()
-    page.wait_for_function("() => location.search.includes('session=')", timeout=30_000)
+    # a form: the boxes send nothing until the submit; CI once lost this click (no session= in 30 s)
+    press(page, sidebar.get_by_role("button", name="Save session"), "() => location.search.includes('session=')",
+          timeout=RUN_TIMEOUT)
     session_id = re.search(r"session=([A-Za-z0-9_-]+)", page.url).group(1)
     panel = page.locator(".st-key-session_panel")
     panel.wait_for(timeout=30_000)
