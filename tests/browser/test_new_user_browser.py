@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from harness import ARTIFACTS, REPO, choose, hover_chart, page_idle, pick, streamlit_server, type_and_commit
+from harness import (ARTIFACTS, REPO, choose, hover_chart, page_idle, pick, press, streamlit_server,
+                     type_and_commit)
 
 WIDTH, HEIGHT = 1600, 1000
 LONG_T = 7068        # the new user's 20,000-character prompt
@@ -131,8 +132,8 @@ def test_long_prompt_no_comparison_unasked_webgl_when_asked_routing_hover_kv_lin
     page.locator(".st-key-session_panel").wait_for(timeout=WAIT)
     # item 10: the notes keep their line break
     assert "first line\nsecond line" in page.locator(".st-key-session_notes").inner_text()
-    page.locator(".st-key-close_btn button").click()
-    page.locator(".st-key-session_panel").wait_for(state="detached", timeout=WAIT)
+    press(page, page.locator(".st-key-close_btn button"), "() => !document.querySelector('.st-key-session_panel')",
+          timeout=WAIT)
     _idle(page)
     # item 1: nothing compared unasked
     assert page.locator(".st-key-cmp_mode input[type=radio]").first.is_checked()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ARTIFACTS, choose, streamlit_server, type_and_commit
+from harness import ARTIFACTS, choose, press, streamlit_server, type_and_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from explorer_synth import synthetic_layer, synthetic_run  # noqa: E402
@@ -99,8 +99,8 @@ def test_a_click_on_a_token_sets_the_query_in_every_view(server, browser):
     assert q > 12
     _query_everywhere(page, q)
     # on request: the runner-ups and the selection recall of the clicked layer
-    page.get_by_role("button", name=re.compile("Score the unpicked entries")).click()
-    page.wait_for_selector("text=mean selection recall", timeout=RUN_TIMEOUT)
+    press(page, page.get_by_role("button", name=re.compile("Score the unpicked entries")),
+          "() => document.body.innerText.includes('mean selection recall')", timeout=RUN_TIMEOUT)
     page.wait_for_function("() => document.querySelector('.st-key-topk_scores .js-plotly-plot').data"
                            ".some(t => t.name === 'selection recall')", timeout=60_000)
     page.wait_for_timeout(600)
@@ -136,8 +136,8 @@ def test_side_by_side_aligns_the_tokens_first(server, browser):
     cut = text.index("\n") + 1
     choose(page, ".st-key-cmp_mode", "another prompt", shows=".st-key-cmp_prompt textarea")
     type_and_commit(page, ".st-key-cmp_prompt textarea", text[:cut] + "# a small edit\n" + text[cut:])
-    page.locator(".st-key-cmp_run button").click()
-    page.wait_for_selector(".st-key-cmp_aligned", timeout=RUN_TIMEOUT)
+    press(page, page.locator(".st-key-cmp_run button"), "() => !!document.querySelector('.st-key-cmp_aligned')",
+          timeout=RUN_TIMEOUT)
     line = page.locator(".st-key-cmp_aligned").inner_text()
     assert "0 only in A" in line and "(1 edit)" in line and "inserted '" in line
     page.locator(".st-key-cmp_aligned").scroll_into_view_if_needed()

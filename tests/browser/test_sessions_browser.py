@@ -120,8 +120,8 @@ def test_save_share_open_replay_compare(server, browser):
     _shot(page, "sessions_opened_by_link.png")
 
     # replay: the stored prompt on the loaded model gives the same selections, mixing and routing
-    panel.get_by_role("button", name="Replay", exact=True).click()
-    page.wait_for_selector("text=Replay identical", timeout=RUN_TIMEOUT)
+    press(page, panel.get_by_role("button", name="Replay", exact=True),
+          "() => document.body.innerText.includes('Replay identical')", timeout=RUN_TIMEOUT)
     _idle(page)
     # the replay compared every token of the prompt once (it once counted ids and texts: "tokens 398"
     # for a 199-token prompt); the sidebar counts the same prompt with the checkpoint's tokenizer
@@ -134,8 +134,8 @@ def test_save_share_open_replay_compare(server, browser):
     # side by side with a second prompt at the same layer
     choose(page, ".st-key-cmp_mode", "another prompt", shows=".st-key-cmp_prompt textarea")
     type_and_commit(page, ".st-key-cmp_prompt textarea", "The quick brown fox jumps over the lazy dog. " * 8)
-    page.get_by_role("button", name="Run prompt B").click()
-    page.wait_for_selector(".st-key-cmp_routing .js-plotly-plot", timeout=RUN_TIMEOUT)
+    press(page, page.get_by_role("button", name="Run prompt B"),
+          "() => !!document.querySelector('.st-key-cmp_routing .js-plotly-plot')", timeout=RUN_TIMEOUT)
     page.wait_for_selector(".st-key-cmp_selections .js-plotly-plot", timeout=RUN_TIMEOUT)
     _idle(page)
     assert page.locator("text=Routing differs at").count() == 1
