@@ -242,12 +242,13 @@ def cases():
             ("fp8 linear cuBLAS form's weight values 5120x8192", linear(128, mma="cublas")),
             ("fp8 linear bf16 form 128x5120x8192", linear(128, mma="bf16")),
             ("fp8 linear bf16 form 64x5120x8192", linear(64, mma="bf16")), ("indexer + top-512 decode", index(1, 1 << 16, True)),
-            ("indexer + top-512 decode, keys decoded into the wgmma's registers (Gluon)",
-             index(1, 1 << 19, True, rs=True)),
+            ("indexer + top-512 decode, keys decoded into the wgmma's registers, absolute key scales, the query by the "
+             "same pairs (Gluon; the default)", index(1, 1 << 19, True, rs=True)),
             ("indexer + top-512 decode, keys decoded into the wgmma's registers, absolute key scales (Gluon)",
-             index(1, 1 << 19, True, rs=True, abs_scale=True)),
-            ("indexer + top-512 decode, keys decoded into the wgmma's registers, the query by the same pairs (Gluon)",
-             index(1, 1 << 19, True, rs=True, abs_scale=True, query_pairs=True)),
+             index(1, 1 << 19, True, rs=True, query_pairs=False)),
+            ("indexer + top-512 decode, keys decoded into the wgmma's registers, scales relative to a key's largest "
+             "(Gluon; the default before run 48a)",
+             index(1, 1 << 19, True, rs=True, abs_scale=False, query_pairs=False)),
             ("indexer scores prefill", index(64, 8192, False)), ("top-512 prefill", top512()),
             ("top-512 prefill, 8-bit digits", top512(hist_bits=8)),
             ("top-512 prefill, run 41's maxima pass (2,048 a step, 64 registers)", top512(max_block=2048, maxnreg=64)),

@@ -33,21 +33,22 @@ dec_scores = None
 
 # -- cases ---------------------------------------------------------------------------------------
 
-# the decode's forms, the default first: the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py,
-# Gluon; ~95 registers, 355 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps;
-# 1M keys with the top-512 65.6 us, H100 run 46a) over 2,048 group maxima (topk_split's SPLIT_PATH_DEFAULTS; 46a: 1,024
-# 68.0 against 67.9 before half_cap; 45c: 4,096 78.9; 45b: 8,192 91.3) with the filter's slots a candidate at a time
-# (46a: a tile's by a scan 71.6) and the resolve over half its buffer (46a: the whole 67.9); abs_scale (the keys'
-# groups scaled absolutely: 314 instructions a tile, no key factor; untimed), query_pairs (the query decoded by the
-# keys' pair placement: 816 instructions a program's thread in all against 1,432; untimed); then the Triton kernel
-# (8 warps; 122 registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (46a: 128 registers
-# 110.1, 4 warps 88.2, no prefetch 108.9, 64-key tiles 132.6, 256 at 128 registers 85.8, at 112.1 by default). The rs
-# programs' count (chunk, rounded up to a group of 512: 1,024 keys by default, 1,024 programs, ~1.55 waves at 5
-# resident an SM) and a register cap timed in 46a, none faster: chunk 512 73.0, 2,048 69.5 (one wave at 4 an SM),
-# 1,536 77.5 (45c), a cap of 80 (6 an SM, 24-32 B spilled) 69.7, with chunk 512 74.6
-INDEXER_DECODE_CFGS = [{}, dict(abs_scale=True), dict(query_pairs=True), dict(abs_scale=True, query_pairs=True),
-                       dict(groups=1024), dict(select_tune=dict(atomic_slots=False)),
-                       dict(select_tune=dict(half_cap=False)), dict(abs_scale=True, select_tune=dict(half_cap=False)),
+# the decode's forms, the default first: the keys decoded into the wgmma's registers (rs: kernels/indexer_rs.py, Gluon;
+# ~95 registers, 355 SASS instructions a thread a 64-key tile where the Triton loop takes 448 for 128 at 8 warps; 1M
+# keys with the top-512 54.5 us, H100 run 48a) over 2,048 group maxima (topk_split's SPLIT_PATH_DEFAULTS; 46a: 1,024
+# 68.0 against 67.9 before half_cap; 45c: 4,096 78.9; 45b: 8,192 91.3; 48a: 1,024 61.6 against 63.8 before abs_scale)
+# with the filter's slots a candidate at a time (46a: a tile's by a scan 71.6) and the resolve over half its buffer
+# (46a: the whole 67.9; 48a: 68.2 against 63.8), with abs_scale (the keys' groups scaled absolutely: 314 instructions a
+# tile, no key factor) and query_pairs (the query decoded by the keys' pair placement: 816 instructions a program's
+# thread in all against 1,432), both default since 48a (54.5 against 63.8 without, 58.3 and 60.9 alone); then the Triton
+# kernel (8 warps; 122 registers on sm_90: two programs an SM, four at 4 warps) and its launch shapes (46a: 128
+# registers 110.1, 4 warps 88.2, no prefetch 108.9, 64-key tiles 132.6, 256 at 128 registers 85.8, at 112.1 by default).
+# The rs programs' count (chunk, rounded up to a group of 512: 1,024 keys by default, 1,024 programs, ~1.55 waves at 5
+# resident an SM) and a register cap timed in 46a, none faster: chunk 512 73.0, 2,048 69.5 (one wave at 4 an SM), 1,536
+# 77.5 (45c), a cap of 80 (6 an SM, 24-32 B spilled) 69.7, with chunk 512 74.6
+INDEXER_DECODE_CFGS = [{}, dict(abs_scale=False, query_pairs=False), dict(abs_scale=False), dict(query_pairs=False),
+                       dict(groups=1024), dict(groups=4096), dict(select_tune=dict(atomic_slots=False)),
+                       dict(select_tune=dict(half_cap=False)),
                        dict(rs=False), dict(rs=False, maxnreg=128), dict(rs=False, num_warps=4),
                        dict(rs=False, prefetch_keys=False), dict(rs=False, block_n=64),
                        dict(rs=False, block_n=256, maxnreg=128)]

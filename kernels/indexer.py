@@ -325,13 +325,14 @@ def _indexer_kernel(qp_ptr, qs_ptr, kp_ptr, ks_ptr, w_ptr, nvis_ptr, pool_ptr, o
 
 def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block, topk=None,
             block_t=None, block_n=None, chunk=None, num_warps=None, key_asm=None, groups=None,
-            prefetch_keys=None, maxnreg=None, key_fold=False, rs=True, abs_scale=False, query_pairs=False):
+            prefetch_keys=None, maxnreg=None, key_fold=False, rs=True, abs_scale=True, query_pairs=True):
     """One launch of _indexer_kernel -> (scores [T, N], maxima [T, n_groups] or None, counts or None). rs: the
     register-operand Gluon form (kernels/indexer_rs.py) where it applies (decode rows, D = 128, 32 heads, groups of
     64 keys or more, no pool; Hopper), its own chunk default; block_t, block_n, num_warps, key_* do not apply; abs_scale
-    and query_pairs (`indexer_rs.indexer_scores_rs`) apply to it alone. On by
-    default: a 1M-key decode with its top-512 103.3 us against 111.8 (H100 run 44b; the scores alone 47.1 against
-    55.2, 44a), its picks the reference's."""
+    and query_pairs (`indexer_rs.indexer_scores_rs`) apply to it alone. All three on by default: rs, a 1M-key decode
+    with its top-512 103.3 us against 111.8 (H100 run 44b); abs_scale with query_pairs 54.5 us against 63.8 (H100
+    run 48a), exact for the keys the engine's quantizer writes (scale bytes 66..192: groups with amax between 6 x
+    2^-61 and 6 x 2^65; an all-zero group's byte 1 scores 0 either way); its picks the reference's."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
         raise ValueError(f"indexer kernel takes D in (32, 64, 128) and a power-of-two head count, got {d}, {h}")
