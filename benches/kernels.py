@@ -328,13 +328,10 @@ ATTN_DECODE_CFGS = [dict(layout="two_pass", block_n=128, two_pass=dict(decode="b
                     # 64 output columns a pass-2 program (twice the programs); two tiles a scoring program
                     dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", num_warps=8)),
                     dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", block_v=64)),
-                    dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", tiles_per_program=2)),
-                    # the prefill's one-pass wgmma form (Gluon), never timed at a decode batch: 64 tokens are 64
-                    # programs of 132 SMs (one an SM: 219 KB of shared memory), so in splits merged after (untimed)
-                    dict(layout="wgmma", wgmma=dict(staged=True)),
-                    dict(layout="wgmma", wgmma=dict(staged=True, split=2)),
-                    dict(layout="wgmma", wgmma=dict(staged=True, split=4)),
-                    dict(layout="wgmma", block_n=32, wgmma=dict(split=4))]
+                    dict(layout="two_pass", block_n=128, two_pass=dict(decode="bf16x2", tiles_per_program=2))]
+# the prefill's one-pass wgmma form at this batch, staged (H100 run 48a, against the default's 36.5 us): 46.9 as one
+# program a (token, head block), 36.4 in 2 splits of each token's entries merged after, 51.6 in 4, 65.0 in 4 at
+# 32-entry tiles; no faster than the two passes, so the splits are gone (git show f860b6f:kernels/sparse_attn_wgmma.py)
 
 
 def case_attn(bw, mm, cfgs=ATTN_CFGS, decode=True):

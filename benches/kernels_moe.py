@@ -95,25 +95,6 @@ def _padding_probe(x, W, ids, tw, form, flops, mm):
         f"{4096 * K} pairs", None, "timing only", 3200)
 
 
-def _mma_gemv(x, W, ids, tw, want, byt, bw, te):
-    """The 1-token experts on mma.sync (knob gemv_mma, kernels/moe_mma_gemv.py) in a row of their own: their h is
-    rounded to bf16 (the grouped forms' rounding; the CUDA-core GEMV keeps it float32), ~1e-3 off the float32 eager
-    output where the GEMV is ~1e-6, so the GEMV sweep's 1e-3 check would refuse them. Steps a program (gate/up, down):
-    8 / 6 (2,160 and 2,880 programs at the release's shapes, 80 / 60 registers on sm_90: six an SM, 2.7 and 3.6
-    waves), then about one wave each (20 / 18: 864 and 960 programs), and fewer and more."""
-    cfgs = [dict(gemv_mma=True, gemv_mma_steps=s) for s in ((8, 6), (20, 18), (4, 4), (16, 9))]
-    best, t, r = sweep("moe_decode_mma_cfgs", "moe decode mma", cfgs,
-                       lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c), lambda out: rel(want, out),
-                       valid=lambda v: v < 4e-3, graph=True)
-    try:
-        LOG["moe_decode_kernels_mma"] = kb = kernel_breakdown(lambda: moe.moe_fp4_triton(x, *W, ids, tw, **best))
-        print(f"[kernels] moe decode mma {best}: {kb}", flush=True)
-    except Exception as ex:  # noqa: BLE001
-        LOG["errors"].append(f"moe decode mma breakdown: {ex!r}"[:300])
-    row("FP4 MoE decode, 1 token, 6 of 384 experts, on mma.sync", t, byt / bw * 1e6, "HBM",
-        f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (h in bf16)", 39)
-
-
 def _prefill_4k(W, eager, bw, mm):
     """4K tokens, uniform routing: the tile decode's exactness, the bf16 form's sweep, the engine's forms."""
     e, inter, dim, k = E, INTER, DIM, K
@@ -196,6 +177,11 @@ def case_moe(bw, mm, prefill: bool = True):
     ids = torch.randperm(e, device=DEV)[:k][None].int()
     tw = torch.softmax(torch.randn(1, k, device=DEV), -1) * 1.5
     want = eager(x, ids, tw)
+    # the GEMVs on mma.sync (each FP4 word decoded into its A fragment, the vector as the B operand; 3.5 SASS a weight
+    # value against 6.5) were slower at every shape, H100 run 48a: 81.0-88.3 us against 68.9 (gate/up 43.2 against
+    # 41.7, down 20.0 against 20.5, plus x's permuting copy, 5.1), the 64-token step at up to 8 pairs a program
+    # 2,691-2,896 against 2,535, the hidden state 82.0 against 78.5: both forms sit at ~60% of the copy rate whatever
+    # their instruction counts, so issue is not what bounds them (code: git show f860b6f:kernels/moe_mma_gemv.py)
     # GEMV split-K knobs (defaults first): runs 2-8 swept rows x words per step x unrolled steps and
     # gemv_prefetch (every prefetch shape 20-60% slower, runs 5, 7, 8; logs in benches/results); kept:
     # the default, the old 8-row gate/up and 32-row down blocks, and one larger shape
@@ -214,8 +200,6 @@ def case_moe(bw, mm, prefill: bool = True):
     byt = k * per_expert
     row("FP4 MoE decode, 1 token, 6 of 384 experts", t, byt / bw * 1e6, "HBM",
         f"{byt / t / 1e6:.2f} TB/s; cfg {dbest}", te, f"rel {r:.1e}", 39)
-    if moe_ws.runs_on(DEV):
-        _mma_gemv(x, W, ids, tw, want, byt, bw, te)
     if prefill:
         _prefill_4k(W, eager, bw, mm)
 
@@ -234,8 +218,6 @@ def case_moe(bw, mm, prefill: bool = True):
     cfgs = [dict(), dict(base, maxnreg=64), dict(base, maxnreg=72), dict(base, num_stages=2),
             dict(base, num_stages=4), dict(base, block_n=128, num_warps=8), dict(base, block_k=128),
             dict(base, bf16_decode="fold"), dict(base, bf16_decode="fold", maxnreg=64)]  # fold: 336 vs 368 a K step
-    if moe_ws.runs_on(DEV):  # up to 8 pairs of one expert a program on mma.sync (kernels/moe_mma_gemv.py; untimed)
-        cfgs += [dict(gemv_mma="step", gemv_mma_steps=s) for s in ((8, 6), (16, 12), (20, 9))]
     best, t, r = sweep("moe_decode64_cfgs", "moe decode 64", cfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want, out), valid=lambda r: r < 1e-2, graph=True)
     # the scaled path against the bit-assembly path (both exact bf16 weights, fp32 sums: order only)
@@ -253,8 +235,6 @@ def case_moe(bw, mm, prefill: bool = True):
     # run 16b (scale bytes through tl.load, a shared-memory hop each): BN 64 3.20 ms, 128 2.55, BM 8 5.9
     cfgs = [dict(f8), dict(f8, num_warps=8), dict(f8, block_n=256, num_warps=8), dict(f8, block_n=64),
             dict(f8, block_m=8), dict(f8, num_stages=4), dict(hidden="reference")]  # the last: the bf16 form
-    if moe_ws.runs_on(DEV):  # the engine's bf16 form with knob moe_step_mma
-        cfgs += [dict(hidden="reference", bf16_decode="fold", gemv_mma="step")]
     best, t, r = sweep("moe_decode64_f8_cfgs", "moe decode 64 fp8", cfgs,
                        lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                        lambda out: rel(want8, out), valid=lambda r: r < 1e-2, graph=True)
@@ -262,9 +242,8 @@ def case_moe(bw, mm, prefill: bool = True):
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
     hg = dict(hidden="reference", x_on_grid=True)  # x made on the E4M3 grid below; the engine's form (the
     # kernel's own round trip, from run 32 on) is the 1-token sweep's dict(hidden="reference")
-    mma = [dict(hg, gemv_mma=True), dict(hidden="reference", gemv_mma=True)] if moe_ws.runs_on(DEV) else []
     hidden_rows = [("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
-                                   dict(hg, gemv_down_block_n=32), dict(f8)] + mma)]
+                                   dict(hg, gemv_down_block_n=32), dict(f8)])]
     if prefill:
         hidden_rows.append(("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
                                                  dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)]))

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels import moe_f8, moe_gemv, moe_mma_gemv, moe_rs, moe_ws
+from kernels import moe_f8, moe_gemv, moe_rs, moe_ws
 from kernels._formats import dot_dtype, register_cap
 from kernels.quant import fp8_roundtrip_triton
 from kernels.fp4_tiles import (decode_form, fp4_bytes_folded, fp4_decoded, fp4_decoded_folded, fp4_dot_scaled,
@@ -365,8 +365,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
                    ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
                    ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96,
-                   ws_persistent: int = 0, rs_round_trip: bool = False, gemv_mma: bool = False,
-                   gemv_mma_steps: tuple = (8, 6)):
+                   ws_persistent: int = 0, rs_round_trip: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -410,13 +409,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply,
     ws_block_k is the K of a ring stage, 64 or 128); rs_round_trip: x's E4M3 round trip stores it in that form's MMA
     order itself (quant.fp8_roundtrip_triton rs=True) instead of a permuting copy after it (where x is already on
-    the grid there is no round trip, and the copy stays).
-    gemv_mma (the GEMV path, on a Hopper GPU; not with fp8_mma): the GEMVs on mma.sync, each FP4 word decoded into
-    the A fragment that holds it (kernels/moe_mma_gemv.py; the folded decode's scale bytes, up to
-    fp4_tiles.FOLD_MAX_SCALE_BYTE: NaN beyond, as bf16_decode="fold"), a program a pair; gemv_mma="step": also the
-    decode step's grouped widths (16-token blocks), up to 8 pairs of one expert a program; gemv_mma_steps: its
-    gate/up's and down's 64-wide K steps a program (at most). x goes in that form's K order: stored so by its E4M3
-    round trip, else permuted first."""
+    the grid there is no round trip, and the copy stays)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -436,20 +429,6 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     w1w, w3w, w2w = _words(w1), _words(w3), _words(w2)
     s1, s3, s2 = (s.contiguous().view(u8) for s in (w1_scale, w3_scale, w2_scale))
     tw = topk_weights.float().contiguous()
-    if gemv_mma not in (False, True, "step"):
-        raise ValueError(f"gemv_mma must be False, True or 'step', got {gemv_mma!r}")
-    step_widths = gemv_mma == "step" and p > gemv_max_pairs and not fp8_mma and token_block(p, e) == 16
-    if gemv_mma and (p <= gemv_max_pairs or step_widths):
-        if not (moe_ws.HAVE_GLUON and dot_dtype() == tl.bfloat16 and moe_mma_gemv.fits(dim, inter)):
-            raise ValueError("gemv_mma: the tensor-core GEMV runs on a GPU (Gluon's mma.sync; not the interpreter)"
-                             f", over experts of 64-row blocks and 64-wide K steps (dim {dim}, I {inter})")
-        if round_x:
-            xm = fp8_roundtrip_triton(x, 32, bf16_out=True, nib=True, rs=True)
-        else:
-            xm = moe_rs.rs_columns(nib_order(x.contiguous().bfloat16()))
-        return moe_mma_gemv.moe_mma_gemv(xm, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden,
-                                         blocks=moe_align(topk_ids, e, 8) if step_widths else None,
-                                         steps=gemv_mma_steps[0], down_steps=gemv_mma_steps[1])
     if p <= gemv_max_pairs:
         xg = fp8_roundtrip_triton(x, 32, bf16_out=True) if round_x else x
         return moe_gemv.moe_gemv(

@@ -94,12 +94,6 @@ if moe_ws.HAVE_GLUON:
         """Words [BN, 2, 4] int32 (`_words_layout`) and a bf16 factor a word (int32 lanes holding it twice) -> the
         tile [BN, 64] bf16 in the wgmma's A layout (MMA K order: RS_ORDER), each E2M1 value times 2^-126 times its
         word's factor (one rounding: the product, exact where it is a bf16 number)."""
-        return a_fragments(words, f, gl.DotOperandLayout(0, _acc_layout(BM), 2))
-
-    @gluon.jit
-    def a_fragments(words, f, layout: gl.constexpr):
-        """`a_operand_scaled` into any A operand layout whose fragments are the wgmma's (mma.sync's m16n8k16 over
-        warps along M: kernels/moe_mma_gemv.py): the conversion is checked to move nothing."""
         BN: gl.constexpr = words.shape[0]
         f, words = gl.broadcast(f, words)
         v = gl.inline_asm_elementwise(_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f],
@@ -110,7 +104,7 @@ if moe_ws.HAVE_GLUON:
         y = gl.reshape(y, [BN, 2, 2, 2, 2, 2, 2])  # [BN, j2, j1, j0, e, p1, p0]
         y = gl.permute(y, (0, 3, 5, 6, 1, 2, 4))  # [BN, j0, p1, p0, j2, j1, e]: MMA position bits 5..0
         y = gl.reshape(y, [BN, 64])
-        return gl.convert_layout(y, layout, assert_trivial=True)
+        return gl.convert_layout(y, gl.DotOperandLayout(0, _acc_layout(BM), 2), assert_trivial=True)
 
     @gluon.jit
     def _issue(a_desc, x_desc, wa_desc, wb_desc, sa_desc, sb_desc, abuf, xbuf, wraw, sraw, ready, i, r0, wrow, srow,

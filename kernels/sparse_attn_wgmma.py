@@ -24,7 +24,7 @@ import triton
 
 from kernels import moe_ws
 from kernels._formats import E2M1_BF16_SCALED_PTX
-from kernels.sparse_attn import _merge_kernel, _sink_scale, qk_log2, split_outputs, split_shares
+from kernels.sparse_attn import _sink_scale, qk_log2
 
 if moe_ws.HAVE_GLUON:
     from triton.experimental import gluon
@@ -215,19 +215,16 @@ if moe_ws.HAVE_GLUON:
 
     @gluon.jit
     def _sparse_attn_wgmma_kernel(q_ptr, kvb_ptr, kvs_ptr, idx_ptr, winb_ptr, wins_ptr, widx_ptr, sink_ptr, out_ptr,
-                                  po_ptr, pm_ptr, pl_ptr, T, n_sel, n_win, sel_per, win_per, qk2, H: gl.constexpr,
-                                  D: gl.constexpr, BN: gl.constexpr, DC: gl.constexpr, AHEAD: gl.constexpr,
-                                  LATE_SUM: gl.constexpr, STAGED: gl.constexpr, WIDE_STORE: gl.constexpr = False,
-                                  SPLIT: gl.constexpr = False):
+                                  n_sel, n_win, qk2, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
+                                  DC: gl.constexpr, AHEAD: gl.constexpr, LATE_SUM: gl.constexpr,
+                                  STAGED: gl.constexpr, WIDE_STORE: gl.constexpr = False):
         """Token t = program 0, heads [64 program 1, +64): softmax(scale q . kv) . kv over its selected entries and
-        window slots, with the sink in the denominator; SPLIT: over split program 2's share of each (sel_per selected
-        and win_per window slots from its first), its unnormalized sums, max and denominator stored as partials
-        [S, T, H] for kernels/sparse_attn.py's _merge_kernel, which adds the sink. AHEAD: S of tile i + 1 issued
-        right after tile i's O MMAs and tile i + 2 decoded under both (three tile buffers); else S waited on as issued
-        (two buffers). LATE_SUM: the softmax's sums kept per slot, added once at the end (two CTA barriers a tile
-        fewer). STAGED (two buffers): each selected tile's raw bytes copied (cp.async) into shared memory a tile
-        ahead, so the gather's latency runs under the tile before's S, softmax and O. WIDE_STORE: the output stored
-        from the query's buffer in 16-byte pieces."""
+        window slots, with the sink in the denominator. AHEAD: S of tile i + 1 issued right after tile i's O MMAs
+        and tile i + 2 decoded under both (three tile buffers); else S waited on as issued (two buffers). LATE_SUM:
+        the softmax's sums kept per slot, added once at the end (two CTA barriers a tile fewer). STAGED (two
+        buffers): each selected tile's raw bytes copied (cp.async) into shared memory a tile ahead, so the gather's
+        latency runs under the tile before's S, softmax and O. WIDE_STORE: the output stored from the query's buffer
+        in 16-byte pieces."""
         t = gl.program_id(0).to(gl.int64)
         h0 = gl.program_id(1) * 64
         s_layout: gl.constexpr = _acc_layout(BN)
@@ -245,12 +242,6 @@ if moe_ws.HAVE_GLUON:
         qs.store(gl.load(q_ptr + (t * H + h0 + gl.expand_dims(qh, 1)) * D + gl.expand_dims(qd, 0)))
         idx_row = idx_ptr + t * n_sel
         widx_row = widx_ptr + t * n_win
-        if SPLIT:  # this split's share: its first slots, and its counts from here on
-            sp = gl.program_id(2)
-            idx_row += sp * sel_per
-            widx_row += sp * win_per
-            n_sel = gl.maximum(gl.minimum(sel_per, n_sel - sp * sel_per), 0)
-            n_win = gl.maximum(gl.minimum(win_per, n_win - sp * win_per), 0)
         n_st = gl.cdiv(n_sel, BN)
         n_t = n_st + gl.cdiv(n_win, BN)
         m_i = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))  # finite: an empty tile sums to 0
@@ -314,22 +305,6 @@ if moe_ws.HAVE_GLUON:
         heads = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         if LATE_SUM:
             l_i = gl.sum(l_i, axis=1)
-        if SPLIT:  # the partials (kernels/sparse_attn.py's layout: row (split, token, head))
-            sp = gl.program_id(2)
-            rows = (sp * T + t) * H + heads
-            gl.store(pm_ptr + rows, m_i)
-            gl.store(pl_ptr + rows, l_i)
-            orow = (sp * T + t) * H + h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-            od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-            gl.store(po_ptr + gl.expand_dims(orow, 1) * D + gl.expand_dims(od, 0), o)
-        else:
-            _store_output(o, m_i, l_i, heads, h0, t, qs, sink_ptr, out_ptr, H, D, WIDE_STORE)
-
-    @gluon.jit
-    def _store_output(o, m_i, l_i, heads, h0, t, qs, sink_ptr, out_ptr, H: gl.constexpr, D: gl.constexpr,
-                      WIDE_STORE: gl.constexpr):
-        """O [64 heads, D] with the sink joined to its denominator, stored bf16 (or as float32 values)."""
-        o_layout: gl.constexpr = o.type.layout
         factor = gl.convert_layout(_sink_scale(sink_ptr, heads, m_i, l_i), gl.SliceLayout(1, o_layout))
         out = (o * gl.expand_dims(factor, 1)).to(gl.bfloat16)
         if WIDE_STORE:  # through the query's buffer (its last readers, the S MMAs, waited on in every warp before
@@ -373,7 +348,7 @@ def shared_bytes(d: int, block_n: int, ahead: bool, staged: bool = False) -> int
 
 def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, scale: float, block_n: int = 64,
                       ahead: bool = False, late_sum: bool = False, staged: bool = False, float_out: bool = False,
-                      n_sel: int | None = None, wide_store: bool = False, split: int = 1) -> torch.Tensor:
+                      n_sel: int | None = None, wide_store: bool = False) -> torch.Tensor:
     """The one-pass wgmma form. q bf16 [T, H, D]; kvb the FP4 bytes (uint8 [N, D/2]), kv_scale their E4M3 bytes
     (uint8 [N, D/16]), winb the window's E4M3 bytes (uint8 [W, D]), win_scale its E8M0 bytes (uint8 [W, D/32]),
     indices int32 (-1 = none), sink float32 [H], all contiguous (sparse_attn_triton prepares them). block_n: entries a
@@ -384,9 +359,7 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
     selected slots a row (None: idx's width). wide_store: the output stored through shared memory in 16-byte pieces
     (per-line Nsight 42d: the MMA layout's 4-byte stores 13.5% of the stall samples, LSU throttle and drain; the 4K
     prefill 1,354.6 us against 1,480.0, H100 run 44a; loading each tile's softmax mask before its fill and S MMA
-    instead, for the 10% of the samples on that load's wait, was 1,595.6: removed). split: programs a (token, head
-    block) over its selected and window entries (at most one a tile), their partials merged by kernels/sparse_attn.py's
-    _merge_kernel (a decode batch's 64 tokens are 64 programs of one wave's 132 SMs otherwise). Returns bf16 [T, H, D]
+    instead, for the 10% of the samples on that load's wait, was 1,595.6: removed). Returns bf16 [T, H, D]
     (float_out: those values as float32). Host side: nothing made on or read from the host."""
     if not moe_ws.HAVE_GLUON:
         raise RuntimeError("the wgmma sparse attention needs triton.experimental.gluon (triton >= 3.6)")
@@ -401,17 +374,13 @@ def sparse_attn_wgmma(q, kvb, kv_scale, idx, winb, win_scale, win_idx, sink, sca
         raise ValueError(f"sparse attention (wgmma): {need} bytes of shared memory at head dim {d}, {block_n}-entry "
                          f"tiles{' ahead' if ahead else ''}: over {_SHARED_LIMIT}")
     n_sel = idx.shape[1] if n_sel is None else n_sel
-    n_win = win_idx.shape[1]
-    split, sel_per, win_per = split_shares(n_sel, n_win, block_n, split)
-    out, po, pm, pl = split_outputs(q, split, float_out)
+    out = torch.empty_like(q, dtype=torch.float32 if float_out else torch.bfloat16)
     if t:
-        _sparse_attn_wgmma_kernel[(t, h // 64, split)](
+        _sparse_attn_wgmma_kernel[(t, h // 64)](
             q, kvb.view(torch.uint8), kv_scale.view(torch.uint8), idx, winb.view(torch.uint8),
-            win_scale.view(torch.uint8), win_idx, sink, out, po, pm, pl, t, n_sel, n_win, sel_per, win_per,
-            qk_log2(scale), H=h, D=d, BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, STAGED=staged,
-            WIDE_STORE=wide_store, SPLIT=split > 1, num_warps=8)
-        if split > 1:
-            _merge_kernel[(t, h // 8)](po, pm, pl, sink, out, t, S=split, H=h, D=d, BH=8, num_warps=4)
+            win_scale.view(torch.uint8), win_idx, sink, out, n_sel, win_idx.shape[1], qk_log2(scale), H=h, D=d,
+            BN=block_n, DC=min(d, 128), AHEAD=ahead, LATE_SUM=late_sum, STAGED=staged,
+            WIDE_STORE=wide_store, num_warps=8)
     return out
 
 

@@ -89,7 +89,7 @@ for step in "$@"; do
       for t in tests/test_decode_graphs.py "tests/test_kernels_sparse_attn.py -k on_the_gpu" \
                "tests/test_kernels_fp8_linear.py -k on_the_gpu" "tests/test_kernels_moe.py -k on_the_gpu" \
                tests/test_kernels_glue_on_the_gpu.py tests/test_kernels_moe_ws.py \
-               "tests/test_kernels_moe_mma_gemv.py -k on_the_gpu" tests/test_kernels_sparse_attn_wgmma.py; do
+               tests/test_kernels_sparse_attn_wgmma.py; do
         if [ -n "${GPUTESTS_ONLY:-}" ]; then
           keep=0; for w in $GPUTESTS_ONLY; do case "$t" in *"$w"*) keep=1 ;; esac; done
           [ "$keep" = 1 ] || continue

@@ -80,18 +80,6 @@ def test_attn_wgmma_knob_takes_the_one_pass_gluon_form_only_where_it_runs_and_fi
     assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": {"wide_store": True, "late_sum": True}}
     assert ops._attn_launch(args(131)) == {}
     assert T.KernelKnobs.attn_wide_store and not T.KernelKnobs.attn_late_sum  # the defaults (run 44b's layer A/B)
-    # attn_wgmma_decode: narrower calls (a decode step) too, each program's entries in splits that fill the SMs
-    # about once (132 here: off the GPU, the H200's count)
-    ops.set_knobs("attn_wgmma_decode=1")
-    late = {"wide_store": True, "late_sum": True}
-    assert ops._attn_launch(args(132)) == {"layout": "wgmma", "wgmma": late}
-    assert ops._attn_launch(args(64)) == {"layout": "wgmma", "wgmma": {**late, "split": 2}}
-    assert ops._attn_launch(args(1)) == {"layout": "wgmma", "wgmma": {**late, "split": 132}}
-    assert ops._attn_launch(args(16, 128)) == {"layout": "wgmma", "wgmma": {**late, "split": 4}}
-    assert ops._attn_launch(args(64, 16)) == {}  # heads it cannot tile: the two passes' options (none here)
-    monkeypatch.setattr(sparse_attn_wgmma, "runs_on", lambda device: False)
-    assert ops._attn_launch(args(64)) == {}
-    assert not T.KernelKnobs.attn_wgmma_decode  # untimed: off
 
 
 def test_mhc_f32_stream_knob_hands_the_stream_over_as_it_is(monkeypatch):

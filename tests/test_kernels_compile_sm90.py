@@ -113,16 +113,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # GPU-scope fences (each a MEMBAR.ALL.GPU on sm_90, waiting for all of the thread's memory traffic): sums and
     # slot counters that only later launches read carry none (the grouped MoE down kernel had 16 a thread before
     # its adds were relaxed); a kernel whose last program to arrive reads the others' sums carries one, its counter's
-    last_arriver = {"_gemv_gate_up_kernel", "_mma_gate_up_kernel", "_mhc_main_kernel"}
+    last_arriver = {"_gemv_gate_up_kernel", "_mhc_main_kernel"}
     for r in rows:
-        counter = r[1] in last_arriver or (r[1] in ("_gemv_down_kernel", "_mma_down_kernel") and "hidden" in r[0])
+        counter = r[1] in last_arriver or (r[1] == "_gemv_down_kernel" and "hidden" in r[0])
         assert int(r[9]) <= counter, (r[0], r[1], r[9])
     assert any(r[0] == "MoE decode 1 token, the engine's hidden state" and r[1] == "_gemv_down_kernel" for r in rows)
-    # the tensor-core GEMV (kernels/moe_mma_gemv.py): both kernels of both numerics, a program a pair and 8 pairs a
-    # program, built (their A and B fragments' layouts are asserted to move nothing), without spills (the bound above)
-    mma_gemv = {(r[1], ("PAIRS=1" in r[2]), ("FH=True" in r[2])) for r in rows
-                if r[1] in ("_mma_gate_up_kernel", "_mma_down_kernel")}
-    assert len(mma_gemv) == 8, mma_gemv
     assert re.search(r"triton \d", table)
 
 

@@ -151,6 +151,21 @@ def test_split_kv_matches_reference(poisoned, split, block_h, d_split, layout):
     assert ((fo - got.float()).abs() <= 2.0 ** -7 * fo.abs() + 1e-30).all() and _rel(want, fo) < 1e-2
 
 
+@pytest.mark.parametrize("n_sel,n_win,block_n,split", [(500, 128, 64, 2), (500, 128, 32, 4), (0, 128, 64, 3),
+                                                      (500, 0, 64, 16), (7, 3, 64, 2), (0, 0, 64, 2)])
+def test_split_shares_cover_each_list_once_in_whole_tiles(n_sel, n_win, block_n, split):
+    """A decode batch's splits of a (token, head block) (the one-pass Triton kernels'): every
+    selected and window slot in exactly one split, each split's share whole tiles, no more splits than the longer
+    list has tiles (so none of them is all empty)."""
+    s, sel_per, win_per = A.split_shares(n_sel, n_win, block_n, split)
+    tiles = max(-(-n_sel // block_n), -(-n_win // block_n), 1)
+    assert 1 <= s <= min(split, tiles) and sel_per % block_n == 0 and win_per % block_n == 0
+    for n, per in ((n_sel, sel_per), (n_win, win_per)):
+        covered = [i for sp in range(s) for i in range(sp * per, min((sp + 1) * per, n))]
+        assert covered == list(range(n))
+    assert s == min(split, tiles)
+
+
 @pytest.mark.parametrize("layout", ["heads", "entries"])
 def test_split_with_only_window_work_and_dominant_sink(poisoned, layout):
     """One selected tile over 3 splits: splits 1-2 hold window tiles only. Head 0's sink is huge, so its

@@ -41,21 +41,6 @@ def test_wgmma_form_refuses_what_it_cannot_tile_before_any_launch():
     assert W.wgmma_fits(64, 512) and W.wgmma_fits(128, 128) and not W.wgmma_fits(32, 512)
 
 
-@pytest.mark.parametrize("n_sel,n_win,block_n,split", [(500, 128, 64, 2), (500, 128, 32, 4), (0, 128, 64, 3),
-                                                      (500, 0, 64, 16), (7, 3, 64, 2), (0, 0, 64, 2)])
-def test_split_shares_cover_each_list_once_in_whole_tiles(n_sel, n_win, block_n, split):
-    """A decode batch's splits of a (token, head block) (the one-pass Triton kernels' and the wgmma form's): every
-    selected and window slot in exactly one split, each split's share whole tiles, no more splits than the longer
-    list has tiles (so none of them is all empty)."""
-    s, sel_per, win_per = A.split_shares(n_sel, n_win, block_n, split)
-    tiles = max(-(-n_sel // block_n), -(-n_win // block_n), 1)
-    assert 1 <= s <= min(split, tiles) and sel_per % block_n == 0 and win_per % block_n == 0
-    for n, per in ((n_sel, sel_per), (n_win, win_per)):
-        covered = [i for sp in range(s) for i in range(sp * per, min((sp + 1) * per, n))]
-        assert covered == list(range(n))
-    assert s == min(split, tiles)
-
-
 def test_wgmma_form_takes_caches_past_int32_offsets(monkeypatch):
     """The form addresses entries with int64 offsets, so caches the two passes' int32 offsets cannot reach go to it
     (where the other one-pass and two-pass layouts are refused by name); checked on 'meta' tensors, the launch
@@ -97,12 +82,7 @@ for t, h, d, n, w, k, wn, bn, opts in ((300, 64, 512, 4096, 256, 500, 128, 64, {
                                        (300, 64, 512, 4096, 256, 500, 128, 64, dict(staged=True, wide_store=True)),
                                        (40, 128, 256, 512, 64, 70, 37, 32, dict(wide_store=True)),
                                        (300, 64, 512, 4096, 256, 500, 128, 64,
-                                        dict(staged=True, wide_store=True, late_sum=True)),
-                                       # a decode batch in splits merged (a tile's worth of slots and less a split)
-                                       (64, 64, 512, 4096, 256, 500, 128, 64, dict(staged=True, split=2)),
-                                       (64, 64, 512, 4096, 256, 500, 128, 32, dict(split=4, late_sum=True)),
-                                       (40, 64, 512, 512, 64, 0, 128, 64, dict(staged=True, split=3)),
-                                       (40, 128, 256, 512, 64, 70, 37, 32, dict(split=3, ahead=True))):
+                                        dict(staged=True, wide_store=True, late_sum=True))):
     args = [x.cuda() for x in attention_inputs(g, t=t, h=h, d=d, n=n, w=w, k=k, wn=wn)]
     args[3][1] = -1  # a token with nothing selected and nothing in its window: zeros
     args[6][1] = -1
@@ -124,8 +104,8 @@ for t, h, d, n, w, k, wn, bn, opts in ((300, 64, 512, 4096, 256, 500, 128, 64, {
 @pytest.mark.skipif(not W.runs_on("cuda"), reason="Gluon's wgmma form needs a Hopper GPU")
 def test_wgmma_form_on_the_gpu():
     """Release shapes (500 selected FP4 entries + 128 FP8 window slots, 64 heads of 512, both tile sizes, S a tile
-    ahead, the sums late, the copies staged, the output stored 16 bytes at a time, a decode batch in splits merged),
-    other head dims and counts, window-only layers and an empty token,
+    ahead, the sums late, the copies staged, the output stored 16 bytes at a time), other head
+    dims and counts, window-only layers and an empty token,
     against the float64 reference and the two passes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _GPU_CHECK], env=env, capture_output=True, text=True, cwd=REPO)

@@ -142,39 +142,18 @@ class KernelKnobs:
     # the end (late_sum): with wide_store 1,283.2 us in the kernel bench (44b), untimed in the layer: off
     attn_wide_store = True
     attn_late_sum = False
-    # a decode's experts (the GEMV widths) on mma.sync, each FP4 word decoded into the A fragment that holds it
-    # (kernels/moe_mma_gemv.py; the folded decode's scale range): sm_90 census 3.5 SASS instructions a weight value
-    # against the CUDA-core GEMV's 6.5 (triton 3.6; 22.5 us at full issue on the H200 against 34). Untimed: off
-    moe_gemv_mma = False
-    # the decode step's grouped widths (16-token blocks) on that form, up to 8 pairs of one expert a program as the B
-    # operand's columns: census 1,992 SASS a thread (2,344 with the engine's hidden state) for 512 values of up to 8
-    # pairs (the grouped form's folded 16 x 64 tiles: 336 a 64-wide K step, 64 values of up to 16). Untimed: off
-    moe_step_mma = False
-    # a decode step's sparse attention on the prefill's wgmma form too (attn_wgmma), in splits of each token's entries
-    # that fill the SMs about once (kernels/sparse_attn_wgmma.py split, merged after): never timed at a decode batch,
-    # where the two passes take 34.6 us (goal 17). Untimed: off
-    attn_wgmma_decode = False
     # booleans a bench may set by name (set_knobs)
     KNOBS = ("moe_fp8_mma", "linear_bf16_decode", "attn_two_pass", "attn_bf16x2", "attn_one_pass", "attn_big_chunks",
              "moe_fold", "mhc_f32_stream", "f32_tf32x3", "f32_one_pass", "router_topk",
              "ties_branch_free", "moe_split_tiles", "moe_narrow_down",
              "moe_narrow_gate_up", "linear_cublas", "stream_bf16", "moe_ws", "moe_rs", "attn_wgmma", "attn_staged",
              "moe_tile_classes", "moe_rs_round_trip", "topk_whole_row", "attn_wide_store",
-             "attn_late_sum", "moe_gemv_mma", "moe_step_mma", "attn_wgmma_decode")
+             "attn_late_sum")
 
     def attn_wgmma_options(self) -> dict:
         """The one-pass wgmma attention's options (kernels/sparse_attn_wgmma.py) the knobs ask for."""
         chosen = {"staged": self.attn_staged, "wide_store": self.attn_wide_store, "late_sum": self.attn_late_sum}
         return {"wgmma": {name: True for name, on in chosen.items() if on}} if any(chosen.values()) else {}
-
-    def attn_wgmma_launch(self, programs: int, sms: int) -> dict:
-        """The wgmma attention's launch for `programs` (token, head block) programs on `sms` SMs: at a prefill's width
-        (filling the SMs at least once) as attn_wgmma_options says; narrower (attn_wgmma_decode), each program's
-        entries in splits that fill the SMs about once."""
-        options = self.attn_wgmma_options()
-        if programs < sms:
-            options = {"wgmma": dict(options.get("wgmma", {}), split=max(1, sms // programs))}
-        return {"layout": "wgmma", **options}
 
     def moe_rs_options(self) -> dict:
         """The register-operand experts' options (kernels/moe.py, ws="rs") the knobs ask for, beside ws itself."""
@@ -182,19 +161,6 @@ class KernelKnobs:
         if self.moe_rs_round_trip:  # x stored in the form's order by its round trip
             form["rs_round_trip"] = True
         return form
-
-    def moe_decode_options(self, device, dim: int, inter: int, pairs: int, experts: int, form: dict) -> dict:
-        """A decode's expert options (kernels/moe.py) the knobs ask for, beside `form` as chosen so far: the
-        tensor-core GEMV (moe_gemv_mma at the GEMV widths, moe_step_mma at the decode step's grouped ones) on the
-        folded decode (its scale range checked), where it runs (a Hopper GPU) and tiles the experts."""
-        from kernels.moe import GEMV_MAX_PAIRS, token_block
-        gemv = self.moe_gemv_mma and pairs <= GEMV_MAX_PAIRS
-        step = self.moe_step_mma and pairs > GEMV_MAX_PAIRS and token_block(pairs, experts) == 16
-        if not (gemv or step) or form.get("fp8_mma") or form.get("bf16_decode") != "fold":
-            return {}
-        from kernels.moe_mma_gemv import fits
-        from kernels.moe_ws import runs_on
-        return {"gemv_mma": True if gemv else "step"} if runs_on(device) and fits(dim, inter) else {}
 
     def set_knobs(self, spec: str) -> dict:
         """Set the tuning knobs above from "name=value,..." (benches; values 0 or 1); returns them set."""

@@ -382,10 +382,9 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             from kernels import sparse_attn_wgmma
             from kernels._formats import sm_count
             t, h, d = q.shape
-            programs, sms = t * (h // 64), sm_count(q.device)
-            if ((programs >= sms or self.attn_wgmma_decode) and sparse_attn_wgmma.wgmma_fits(h, d)
-                    and sparse_attn_wgmma.runs_on(q.device) and programs):
-                return self.attn_wgmma_launch(programs, sms)
+            if (t * (h // 64) >= sm_count(q.device) and sparse_attn_wgmma.wgmma_fits(h, d)
+                    and sparse_attn_wgmma.runs_on(q.device)):
+                return {"layout": "wgmma", **self.attn_wgmma_options()}
         if self.attn_one_pass:
             return {"layout": "entries" if int32_offsets_reach(kv_p, win_q, q.shape[-1]) else "heads"}
         options = {"two_pass": {"decode": "bf16x2"}} if self.attn_bf16x2 else {}
@@ -507,8 +506,6 @@ class TritonOps(KernelKnobs, PointwiseKernels):
             form = {"swiglu_limit": limit, "hidden": "reference" if self._bf16_stream else "fp32", "fp8_mma": fp8}
             if self.moe_fold and self._fold_ok(prefix, raw):
                 form["bf16_decode"] = "fold"
-            form.update(self.moe_decode_options(x.device, x.shape[-1], raw[0].shape[1], ids.numel(), raw[0].shape[0],
-                                                form))
             if not fp8 and token_block(ids.numel(), raw[0].shape[0]) == 64:  # a prefill's widths: the tile knobs
                 if self.moe_narrow_gate_up:
                     form.update(block_n=64, maxnreg=168, down_block_n=128, down_maxnreg=0)
