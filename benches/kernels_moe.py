@@ -185,8 +185,13 @@ def case_moe(bw, mm, prefill: bool = True):
     # GEMV split-K knobs (defaults first): runs 2-8 swept rows x words per step x unrolled steps and
     # gemv_prefetch (every prefetch shape 20-60% slower, runs 5, 7, 8; logs in benches/results); kept:
     # the default, the old 8-row gate/up and 32-row down blocks, and one larger shape
+    # x in split order at 32-word steps (gemv_x_split, untimed): its vector loads 16-byte ones straight into the FMAs'
+    # layout, 5 CTA barriers a program against 25 (the natural order's 8 loads each through shared memory), 1,320 SASS
+    # a thread against 1,664, 69 registers against 80 (sm_90, triton 3.6); the natural order at 32-word steps beside
+    # it (128 scalar loads of x a thread, no shared memory)
     dcfgs = [dict(), dict(gemv_block_n=8), dict(gemv_down_block_n=32),
-             dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3)]
+             dict(gemv_block_n=32, gemv_block_kw=64, gemv_down_block_n=64, gemv_down_iters=3),
+             dict(gemv_x_split=True, gemv_block_kw=32, gemv_iters=4), dict(gemv_block_kw=32, gemv_iters=4)]
     dbest, t, r = sweep("moe_decode_cfgs", "moe decode", dcfgs, lambda **c: moe.moe_fp4_triton(x, *W, ids, tw, **c),
                         lambda out: rel(want, out), valid=lambda v: v < 1e-3, graph=True)
     # which launch holds the time (memset, gate/up, down), default and best configuration
@@ -242,8 +247,10 @@ def case_moe(bw, mm, prefill: bool = True):
         f"{byt / t / 1e6:.2f} TB/s; cfg {best}", te, f"rel {r:.1e} (FP8 form's reference)", "-")
     hg = dict(hidden="reference", x_on_grid=True)  # x made on the E4M3 grid below; the engine's form (the
     # kernel's own round trip, from run 32 on) is the 1-token sweep's dict(hidden="reference")
+    xs = dict(gemv_x_split=True, gemv_block_kw=32, gemv_iters=4)  # (the sweep above; 176 registers here)
     hidden_rows = [("1 token", 1, [dict(hg), dict(hidden="reference"), dict(hg, gemv_block_kw=64),
-                                   dict(hg, gemv_down_block_n=32), dict(f8)])]
+                                   dict(hg, gemv_down_block_n=32), dict(f8), dict(hg, **xs),
+                                   dict(hidden="reference", **xs)])]
     if prefill:
         hidden_rows.append(("prefill 4K", 4096, [dict(f8, block_m=64, block_n=128, num_warps=8),
                                                  dict(f8, block_m=32, block_n=128), dict(f8, block_m=64, block_n=64)]))

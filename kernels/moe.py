@@ -365,7 +365,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
                    down_maxnreg: int | None = None, split_n: int | None = None, split_maxnreg: int | None = None,
                    ws: bool | str = False, scales_t: tuple | None = None, ws_stages: int = 4, ws_block_k: int = 64,
                    ws_decoders: int = 1, ws_maxnreg: int | None = None, ws_decode_regs: int = 96,
-                   ws_persistent: int = 0, rs_round_trip: bool = False):
+                   ws_persistent: int = 0, rs_round_trip: bool = False, gemv_x_split: bool = False):
     """Routed experts on FP4 weights (module docstring). P = T*k <= gemv_max_pairs: the GEMV path
     (gemv_* knobs; 16-row gate/up blocks: 73.9 vs 81.0 us at 8 rows in run 12, once each scale byte
     was loaded once; 8 rows had won by 3% before; 16-row down blocks: 72.4 vs 74.0 us at 32 rows in
@@ -409,7 +409,9 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
     (kernels/moe_rs.py: each FP4 tile decoded straight into the wgmma's A fragment; ws_stages and ws_maxnreg apply,
     ws_block_k is the K of a ring stage, 64 or 128); rs_round_trip: x's E4M3 round trip stores it in that form's MMA
     order itself (quant.fp8_roundtrip_triton rs=True) instead of a permuting copy after it (where x is already on
-    the grid there is no round trip, and the copy stays)."""
+    the grid there is no round trip, and the copy stays). gemv_x_split: the GEMV's gate/up reads x from a copy in
+    the order the down reads h in (moe_gemv.split_vector; at 32-word steps, gemv_block_kw=32, its loads go straight
+    into the FMAs' layout; untimed, off)."""
     t, dim, e, inter, k = _check(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_weights)
     form = decode_form(bf16_decode)  # the grouped GEMM's weight decode (the GEMV path has its own)
     p = t * k
@@ -435,7 +437,7 @@ def moe_fp4_triton(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, topk_ids, topk_w
             xg, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit, hidden, block_n=gemv_block_n,
             block_kw=gemv_block_kw, iters=gemv_iters, down_block_n=gemv_down_block_n,
             down_block_kw=gemv_down_block_kw, down_iters=gemv_down_iters, num_warps=gemv_num_warps,
-            down_num_warps=gemv_down_num_warps, prefetch=gemv_prefetch)
+            down_num_warps=gemv_down_num_warps, prefetch=gemv_prefetch, x_split=gemv_x_split)
     if block_m is None:
         block_m = token_block(p, e)
     if block_n is None:  # weight rows are the wgmma M: at least 64 (the FP8 form: 128 halves its waits per row)

@@ -132,21 +132,22 @@ def _gemv_pair_rows(ids_ptr, BN: tl.constexpr, N: tl.constexpr):
 def _gemv_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ids_ptr, gu_ptr, cnt_ptr, h_ptr, tw_ptr, NP, limit,
                          DIM: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                          BN: tl.constexpr, BKW: tl.constexpr, NIT: tl.constexpr, KS: tl.constexpr,
-                         PF: tl.constexpr = False, FH: tl.constexpr = False, RB: tl.constexpr = False):
+                         PF: tl.constexpr = False, FH: tl.constexpr = False, RB: tl.constexpr = False,
+                         XS: tl.constexpr = False):
     """Program (pair, row block, K split of KS): partial W1 x and W3 x added into gu [2, P, I] (fp32,
     zeroed); the last split of a row block to arrive (counter cnt [P, row blocks], zeroed) applies the
     clamped SwiGLU and writes h [P, 8, I/8] (row r at (r % 8) * I/8 + r // 8: the down kernel's
     contiguous vector order); FH: the engine's hidden state (moe_f8.swiglu_e4m3, w included; BN whole
-    32-row groups)."""
+    32-row groups). XS: x [T, 8, DIM/8] in that order too (`split_vector`), else x [T, DIM]."""
     p, e, rows, rmask = _gemv_pair_rows(ids_ptr, BN, INTER)
     kw_first = tl.program_id(2) * (NIT * BKW)
     grow = e * INTER + rows
     xv = x_ptr + (p // TOPK).to(tl.int64) * DIM
     if PF:
         g, u = _gemv_rows_prefetch(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT,
-                                   False, True)
+                                   XS, True)
     else:
-        g, u = _gemv_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT, False, True)
+        g, u = _gemv_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xv, grow, rmask, kw_first, DIM, BKW, NIT, XS, True)
     if KS > 1:
         gp = gu_ptr + p.to(tl.int64) * INTER + rows
         tl.atomic_add(gp, g, mask=rmask, sem="relaxed")  # ordered before the counter by _arrived_last
@@ -246,12 +247,25 @@ def split_k_buffers(t: int, dim: int, p: int, inter: int, nrb: int, nrb2: int, d
     return out.view(t, dim), gu, cnt.view(torch.int32), ys, cnt2.view(torch.int32)
 
 
+def split_vector(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> float32 [T, 8, K/8] (its values): entry 8 kw + j at j * K/8 + kw, the order and type the GEMV
+    reads h in (a K step's [BKW] piece of each of the 8 planes contiguous: four float32 a thread, one 16-byte load
+    straight into the layout its FMAs use, where bf16 pieces are loaded one value a thread and moved)."""
+    t, kdim = x.shape
+    return x.float().view(t, kdim // 8, 8).transpose(1, 2).contiguous()
+
+
 def moe_gemv(x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: float, hidden: str | None, *,
              block_n: int, block_kw: int, iters: int, down_block_n: int, down_block_kw: int, down_iters: int,
-             num_warps: int, down_num_warps: int | None, prefetch: bool) -> torch.Tensor:
+             num_warps: int, down_num_warps: int | None, prefetch: bool, x_split: bool = False) -> torch.Tensor:
     """out float32 [T, dim] = the routed experts on T tokens (kernels/moe.py moe_fp4_triton's GEMV path, its
     gemv_* knobs): weights as int32 words, scales as bytes, tw float32 [T, k]; a negative id (another rank's
-    slot) counts as expert 0 at weight 0; hidden: the engine's hidden-state numerics (moe._hidden) or None."""
+    slot) counts as expert 0 at weight 0; hidden: the engine's hidden-state numerics (moe._hidden) or None.
+    x_split: x read from `split_vector`'s copy, as the down reads h. In x's natural order each of a K step's 8
+    strided vector loads goes through shared memory into the FMAs' layout, two barriers apiece, and the next load
+    is issued only past them: 8 dependent L2 round trips a program (sm_90 SASS, triton 3.6); in split order at
+    32-word steps (block_kw 32) they are 16-byte ones straight into that layout, with no barrier, as the down's are
+    (at 128-word steps Triton still moves each through shared memory)."""
     t, dim = x.shape
     p, k = topk_ids.numel(), topk_ids.shape[1]
     inter = w1w.shape[1]
@@ -265,8 +279,9 @@ def moe_gemv(x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: float, hi
     out, gu, cnt, ys, cnt2 = split_k_buffers(t, dim, p, inter, nrb, nrb2 if fp8_hidden and ks2 > 1 else 0, x.device)
     h = torch.empty(p, inter, dtype=torch.float32, device=x.device)
     _gemv_gate_up_kernel[(p, nrb, ks1)](
-        x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p, float(swiglu_limit), DIM=dim, INTER=inter,
-        TOPK=k, BN=block_n, BKW=bkw1, NIT=it1, KS=ks1, PF=prefetch, FH=fp8_hidden, RB=rb, num_warps=num_warps)
+        split_vector(x) if x_split else x.contiguous(), w1w, s1, w3w, s3, ids, gu, cnt, h, tw, p,
+        float(swiglu_limit), DIM=dim, INTER=inter, TOPK=k, BN=block_n, BKW=bkw1, NIT=it1, KS=ks1, PF=prefetch,
+        FH=fp8_hidden, RB=rb, XS=x_split, num_warps=num_warps)
     _gemv_down_kernel[(p, nrb2, ks2)](
         h, w2w, s2, ids, tw, out, ys, cnt2, DIM=dim, INTER=inter, TOPK=k, BN=down_block_n, BKW=bkw2, NIT=it2,
         PF=prefetch, FH=fp8_hidden, RB=rb, KS=ks2, num_warps=down_num_warps or num_warps)

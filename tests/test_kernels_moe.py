@@ -136,6 +136,24 @@ def test_gemv_path_prefetch(gen, t, iters, every_byte):
     assert _rel(moe.moe_fp4_reference(*args), got) < 1e-5, gen.initial_seed()
 
 
+@pytest.mark.parametrize("t,iters,prefetch,hidden", [(1, 1, False, None), (2, 2, False, "reference"),
+                                                     (1, 4, True, None), (3, 1, False, "fp32")])
+def test_gemv_x_split_reads_the_same_values_in_the_same_order(gen, t, iters, prefetch, hidden):
+    """gemv_x_split: the gate/up reads x from moe_gemv.split_vector's copy (entry 8 kw + j at j * K/8 + kw) instead
+    of x itself; the same products summed in the same order, so the output is the same bit for bit (both numerics,
+    K splits of several unrolled or prefetched steps, tokens sharing the copy), and the copy holds x's entries where
+    the kernel's SPLIT_LAYOUT load looks for them."""
+    args = _case(gen, t)
+    knobs = dict(gemv_block_n=32, gemv_block_kw=4, gemv_iters=iters, gemv_down_block_n=16, gemv_down_block_kw=4,
+                 gemv_down_iters=iters, gemv_prefetch=prefetch, hidden=hidden)
+    want = moe.moe_fp4_triton(*args, **knobs)
+    assert torch.equal(moe.moe_fp4_triton(*args, gemv_x_split=True, **knobs), want)
+    x = args[0]
+    xs = moe_gemv.split_vector(x)
+    kw, j = torch.meshgrid(torch.arange(x.shape[1] // 8), torch.arange(8), indexing="ij")
+    assert torch.equal(xs.reshape(t, -1)[:, (j * (x.shape[1] // 8) + kw).flatten()], x[:, (8 * kw + j).flatten()])
+
+
 def test_gemv_split():
     assert moe_gemv._gemv_split(640, 128, 1) == (128, 1, 5)  # release gate/up: 640 words, 5 K splits
     assert moe_gemv._gemv_split(288, 64, 3) == (32, 3, 3)  # release down: 288 = 9 x 32 words
