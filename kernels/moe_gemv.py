@@ -252,7 +252,8 @@ def split_vector(x: torch.Tensor) -> torch.Tensor:
     reads h in (a K step's [BKW] piece of each of the 8 planes contiguous: four float32 a thread, one 16-byte load
     straight into the layout its FMAs use, where bf16 pieces are loaded one value a thread and moved)."""
     t, kdim = x.shape
-    return x.float().view(t, kdim // 8, 8).transpose(1, 2).contiguous()
+    out = torch.empty(t, 8, kdim // 8, dtype=torch.float32, device=x.device)
+    return out.copy_(x.reshape(t, kdim // 8, 8).transpose(1, 2))  # one copy kernel, the cast in it
 
 
 def moe_gemv(x, w1w, s1, w3w, s3, w2w, s2, topk_ids, tw, swiglu_limit: float, hidden: str | None, *,
