@@ -283,6 +283,8 @@ def cases():
                                                                           gemv_iters=4)),
             ("MoE decode 1 token, x in split order, 32-word steps, the engine's hidden state",
              experts(1, gemv_x_split=True, gemv_block_kw=32, gemv_iters=4, hidden="reference")),
+            ("MoE decode 1 token, x in split order, two 32-word steps, the engine's hidden state",
+             experts(1, gemv_x_split=True, gemv_block_kw=32, gemv_iters=2, hidden="reference")),
             ("MoE prefill", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
             ("MoE prefill, float32 decode", experts(256, block_m=64, block_n=128, block_k=64, num_warps=4,
                                                     num_stages=3, bf16_decode=False)),
