@@ -331,8 +331,8 @@ def _launch(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask,
     64 keys or more, no pool; Hopper), its own chunk default; block_t, block_n, num_warps, key_* do not apply; abs_scale
     and query_pairs (`indexer_rs.indexer_scores_rs`) apply to it alone. All three on by default: rs, a 1M-key decode
     with its top-512 103.3 us against 111.8 (H100 run 44b); abs_scale with query_pairs 54.5 us against 63.8 (H100
-    run 48a), exact for the keys the engine's quantizer writes (scale bytes 66..192: groups with amax between 6 x
-    2^-61 and 6 x 2^65; an all-zero group's byte 1 scores 0 either way); its picks the reference's."""
+    run 48a), exact for key scale bytes 66..192 (groups with amax between 6 x 2^-61 and 6 x 2^65, where the
+    engine's normalized keys sit; an all-zero group's byte 1 scores 0 either way); its picks the reference's."""
     t, h, d, n = _check(q_packed, q_scale, k_packed, k_scale, weights, n_visible, pool_mask, pool_block)
     if d % 32 or d // 32 not in (1, 2, 4) or h & (h - 1):
         raise ValueError(f"indexer kernel takes D in (32, 64, 128) and a power-of-two head count, got {d}, {h}")
