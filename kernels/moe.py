@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from engine import quant as Q
-from kernels import moe_f8, moe_gemv, moe_rs, moe_ws
+from kernels import moe_f8, moe_gemv
 from kernels._formats import dot_dtype, register_cap
 from kernels.quant import fp8_roundtrip_triton
 from kernels.fp4_tiles import (decode_form, fp4_bytes_folded, fp4_decoded, fp4_decoded_folded, fp4_dot_scaled,
